@@ -1,1 +1,25 @@
-"""gem-kunlun."""
+"""gem-kunlun: recommendation models over jagged GEM batches, with FLOP accounting."""
+
+from gem_kunlun.baseline import BaselineConfig, BaselineRanker, SeedPooling
+from gem_kunlun.batch import Batch, EventSequence
+from gem_kunlun.embedding import FeatureEmbedding
+from gem_kunlun.features import EventType, FeatureSpec, SparseFeature
+from gem_kunlun.heads import MultiTaskHeads, multitask_loss
+from gem_kunlun.sequence import jagged_to_padded, lengths_to_offsets, merge_by_time
+
+__all__ = [
+    "BaselineConfig",
+    "BaselineRanker",
+    "Batch",
+    "EventSequence",
+    "EventType",
+    "FeatureEmbedding",
+    "FeatureSpec",
+    "MultiTaskHeads",
+    "SeedPooling",
+    "SparseFeature",
+    "jagged_to_padded",
+    "lengths_to_offsets",
+    "merge_by_time",
+    "multitask_loss",
+]

@@ -1,0 +1,110 @@
+"""Builders: turn the validated config into data streams, the sharded model, optimizers and the LR schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gem_data import SyntheticConfig, SyntheticGenerator, SyntheticStream
+from gem_kunlun import BaselineConfig, BaselineRanker, FeatureSpec
+from gem_trainer.config import TrainerConfig
+from gem_trainer.distributed import DistributedEnv
+
+
+def build_generator(config: TrainerConfig) -> SyntheticGenerator:
+    s = config.data.synthetic
+    return SyntheticGenerator(
+        SyntheticConfig(
+            num_surfaces=s.num_surfaces,
+            num_dense=s.num_dense,
+            num_ads=s.num_ads,
+            num_clusters=s.num_clusters,
+            min_events=s.min_events,
+            max_events=s.max_events,
+            seed=config.seed,
+        )
+    )
+
+
+def build_train_stream(config: TrainerConfig, generator: SyntheticGenerator, env: DistributedEnv) -> SyntheticStream:
+    return SyntheticStream(generator, config.data.batch_size, env.rank, env.world_size)
+
+
+def build_model(config: TrainerConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:
+    """The unsharded model; built on ``device`` (use the meta device to build without allocating)."""
+    m = config.model
+    return BaselineRanker(
+        spec,
+        BaselineConfig(dim=m.dim, num_seeds=m.num_seeds, num_heads=m.num_heads, hidden=m.hidden, max_seq_len=m.max_seq_len),
+        device=device,
+    )
+
+
+def task_weights(config: TrainerConfig, spec: FeatureSpec) -> torch.Tensor:
+    unknown = sorted(set(config.model.task_weights) - set(spec.tasks))
+    if unknown:
+        raise ValueError(f"model.task_weights names unknown tasks {unknown}; the data has {list(spec.tasks)}")
+    return torch.tensor([config.model.task_weights.get(t, 1.0) for t in spec.tasks])
+
+
+def shard_model(config: TrainerConfig, model: nn.Module, env: DistributedEnv) -> nn.Module:
+    """Shard the embedding tables with TorchRec (the sparse optimizer fused into their backward) and wrap the
+    dense part for data parallelism."""
+    import torch.distributed as dist
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+    embeddings = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+    apply_optimizer_in_backward(
+        RowWiseAdagrad,
+        [p for module in embeddings for p in module.parameters()],
+        {"lr": config.optimizer.sparse_lr, "eps": config.optimizer.sparse_eps},
+    )
+    tables = [c.name for module in embeddings for c in _table_configs(module)]
+    constraints = {t: ParameterConstraints(sharding_types=[config.parallelism.sparse_sharding]) for t in tables}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=env.world_size, compute_device=env.device.type), constraints=constraints
+    )
+    plan = planner.collective_plan(model, pg=dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=env.device, plan=plan)
+
+
+def _table_configs(module: nn.Module):
+    return module.embedding_bag_configs() if hasattr(module, "embedding_bag_configs") else module.embedding_configs()
+
+
+def build_optimizers(config: TrainerConfig, model: nn.Module):
+    """Dense AdamW over every parameter not updated in backward, combined with TorchRec's fused sparse optimizer."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    o = config.optimizer
+    dense_params = dict(in_backward_optimizer_filter(model.named_parameters(), include=False))
+    dense = KeyedOptimizerWrapper(
+        dense_params,
+        lambda params: torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay),
+    )
+    combined = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense)])
+    return combined, dense
+
+
+def build_lr_scheduler(config: TrainerConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then cosine / linear decay to ``min_lr_ratio`` (or constant) over the remaining steps."""
+    s = config.schedule
+
+    def factor(step: int) -> float:
+        if step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        if s.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if s.decay == "cosine" else 1 - progress
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * shape
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

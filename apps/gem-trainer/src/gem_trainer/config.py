@@ -1,0 +1,241 @@
+"""The trainer's configuration: TOML files validated by pydantic, with inheritance and command-line overrides.
+
+A file may name a ``base = "other.toml"`` (relative to itself) whose values it overrides, section by
+section. ``--section.field=value`` arguments override the merged result; values are read as TOML
+literals (``--optimizer.lr=3e-4``, ``--model.hidden=[64,32]``) and fall back to plain strings.
+Every error is one line naming the file and the dotted path of the bad field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str(error)`` is a single line naming the file and field."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    name: Literal["baseline"] = "baseline"
+    dim: int = Field(32, ge=1)
+    num_seeds: int = Field(2, ge=1)
+    num_heads: int = Field(2, ge=1)
+    hidden: tuple[int, ...] = (128, 64)
+    max_seq_len: int = Field(256, ge=1)
+    task_weights: dict[str, float] = {}
+
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> "ModelConfig":
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
+        return self
+
+
+class SyntheticDataConfig(Section):
+    num_surfaces: int = Field(3, ge=1)
+    num_dense: int = Field(8, ge=1)
+    num_ads: int = Field(20_000, ge=160)
+    num_clusters: int = Field(16, ge=1)
+    min_events: int = Field(4, ge=1)
+    max_events: int = Field(256, ge=1)
+
+
+class DataConfig(Section):
+    source: Literal["synthetic"] = "synthetic"
+    batch_size: int = Field(256, ge=1)
+    eval_batches: int = Field(40, ge=1)
+    synthetic: SyntheticDataConfig = SyntheticDataConfig()
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = Field(1.0, gt=0)
+    sparse_lr: float = Field(0.05, gt=0)
+    sparse_eps: float = Field(1e-8, gt=0)
+
+
+class ScheduleConfig(Section):
+    steps: int = Field(600, ge=1)
+    warmup_steps: int = Field(50, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class ParallelismConfig(Section):
+    nproc_per_node: int = Field(1, ge=1)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    sparse_sharding: Literal["table_wise", "row_wise", "column_wise", "data_parallel"] = "table_wise"
+
+
+class PrecisionConfig(Section):
+    autocast: Literal["auto", "bf16", "off"] = "auto"
+
+
+class CheckpointConfig(Section):
+    enable: bool = True
+    every_steps: int = Field(200, ge=1)
+    keep_latest: int = Field(2, ge=1)
+    resume: bool = True
+
+
+class MetricsConfig(Section):
+    log_every: int = Field(50, ge=1)
+    tensorboard: bool = True
+    progress_bar: bool = True
+    peak_tflops: float | None = Field(None, gt=0)
+
+
+class EvalConfig(Section):
+    every_steps: int | None = Field(None, ge=1)
+    at_end: bool = True
+
+
+class TrainerConfig(Section):
+    run_dir: str = "runs/default"
+    seed: int = 0
+    deterministic: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    parallelism: ParallelismConfig = ParallelismConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "TrainerConfig":
+        if self.schedule.warmup_steps >= self.schedule.steps:
+            raise ValueError(
+                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be below schedule.steps ({self.schedule.steps})"
+            )
+        synthetic = self.data.synthetic
+        if synthetic.min_events > synthetic.max_events:
+            raise ValueError("data.synthetic.min_events must not exceed data.synthetic.max_events")
+        if synthetic.num_ads < 10 * synthetic.num_clusters:
+            raise ValueError("data.synthetic.num_ads must be at least 10 * data.synthetic.num_clusters")
+        return self
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
+    """Read ``path`` (the embedded default when None), resolve ``base`` chains, apply ``overrides``, validate."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    raw = _read_with_bases(path, chain=())
+    for item in overrides:
+        _apply_override(raw, item, path)
+    try:
+        return TrainerConfig.model_validate(raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        message = first["msg"]
+        if first["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif "input" in first and first["type"] not in ("missing",) and not isinstance(first["input"], dict):
+            message = f"{message} (got {first['input']!r})"
+        more = f" (+{error.error_count() - 1} more)" if error.error_count() > 1 else ""
+        raise ConfigError(f"{path}: {where}: {message}{more}") from None
+
+
+def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    resolved = path.resolve()
+    if resolved in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, resolved))
+        raise ConfigError(f"{chain[-1]}: base: inheritance cycle {cycle}")
+    if not path.is_file():
+        where = f"{chain[-1]}: base: " if chain else ""
+        raise ConfigError(f"{where}config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: invalid TOML: {error}") from None
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: must be a file path string (got {base!r})")
+    parent = _read_with_bases(path.parent / base, (*chain, resolved))
+    return _merge(parent, data)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _apply_override(raw: dict[str, Any], item: str, path: Path) -> None:
+    text = item.removeprefix("--")
+    if "=" not in text:
+        raise ConfigError(f"override {item!r}: expected --section.field=value")
+    dotted, value_text = text.split("=", 1)
+    keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"override {item!r}: empty field name")
+    try:
+        value = tomllib.loads(f"v = {value_text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = value_text
+    node = raw
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {key} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def dump_config(config: TrainerConfig) -> str:
+    """The resolved config as TOML text (sections after top-level values; None values omitted)."""
+    lines: list[str] = []
+    data = config.model_dump(mode="json", exclude_none=True)
+
+    def emit(table: dict[str, Any], prefix: str) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict) or not v or _is_map(k)}
+        sections = {k: v for k, v in table.items() if k not in scalars}
+        if prefix:
+            lines.append(f"\n[{prefix}]")
+        for key, value in scalars.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        for key, value in sections.items():
+            emit(value, f"{prefix}.{key}" if prefix else key)
+
+    emit(data, "")
+    return "\n".join(lines).lstrip() + "\n"
+
+
+def _is_map(key: str) -> bool:
+    # fields whose value is a free-form mapping rather than a config section
+    return key in {"task_weights"}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {value!r} as TOML")

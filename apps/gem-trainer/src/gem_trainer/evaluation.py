@@ -1,0 +1,85 @@
+"""Evaluation metrics: NE, AUC and calibration for binary tasks; HR@K, NDCG@K and MRR for ranked candidate lists."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def normalized_entropy(probs: torch.Tensor, labels: torch.Tensor, eps: float = 1e-7) -> float:
+    """Cross-entropy of ``probs`` divided by the entropy of always predicting the base rate (lower is better;
+    1.0 means no better than the base rate)."""
+    p = probs.double().clamp(eps, 1 - eps)
+    y = labels.double()
+    cross_entropy = -(y * p.log() + (1 - y) * (1 - p).log()).mean()
+    rate = float(y.mean().clamp(eps, 1 - eps))
+    base = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+    return float(cross_entropy) / base
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve by the rank-sum formula, ties given their average rank; NaN if one class is absent."""
+    scores, labels = scores.double().flatten(), labels.flatten() > 0.5
+    positives = int(labels.sum())
+    negatives = labels.numel() - positives
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    order = torch.argsort(scores)
+    sorted_scores = scores[order]
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
+    # average the ranks of tied scores
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    average = ends - (counts.double() - 1) / 2
+    ranks[order] = average[inverse]
+    return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+
+
+def calibration(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Predicted over observed positives (1.0 is perfectly calibrated on average)."""
+    observed = float(labels.double().sum())
+    return float(probs.double().sum()) / observed if observed else float("nan")
+
+
+def binary_metrics(
+    probs: torch.Tensor, labels: torch.Tensor, surface: torch.Tensor, tasks: tuple[str, ...], num_surfaces: int
+) -> dict[str, float]:
+    """``{task}/{all|surface_k}/{ne,auc,calibration,count}`` for ``probs, labels [N, num_tasks]``."""
+    result: dict[str, float] = {}
+    groups = [("all", torch.ones_like(surface, dtype=torch.bool))]
+    groups += [(f"surface_{s}", surface == s) for s in range(num_surfaces)] if num_surfaces > 1 else []
+    for t, task in enumerate(tasks):
+        for group, mask in groups:
+            p, y = probs[mask, t], labels[mask, t]
+            prefix = f"{task}/{group}"
+            result[f"{prefix}/count"] = float(mask.sum())
+            if p.numel() == 0:
+                continue
+            result[f"{prefix}/ne"] = normalized_entropy(p, y)
+            result[f"{prefix}/auc"] = auc(p, y)
+            result[f"{prefix}/calibration"] = calibration(p, y)
+    return result
+
+
+def target_ranks(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """0-based rank of each row's target among its candidates, ``scores [N, C]``, ``target [N]`` int64.
+
+    Ties count against the target (a candidate scoring equal to it ranks ahead), so constant scores give
+    the worst rank instead of a flattering one.
+    """
+    target_score = scores.gather(1, target.view(-1, 1))
+    return (scores >= target_score).sum(1) - 1
+
+
+def ranking_metrics(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
+    """HR@K, NDCG@K (one relevant item) and MRR from 0-based target ranks."""
+    ranks = ranks.double()
+    result = {}
+    for k in ks:
+        hit = ranks < k
+        result[f"hr@{k}"] = float(hit.double().mean())
+        result[f"ndcg@{k}"] = float(torch.where(hit, 1.0 / torch.log2(ranks + 2.0), torch.zeros_like(ranks)).mean())
+    result["mrr"] = float((1.0 / (ranks + 1.0)).mean())
+    return result

@@ -1,0 +1,208 @@
+"""The train loop: steps, gradient clipping, LR schedule, mixed precision, checkpoints, metrics, evaluation."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gem_data import SyntheticGenerator, eval_batches
+from gem_kunlun import multitask_loss
+from gem_trainer import builders
+from gem_trainer.checkpoint import CheckpointManager
+from gem_trainer.config import TrainerConfig
+from gem_trainer.distributed import DistributedEnv
+from gem_trainer.evaluation import binary_metrics
+from gem_trainer.metrics import MetricLogger, memory_gib, peak_tflops, progress
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+
+
+def set_determinism(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    """Owns the sharded model, its optimizers, the data position and the step counter.
+
+    ``state_dict`` splits into the distributed part (model and optimizer tensors, saved through DCP) and the
+    local part (step, data position, RNG and LR schedule), which is what a restarted run needs to continue
+    exactly where the last checkpoint left off.
+    """
+
+    def __init__(self, config: TrainerConfig, env: DistributedEnv) -> None:
+        self.config, self.env = config, env
+        set_determinism(config.seed, config.deterministic)
+        self.generator: SyntheticGenerator = builders.build_generator(config)
+        self.spec = self.generator.spec
+        self.stream = builders.build_train_stream(config, self.generator, env)
+        self._batches = iter(self.stream)
+        model = builders.build_model(config, self.spec, device=torch.device("meta"))
+        self.flop_model = model  # the unsharded module answers FLOP questions
+        self.model = builders.shard_model(config, model, env)
+        self.optimizer, self.dense_optimizer = builders.build_optimizers(config, self.model)
+        self.scheduler = builders.build_lr_scheduler(config, self.dense_optimizer)
+        self.dense_params = [p for group in self.dense_optimizer.param_groups for p in group["params"]]
+        self.task_weights = builders.task_weights(config, self.spec)
+        self.step = 0
+        self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
+        self.logger = MetricLogger(config.run_dir, env.rank, tensorboard=config.metrics.tensorboard)
+        self.peak = peak_tflops(env.device, config.metrics.peak_tflops)
+        self.autocast_dtype = _autocast_dtype(config.precision.autocast, env.device)
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def distributed_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "data": self.stream.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.stream.load_state_dict(state["data"])
+        self._batches = iter(self.stream)
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+    def save_checkpoint(self) -> None:
+        self.checkpoints.save(self.step, self.distributed_state(), self.state_dict())
+
+    def resume(self, step: int | None = None) -> bool:
+        """Load checkpoint ``step`` (the latest complete one when None); False when there is none."""
+        step = self.checkpoints.latest_step() if step is None else step
+        if step is None:
+            return False
+        state = self.distributed_state()
+        local = self.checkpoints.load(step, state)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_state_dict(local)
+        self._print(f"resumed from {self.checkpoints.path(step)} at step {self.step}")
+        return True
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        batch = next(self._batches).to(self.env.device)
+        self.model.train()
+        with self._autocast():
+            logits = self.model(batch)
+        loss = multitask_loss(logits, batch.labels, self.task_weights)
+        if not torch.isfinite(loss):
+            # NOTE: checked before backward, because backward already applies the fused sparse update.
+            last = self.checkpoints.latest_step()
+            kept = f"the last good checkpoint is {self.checkpoints.path(last)}" if last is not None else "no checkpoint was written"
+            raise TrainingDiverged(f"loss is {loss.item()} at step {self.step + 1}; stopping, {kept}")
+        loss.backward()
+        clip = self.config.optimizer.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.dense_params, clip if clip is not None else math.inf)
+        self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        flops = 3.0 * sum(self.flop_model.flops(batch).values())
+        return {
+            "loss": loss.item(),
+            "grad_norm": float(grad_norm),
+            "lr": self.scheduler.get_last_lr()[0],
+            "examples": batch.batch_size,
+            "flops": flops,
+        }
+
+    def train(self) -> dict[str, float]:
+        cfg = self.config
+        if cfg.checkpoint.enable and cfg.checkpoint.resume:
+            self.resume()
+        window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
+        metrics: dict[str, float] = {}
+        while self.step < cfg.schedule.steps:
+            metrics = self.train_step()
+            window_examples += metrics.pop("examples") * self.env.world_size
+            window_flops += metrics.pop("flops") * self.env.world_size
+            if self.step % cfg.metrics.log_every == 0 or self.step == cfg.schedule.steps:
+                elapsed = time.perf_counter() - window_start
+                tflops = window_flops / elapsed / 1e12
+                line = {
+                    **metrics,
+                    "examples_per_s": window_examples / elapsed,
+                    "tflops": tflops,
+                    "memory_gib": memory_gib(self.env.device),
+                }
+                if self.peak is not None:
+                    line["mfu"] = tflops / (self.peak * self.env.world_size)
+                self.logger.log(self.step, line)
+                window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
+            if cfg.checkpoint.enable and self.step % cfg.checkpoint.every_steps == 0:
+                self.save_checkpoint()
+            if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.schedule.steps:
+                self.evaluate()
+        if cfg.checkpoint.enable and self.checkpoints.latest_step() != self.step:
+            self.save_checkpoint()
+        return metrics
+
+    # -- evaluation --------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """NE, AUC and calibration per task and surface on the held-out split; identical on every rank."""
+        cfg = self.config
+        self.model.eval()
+        probs, labels, surfaces = [], [], []
+        batches = eval_batches(self.generator, cfg.data.batch_size, cfg.data.eval_batches, self.env.rank, self.env.world_size)
+        total = len(range(self.env.rank, cfg.data.eval_batches, self.env.world_size))
+        for batch in progress(batches, total, "eval", cfg.metrics.progress_bar and self.env.rank == 0):
+            batch = batch.to(self.env.device)
+            with self._autocast():
+                logits = self.model(batch)
+            probs.append(torch.sigmoid(logits.float()).cpu())
+            labels.append(batch.labels.cpu())
+            surfaces.append(batch.surface.cpu())
+        local = (torch.cat(probs), torch.cat(labels), torch.cat(surfaces))
+        gathered = [None] * self.env.world_size
+        dist.all_gather_object(gathered, local)
+        p, y, s = (torch.cat([g[i] for g in gathered]) for i in range(3))
+        result = binary_metrics(p, y, s, self.spec.tasks, self.spec.num_surfaces)
+        self.logger.log(self.step, result, phase="eval", echo=False)
+        return result
+
+    def close(self) -> None:
+        self.logger.close()
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.env.device.type, dtype=self.autocast_dtype)
+
+    def _print(self, message: str) -> None:
+        if self.env.rank == 0:
+            print(message, flush=True)
+
+
+def _autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast where the device runs it fast (CUDA with bf16); the loss and heads stay float32."""
+    if choice == "off" or (choice == "auto" and (device.type != "cuda" or not torch.cuda.is_bf16_supported())):
+        return None
+    return torch.bfloat16
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,164 @@
+"""A synthetic GEM-like data set drawn from a hidden ground-truth model, so that learning is measurable.
+
+Every example is a (user, candidate ad) pair on one surface (feed, video, stories...). The user has a latent
+interest cluster; their event histories (purchases: ad + account ids, posts: actor + object ids) have
+power-law lengths and lean towards that cluster. Click and conversion labels are Bernoulli draws from
+logits that combine the history's affinity to the candidate's cluster, a noisy user segment, per-ad
+biases and dense features, with coefficients that differ per surface. Batches are a pure function of
+(seed, split, batch index), which makes the stream shardable and exactly resumable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature
+
+SPLITS = {"train": 0, "eval": 1}
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    num_surfaces: int = 3
+    num_dense: int = 8
+    num_ads: int = 20_000
+    num_clusters: int = 16
+    min_events: int = 4
+    max_events: int = 256
+    length_alpha: float = 1.3  # Pareto tail index of history lengths: smaller means heavier tail
+    interest_share: float = 0.6  # share of history events drawn from the user's own cluster
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_events <= self.max_events:
+            raise ValueError(f"need 1 <= min_events <= max_events, got {self.min_events}, {self.max_events}")
+        if self.num_ads < self.num_clusters * 10:
+            raise ValueError("num_ads must be at least 10 * num_clusters")
+
+
+class SyntheticGenerator:
+    """Draws batches of the synthetic data set; see the module docstring."""
+
+    def __init__(self, config: SyntheticConfig = SyntheticConfig()) -> None:
+        self.config = c = config
+        self.num_accounts = c.num_ads // 10
+        self.num_objects = c.num_ads
+        self.num_actors = c.num_ads // 4
+        self.spec = FeatureSpec(
+            num_dense=c.num_dense,
+            sparse=(
+                SparseFeature("ad_id", c.num_ads),
+                SparseFeature("advertiser_id", self.num_accounts),
+                SparseFeature("user_segment", c.num_clusters * 4),
+                SparseFeature("device", 4),
+                SparseFeature("hour", 24),
+                SparseFeature("user_tags", 512),
+            ),
+            events=(
+                EventType("purchase", (SparseFeature("purchase_ad_id", c.num_ads), SparseFeature("purchase_account_id", self.num_accounts))),
+                EventType("post", (SparseFeature("post_object_id", self.num_objects), SparseFeature("post_actor_id", self.num_actors))),
+            ),
+            tasks=("click", "conversion"),
+            num_surfaces=c.num_surfaces,
+        )
+        # The hidden ground truth: fixed by the seed, shared by every split.
+        g = torch.Generator().manual_seed(c.seed)
+        s = c.num_surfaces
+        self.surface_bias = torch.randn(s, generator=g) * 0.3 - 1.0
+        self.history_weight = 2.0 + 4.0 * torch.rand(s, generator=g)  # how much the history matters per surface
+        self.segment_weight = 0.5 + torch.rand(s, generator=g)
+        self.dense_weight = torch.randn(s, c.num_dense, generator=g) * 0.4
+        self.ad_bias = torch.randn(c.num_ads, generator=g) * 0.5
+        self.hour_bias = torch.randn(24, generator=g) * 0.2
+        self.tag_bias = torch.randn(512, generator=g) * 0.3
+
+    def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
+        """The batch at position ``index`` of ``split``: identical for identical arguments."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+        c = self.config
+        g = torch.Generator().manual_seed(((c.seed * 1_000_003 + SPLITS[split]) * 2_147_483_647 + index) % (2**63))
+        b, k = batch_size, c.num_clusters
+        surface = torch.randint(c.num_surfaces, (b,), generator=g)
+        cluster = torch.randint(k, (b,), generator=g)
+        ad = torch.randint(c.num_ads, (b,), generator=g)
+        ad_cluster = ad % k
+        # a noisy user segment: right cluster half of the time
+        segment_cluster = torch.where(torch.rand(b, generator=g) < 0.5, cluster, torch.randint(k, (b,), generator=g))
+        segment = segment_cluster * 4 + torch.randint(4, (b,), generator=g)
+        device = torch.randint(4, (b,), generator=g)
+        hour = torch.randint(24, (b,), generator=g)
+        tag_lengths = torch.randint(1, 6, (b,), generator=g)
+        tags = torch.randint(512, (int(tag_lengths.sum()),), generator=g)
+        dense = torch.randn(b, c.num_dense, generator=g)
+
+        purchases, purchase_match = self._events(g, cluster, ad_cluster, c.num_ads, lambda ids: ids // 10)
+        posts, post_match = self._events(g, cluster, ad_cluster, self.num_objects, lambda ids: ids // 4)
+        n_events = purchases[3] + posts[3]
+        affinity = (purchase_match + post_match) / n_events.clamp(min=1) - 1.0 / k
+
+        tag_effect = torch.segment_reduce(self.tag_bias[tags], "mean", lengths=tag_lengths)
+        click_logit = (
+            self.surface_bias[surface]
+            + self.history_weight[surface] * affinity
+            + self.segment_weight[surface] * (segment_cluster == ad_cluster).float()
+            + (dense * self.dense_weight[surface]).sum(1)
+            + self.ad_bias[ad]
+            + self.hour_bias[hour]
+            + tag_effect
+        )
+        conversion_logit = 0.7 * click_logit + 0.8 * dense[:, 0] - 1.5
+        probs = torch.sigmoid(torch.stack([click_logit, conversion_logit], 1))
+        labels = torch.bernoulli(probs, generator=g)
+
+        one = torch.ones(b, dtype=torch.int64)
+        sparse = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f.name for f in self.spec.sparse],
+            values=torch.cat([ad, ad // 10, segment, device, hour, tags]),
+            lengths=torch.cat([one, one, one, one, one, tag_lengths]),
+        )
+        return Batch(
+            dense=dense,
+            sparse=sparse,
+            sequences={
+                "purchase": self._sequence(["purchase_ad_id", "purchase_account_id"], purchases),
+                "post": self._sequence(["post_object_id", "post_actor_id"], posts),
+            },
+            labels=labels,
+            surface=surface,
+        )
+
+    def _events(self, g, cluster, ad_cluster, vocab, secondary):
+        """Draw one event type's histories: (primary ids, secondary ids, timestamps, lengths) and per-example
+        counts of events in the candidate's cluster."""
+        c, b, k = self.config, cluster.numel(), self.config.num_clusters
+        u = torch.rand(b, generator=g)
+        lengths = (c.min_events * u.pow(-1.0 / c.length_alpha)).floor().clamp(max=c.max_events).long()
+        # some users have no events of a given type at all: empty sequences are common in practice
+        lengths = torch.where(torch.rand(b, generator=g) < 0.15, torch.zeros_like(lengths), lengths)
+        owner = torch.repeat_interleave(torch.arange(b), lengths)
+        total = owner.numel()
+        own = torch.rand(total, generator=g) < c.interest_share
+        event_cluster = torch.where(own, cluster[owner], torch.randint(k, (total,), generator=g))
+        ids = event_cluster + k * torch.randint(vocab // k, (total,), generator=g)
+        match = torch.zeros(b).index_add_(0, owner, (event_cluster == ad_cluster[owner]).float())
+        # timestamps: exponential gaps (mean one hour), the last event of every example at time 1e6
+        cumulative = torch.cat([torch.zeros(1), torch.cumsum(torch.empty(total).exponential_(1 / 3600.0, generator=g), 0)])
+        starts = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=starts[1:])
+        last = cumulative[starts[1:]]
+        timestamps = 1e6 - (last[owner] - cumulative[1:])
+        return (ids, secondary(ids), timestamps, lengths), match
+
+    @staticmethod
+    def _sequence(keys: list[str], drawn) -> EventSequence:
+        primary, secondary, timestamps, lengths = drawn
+        return EventSequence(
+            ids=KeyedJaggedTensor.from_lengths_sync(
+                keys=keys, values=torch.cat([primary, secondary]), lengths=torch.cat([lengths, lengths])
+            ),
+            timestamps=timestamps.float(),
+        )

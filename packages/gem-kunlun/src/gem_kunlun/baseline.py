@@ -1,0 +1,144 @@
+"""A compact ranking model over the full GEM batch: embeddings, a time-merged event sequence summarised by
+learned seed queries (PMA), an MLP, and per-surface multi-task heads.
+
+It is the reference point the Kunlun model is measured against, and it exercises every part of the input
+format: KeyedJaggedTensor ids, jagged event sequences, dense features, surfaces and tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gem_kunlun.batch import Batch
+from gem_kunlun.embedding import FeatureEmbedding
+from gem_kunlun.features import FeatureSpec
+from gem_kunlun.heads import MultiTaskHeads
+from gem_kunlun.sequence import jagged_to_padded, merge_by_time
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    dim: int = 32
+    num_seeds: int = 2
+    num_heads: int = 2
+    hidden: tuple[int, ...] = (128, 64)
+    max_seq_len: int = 256
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_seeds < 1 or self.max_seq_len < 1 or not self.hidden:
+            raise ValueError("num_seeds and max_seq_len must be >= 1 and hidden must list at least one width")
+
+
+class SeedPooling(nn.Module):
+    """Multi-head attention of a few queries over a jagged sequence (PMA).
+
+    Queries are learned seeds shifted by a per-example context vector, so the summary depends on the
+    candidate being scored. A learned "null" key/value is always present: an empty history then attends to
+    it alone instead of producing a 0/0 softmax.
+    """
+
+    def __init__(self, dim: int, num_seeds: int, num_heads: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.dim, self.num_seeds, self.num_heads = dim, num_seeds, num_heads
+        self.seeds = nn.Parameter(torch.empty(num_seeds, dim, device=device))
+        self.null_kv = nn.Parameter(torch.empty(2, dim, device=device))
+        self.context = nn.Linear(dim, dim, device=device)
+        self.kv = nn.Linear(dim, 2 * dim, device=device)
+        self.out = nn.Linear(dim, dim, device=device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.seeds, std=0.02)
+        nn.init.normal_(self.null_kv, std=0.02)
+
+    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, max_len: int, context: torch.Tensor) -> torch.Tensor:
+        b, h, d = offsets.numel() - 1, self.num_heads, self.dim // self.num_heads
+        padded, mask = jagged_to_padded(self.kv(seq), offsets, max_len)  # [B, L, 2D]
+        null = self.null_kv.reshape(1, 1, 2 * self.dim).expand(b, 1, -1)
+        kv = torch.cat([null, padded], 1).view(b, max_len + 1, 2, h, d)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, H, L+1, d]
+        q = (self.seeds[None] + self.context(context)[:, None]).view(b, self.num_seeds, h, d).transpose(1, 2)
+        keep = torch.cat([mask.new_ones(b, 1), mask], 1)[:, None, None, :]
+        pooled = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.out(pooled.transpose(1, 2).reshape(b, self.num_seeds, self.dim))
+
+    def flops(self, lengths: torch.Tensor) -> dict[str, float]:
+        """Forward FLOPs for a batch whose sequences have ``lengths``: projections plus attention over real keys."""
+        b, events = lengths.numel(), float(lengths.sum())
+        keys = events + b  # the null key of every example
+        return {
+            "pma.kv_proj": 2.0 * self.dim * 2 * self.dim * events,
+            "pma.query_proj": 2.0 * self.dim * self.dim * b,
+            "pma.attention": 2.0 * 2.0 * self.num_seeds * self.dim * keys,
+            "pma.out_proj": 2.0 * self.dim * self.dim * self.num_seeds * b,
+        }
+
+
+class BaselineRanker(nn.Module):
+    """``forward(batch) -> logits [B, num_tasks]``; see the module docstring."""
+
+    def __init__(self, spec: FeatureSpec, config: BaselineConfig = BaselineConfig(), device: torch.device | None = None):
+        super().__init__()
+        self.spec, self.config = spec, config
+        dim = config.dim
+        self.embedding = FeatureEmbedding(spec, dim, device=device)
+        self.event_type = nn.Embedding(len(spec.events), dim, device=device)
+        self.pool = SeedPooling(dim, config.num_seeds, config.num_heads, device=device)
+        widths = [(len(spec.sparse) + 1 + config.num_seeds) * dim, *config.hidden]
+        self.mlp = nn.Sequential(
+            *[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.ReLU())]
+        )
+        self.heads = MultiTaskHeads(widths[-1], len(spec.tasks), spec.num_surfaces, device=device)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        sparse, dense, events = self.embedding(batch)
+        names = [e.name for e in self.spec.events]
+        seq, offsets, _, event_type = merge_by_time(
+            [events[n] for n in names],
+            [batch.sequences[n].lengths() for n in names],
+            [batch.sequences[n].timestamps for n in names],
+        )
+        seq = seq + self.event_type(event_type)
+        context = sparse.mean(1) + dense
+        summary = self.pool(seq, offsets, self.config.max_seq_len, context)
+        x = torch.cat([sparse.flatten(1), dense, summary.flatten(1)], 1)
+        return self.heads(self.mlp(x), batch.surface)
+
+    def flops(self, batch: Batch) -> dict[str, float]:
+        """Forward model FLOPs of ``batch`` per component (matmuls and attention over real lengths; embedding
+        lookups excluded). Multiply by 3 for training."""
+        b = batch.batch_size
+        lengths = batch.num_events().clamp(max=self.config.max_seq_len)
+        table = {"embedding.dense_proj": 2.0 * self.spec.num_dense * self.config.dim * b}
+        table.update(self.pool.flops(lengths))
+        table["mlp"] = sum(2.0 * m.in_features * m.out_features for m in self.mlp if isinstance(m, nn.Linear)) * b
+        table["heads"] = self.heads.flops_per_example() * b
+        return table
+
+    def embedding_bytes(self, batch: Batch) -> float:
+        """Bytes read from embedding tables by the forward pass of ``batch`` (float32 rows)."""
+        row = 4.0 * self.config.dim
+        ids = batch.sparse.values().numel() + sum(s.ids.values().numel() for s in batch.sequences.values())
+        return row * ids
+
+
+def init_dense_parameters(model: nn.Module) -> None:
+    """Initialise every non-embedding module with its own ``reset_parameters`` (used after building on meta)."""
+    for module in model.modules():
+        if hasattr(module, "reset_parameters") and not _is_embedding(module):
+            module.reset_parameters()
+
+
+def _is_embedding(module: nn.Module) -> bool:
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+    return isinstance(module, (EmbeddingBagCollection, EmbeddingCollection))
+
+
+__all__ = ["BaselineConfig", "BaselineRanker", "SeedPooling", "init_dense_parameters"]

@@ -1,0 +1,123 @@
+"""The model's input type: one batch of jagged recommendation examples.
+
+Readers in gem-data produce it; models in gem-kunlun consume it. Sparse ids travel as torchrec
+KeyedJaggedTensors; event sequences are jagged (values + offsets over the batch), never padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+from gem_kunlun.features import FeatureSpec
+
+
+@dataclass
+class EventSequence:
+    """The events of one type for every example of a batch, in time order within each example.
+
+    ``ids`` has one key per id feature of the event type; all keys share the same lengths (events per
+    example) and carry exactly one id per event. ``timestamps`` is ``[T]`` (seconds, float).
+    """
+
+    ids: KeyedJaggedTensor
+    timestamps: torch.Tensor
+
+    def lengths(self) -> torch.Tensor:
+        """Events per example, ``[B]`` int64."""
+        stride = self.ids.stride()
+        return self.ids.lengths()[:stride]
+
+    def offsets(self) -> torch.Tensor:
+        """``[B+1]`` int64 offsets into the event axis."""
+        return _offsets_from_lengths(self.lengths())
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "EventSequence":
+        return EventSequence(
+            ids=self.ids.to(device, non_blocking=non_blocking),
+            timestamps=self.timestamps.to(device, non_blocking=non_blocking),
+        )
+
+
+@dataclass
+class Batch:
+    """A batch of ``B`` examples.
+
+    - ``dense``: ``[B, num_dense]`` float32 non-sequence dense features.
+    - ``sparse``: KeyedJaggedTensor of non-sequence id features (several ids per example are pooled).
+    - ``sequences``: event type name -> its jagged EventSequence.
+    - ``labels``: ``[B, num_tasks]`` float32 in {0, 1}.
+    - ``surface``: ``[B]`` int64 surface (domain) of each example.
+    """
+
+    dense: torch.Tensor
+    sparse: KeyedJaggedTensor
+    sequences: dict[str, EventSequence]
+    labels: torch.Tensor
+    surface: torch.Tensor
+    source: torch.Tensor | None = field(default=None)
+
+    @property
+    def batch_size(self) -> int:
+        return self.dense.shape[0]
+
+    def num_events(self) -> torch.Tensor:
+        """Total events per example over all event types, ``[B]`` int64."""
+        total = torch.zeros(self.batch_size, dtype=torch.int64, device=self.dense.device)
+        for seq in self.sequences.values():
+            total = total + seq.lengths()
+        return total
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        return Batch(
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            sparse=self.sparse.to(device, non_blocking=non_blocking),
+            sequences={k: v.to(device, non_blocking) for k, v in self.sequences.items()},
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            surface=self.surface.to(device, non_blocking=non_blocking),
+            source=None if self.source is None else self.source.to(device, non_blocking=non_blocking),
+        )
+
+    def validate(self, spec: FeatureSpec) -> None:
+        """Check shapes, keys and id ranges against ``spec``; raise ValueError naming the bad field."""
+        b = self.batch_size
+        if self.dense.shape != (b, spec.num_dense):
+            raise ValueError(f"batch.dense has shape {tuple(self.dense.shape)}, expected ({b}, {spec.num_dense})")
+        if self.labels.shape != (b, len(spec.tasks)):
+            raise ValueError(f"batch.labels has shape {tuple(self.labels.shape)}, expected ({b}, {len(spec.tasks)})")
+        if self.surface.shape != (b,):
+            raise ValueError(f"batch.surface has shape {tuple(self.surface.shape)}, expected ({b},)")
+        if b and (int(self.surface.min()) < 0 or int(self.surface.max()) >= spec.num_surfaces):
+            raise ValueError(f"batch.surface has values outside [0, {spec.num_surfaces})")
+        _check_kjt("batch.sparse", self.sparse, spec.sparse, b)
+        expected = {e.name for e in spec.events}
+        if set(self.sequences) != expected:
+            raise ValueError(f"batch.sequences has event types {sorted(self.sequences)}, expected {sorted(expected)}")
+        for event in spec.events:
+            seq = self.sequences[event.name]
+            _check_kjt(f"batch.sequences[{event.name!r}].ids", seq.ids, event.features, b)
+            lengths = seq.ids.lengths().view(len(event.features), b)
+            if not bool((lengths == lengths[0]).all()):
+                raise ValueError(f"batch.sequences[{event.name!r}]: every id feature must have one id per event")
+            if seq.timestamps.shape != (int(lengths[0].sum()),):
+                raise ValueError(f"batch.sequences[{event.name!r}].timestamps must have one entry per event")
+
+
+def _check_kjt(where: str, kjt: KeyedJaggedTensor, features: tuple, batch_size: int) -> None:
+    keys = [f.name for f in features]
+    if list(kjt.keys()) != keys:
+        raise ValueError(f"{where} has keys {kjt.keys()}, expected {keys}")
+    if keys and kjt.stride() != batch_size:
+        raise ValueError(f"{where} has stride {kjt.stride()}, expected batch size {batch_size}")
+    for feature, jt in zip(features, kjt.to_dict().values()):
+        values = jt.values()
+        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= feature.num_embeddings):
+            raise ValueError(f"{where}[{feature.name!r}] has ids outside [0, {feature.num_embeddings})")
+
+
+def _offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets

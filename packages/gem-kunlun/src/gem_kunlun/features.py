@@ -1,0 +1,42 @@
+"""What a model is fed: the feature description every reader declares and every model is built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    """A categorical id feature with its vocabulary size (ids must lie in ``[0, num_embeddings)``)."""
+
+    name: str
+    num_embeddings: int
+
+
+@dataclass(frozen=True)
+class EventType:
+    """One kind of event in a user's history (a purchase, a post...) and the id features that describe it."""
+
+    name: str
+    features: tuple[SparseFeature, ...]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """The full input description: non-sequence dense and sparse features, event sequences, tasks and surfaces."""
+
+    num_dense: int
+    sparse: tuple[SparseFeature, ...]
+    events: tuple[EventType, ...]
+    tasks: tuple[str, ...]
+    num_surfaces: int = 1
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.sparse] + [f.name for e in self.events for f in e.features]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"feature names must be unique across sparse and event features, repeated: {duplicated}")
+        if not self.tasks:
+            raise ValueError("FeatureSpec.tasks must name at least one task")
+        if self.num_surfaces < 1:
+            raise ValueError(f"FeatureSpec.num_surfaces must be >= 1, got {self.num_surfaces}")

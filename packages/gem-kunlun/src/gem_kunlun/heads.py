@@ -1,0 +1,30 @@
+"""Multi-task prediction heads, one logit per task and surface, and the weighted multi-task loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class MultiTaskHeads(nn.Module):
+    """Maps a ``[B, in_dim]`` representation to ``[B, num_tasks]`` logits with a separate head per surface."""
+
+    def __init__(self, in_dim: int, num_tasks: int, num_surfaces: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.num_tasks = num_tasks
+        self.num_surfaces = num_surfaces
+        self.proj = nn.Linear(in_dim, num_tasks * num_surfaces, device=device)
+
+    def forward(self, x: torch.Tensor, surface: torch.Tensor) -> torch.Tensor:
+        logits = self.proj(x).view(-1, self.num_surfaces, self.num_tasks)
+        return logits.gather(1, surface.view(-1, 1, 1).expand(-1, 1, self.num_tasks)).squeeze(1)
+
+    def flops_per_example(self) -> float:
+        return 2.0 * self.proj.in_features * self.proj.out_features
+
+
+def multitask_loss(logits: torch.Tensor, labels: torch.Tensor, task_weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over tasks of the mean binary cross-entropy; computed in float32 for calibration."""
+    per_task = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(0)
+    return (per_task * task_weights.to(per_task.device)).sum()

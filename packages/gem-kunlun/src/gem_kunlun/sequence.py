@@ -1,0 +1,52 @@
+"""Jagged sequence plumbing: merging event types in time order (OneSeq) and padding for dense math."""
+
+from __future__ import annotations
+
+import torch
+
+
+def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+def merge_by_time(
+    values: list[torch.Tensor], lengths: list[torch.Tensor], timestamps: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge several jagged event sequences into one, ordered by time within each example.
+
+    ``values[e]`` is ``[T_e, D]``, ``lengths[e]`` is ``[B]``, ``timestamps[e]`` is ``[T_e]``. Returns the
+    merged ``values [T, D]``, ``offsets [B+1]``, ``timestamps [T]`` and the event type index ``[T]`` of each
+    merged event. Ties in time keep the order of the inputs. Runs as two stable sorts, no loop over examples.
+    """
+    device = values[0].device
+    batch_size = lengths[0].numel()
+    example = torch.cat(
+        [torch.repeat_interleave(torch.arange(batch_size, device=device), n) for n in lengths]
+    )
+    event_type = torch.cat([torch.full((v.shape[0],), i, dtype=torch.int64, device=device) for i, v in enumerate(values)])
+    time = torch.cat(timestamps)
+    # NOTE: sort by time first, then stably by example: events end up grouped per example, in time order.
+    by_time = torch.sort(time, stable=True).indices
+    by_example = torch.sort(example[by_time], stable=True).indices
+    order = by_time[by_example]
+    merged_lengths = torch.stack(lengths, 0).sum(0)
+    return torch.cat(values)[order], lengths_to_offsets(merged_lengths), time[order], event_type[order]
+
+
+def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values [T, ...]`` -> ``padded [B, max_len, ...]`` (zeros past each length) and ``mask [B, max_len]``.
+
+    Sequences longer than ``max_len`` keep their most recent (last) ``max_len`` entries.
+    """
+    batch_size = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    kept = lengths.clamp(max=max_len)
+    position = torch.arange(max_len, device=values.device)
+    mask = position[None, :] < kept[:, None]
+    # index of each padded slot in values: the last `kept` events of the example
+    source = (offsets[1:] - kept)[:, None] + position[None, :]
+    padded = values.new_zeros((batch_size, max_len) + values.shape[1:])
+    padded[mask] = values[source[mask]]
+    return padded, mask
