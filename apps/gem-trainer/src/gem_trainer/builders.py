@@ -9,6 +9,7 @@ from torch import nn
 
 from gem_data import SyntheticConfig, SyntheticGenerator, SyntheticStream
 from gem_kunlun import BaselineConfig, BaselineRanker, FeatureSpec
+from gem_parallel import dense_parameters, shard_embeddings
 from gem_trainer.config import TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 
@@ -50,44 +51,25 @@ def task_weights(config: TrainerConfig, spec: FeatureSpec) -> torch.Tensor:
 
 
 def shard_model(config: TrainerConfig, model: nn.Module, env: DistributedEnv) -> nn.Module:
-    """Shard the embedding tables with TorchRec (the sparse optimizer fused into their backward) and wrap the
-    dense part for data parallelism."""
-    import torch.distributed as dist
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    """Shard the embedding tables (row-wise Adagrad fused into their backward); the dense part is data parallel."""
     from torchrec.optim import RowWiseAdagrad
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from torchrec import EmbeddingBagCollection, EmbeddingCollection
-
-    embeddings = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
-    apply_optimizer_in_backward(
-        RowWiseAdagrad,
-        [p for module in embeddings for p in module.parameters()],
-        {"lr": config.optimizer.sparse_lr, "eps": config.optimizer.sparse_eps},
+    return shard_embeddings(
+        model,
+        env.device,
+        sharding_type=config.parallelism.sparse_sharding,
+        sparse_optimizer=RowWiseAdagrad,
+        sparse_optimizer_kwargs={"lr": config.optimizer.sparse_lr, "eps": config.optimizer.sparse_eps},
     )
-    tables = [c.name for module in embeddings for c in _table_configs(module)]
-    constraints = {t: ParameterConstraints(sharding_types=[config.parallelism.sparse_sharding]) for t in tables}
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=env.world_size, compute_device=env.device.type), constraints=constraints
-    )
-    plan = planner.collective_plan(model, pg=dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=env.device, plan=plan)
-
-
-def _table_configs(module: nn.Module):
-    return module.embedding_bag_configs() if hasattr(module, "embedding_bag_configs") else module.embedding_configs()
 
 
 def build_optimizers(config: TrainerConfig, model: nn.Module):
     """Dense AdamW over every parameter not updated in backward, combined with TorchRec's fused sparse optimizer."""
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     o = config.optimizer
-    dense_params = dict(in_backward_optimizer_filter(model.named_parameters(), include=False))
     dense = KeyedOptimizerWrapper(
-        dense_params,
+        dense_parameters(model),
         lambda params: torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay),
     )
     combined = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense)])

@@ -37,11 +37,14 @@ def init_distributed(device_choice: str, backend: str) -> DistributedEnv:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend)
+        else:
+            # NOTE: a private address rather than MASTER_* variables, which child processes would inherit.
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            dist.init_process_group(backend=backend, init_method=init, rank=0, world_size=1)
     return DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 

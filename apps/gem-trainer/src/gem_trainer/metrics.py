@@ -10,28 +10,6 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 peak TFLOP/s per device (datasheet numbers), matched by substring of the device name.
-PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-}
-
-
-def peak_tflops(device: torch.device, configured: float | None) -> float | None:
-    """The MFU denominator: the configured value, else the table entry for the CUDA device, else None (CPU)."""
-    if configured is not None:
-        return configured
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in PEAK_TFLOPS.items():
-            if key in name:
-                return value
-    return None
-
-
 def memory_gib(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
     if device.type == "cuda":

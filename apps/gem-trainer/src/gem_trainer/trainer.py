@@ -19,7 +19,8 @@ from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluation import binary_metrics
-from gem_trainer.metrics import MetricLogger, memory_gib, peak_tflops, progress
+from gem_parallel import mfu, peak_tflops
+from gem_trainer.metrics import MetricLogger, memory_gib, progress
 
 
 class TrainingDiverged(RuntimeError):
@@ -82,6 +83,9 @@ class Trainer:
         self.stream.load_state_dict(state["data"])
         self._batches = iter(self.stream)
         self.scheduler.load_state_dict(state["scheduler"])
+        # the scheduler's state does not carry the learning rate it last set on the optimizer
+        for group, lr in zip(self.dense_optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
 
@@ -93,6 +97,9 @@ class Trainer:
         step = self.checkpoints.latest_step() if step is None else step
         if step is None:
             return False
+        # NOTE: optimizer state is created lazily on the first step; a dummy step materialises it so that DCP
+        # can load into it in place. The weights it touches are overwritten by the load.
+        self.optimizer.init_state()
         state = self.distributed_state()
         local = self.checkpoints.load(step, state)
         self.model.load_state_dict(state["model"])
@@ -149,7 +156,7 @@ class Trainer:
                     "memory_gib": memory_gib(self.env.device),
                 }
                 if self.peak is not None:
-                    line["mfu"] = tflops / (self.peak * self.env.world_size)
+                    line["mfu"] = mfu(tflops, self.peak, self.env.world_size)
                 self.logger.log(self.step, line)
                 window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
             if cfg.checkpoint.enable and self.step % cfg.checkpoint.every_steps == 0:

@@ -1,0 +1,86 @@
+import pytest
+
+from gem_trainer.config import DEFAULT_CONFIG, ConfigError, TrainerConfig, dump_config, load_config
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_embedded_default_loads():
+    config = load_config()
+    assert isinstance(config, TrainerConfig)
+    assert config.model.name == "baseline" and config.data.source == "synthetic"
+    assert load_config(DEFAULT_CONFIG) == config
+
+
+def test_unknown_key_names_file_and_dotted_path(tmp_path):
+    path = write(tmp_path / "bad.toml", "[optimizer]\nlearning_rate = 0.1\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert message == f"{path}: optimizer.learning_rate: unknown field"
+    assert "\n" not in message
+
+
+def test_wrong_type_names_field_and_value(tmp_path):
+    path = write(tmp_path / "bad.toml", '[model]\ndim = "wide"\n')
+    with pytest.raises(ConfigError, match=r"bad.toml: model.dim: .*integer.*'wide'") as error:
+        load_config(path)
+    assert "\n" not in str(error.value)
+
+
+def test_nested_section_field_is_named(tmp_path):
+    path = write(tmp_path / "bad.toml", "[data.synthetic]\nmax_events = -1\n")
+    with pytest.raises(ConfigError, match=r"data.synthetic.max_events: .*greater than or equal to 1"):
+        load_config(path)
+
+
+def test_missing_base_names_the_inheriting_file(tmp_path):
+    path = write(tmp_path / "child.toml", 'base = "nowhere.toml"\n')
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value) == f"{path}: base: config file not found: {tmp_path / 'nowhere.toml'}"
+
+
+def test_inheritance_cycle_is_reported(tmp_path):
+    write(tmp_path / "a.toml", 'base = "b.toml"\n')
+    write(tmp_path / "b.toml", 'base = "a.toml"\n')
+    with pytest.raises(ConfigError, match="inheritance cycle"):
+        load_config(tmp_path / "a.toml")
+
+
+def test_base_values_are_overridden_section_by_section(tmp_path):
+    write(tmp_path / "base.toml", "seed = 7\n[optimizer]\nlr = 0.5\nweight_decay = 0.1\n")
+    child = write(tmp_path / "child.toml", 'base = "base.toml"\n[optimizer]\nlr = 0.25\n')
+    config = load_config(child)
+    assert (config.seed, config.optimizer.lr, config.optimizer.weight_decay) == (7, 0.25, 0.1)
+
+
+def test_command_line_overrides(tmp_path):
+    config = load_config(None, ["--optimizer.lr=3e-4", "--model.hidden=[64, 32]", "--run_dir=/tmp/x", "--device=cpu"])
+    assert config.optimizer.lr == 3e-4 and config.model.hidden == (64, 32) and config.run_dir == "/tmp/x"
+    with pytest.raises(ConfigError, match=r"optimizer.lrr: unknown field"):
+        load_config(None, ["--optimizer.lrr=1"])
+    with pytest.raises(ConfigError, match="expected --section.field=value"):
+        load_config(None, ["--optimizer.lr"])
+
+
+def test_cross_field_checks(tmp_path):
+    with pytest.raises(ConfigError, match="warmup_steps .* must be below schedule.steps"):
+        load_config(None, ["--schedule.steps=10", "--schedule.warmup_steps=10"])
+    with pytest.raises(ConfigError, match="dim .* divisible by num_heads"):
+        load_config(None, ["--model.dim=30", "--model.num_heads=4"])
+
+
+def test_invalid_toml_is_reported_with_the_file(tmp_path):
+    path = write(tmp_path / "broken.toml", "[model\n")
+    with pytest.raises(ConfigError, match="broken.toml: invalid TOML"):
+        load_config(path)
+
+
+def test_printed_config_loads_back_to_the_same_config(tmp_path):
+    config = load_config(None, ["--model.task_weights={click = 1.0, conversion = 0.5}", "--metrics.peak_tflops=10.0"])
+    path = write(tmp_path / "resolved.toml", dump_config(config))
+    assert load_config(path) == config

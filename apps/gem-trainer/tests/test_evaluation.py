@@ -1,0 +1,57 @@
+import math
+
+import torch
+
+from gem_trainer.evaluation import auc, binary_metrics, calibration, normalized_entropy, ranking_metrics, target_ranks
+
+
+def pairwise_auc(scores, labels):
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def test_auc_matches_pairwise_definition_with_ties():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (200,), generator=g).float()  # many ties
+    labels = (torch.rand(200, generator=g) < 0.3).float()
+    assert math.isclose(auc(scores, labels), pairwise_auc(scores.tolist(), labels.tolist()), rel_tol=1e-12)
+    assert auc(torch.tensor([0.1, 0.9]), torch.tensor([0.0, 1.0])) == 1.0
+    assert math.isnan(auc(torch.tensor([0.1, 0.9]), torch.tensor([1.0, 1.0])))
+
+
+def test_ne_is_one_for_the_base_rate_and_lower_for_better_predictions():
+    labels = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert math.isclose(normalized_entropy(torch.full((4,), 0.25), labels), 1.0, rel_tol=1e-9)
+    assert normalized_entropy(torch.tensor([0.9, 0.1, 0.1, 0.1]), labels) < 0.5
+    assert calibration(torch.full((4,), 0.25), labels) == 1.0
+
+
+def test_binary_metrics_per_task_and_surface():
+    probs = torch.tensor([[0.9, 0.4], [0.1, 0.3], [0.8, 0.6], [0.3, 0.1]])
+    labels = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    surface = torch.tensor([0, 0, 1, 1])
+    result = binary_metrics(probs, labels, surface, ("click", "conversion"), 2)
+    assert result["click/all/auc"] == 1.0
+    assert result["click/surface_1/count"] == 2.0
+    assert result["conversion/all/auc"] == 0.75
+
+
+def test_ranking_metrics_on_a_hand_made_example():
+    # three users, target is candidate 0; its ranks are 0, 2 and 5 (ties count against the target)
+    scores = torch.tensor(
+        [
+            [0.9, 0.1, 0.2, 0.3, 0.0, 0.5],
+            [0.5, 0.9, 0.6, 0.1, 0.2, 0.3],
+            [0.1, 0.9, 0.8, 0.7, 0.6, 0.1],
+        ]
+    )
+    ranks = target_ranks(scores, torch.zeros(3, dtype=torch.int64))
+    assert ranks.tolist() == [0, 2, 5]
+    m = ranking_metrics(ranks, ks=(1, 5))
+    assert m["hr@1"] == 1 / 3 and m["hr@5"] == 2 / 3
+    assert math.isclose(m["ndcg@5"], (1.0 + 1.0 / math.log2(4)) / 3)
+    assert math.isclose(m["mrr"], (1.0 + 1 / 3 + 1 / 6) / 3)
+    # constant scores never flatter: the target ranks last
+    assert target_ranks(torch.zeros(1, 6), torch.zeros(1, dtype=torch.int64)).tolist() == [5]

@@ -1,0 +1,114 @@
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gem_trainer.config import load_config
+from gem_trainer.distributed import init_distributed
+from gem_trainer.trainer import Trainer, TrainingDiverged
+
+SMALL = ["--data.batch_size=64", "--data.eval_batches=4", "--metrics.tensorboard=false", "--device=cpu"]
+
+
+def local_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """This rank's data of every tensor (the local shard of a sharded embedding table)."""
+    local = {}
+    for key, value in state.items():
+        if hasattr(value, "local_shards"):
+            value = value.local_shards()[0].tensor
+        local[key] = value.detach().clone()
+    return local
+
+
+def small_config(tmp_path, *extra):
+    return load_config(None, [f"--run_dir={tmp_path}", *SMALL, *extra])
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    config = small_config(tmp_path, "--schedule.steps=30", "--schedule.warmup_steps=2", "--checkpoint.every_steps=10")
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    for _ in range(10):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    good = local_tensors(trainer.model.state_dict())
+
+    poisoned = iter(trainer.stream)
+    first = next(poisoned)
+    trainer._batches = iter([dataclasses.replace(first, dense=torch.full_like(first.dense, float("nan")))])
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 11; stopping, the last good checkpoint is .*step-10"):
+        trainer.train_step()
+    assert trainer.checkpoints.latest_step() == 10
+    # nothing was updated by the poisoned step
+    after = local_tensors(trainer.model.state_dict())
+    assert after.keys() == good.keys() and any("t_ad_id" in k for k in after)
+    for key, value in after.items():
+        assert torch.equal(value, good[key]), key
+
+
+def test_state_dict_round_trip_restores_step_data_position_and_schedule(tmp_path):
+    config = small_config(tmp_path, "--schedule.steps=30", "--schedule.warmup_steps=5")
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    for _ in range(7):
+        trainer.train_step()
+    state = trainer.state_dict()
+    lr = trainer.scheduler.get_last_lr()
+    other = Trainer(small_config(tmp_path / "other", "--schedule.steps=30", "--schedule.warmup_steps=5"), trainer.env)
+    other.load_state_dict(state)
+    assert other.step == 7 and other.stream.position == 7 and other.scheduler.get_last_lr() == lr
+    assert torch.equal(next(other._batches).dense, next(trainer._batches).dense)
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "gem_trainer.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_train_learns_then_eval_plot_and_flops_work(tmp_path):
+    run = tmp_path / "run"
+    done = run_cli("train", f"--run_dir={run}", "--schedule.steps=150", "--schedule.warmup_steps=10", "--metrics.log_every=50", *SMALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "train step 150" in done.stdout and "examples_per_s" in done.stdout and "tflops" in done.stdout
+    result = json.loads((run / "eval.json").read_text())
+    assert result["click/all/auc"] > 0.65, result
+    assert result["conversion/all/auc"] > 0.6, result
+    assert (run / "config.toml").is_file() and list((run / "tensorboard").glob("events.*")) == []
+
+    evaluated = run_cli("eval", f"--run_dir={run}", *SMALL)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert json.loads((run / "eval.json").read_text())["click/all/auc"] == result["click/all/auc"]
+
+    plotted = run_cli("plot", f"--run_dir={run}")
+    assert plotted.returncode == 0, plotted.stderr[-3000:]
+    assert (run / "train.png").stat().st_size > 1000 and (run / "eval.png").is_file()
+
+    flops = run_cli("flops", f"--out={tmp_path / 'flops.json'}")
+    assert flops.returncode == 0 and "pma.attention" in flops.stdout
+    report = json.loads((tmp_path / "flops.json").read_text())
+    assert report["total_train_flops_per_example"] == pytest.approx(3 * report["total_forward_flops_per_example"])
+
+
+def test_config_command_and_bad_config_exit_codes(tmp_path):
+    shown = run_cli("config", "--optimizer.lr=0.5")
+    assert shown.returncode == 0 and "lr = 0.5" in shown.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optimizer]\nlearning_rate = 1\n")
+    failed = run_cli("config", "--config", str(bad))
+    assert failed.returncode == 2
+    assert failed.stderr.strip() == f"gem-trainer: config error: {bad}: optimizer.learning_rate: unknown field"
+
+
+@pytest.mark.slow
+def test_launch_runs_two_processes_through_torchrun(tmp_path):
+    run = tmp_path / "run"
+    done = run_cli(
+        "launch", "--nproc-per-node", "2", f"--run_dir={run}", "--schedule.steps=20", "--schedule.warmup_steps=2",
+        "--metrics.log_every=10", "--checkpoint.every_steps=10", *SMALL,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--nproc-per-node=2" in done.stdout and "train step 20" in done.stdout
+    assert (run / "checkpoints" / "step-20" / "local-rank1.pt").is_file()
+    result = json.loads((run / "eval.json").read_text())
+    assert result["click/all/count"] == 4 * 64  # every eval batch counted once across the two ranks

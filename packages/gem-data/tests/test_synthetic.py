@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from gem_data import SyntheticConfig, SyntheticGenerator
+
+
+@pytest.fixture(scope="module")
+def generator():
+    return SyntheticGenerator(SyntheticConfig(seed=3))
+
+
+def test_batches_are_valid_for_the_declared_spec(generator):
+    for index in range(3):
+        generator.batch(index, 64).validate(generator.spec)
+
+
+def test_batches_are_a_pure_function_of_seed_split_and_index(generator):
+    a, b = generator.batch(7, 32), SyntheticGenerator(SyntheticConfig(seed=3)).batch(7, 32)
+    assert torch.equal(a.labels, b.labels) and torch.equal(a.sparse.values(), b.sparse.values())
+    assert torch.equal(a.sequences["post"].timestamps, b.sequences["post"].timestamps)
+    assert not torch.equal(generator.batch(8, 32).dense, a.dense)
+    assert not torch.equal(generator.batch(7, 32, split="eval").dense, a.dense)
+
+
+def test_events_are_in_time_order_within_each_example(generator):
+    batch = generator.batch(0, 128)
+    for seq in batch.sequences.values():
+        offsets, times = seq.offsets(), seq.timestamps
+        steps = times[1:] - times[:-1]
+        boundary = torch.zeros(times.numel(), dtype=torch.bool)
+        boundary[offsets[1:-1][offsets[1:-1] < times.numel()]] = True  # first event of each later example
+        assert bool((steps[~boundary[1:]] >= 0).all())
+
+
+def test_history_lengths_are_heavy_tailed_and_bounded():
+    config = SyntheticConfig(min_events=4, max_events=256)
+    lengths = SyntheticGenerator(config).batch(0, 4096).sequences["purchase"].lengths().float()
+    nonzero = lengths[lengths > 0]
+    assert int(lengths.max()) <= 256 and int(nonzero.min()) >= 4
+    assert float((lengths == 0).float().mean()) > 0.05  # some users have no purchases at all
+    # power law: the mean sits well above the median and the tail reaches far
+    assert float(nonzero.mean()) > 1.5 * float(nonzero.median())
+    assert float(nonzero.quantile(0.99)) > 10 * config.min_events
+
+
+def test_labels_follow_the_hidden_model():
+    """Examples whose history matches the candidate's cluster click more often: learning is possible."""
+    generator = SyntheticGenerator(SyntheticConfig(seed=0))
+    batch = generator.batch(0, 8192)
+    k = generator.config.num_clusters
+    ad = batch.sparse.to_dict()["ad_id"].values()
+    seq = batch.sequences["purchase"]
+    owner = torch.repeat_interleave(torch.arange(batch.batch_size), seq.lengths())
+    match = torch.zeros(batch.batch_size).index_add_(0, owner, (seq.ids.to_dict()["purchase_ad_id"].values() % k == (ad % k)[owner]).float())
+    share = match / seq.lengths().clamp(min=1)
+    high, low = share > 0.3, (share < 0.05) & (seq.lengths() > 5)
+    clicks = batch.labels[:, 0]
+    assert float(clicks[high].mean()) > float(clicks[low].mean()) + 0.1
+    assert 0.05 < float(clicks.mean()) < 0.6 and float(batch.labels[:, 1].mean()) < float(clicks.mean())
+
+
+def test_surfaces_differ_in_ground_truth():
+    generator = SyntheticGenerator(SyntheticConfig(num_surfaces=3))
+    assert len(set(generator.history_weight.tolist())) == 3
+    assert torch.unique(generator.batch(0, 512).surface).tolist() == [0, 1, 2]
+
+
+def test_bad_config_and_split_are_rejected():
+    with pytest.raises(ValueError, match="min_events"):
+        SyntheticConfig(min_events=10, max_events=5)
+    with pytest.raises(ValueError, match="split"):
+        SyntheticGenerator().batch(0, 4, split="test")

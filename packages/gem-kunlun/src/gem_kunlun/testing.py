@@ -1,0 +1,51 @@
+"""Helpers for tests of code that consumes batches: a small feature spec and random valid batches."""
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature
+
+SPEC = FeatureSpec(  # two surfaces, two tasks, one multi-id event type and one single-id type
+    num_dense=3,
+    sparse=(SparseFeature("ad", 50), SparseFeature("tags", 20)),
+    events=(
+        EventType("buy", (SparseFeature("buy_item", 40), SparseFeature("buy_shop", 10))),
+        EventType("view", (SparseFeature("view_item", 30),)),
+    ),
+    tasks=("click", "conversion"),
+    num_surfaces=2,
+)
+
+
+def random_batch(batch_size: int, seed: int = 0, max_events: int = 9, spec: FeatureSpec = SPEC) -> Batch:
+    """A valid batch for ``spec``: random ids, 0..max_events events per type and example, sorted times."""
+    g = torch.Generator().manual_seed(seed)
+    sparse_lengths = torch.cat([torch.ones(batch_size, dtype=torch.int64), torch.randint(0, 4, (batch_size,), generator=g)])
+    sparse_values = torch.cat(
+        [
+            torch.randint(f.num_embeddings, (int(n),), generator=g)
+            for f, n in zip(spec.sparse, sparse_lengths.view(len(spec.sparse), batch_size).sum(1))
+        ]
+    )
+    sequences = {}
+    for event in spec.events:
+        lengths = torch.randint(0, max_events + 1, (batch_size,), generator=g)
+        total = int(lengths.sum())
+        values = torch.cat([torch.randint(f.num_embeddings, (total,), generator=g) for f in event.features])
+        times = torch.rand(total, generator=g) * 100
+        # sorted within each example
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        times = torch.cat([times[offsets[i] : offsets[i + 1]].sort().values for i in range(batch_size)]) if total else times
+        sequences[event.name] = EventSequence(
+            ids=KeyedJaggedTensor.from_lengths_sync(
+                keys=[f.name for f in event.features], values=values, lengths=lengths.repeat(len(event.features))
+            ),
+            timestamps=times,
+        )
+    return Batch(
+        dense=torch.randn(batch_size, spec.num_dense, generator=g),
+        sparse=KeyedJaggedTensor.from_lengths_sync(keys=[f.name for f in spec.sparse], values=sparse_values, lengths=sparse_lengths),
+        sequences=sequences,
+        labels=torch.randint(0, 2, (batch_size, len(spec.tasks)), generator=g).float(),
+        surface=torch.randint(spec.num_surfaces, (batch_size,), generator=g),
+    )

@@ -1,0 +1,55 @@
+import dataclasses
+
+import pytest
+import torch
+from gem_kunlun.testing import SPEC, random_batch
+from torchrec import KeyedJaggedTensor
+
+from gem_kunlun import EventType, FeatureSpec, SparseFeature
+
+
+def test_valid_batch_passes_validation():
+    random_batch(6).validate(SPEC)
+
+
+def test_lengths_and_offsets_of_event_sequence():
+    batch = random_batch(5, seed=3)
+    seq = batch.sequences["buy"]
+    lengths = seq.lengths()
+    assert lengths.shape == (5,)
+    assert seq.offsets().tolist() == [0] + lengths.cumsum(0).tolist()
+    assert batch.num_events().tolist() == (lengths + batch.sequences["view"].lengths()).tolist()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("dense", torch.zeros(6, 4), "batch.dense"),
+        ("labels", torch.zeros(6, 3), "batch.labels"),
+        ("surface", torch.full((6,), 2), "batch.surface"),
+    ],
+)
+def test_bad_fields_are_named(field, value, message):
+    batch = dataclasses.replace(random_batch(6), **{field: value})
+    with pytest.raises(ValueError, match=message):
+        batch.validate(SPEC)
+
+
+def test_out_of_range_ids_are_named():
+    batch = random_batch(4)
+    bad = KeyedJaggedTensor.from_lengths_sync(
+        keys=["ad", "tags"], values=torch.tensor([1, 2, 3, 99]), lengths=torch.tensor([1, 1, 1, 0, 0, 0, 0, 1])
+    )
+    with pytest.raises(ValueError, match=r"batch.sparse\['tags'\] has ids outside \[0, 20\)"):
+        dataclasses.replace(batch, sparse=bad).validate(SPEC)
+
+
+def test_missing_event_type_is_named():
+    batch = random_batch(4)
+    with pytest.raises(ValueError, match="batch.sequences has event types"):
+        dataclasses.replace(batch, sequences={"buy": batch.sequences["buy"]}).validate(SPEC)
+
+
+def test_spec_rejects_duplicate_feature_names():
+    with pytest.raises(ValueError, match="unique"):
+        FeatureSpec(1, (SparseFeature("a", 3),), (EventType("e", (SparseFeature("a", 3),)),), ("click",))

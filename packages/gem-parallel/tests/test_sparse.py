@@ -1,0 +1,25 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parent / "workers" / "sparse_worker.py"
+
+
+@pytest.mark.slow
+def test_tables_are_sharded_over_ranks_and_updated_row_wise_in_backward(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    placement = ranks[0]["placement"]
+    assert sorted(placement) == ["t_a", "t_b", "t_c", "t_d"]
+    assert all(len(owners) == 1 for owners in placement.values())  # table-wise: one owner per table
+    assert {owners[0] for owners in placement.values()} == {0, 1}  # both ranks hold tables
+    for rank, result in enumerate(ranks):
+        assert result["local_tables"] == sorted(t for t, owners in placement.items() if owners == [rank])
+        assert result["looked_up_rows_changed"] and result["other_rows_unchanged"]
+    # the dense part is data parallel: identical on every rank after the all-reduced steps
+    assert ranks[0]["dense_weight"] == ranks[1]["dense_weight"]
