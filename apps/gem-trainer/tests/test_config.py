@@ -11,7 +11,7 @@ def write(path, text):
 def test_embedded_default_loads():
     config = load_config()
     assert isinstance(config, TrainerConfig)
-    assert config.model.name == "baseline" and config.data.source == "synthetic"
+    assert config.model.name == "kunlun" and config.model.kunlun.size == "tiny" and config.data.source == "synthetic"
     assert load_config(DEFAULT_CONFIG) == config
 
 
@@ -25,8 +25,8 @@ def test_unknown_key_names_file_and_dotted_path(tmp_path):
 
 
 def test_wrong_type_names_field_and_value(tmp_path):
-    path = write(tmp_path / "bad.toml", '[model]\ndim = "wide"\n')
-    with pytest.raises(ConfigError, match=r"bad.toml: model.dim: .*integer.*'wide'") as error:
+    path = write(tmp_path / "bad.toml", '[model.kunlun]\nd_model = "wide"\n')
+    with pytest.raises(ConfigError, match=r"bad.toml: model.kunlun.d_model: .*integer.*'wide'") as error:
         load_config(path)
     assert "\n" not in str(error.value)
 
@@ -59,8 +59,9 @@ def test_base_values_are_overridden_section_by_section(tmp_path):
 
 
 def test_command_line_overrides(tmp_path):
-    config = load_config(None, ["--optimizer.lr=3e-4", "--model.hidden=[64, 32]", "--run_dir=/tmp/x", "--device=cpu"])
-    assert config.optimizer.lr == 3e-4 and config.model.hidden == (64, 32) and config.run_dir == "/tmp/x"
+    config = load_config(None, ["--optimizer.lr=3e-4", "--model.kunlun.hidden=[64, 32]", "--run_dir=/tmp/x", "--device=cpu"])
+    assert config.optimizer.lr == 3e-4 and config.model.kunlun.hidden == (64, 32) and config.run_dir == "/tmp/x"
+    assert config.model.kunlun.build().hidden == (64, 32)
     with pytest.raises(ConfigError, match=r"optimizer.lrr: unknown field"):
         load_config(None, ["--optimizer.lrr=1"])
     with pytest.raises(ConfigError, match="expected --section.field=value"):
@@ -70,8 +71,10 @@ def test_command_line_overrides(tmp_path):
 def test_cross_field_checks(tmp_path):
     with pytest.raises(ConfigError, match="warmup_steps .* must be below schedule.steps"):
         load_config(None, ["--schedule.steps=10", "--schedule.warmup_steps=10"])
-    with pytest.raises(ConfigError, match="dim .* divisible by num_heads"):
-        load_config(None, ["--model.dim=30", "--model.num_heads=4"])
+    with pytest.raises(ConfigError, match="model.kunlun: .*d_model .* divisible by num_heads"):
+        load_config(None, ["--model.kunlun.d_model=30", "--model.kunlun.num_heads=4"])
+    with pytest.raises(ConfigError, match="model.kunlun: .*skip\\[0\\] names unknown components"):
+        load_config(None, ['--model.kunlun.skip=[["ffn"]]'])
 
 
 def test_invalid_toml_is_reported_with_the_file(tmp_path):
@@ -81,6 +84,14 @@ def test_invalid_toml_is_reported_with_the_file(tmp_path):
 
 
 def test_printed_config_loads_back_to_the_same_config(tmp_path):
-    config = load_config(None, ["--model.task_weights={click = 1.0, conversion = 0.5}", "--metrics.peak_tflops=10.0"])
+    config = load_config(
+        None,
+        [
+            "--model.task_weights={click = 1.0, conversion = 0.5}",
+            "--metrics.peak_tflops=10.0",
+            '--model.kunlun.skip=[[], ["attention"]]',
+            "--model.kunlun.events={purchase = {width = 16, num_layers = 1}}",
+        ],
+    )
     path = write(tmp_path / "resolved.toml", dump_config(config))
     assert load_config(path) == config

@@ -85,7 +85,7 @@ def test_train_learns_then_eval_plot_and_flops_work(tmp_path):
     assert (run / "train.png").stat().st_size > 1000 and (run / "eval.png").is_file()
 
     flops = run_cli("flops", f"--out={tmp_path / 'flops.json'}")
-    assert flops.returncode == 0 and "pma.attention" in flops.stdout
+    assert flops.returncode == 0 and "layer0.attention" in flops.stdout and "layer1.moe" in flops.stdout
     report = json.loads((tmp_path / "flops.json").read_text())
     assert report["total_train_flops_per_example"] == pytest.approx(3 * report["total_forward_flops_per_example"])
 
@@ -112,3 +112,30 @@ def test_launch_runs_two_processes_through_torchrun(tmp_path):
     assert (run / "checkpoints" / "step-20" / "local-rank1.pt").is_file()
     result = json.loads((run / "eval.json").read_text())
     assert result["click/all/count"] == 4 * 64  # every eval batch counted once across the two ranks
+
+
+@pytest.mark.slow
+def test_distillation_from_a_finished_teacher_run(tmp_path):
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    steps = ["--schedule.steps=100", "--schedule.warmup_steps=5", "--metrics.log_every=50"]
+    done = run_cli("train", f"--run_dir={teacher}", "--model.name=baseline", *steps, *SMALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_cli("train", f"--run_dir={student}", f"--distillation.teacher_run_dir={teacher}", *steps, *SMALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "train step 100" in done.stdout
+    result = json.loads((student / "eval.json").read_text())
+    assert result["click/all/auc"] > 0.6
+    # the student's checkpoint holds the auxiliary head and the adapter beside the Kunlun student
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(student / "checkpoints" / "step-100")).read_metadata().state_dict_metadata
+    assert any(k.startswith("model.auxiliary_head.") for k in keys) and any(k.startswith("model.adapter.") for k in keys)
+    assert any(k.startswith("model.student.layers.") for k in keys)
+
+
+def test_a_missing_teacher_is_a_config_error(tmp_path):
+    config = small_config(tmp_path, f"--distillation.teacher_run_dir={tmp_path / 'nowhere'}")
+    from gem_trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"distillation.teacher_run_dir: .*nowhere/config.toml not found"):
+        Trainer(config, init_distributed("cpu", "gloo"))

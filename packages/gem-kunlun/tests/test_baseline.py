@@ -1,41 +1,15 @@
 import torch
-from gem_kunlun.testing import SPEC, random_batch
+from gem_kunlun.testing import SPEC, random_batch, select_example
 
-from gem_kunlun import BaselineConfig, BaselineRanker, Batch, EventSequence, multitask_loss
+from gem_kunlun import BaselineConfig, BaselineRanker, multitask_loss
 from gem_kunlun.baseline import init_dense_parameters
-from torchrec import KeyedJaggedTensor
-
-
-def select(batch: Batch, i: int) -> Batch:
-    """Example ``i`` of ``batch`` as a batch of one."""
-
-    def one(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        parts = kjt.to_dict()
-        values, lengths = [], []
-        for jt in parts.values():
-            o = jt.offsets()
-            values.append(jt.values()[o[i] : o[i + 1]])
-            lengths.append(jt.lengths()[i : i + 1])
-        return KeyedJaggedTensor.from_lengths_sync(keys=list(parts), values=torch.cat(values), lengths=torch.cat(lengths))
-
-    sequences = {}
-    for name, seq in batch.sequences.items():
-        o = seq.offsets()
-        sequences[name] = EventSequence(ids=one(seq.ids), timestamps=seq.timestamps[o[i] : o[i + 1]])
-    return Batch(
-        dense=batch.dense[i : i + 1],
-        sparse=one(batch.sparse),
-        sequences=sequences,
-        labels=batch.labels[i : i + 1],
-        surface=batch.surface[i : i + 1],
-    )
 
 
 def test_forward_shape_and_all_parameters_get_gradients():
     torch.manual_seed(0)
     model = BaselineRanker(SPEC, BaselineConfig(dim=8, num_heads=2, hidden=(16,), max_seq_len=8))
     batch = random_batch(7)
-    logits = model(batch)
+    logits = model(batch).logits
     assert logits.shape == (7, 2)
     multitask_loss(logits, batch.labels, torch.ones(2)).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
@@ -48,8 +22,8 @@ def test_batch_gives_the_same_outputs_as_its_examples_one_by_one():
     batch = random_batch(6, seed=3, max_events=3)
     # the batch mixes empty and non-empty histories (example 0 has no events at all)
     assert int(batch.num_events()[0]) == 0 and int(batch.num_events().max()) > 0
-    together = model(batch)
-    alone = torch.cat([model(select(batch, i)) for i in range(batch.batch_size)])
+    together = model(batch).logits
+    alone = torch.cat([model(select_example(batch, i)).logits for i in range(batch.batch_size)])
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
 
 
@@ -58,7 +32,7 @@ def test_empty_histories_give_finite_outputs():
     model = BaselineRanker(SPEC, BaselineConfig(dim=8, num_heads=2, hidden=(16,)))
     batch = random_batch(4, max_events=0)
     assert int(batch.num_events().sum()) == 0
-    assert torch.isfinite(model(batch)).all()
+    assert torch.isfinite(model(batch).logits).all()
 
 
 def test_flops_scale_with_real_lengths_only():
@@ -81,7 +55,7 @@ def test_built_on_meta_then_materialized():
         if hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs"):
             for p in module.parameters():
                 torch.nn.init.normal_(p, std=0.01)
-    assert torch.isfinite(model(random_batch(3))).all()
+    assert torch.isfinite(model(random_batch(3)).logits).all()
 
 
 def test_a_small_batch_can_be_overfit():
@@ -91,7 +65,7 @@ def test_a_small_batch_can_be_overfit():
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     first = None
     for _ in range(150):
-        loss = multitask_loss(model(batch), batch.labels, torch.ones(2))
+        loss = multitask_loss(model(batch).logits, batch.labels, torch.ones(2))
         first = first if first is not None else loss.item()
         optimizer.zero_grad()
         loss.backward()

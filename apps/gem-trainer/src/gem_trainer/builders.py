@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from gem_data import SyntheticConfig, SyntheticGenerator, SyntheticStream
-from gem_kunlun import BaselineConfig, BaselineRanker, FeatureSpec
+from gem_kunlun import BaselineConfig, BaselineRanker, FeatureSpec, KunlunModel
 from gem_parallel import dense_parameters, shard_embeddings
 from gem_trainer.config import TrainerConfig
+from gem_transfer import DistilledStudent
 from gem_trainer.distributed import DistributedEnv
 
 
@@ -36,11 +38,58 @@ def build_train_stream(config: TrainerConfig, generator: SyntheticGenerator, env
 def build_model(config: TrainerConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:
     """The unsharded model; built on ``device`` (use the meta device to build without allocating)."""
     m = config.model
+    if m.name == "kunlun":
+        model_config = m.kunlun.build()
+        unknown = sorted(set(model_config.events) - {e.name for e in spec.events})
+        if unknown:
+            raise ValueError(f"model.kunlun.events names unknown event types {unknown}; the data has {[e.name for e in spec.events]}")
+        return KunlunModel(spec, model_config, device=device)
+    b = m.baseline
     return BaselineRanker(
         spec,
-        BaselineConfig(dim=m.dim, num_seeds=m.num_seeds, num_heads=m.num_heads, hidden=m.hidden, max_seq_len=m.max_seq_len),
+        BaselineConfig(dim=b.dim, num_seeds=b.num_seeds, num_heads=b.num_heads, hidden=b.hidden, max_seq_len=b.max_seq_len),
         device=device,
     )
+
+
+def build_student(config: TrainerConfig, model: nn.Module) -> nn.Module:
+    """With a teacher configured, wrap ``model`` with the auxiliary head and student adapter of distillation."""
+    d = config.distillation
+    if d.teacher_run_dir is None:
+        return model
+    return DistilledStudent(
+        model, model.representation_dim, len(model.spec.tasks), model.spec.num_surfaces,
+        weight=d.weight, temperature=d.temperature, adapter=d.adapter, device=next(model.parameters()).device,
+    )
+
+
+def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) -> tuple[nn.Module, nn.Module] | None:
+    """The teacher of distillation, sharded like a trained model and loaded from its run's latest checkpoint,
+    with its unsharded twin (which answers FLOP questions)."""
+    import torch.distributed.checkpoint as dcp
+
+    from gem_trainer.checkpoint import CheckpointManager
+    from gem_trainer.config import ConfigError, load_config
+
+    folder = config.distillation.teacher_run_dir
+    if folder is None:
+        return None
+    path = Path(folder) / "config.toml"
+    if not path.is_file():
+        raise ConfigError(f"distillation.teacher_run_dir: {path} not found (is {folder} a finished run folder?)")
+    teacher_config = load_config(path)
+    if build_generator(teacher_config).spec != spec:
+        raise ConfigError(f"distillation.teacher_run_dir: the teacher at {folder} was trained on other features than this run")
+    checkpoints = CheckpointManager(Path(folder) / "checkpoints", keep_latest=1)
+    step = checkpoints.latest_step()
+    if step is None:
+        raise ConfigError(f"distillation.teacher_run_dir: no complete checkpoint under {checkpoints.folder}")
+    unsharded = build_model(teacher_config, spec, device=torch.device("meta"))
+    teacher = shard_embeddings(unsharded, env.device, sharding_type=teacher_config.parallelism.sparse_sharding)
+    state = {"model": teacher.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoints.path(step)))
+    teacher.load_state_dict(state["model"])
+    return teacher.eval(), unsharded  # frozen: it only ever runs under no_grad
 
 
 def task_weights(config: TrainerConfig, spec: FeatureSpec) -> torch.Tensor:

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(config: TrainerConfig, args, overrides) -> int:
-    from gem_trainer.distributed import init_distributed
+    from gem_trainer.distributed import init_distributed, shutdown_distributed
     from gem_trainer.trainer import Trainer, TrainingDiverged
 
     env = init_distributed(config.device, config.parallelism.backend)
@@ -60,30 +60,35 @@ def _train(config: TrainerConfig, args, overrides) -> int:
         (Path(config.run_dir) / "config.toml").write_text(dump_config(config))
     try:
         trainer.train()
+        if config.eval.at_end:
+            result = trainer.evaluate()
+            if env.rank == 0:
+                _print_eval(result, trainer.step, Path(config.run_dir))
     except TrainingDiverged as error:
         print(f"gem-trainer: {error}", file=sys.stderr)
         return 3
-    if config.eval.at_end:
-        result = trainer.evaluate()
-        if env.rank == 0:
-            _print_eval(result, trainer.step, Path(config.run_dir))
-    trainer.close()
+    finally:
+        trainer.close()
+        shutdown_distributed()
     return 0
 
 
 def _eval(config: TrainerConfig, args, overrides) -> int:
-    from gem_trainer.distributed import init_distributed
+    from gem_trainer.distributed import init_distributed, shutdown_distributed
     from gem_trainer.trainer import Trainer
 
     env = init_distributed(config.device, config.parallelism.backend)
     trainer = Trainer(config, env)
-    if not trainer.resume(args.step):
-        print(f"gem-trainer: no checkpoint under {trainer.checkpoints.folder}", file=sys.stderr)
-        return 1
-    result = trainer.evaluate()
-    if env.rank == 0:
-        _print_eval(result, trainer.step, Path(config.run_dir))
-    trainer.close()
+    try:
+        if not trainer.resume(args.step):
+            print(f"gem-trainer: no checkpoint under {trainer.checkpoints.folder}", file=sys.stderr)
+            return 1
+        result = trainer.evaluate()
+        if env.rank == 0:
+            _print_eval(result, trainer.step, Path(config.run_dir))
+    finally:
+        trainer.close()
+        shutdown_distributed()
     return 0
 
 

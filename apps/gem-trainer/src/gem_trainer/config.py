@@ -25,20 +25,78 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelConfig(Section):
-    name: Literal["baseline"] = "baseline"
+class BaselineSection(Section):
     dim: int = Field(32, ge=1)
     num_seeds: int = Field(2, ge=1)
     num_heads: int = Field(2, ge=1)
     hidden: tuple[int, ...] = (128, 64)
     max_seq_len: int = Field(256, ge=1)
-    task_weights: dict[str, float] = {}
 
     @model_validator(mode="after")
-    def _heads_divide_dim(self) -> "ModelConfig":
+    def _heads_divide_dim(self) -> "BaselineSection":
         if self.dim % self.num_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         return self
+
+
+class EventSection(Section):
+    width: int | None = Field(None, ge=2)
+    num_layers: int = Field(0, ge=0)
+    num_heads: int = Field(2, ge=1)
+    window: int = Field(32, ge=0)
+
+
+class KunlunSection(Section):
+    """A size preset plus any field of ``gem_kunlun.KunlunConfig`` to override it (unset: the preset's)."""
+
+    size: Literal["tiny", "small", "base", "large"] = "tiny"
+    d_model: int | None = Field(None, ge=2)
+    num_layers: int | None = Field(None, ge=1)
+    num_heads: int | None = Field(None, ge=1)
+    num_summary_tokens: int | None = Field(None, ge=1)
+    num_seeds: int | None = Field(None, ge=1)
+    summarization: Literal["pma", "hsp"] | None = None
+    hsp_expansion: int | None = Field(None, ge=1)
+    hsp_rank: int | None = Field(None, ge=1)
+    num_experts: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=1)
+    capacity_factor: float | None = None
+    expert_rank: int | None = Field(None, ge=1)
+    expert_hidden: int | None = Field(None, ge=1)
+    balance_loss_weight: float | None = Field(None, ge=0)
+    pffn_activation: Literal["gelu", "gelu_tanh", "gelu_taylor6", "silu", "relu", "relu2", "identity", "softmax"] | None = None
+    attention: Literal["block", "window"] | None = None
+    block_size: int | None = Field(None, ge=1)
+    window_blocks: int | None = Field(None, ge=1)
+    window: int | None = Field(None, ge=0)
+    rote: bool | None = None
+    skip: tuple[tuple[str, ...], ...] | None = None
+    events: dict[str, EventSection] = {}
+    hidden: tuple[int, ...] | None = None
+    max_seq_len: int | None = Field(None, ge=1)
+    kernel: Literal["auto", "triton", "pytorch"] | None = None
+
+    @model_validator(mode="after")
+    def _builds(self) -> "KunlunSection":
+        self.build()  # the model's own checks (heads divide width, known CompSkip components, ...)
+        return self
+
+    def build(self):
+        """The ``gem_kunlun.KunlunConfig`` this section describes."""
+        import dataclasses
+
+        from gem_kunlun import KUNLUN_SIZES, EventPersonalization
+
+        fields = {k: v for k, v in self.model_dump().items() if v is not None and k not in ("size", "events")}
+        fields["events"] = {name: EventPersonalization(**e.model_dump()) for name, e in self.events.items()}
+        return dataclasses.replace(KUNLUN_SIZES[self.size], **fields)
+
+
+class ModelConfig(Section):
+    name: Literal["kunlun", "baseline"] = "kunlun"
+    task_weights: dict[str, float] = {}
+    kunlun: KunlunSection = KunlunSection()
+    baseline: BaselineSection = BaselineSection()
 
 
 class SyntheticDataConfig(Section):
@@ -102,6 +160,15 @@ class EvalConfig(Section):
     at_end: bool = True
 
 
+class DistillationConfig(Section):
+    """Train this model as a student of a finished run (the teacher): its ``config.toml`` and latest checkpoint."""
+
+    teacher_run_dir: str | None = None
+    weight: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, gt=0)
+    adapter: bool = True
+
+
 class TrainerConfig(Section):
     run_dir: str = "runs/default"
     seed: int = 0
@@ -116,6 +183,7 @@ class TrainerConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     eval: EvalConfig = EvalConfig()
+    distillation: DistillationConfig = DistillationConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainerConfig":

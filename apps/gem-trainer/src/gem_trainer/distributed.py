@@ -52,3 +52,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def shutdown_distributed() -> None:
+    """Tear the process group down before exit: leaving Gloo's threads running can abort the interpreter."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

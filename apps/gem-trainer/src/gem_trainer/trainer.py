@@ -55,7 +55,8 @@ class Trainer:
         self._batches = iter(self.stream)
         model = builders.build_model(config, self.spec, device=torch.device("meta"))
         self.flop_model = model  # the unsharded module answers FLOP questions
-        self.model = builders.shard_model(config, model, env)
+        self.teacher, self.teacher_flop_model = builders.build_teacher(config, self.spec, env) or (None, None)
+        self.model = builders.shard_model(config, builders.build_student(config, model), env)
         self.optimizer, self.dense_optimizer = builders.build_optimizers(config, self.model)
         self.scheduler = builders.build_lr_scheduler(config, self.dense_optimizer)
         self.dense_params = [p for group in self.dense_optimizer.param_groups for p in group["params"]]
@@ -113,8 +114,13 @@ class Trainer:
         batch = next(self._batches).to(self.env.device)
         self.model.train()
         with self._autocast():
-            logits = self.model(batch)
-        loss = multitask_loss(logits, batch.labels, self.task_weights)
+            if self.teacher is None:
+                output = self.model(batch)
+            else:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(batch).logits.float()
+                output = self.model(batch, teacher_logits)
+        loss = multitask_loss(output.logits, batch.labels, self.task_weights) + output.aux_loss
         if not torch.isfinite(loss):
             # NOTE: checked before backward, because backward already applies the fused sparse update.
             last = self.checkpoints.latest_step()
@@ -128,6 +134,8 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         flops = 3.0 * sum(self.flop_model.flops(batch).values())
+        if self.teacher is not None:  # the teacher runs forward only
+            flops += sum(self.teacher_flop_model.flops(batch).values())
         return {
             "loss": loss.item(),
             "grad_norm": float(grad_norm),
@@ -179,7 +187,7 @@ class Trainer:
         for batch in progress(batches, total, "eval", cfg.metrics.progress_bar and self.env.rank == 0):
             batch = batch.to(self.env.device)
             with self._autocast():
-                logits = self.model(batch)
+                logits = self.model(batch).logits
             probs.append(torch.sigmoid(logits.float()).cpu())
             labels.append(batch.labels.cpu())
             surfaces.append(batch.surface.cpu())

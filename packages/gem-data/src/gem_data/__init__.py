@@ -1,6 +1,58 @@
 """gem-data: readers, mixing and batching that produce gem-kunlun batches."""
 
-from gem_data.stream import SyntheticStream, eval_batches
+from gem_data.balancing import (
+    LengthBalancedStream,
+    example_costs,
+    imbalance,
+    part_loads,
+    partition_by_cost,
+    rank_imbalance,
+)
+from gem_data.batch_ops import concat_batches, select_examples
+from gem_data.errors import BadRows, DataError
+from gem_data.mixing import MixedStream, MixingConfig, MixSource
+from gem_data.readers.atomic import read_atomic
+from gem_data.readers.parquet import ParquetTable, write_parquet
+from gem_data.readers.text import read_sequence_text
+from gem_data.sequential.corpus import Bags, SequenceCorpus
+from gem_data.sequential.examples import NextItemConfig, NextItemDataset, NextItemTable, RankingExamples
+from gem_data.source import BatchSource, ShardedStream, WorkerLoader
+from gem_data.stream import SyntheticStream, TableStream, eval_batches
 from gem_data.synthetic import SyntheticConfig, SyntheticGenerator
+from gem_data.table import BatchTable, ExampleTable
 
-__all__ = ["SyntheticConfig", "SyntheticGenerator", "SyntheticStream", "eval_batches"]
+__all__ = [
+    "Bags",
+    "BadRows",
+    "BatchSource",
+    "BatchTable",
+    "DataError",
+    "ExampleTable",
+    "LengthBalancedStream",
+    "MixSource",
+    "MixedStream",
+    "MixingConfig",
+    "NextItemConfig",
+    "NextItemDataset",
+    "NextItemTable",
+    "ParquetTable",
+    "RankingExamples",
+    "SequenceCorpus",
+    "ShardedStream",
+    "SyntheticConfig",
+    "SyntheticGenerator",
+    "SyntheticStream",
+    "TableStream",
+    "WorkerLoader",
+    "concat_batches",
+    "eval_batches",
+    "example_costs",
+    "imbalance",
+    "part_loads",
+    "partition_by_cost",
+    "rank_imbalance",
+    "read_atomic",
+    "read_sequence_text",
+    "select_examples",
+    "write_parquet",
+]

@@ -1,15 +1,24 @@
-"""Batch streams: the synthetic data set as a rank-sharded, exactly resumable sequence of batches."""
+"""Batch streams: rank-sharded, worker-sharded, exactly resumable sequences of batches.
+
+``SyntheticStream`` draws the synthetic data set; ``TableStream`` reads any ``ExampleTable`` (real files)
+epoch after epoch. Both number global batches and shard them as ``ShardedStream`` describes.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import OrderedDict
 
-from gem_kunlun import Batch
+import torch
 
+from gem_kunlun import Batch, FeatureSpec
+
+from gem_data.batch_ops import concat_batches, exclusive_cumsum
+from gem_data.source import ShardedStream
 from gem_data.synthetic import SyntheticGenerator
+from gem_data.table import ExampleTable
 
 
-class SyntheticStream:
+class SyntheticStream(ShardedStream):
     """An endless stream of training batches for one rank.
 
     Rank ``r`` of ``world_size`` takes global batches ``r, r + world_size, r + 2 * world_size, ...``: no
@@ -18,29 +27,101 @@ class SyntheticStream:
     """
 
     def __init__(self, generator: SyntheticGenerator, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must lie in [0, world_size), got rank={rank}, world_size={world_size}")
-        self.generator, self.batch_size, self.rank, self.world_size = generator, batch_size, rank, world_size
-        self.position = 0
+        super().__init__(rank, world_size)
+        self.generator, self.batch_size = generator, batch_size
 
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            index = self.position * self.world_size + self.rank
-            self.position += 1
-            yield self.generator.batch(index, self.batch_size, split="train")
+    @property
+    def spec(self) -> FeatureSpec:
+        return self.generator.spec
 
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "world_size": self.world_size}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["world_size"] != self.world_size:
-            raise ValueError(
-                f"data state was saved with world_size={state['world_size']}, resuming with {self.world_size}"
-            )
-        self.position = int(state["position"])
+    def global_batch(self, index: int) -> Batch:
+        return self.generator.batch(index, self.batch_size, split="train")
 
 
 def eval_batches(generator: SyntheticGenerator, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1):
     """The held-out split: ``num_batches`` global batches, this rank's share of them."""
     for index in range(rank, num_batches, world_size):
         yield generator.batch(index, batch_size, split="eval")
+
+
+class TableStream(ShardedStream):
+    """Batches of ``batch_size`` rows of ``table``, epoch after epoch (``num_epochs=None``: endless).
+
+    The rows form one long sequence (epoch 0, then epoch 1, ...); global batch ``g`` is rows
+    ``[g * batch_size, (g + 1) * batch_size)`` of it, so every batch is full except possibly the very last
+    one of a finite stream, and batches straddle epochs rather than drop rows. With ``shuffle`` each epoch
+    visits blocks in a seeded random order and groups in a seeded random order within each block; the order
+    is a pure function of ``(seed, epoch)``, which makes the position alone a complete resumable state.
+    """
+
+    def __init__(
+        self,
+        table: ExampleTable,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_epochs: int | None = None,
+    ) -> None:
+        super().__init__(rank, world_size)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.table, self.batch_size, self.shuffle, self.seed, self.num_epochs = table, batch_size, shuffle, seed, num_epochs
+        self._sizes = torch.tensor(table.block_sizes(), dtype=torch.int64)
+        self.rows_per_epoch = int(self._sizes.sum())
+        if self.rows_per_epoch == 0:
+            raise ValueError("the table holds no rows")
+        if any(int(s) % table.group_size for s in self._sizes):
+            raise ValueError(f"every block must hold a multiple of group_size={table.group_size} rows")
+        self._orders: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # small LRU of permutations
+
+    @property
+    def spec(self) -> FeatureSpec:
+        return self.table.spec
+
+    def global_batch(self, index: int) -> Batch | None:
+        start = index * self.batch_size
+        end = start + self.batch_size
+        if self.num_epochs is not None:
+            end = min(end, self.num_epochs * self.rows_per_epoch)
+        if start >= end:
+            return None
+        positions = torch.arange(start, end)
+        epochs = positions // self.rows_per_epoch
+        parts = []
+        for epoch in torch.unique_consecutive(epochs).tolist():
+            in_epoch = positions[epochs == epoch] - epoch * self.rows_per_epoch
+            blocks, block_start = self._block_order(epoch)
+            slot = torch.searchsorted(block_start, in_epoch, right=True) - 1
+            for s in torch.unique_consecutive(slot).tolist():
+                block = int(blocks[s])
+                offset = in_epoch[slot == s] - block_start[s]
+                group = self.table.group_size
+                rows = self._group_order(epoch, block)[offset // group] * group + offset % group
+                parts.append(self.table.take(block, rows, epoch))
+        return concat_batches(parts)
+
+    def _block_order(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("blocks", epoch)
+        if key not in self._orders:
+            n = self._sizes.numel()
+            order = torch.randperm(n, generator=self._generator(epoch, -1)) if self.shuffle else torch.arange(n)
+            self._remember(key, order)
+        order = self._orders[key]
+        return order, exclusive_cumsum(self._sizes[order])[:-1]
+
+    def _group_order(self, epoch: int, block: int) -> torch.Tensor:
+        key = ("groups", epoch, block)
+        if key not in self._orders:
+            n = int(self._sizes[block]) // self.table.group_size
+            self._remember(key, torch.randperm(n, generator=self._generator(epoch, block)) if self.shuffle else torch.arange(n))
+        return self._orders[key]
+
+    def _remember(self, key: tuple, value: torch.Tensor) -> None:
+        self._orders[key] = value
+        while len(self._orders) > 8:
+            self._orders.popitem(last=False)
+
+    def _generator(self, epoch: int, block: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1_000_033 + block + 1)

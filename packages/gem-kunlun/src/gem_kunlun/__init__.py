@@ -4,7 +4,10 @@ from gem_kunlun.baseline import BaselineConfig, BaselineRanker, SeedPooling
 from gem_kunlun.batch import Batch, EventSequence
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import EventType, FeatureSpec, SparseFeature
-from gem_kunlun.heads import MultiTaskHeads, multitask_loss
+from gem_kunlun.heads import ModelOutput, MultiTaskHeads, multitask_loss
+from gem_kunlun.kunlun import KUNLUN_SIZES, EventPersonalization, KunlunConfig, KunlunLayer, KunlunModel
+from gem_kunlun.moe import MixtureOfExperts, WukongBlock
+from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
 from gem_kunlun.sequence import jagged_to_padded, lengths_to_offsets, merge_by_time
 
 __all__ = [
@@ -12,7 +15,18 @@ __all__ = [
     "BaselineRanker",
     "Batch",
     "EventSequence",
+    "EventPersonalization",
     "EventType",
+    "HierarchicalSeedPooling",
+    "KUNLUN_SIZES",
+    "KunlunConfig",
+    "KunlunLayer",
+    "KunlunModel",
+    "MixtureOfExperts",
+    "ModelOutput",
+    "PMA",
+    "SumKronLinear",
+    "WukongBlock",
     "FeatureEmbedding",
     "FeatureSpec",
     "MultiTaskHeads",

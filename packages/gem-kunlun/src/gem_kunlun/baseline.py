@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from gem_kunlun.batch import Batch
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import FeatureSpec
-from gem_kunlun.heads import MultiTaskHeads
+from gem_kunlun.heads import ModelOutput, MultiTaskHeads
 from gem_kunlun.sequence import jagged_to_padded, merge_by_time
 
 
@@ -81,7 +81,7 @@ class SeedPooling(nn.Module):
 
 
 class BaselineRanker(nn.Module):
-    """``forward(batch) -> logits [B, num_tasks]``; see the module docstring."""
+    """``forward(batch) -> ModelOutput(logits [B, num_tasks], aux_loss = 0)``; see the module docstring."""
 
     def __init__(self, spec: FeatureSpec, config: BaselineConfig = BaselineConfig(), device: torch.device | None = None):
         super().__init__()
@@ -94,9 +94,10 @@ class BaselineRanker(nn.Module):
         self.mlp = nn.Sequential(
             *[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.ReLU())]
         )
+        self.representation_dim = widths[-1]
         self.heads = MultiTaskHeads(widths[-1], len(spec.tasks), spec.num_surfaces, device=device)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch) -> ModelOutput:
         sparse, dense, events = self.embedding(batch)
         names = [e.name for e in self.spec.events]
         seq, offsets, _, event_type = merge_by_time(
@@ -108,7 +109,9 @@ class BaselineRanker(nn.Module):
         context = sparse.mean(1) + dense
         summary = self.pool(seq, offsets, self.config.max_seq_len, context)
         x = torch.cat([sparse.flatten(1), dense, summary.flatten(1)], 1)
-        return self.heads(self.mlp(x), batch.surface)
+        representation = self.mlp(x)
+        logits = self.heads(representation, batch.surface)
+        return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=representation)
 
     def flops(self, batch: Batch) -> dict[str, float]:
         """Forward model FLOPs of ``batch`` per component (matmuls and attention over real lengths; embedding

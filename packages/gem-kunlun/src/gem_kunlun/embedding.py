@@ -26,11 +26,14 @@ class FeatureEmbedding(nn.Module):
     EmbeddingCollection (one vector per event, jagged), dense floats through a linear projection.
 
     ``forward`` returns ``sparse [B, F, D]``, ``dense [B, D]`` and, per event type, ``[T_e, D]`` event
-    vectors (the sum of that event's id embeddings).
+    vectors (the sum of that event's id embeddings; ``event_dims`` may give an event type its own width).
     """
 
-    def __init__(self, spec: FeatureSpec, dim: int, device: torch.device | None = None) -> None:
+    def __init__(
+        self, spec: FeatureSpec, dim: int, event_dims: dict[str, int] | None = None, device: torch.device | None = None
+    ) -> None:
         super().__init__()
+        event_dims = event_dims or {}
         self.spec = spec
         self.dim = dim
         self.bags = EmbeddingBagCollection(
@@ -46,27 +49,33 @@ class FeatureEmbedding(nn.Module):
             ],
             device=device,
         )
-        self.events = EmbeddingCollection(
-            tables=[
-                EmbeddingConfig(
-                    name=table_name(f.name), embedding_dim=dim, num_embeddings=f.num_embeddings, feature_names=[f.name]
-                )
-                for e in spec.events
-                for f in e.features
-            ],
-            device=device,
-        )
+        # NOTE: an EmbeddingCollection holds tables of one width, so event types are grouped by width.
+        self.event_widths = {e.name: event_dims.get(e.name, dim) for e in spec.events}
+        self.events = nn.ModuleDict()
+        for width in sorted(set(self.event_widths.values())):
+            self.events[f"width{width}"] = EmbeddingCollection(
+                tables=[
+                    EmbeddingConfig(
+                        name=table_name(f.name), embedding_dim=width, num_embeddings=f.num_embeddings, feature_names=[f.name]
+                    )
+                    for e in spec.events
+                    if self.event_widths[e.name] == width
+                    for f in e.features
+                ],
+                device=device,
+            )
         self.dense = nn.Linear(spec.num_dense, dim, device=device)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         b = batch.batch_size
         sparse = self.bags(batch.sparse).values().view(b, len(self.spec.sparse), self.dim)
         dense = self.dense(batch.dense)
-        # NOTE: one lookup for all event types: a sharded EmbeddingCollection takes a single KJT.
-        ids = KeyedJaggedTensor.concat([batch.sequences[e.name].ids for e in self.spec.events])
-        looked_up = self.events(ids)
         events = {}
-        for e in self.spec.events:
-            vectors = [looked_up[f.name].values() for f in e.features]
-            events[e.name] = torch.stack(vectors, 0).sum(0)
+        for key, collection in self.events.items():
+            width = int(key.removeprefix("width"))
+            types = [e for e in self.spec.events if self.event_widths[e.name] == width]
+            # one lookup per collection: a sharded EmbeddingCollection takes a single KJT
+            looked_up = collection(KeyedJaggedTensor.concat([batch.sequences[e.name].ids for e in types]))
+            for e in types:
+                events[e.name] = torch.stack([looked_up[f.name].values() for f in e.features], 0).sum(0)
         return sparse, dense, events

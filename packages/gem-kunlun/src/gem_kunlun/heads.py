@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+@dataclass
+class ModelOutput:
+    """What every model returns: ``logits [B, num_tasks]``, an auxiliary loss to add to the task loss (the MoE
+    load-balancing term; zero for models without one) and the ``representation [B, R]`` its heads read."""
+
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+    representation: torch.Tensor | None = None
 
 
 class MultiTaskHeads(nn.Module):

@@ -50,3 +50,16 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int) 
     padded = values.new_zeros((batch_size, max_len) + values.shape[1:])
     padded[mask] = values[source[mask]]
     return padded, mask
+
+
+def keep_latest(offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a jagged batch that keep each sequence's last ``max_len`` entries, and the new offsets.
+
+    Returns ``(index [T'], offsets [B+1])`` so that ``values[index]`` is the truncated jagged tensor.
+    """
+    lengths = offsets[1:] - offsets[:-1]
+    kept = lengths.clamp(max=max_len)
+    new_offsets = lengths_to_offsets(kept)
+    example = torch.repeat_interleave(torch.arange(kept.numel(), device=offsets.device), kept)
+    within = torch.arange(int(new_offsets[-1]), device=offsets.device) - new_offsets[:-1][example]
+    return offsets[1:][example] - kept[example] + within, new_offsets

@@ -49,3 +49,28 @@ def random_batch(batch_size: int, seed: int = 0, max_events: int = 9, spec: Feat
         labels=torch.randint(0, 2, (batch_size, len(spec.tasks)), generator=g).float(),
         surface=torch.randint(spec.num_surfaces, (batch_size,), generator=g),
     )
+
+
+def select_example(batch: Batch, i: int) -> Batch:
+    """Example ``i`` of ``batch`` as a batch of one."""
+
+    def one(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        parts = kjt.to_dict()
+        values, lengths = [], []
+        for jt in parts.values():
+            o = jt.offsets()
+            values.append(jt.values()[o[i] : o[i + 1]])
+            lengths.append(jt.lengths()[i : i + 1])
+        return KeyedJaggedTensor.from_lengths_sync(keys=list(parts), values=torch.cat(values), lengths=torch.cat(lengths))
+
+    sequences = {}
+    for name, seq in batch.sequences.items():
+        o = seq.offsets()
+        sequences[name] = EventSequence(ids=one(seq.ids), timestamps=seq.timestamps[o[i] : o[i + 1]])
+    return Batch(
+        dense=batch.dense[i : i + 1],
+        sparse=one(batch.sparse),
+        sequences=sequences,
+        labels=batch.labels[i : i + 1],
+        surface=batch.surface[i : i + 1],
+    )

@@ -52,6 +52,8 @@ def main(out_dir: str) -> None:
     }
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
+    # NOTE: a barrier first, so no rank tears Gloo down while another still talks to it
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,0 +1,1 @@
+"""File readers: sequential text (SASRec style), RecBole atomic files, Parquet."""

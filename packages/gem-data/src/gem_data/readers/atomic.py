@@ -1,0 +1,174 @@
+"""RecBole atomic files: ``<name>.inter`` (required), ``<name>.user`` and ``<name>.item`` (optional).
+
+Tab-separated, first line a typed header ``field:type`` with ``type`` one of ``token`` (one id),
+``token_seq`` (space-separated ids), ``float``, ``float_seq``. The ``.inter`` file needs the user and item
+fields; a ``timestamp`` float field orders each user's events (file order otherwise, and for ties).
+``.user`` / ``.item`` token and token_seq fields become id bags, float fields dense features; float_seq fields
+have no place in the batch schema and are listed in ``ignored_fields``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gem_data.batch_ops import exclusive_cumsum
+from gem_data.errors import BadRows, DataError
+from gem_data.sequential.corpus import Bags, SequenceCorpus, vocabulary
+
+TYPES = ("token", "token_seq", "float", "float_seq")
+
+
+def read_atomic(
+    directory: str | Path,
+    name: str | None = None,
+    user_field: str = "user_id",
+    item_field: str = "item_id",
+    time_field: str = "timestamp",
+    skip_bad_rows: bool = False,
+) -> SequenceCorpus:
+    """Read ``directory/<name>.{inter,user,item}`` (``name`` defaults to the folder name) into a corpus.
+
+    Users and items are those of the ``.inter`` file; ``.user``/``.item`` rows of others are ignored and
+    entities without a row get empty bags and zero floats. Bad rows (wrong column count, unparsable float,
+    empty user or item) raise ``DataError`` naming file and line, or are counted with ``skip_bad_rows=True``;
+    a bad header always raises.
+    """
+    directory = Path(directory)
+    name = name or directory.name
+    bad = BadRows(skip=skip_bad_rows)
+    inter_path = directory / f"{name}.inter"
+    if not inter_path.is_file():
+        raise DataError(inter_path, None, "interaction file not found")
+    header, rows = _read_table(inter_path, bad)
+    for required in (user_field, item_field):
+        if header.get(required) != "token":
+            raise DataError(inter_path, 1, f"header needs a {required}:token field, has {_describe(header)}")
+    columns = list(header)
+    u_col, i_col = columns.index(user_field), columns.index(item_field)
+    t_col = columns.index(time_field) if header.get(time_field) == "float" else None
+    kept = []
+    for number, row in rows:
+        if not row[u_col] or not row[i_col]:
+            bad.report(inter_path, number, f"empty {user_field} or {item_field}")
+            continue
+        kept.append(row)
+    if not kept:
+        raise DataError(inter_path, None, "no interactions")
+    user_tokens = vocabulary(r[u_col] for r in kept)
+    item_tokens = vocabulary(r[i_col] for r in kept)
+    user_index = {t: i for i, t in enumerate(user_tokens)}
+    item_index = {t: i for i, t in enumerate(item_tokens)}
+    users = torch.tensor([user_index[r[u_col]] for r in kept], dtype=torch.int64)
+    items = torch.tensor([item_index[r[i_col]] for r in kept], dtype=torch.int64)
+    times = torch.tensor([float(r[t_col]) for r in kept], dtype=torch.float64) if t_col is not None else None
+    # by user, then time, then file order: two stable sorts
+    order = torch.arange(len(kept))
+    if times is not None:
+        order = order[torch.sort(times[order], stable=True).indices]
+    order = order[torch.sort(users[order], stable=True).indices]
+    lengths = torch.bincount(users, minlength=len(user_tokens))
+    if times is not None:
+        timestamps = times[order] - times.min()
+    else:
+        offsets = exclusive_cumsum(lengths)
+        timestamps = (torch.arange(len(kept)) - torch.repeat_interleave(offsets[:-1], lengths)).double()
+    corpus = SequenceCorpus(
+        name=name,
+        user_tokens=user_tokens,
+        item_tokens=item_tokens,
+        items=items[order],
+        offsets=exclusive_cumsum(lengths),
+        timestamps=timestamps,
+    )
+    ignored = [f"{inter_path.name}:{f}" for f, t in header.items() if t == "float_seq"]
+    for suffix, key, index, fields_attr, dense_attr in (
+        ("user", user_field, user_index, "user_fields", "user_dense"),
+        ("item", item_field, item_index, "item_fields", "item_dense"),
+    ):
+        path = directory / f"{name}.{suffix}"
+        if path.is_file():
+            fields, dense, skipped = _read_features(path, key, index, bad)
+            setattr(corpus, fields_attr, fields)
+            setattr(corpus, dense_attr, dense)
+            ignored += skipped
+    corpus.ignored_fields = ignored
+    corpus.bad_rows, corpus.bad_row_examples = bad.count, bad.examples
+    return corpus
+
+
+def _describe(header: dict[str, str]) -> str:
+    return " ".join(f"{k}:{v}" for k, v in header.items())
+
+
+def _read_table(path: Path, bad: BadRows) -> tuple[dict[str, str], list[tuple[int, list[str]]]]:
+    """The typed header and the ``(line number, cells)`` of every well-formed row."""
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        lines = handle.read().split("\n")
+    header: dict[str, str] = {}
+    for cell in lines[0].rstrip("\r").split("\t"):
+        field, _, kind = cell.partition(":")
+        if kind not in TYPES or not field:
+            raise DataError(path, 1, f"header cell {cell!r} is not field:type with type in {TYPES}")
+        if field in header:
+            raise DataError(path, 1, f"header names field {field!r} twice")
+        header[field] = kind
+    floats = [i for i, kind in enumerate(header.values()) if kind == "float"]
+    rows = []
+    for number, line in enumerate(lines[1:], 2):
+        line = line.rstrip("\r")
+        if not line:
+            continue
+        cells = line.split("\t")
+        if len(cells) != len(header):
+            bad.report(path, number, f"{len(cells)} columns, the header has {len(header)}")
+            continue
+        try:
+            for i in floats:
+                if cells[i]:
+                    float(cells[i])
+        except ValueError:
+            bad.report(path, number, f"{cells[i]!r} in float field {list(header)[i]!r} is not a number")
+            continue
+        rows.append((number, cells))
+    return header, rows
+
+
+def _read_features(path: Path, key: str, index: dict[str, int], bad: BadRows):
+    header, rows = _read_table(path, bad)
+    if header.get(key) != "token":
+        raise DataError(path, 1, f"header needs a {key}:token field, has {_describe(header)}")
+    columns = list(header)
+    k = columns.index(key)
+    by_entity: dict[int, list[str]] = {}
+    for number, row in rows:
+        entity = index.get(row[k])
+        if entity is None:
+            continue  # an entity without interactions has no place in the corpus
+        if entity in by_entity:
+            bad.report(path, number, f"{key} {row[k]} appears on an earlier line too")
+            continue
+        by_entity[entity] = row
+    n = len(index)
+    fields, dense_columns, ignored = {}, [], []
+    for c, (field, kind) in enumerate(header.items()):
+        if c == k:
+            continue
+        if kind == "float":
+            column = torch.zeros(n, 1)
+            for entity, row in by_entity.items():
+                column[entity, 0] = float(row[c]) if row[c] else 0.0
+            dense_columns.append(column)
+        elif kind == "float_seq":
+            ignored.append(f"{path.name}:{field}")
+        else:
+            bags = {e: (row[c].split() if kind == "token_seq" else [row[c]] if row[c] else []) for e, row in by_entity.items()}
+            tokens = vocabulary(t for bag in bags.values() for t in bag)
+            if not tokens:
+                ignored.append(f"{path.name}:{field}")
+                continue
+            token_index = {t: i for i, t in enumerate(tokens)}
+            fields[field] = Bags.from_lists([[token_index[t] for t in bags.get(e, [])] for e in range(n)], len(tokens), tokens)
+    dense = torch.cat(dense_columns, 1) if dense_columns else torch.zeros(n, 0)
+    return fields, dense, ignored

@@ -1,0 +1,385 @@
+"""Parquet for users' own data, read in place one row group at a time.
+
+Schema (one row = one example; column names carry the role):
+
+| column | Arrow type | meaning |
+|---|---|---|
+| ``dense`` (optional) | ``list<float>`` or ``fixed_size_list<float>``, same length every row | non-sequence dense floats |
+| ``sparse.<feature>`` | ``list<int64>`` (a bag) or ``int64`` (one id) | non-sequence sparse ids |
+| ``event.<type>.<feature>`` | ``list<int64>`` | one id per event of ``<type>``; every feature of a type has the same length per row |
+| ``event.<type>.timestamp`` | ``list<double>`` | event times, non-decreasing within the row, same length |
+| ``label.<task>`` | numeric or bool scalar in {0, 1} | one column per task, in file order |
+| ``surface`` (optional) | integer scalar | surface / domain id (0 when absent) |
+
+Vocabulary sizes are ``max id + 1`` over the file(s) unless ``vocab_sizes`` gives them or the file's
+schema metadata ``gem.vocab_sizes`` (a JSON object, written by ``write_parquet``) does; ``num_surfaces``
+is ``max + 1`` unless given. Bad rows (nulls, negative ids, event features of unequal length, unsorted times, labels outside
+{0, 1}, dense of the wrong width) raise ``DataError`` naming the file and 0-based row, or are counted and
+skipped with ``skip_bad_rows=True``. ``write_parquet`` writes batches in this schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torchrec import KeyedJaggedTensor
+
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature
+
+from gem_data.batch_ops import gather_jagged, select_examples
+from gem_data.errors import BadRows, DataError
+
+
+class ParquetTable:
+    """An ``ExampleTable`` over Parquet files: one block per row group, decoded on demand (a few cached).
+
+    Opening reads every row group once, to validate rows and size the vocabularies; ``bad_rows`` and
+    ``bad_row_examples`` report what ``skip_bad_rows=True`` skipped.
+    """
+
+    group_size = 1
+
+    def __init__(
+        self,
+        paths: str | Path | list[str | Path],
+        skip_bad_rows: bool = False,
+        vocab_sizes: dict[str, int] | None = None,
+        num_surfaces: int | None = None,
+        cache_row_groups: int = 2,
+    ) -> None:
+        self.paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+        if not self.paths:
+            raise ValueError("ParquetTable needs at least one file")
+        self.layout = _Layout.of(self.paths[0], pq.read_schema(self.paths[0]))
+        if self.layout.has_dense and self.layout.num_dense is None:
+            # NOTE: a plain list column fixes the width by its first row; rows of another width are bad rows
+            first = pq.ParquetFile(self.paths[0]).read_row_group(0, columns=["dense"]).column("dense")
+            self.layout.num_dense = len(first[0]) if len(first) and first[0].is_valid else 0
+        bad = BadRows(skip=skip_bad_rows)
+        self._groups: list[tuple[int, int]] = []  # (file, row group)
+        self._valid_rows: list[torch.Tensor] = []  # kept rows of each row group
+        maxima: dict[str, int] = {}
+        max_surface = 0
+        for f, path in enumerate(self.paths):
+            handle = pq.ParquetFile(path)
+            if f and not _Layout.of(path, handle.schema_arrow).same_columns(self.layout):
+                raise DataError(path, None, f"columns differ from {self.paths[0]}")
+            first_row = 0
+            for g in range(handle.num_row_groups):
+                decoded = self.layout.decode(handle.read_row_group(g), path, first_row)
+                for row, reason in decoded.problems:
+                    bad.report(path, f"row {first_row + row}", reason)
+                first_row += decoded.num_rows
+                valid = decoded.valid.nonzero().squeeze(1)
+                self._groups.append((f, g))
+                self._valid_rows.append(valid)
+                if valid.numel():
+                    kept = select_examples(decoded.batch, valid)
+                    for key, jt in list(kept.sparse.to_dict().items()) + [
+                        (k, jt) for s in kept.sequences.values() for k, jt in s.ids.to_dict().items()
+                    ]:
+                        if jt.values().numel():
+                            maxima[key] = max(maxima.get(key, 0), int(jt.values().max()))
+                    max_surface = max(max_surface, int(kept.surface.max()))
+        self.bad_rows, self.bad_row_examples = bad.count, bad.examples
+        # files written by write_parquet carry their spec's vocabulary sizes; explicit arguments win
+        metadata = pq.read_schema(self.paths[0]).metadata or {}
+        vocab_sizes = {**json.loads(metadata.get(b"gem.vocab_sizes", b"{}")), **(vocab_sizes or {})}
+
+        def size(name: str) -> int:
+            found = maxima.get(name, -1) + 1
+            given = vocab_sizes.get(name)
+            if given is not None and given < found:
+                raise DataError(self.paths[0], None, f"vocab_sizes[{name!r}]={given} but the data has id {found - 1}")
+            return max(given or found, 1)
+
+        surfaces = max_surface + 1
+        if num_surfaces is not None and num_surfaces < surfaces:
+            raise DataError(self.paths[0], None, f"num_surfaces={num_surfaces} but the data has surface {max_surface}")
+        self.spec = FeatureSpec(
+            num_dense=self.layout.num_dense or 0,
+            sparse=tuple(SparseFeature(n, size(n)) for n in self.layout.sparse),
+            events=tuple(EventType(t, tuple(SparseFeature(n, size(n)) for n in fs)) for t, fs in self.layout.events.items()),
+            tasks=tuple(self.layout.labels),
+            num_surfaces=num_surfaces or surfaces,
+        )
+        self._cache: OrderedDict[int, Batch] = OrderedDict()
+        self._cache_size = cache_row_groups
+
+    @property
+    def num_rows(self) -> int:
+        return sum(v.numel() for v in self._valid_rows)
+
+    def block_sizes(self) -> list[int]:
+        return [v.numel() for v in self._valid_rows]
+
+    def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
+        if block not in self._cache:
+            f, g = self._groups[block]
+            decoded = self.layout.decode(pq.ParquetFile(self.paths[f]).read_row_group(g), self.paths[f], 0)
+            self._cache[block] = select_examples(decoded.batch, self._valid_rows[block])
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(block)
+        return select_examples(self._cache[block], rows)
+
+
+class _Decoded:
+    def __init__(self, batch: Batch, valid: torch.Tensor, problems: list[tuple[int, str]]) -> None:
+        self.batch, self.valid, self.problems = batch, valid, problems
+        self.num_rows = valid.numel()
+
+
+class _Layout:
+    """Which columns play which role, read from the Arrow schema."""
+
+    def __init__(self, sparse, events, labels, has_dense, has_surface, num_dense) -> None:
+        self.sparse, self.events, self.labels = sparse, events, labels
+        self.has_dense, self.has_surface, self.num_dense = has_dense, has_surface, num_dense
+
+    def same_columns(self, other: "_Layout") -> bool:
+        return (self.sparse, self.events, self.labels, self.has_dense, self.has_surface) == (
+            other.sparse, other.events, other.labels, other.has_dense, other.has_surface)
+
+    @staticmethod
+    def of(path: Path, schema: pa.Schema) -> "_Layout":
+        sparse, events, labels = [], {}, []
+        has_dense = has_surface = False
+        num_dense = None
+        for field in schema:
+            name, kind = field.name, field.type
+            if name == "dense":
+                if not (pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind)) or not pa.types.is_floating(kind.value_type):
+                    raise DataError(path, None, f"column 'dense' must be a list of floats, is {kind}")
+                has_dense = True
+                num_dense = kind.list_size if pa.types.is_fixed_size_list(kind) else None
+            elif name == "surface":
+                if not pa.types.is_integer(kind):
+                    raise DataError(path, None, f"column 'surface' must be an integer, is {kind}")
+                has_surface = True
+            elif name.startswith("sparse."):
+                if not (pa.types.is_integer(kind) or (pa.types.is_list(kind) and pa.types.is_integer(kind.value_type))):
+                    raise DataError(path, None, f"column {name!r} must be an integer or a list of integers, is {kind}")
+                sparse.append(name.removeprefix("sparse."))
+            elif name.startswith("event."):
+                parts = name.split(".")
+                if len(parts) != 3 or not pa.types.is_list(kind):
+                    raise DataError(path, None, f"column {name!r} must be event.<type>.<feature>, a list column")
+                _, event, feature = parts
+                events.setdefault(event, [])
+                if feature == "timestamp":
+                    if not pa.types.is_floating(kind.value_type) and not pa.types.is_integer(kind.value_type):
+                        raise DataError(path, None, f"column {name!r} must be a list of numbers, is {kind}")
+                else:
+                    if not pa.types.is_integer(kind.value_type):
+                        raise DataError(path, None, f"column {name!r} must be a list of integers, is {kind}")
+                    events[event].append(feature)
+            elif name.startswith("label."):
+                if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+                    raise DataError(path, None, f"column {name!r} must be a number or bool, is {kind}")
+                labels.append(name.removeprefix("label."))
+            else:
+                raise DataError(path, None, f"column {name!r} is none of dense, surface, sparse.*, event.*.*, label.*")
+        names = set(schema.names)
+        for event, features in events.items():
+            if f"event.{event}.timestamp" not in names:
+                raise DataError(path, None, f"event type {event!r} has no column event.{event}.timestamp")
+            if not features:
+                raise DataError(path, None, f"event type {event!r} has no id feature column")
+        if not labels:
+            raise DataError(path, None, "no label.<task> column")
+        events = {e: tuple(f"{e}_{f}" for f in fs) for e, fs in events.items()}  # feature names unique across types
+        return _Layout(tuple(sparse), events, tuple(labels), has_dense, has_surface, num_dense)
+
+    def decode(self, table: pa.Table, path: Path, first_row: int) -> _Decoded:
+        """The row group as one batch (bad rows included but marked) plus ``valid [n]`` and the problems."""
+        n = table.num_rows
+        bad = torch.zeros(n, dtype=torch.bool)
+        problems: list[tuple[int, str]] = []
+
+        def flag(mask: torch.Tensor, reason: str) -> None:
+            for row in (mask & ~bad).nonzero().squeeze(1).tolist():
+                problems.append((row, reason))
+            bad.logical_or_(mask)
+
+        def ids_column(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            values, lengths, nulls = _jagged(table.column(name), torch.int64)
+            flag(nulls, f"null in {name}")
+            owner = torch.repeat_interleave(torch.arange(n), lengths)
+            flag(torch.zeros(n, dtype=torch.bool).index_fill_(0, owner[values < 0], True), f"negative id in {name}")
+            return values.clamp(min=0), lengths
+
+        sparse_values, sparse_lengths = [], []
+        for feature in self.sparse:
+            v, l = ids_column(f"sparse.{feature}")
+            sparse_values.append(v)
+            sparse_lengths.append(l)
+        sequences = {}
+        for event, features in self.events.items():
+            times, time_lengths, nulls = _jagged(table.column(f"event.{event}.timestamp"), torch.float64)
+            flag(nulls, f"null in event.{event}.timestamp")
+            values, lengths = [], []
+            for feature in features:
+                v, l = ids_column(f"event.{event}.{feature.removeprefix(event + '_')}")
+                flag(l != time_lengths, f"event.{event}: {feature.removeprefix(event + '_')} and timestamp differ in length")
+                values.append(v)
+                lengths.append(l)
+            owner = torch.repeat_interleave(torch.arange(n), time_lengths)
+            same_owner = owner[1:] == owner[:-1]
+            backwards = same_owner & (times[1:] < times[:-1])
+            flag(torch.zeros(n, dtype=torch.bool).index_fill_(0, owner[1:][backwards], True), f"event.{event}.timestamp decreases")
+            sequences[event] = (features, values, lengths, times, time_lengths)
+        labels = []
+        for task in self.labels:
+            column = table.column(f"label.{task}")
+            flag(_nulls(column), f"null in label.{task}")
+            y = torch.from_numpy(column.fill_null(0).to_numpy(zero_copy_only=False).copy()).to(torch.float32)
+            flag((y != 0) & (y != 1), f"label.{task} outside {{0, 1}}")
+            labels.append(y)
+        if self.has_surface:
+            column = table.column("surface")
+            flag(_nulls(column), "null in surface")
+            surface = torch.from_numpy(column.fill_null(0).to_numpy(zero_copy_only=False).copy()).to(torch.int64)
+            flag(surface < 0, "negative surface")
+        else:
+            surface = torch.zeros(n, dtype=torch.int64)
+        if self.has_dense:
+            values, lengths, nulls = _jagged(table.column("dense"), torch.float32)
+            flag(nulls, "null in dense")
+            width = self.num_dense or 0
+            flag(lengths != width, f"dense has a row width other than {width}")
+        else:
+            width = 0
+        # Build a batch over all rows; bad rows are given harmless stand-ins so the structure stays valid.
+        good = ~bad
+        if self.has_dense:
+            dense = torch.zeros(n, width)
+            keep = torch.repeat_interleave(good, lengths)
+            if width:
+                dense[good] = values[keep].view(-1, width)
+        else:
+            dense = torch.zeros(n, 0)
+        sparse = _kjt([f for f in self.sparse], sparse_values, sparse_lengths, good)
+        built = {}
+        for event, (features, values, lengths, times, time_lengths) in sequences.items():
+            keep_events = torch.repeat_interleave(good, time_lengths)
+            built[event] = EventSequence(
+                ids=_kjt(list(features), values, lengths, good), timestamps=times[keep_events].float()
+            )
+        label_tensor = torch.stack(labels, 1) if labels else torch.zeros(n, 0)
+        label_tensor[bad] = 0
+        surface[bad] = 0
+        return _Decoded(Batch(dense=dense, sparse=sparse, sequences=built, labels=label_tensor, surface=surface), good, sorted(problems))
+
+
+def _nulls(column: pa.ChunkedArray) -> torch.Tensor:
+    return torch.from_numpy(column.is_null().to_numpy(zero_copy_only=False).copy())
+
+
+def _jagged(column: pa.ChunkedArray, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A list (or scalar) column -> ``(values [T], lengths [n], rows with nulls [n] bool)``; nulls get length 0."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    n = len(array)
+    row_null = torch.from_numpy(array.is_null().to_numpy(zero_copy_only=False).copy())
+    if not (pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type)):
+        values = torch.from_numpy(array.fill_null(0).to_numpy(zero_copy_only=False).copy()).to(dtype)
+        return values, torch.ones(n, dtype=torch.int64), row_null
+    if pa.types.is_fixed_size_list(array.type):
+        offsets_t = torch.arange(n + 1, dtype=torch.int64) * array.type.list_size
+        inner = array.values.slice(array.offset * array.type.list_size, n * array.type.list_size)
+    else:
+        offsets_t = torch.from_numpy(array.offsets.to_numpy().copy()).to(torch.int64)
+        inner = array.values.slice(int(offsets_t[0]), int(offsets_t[-1] - offsets_t[0]))
+        offsets_t = offsets_t - offsets_t[0]
+    lengths = offsets_t[1:] - offsets_t[:-1]
+    value_null = torch.from_numpy(inner.is_null().to_numpy(zero_copy_only=False).copy())
+    values = torch.from_numpy(inner.fill_null(0).to_numpy(zero_copy_only=False).copy()).to(dtype)
+    owner = torch.repeat_interleave(torch.arange(n), lengths)
+    null = row_null.clone().index_fill_(0, owner[value_null], True)
+    lengths = torch.where(row_null, torch.zeros_like(lengths), lengths)
+    if bool(row_null.any()):
+        values, _ = gather_jagged(values, offsets_t, torch.arange(n)[~row_null])
+        full = torch.zeros(n, dtype=torch.int64)
+        full[~row_null] = (offsets_t[1:] - offsets_t[:-1])[~row_null]
+        lengths = full
+    return values, lengths, null
+
+
+def _kjt(keys: list[str], values: list[torch.Tensor], lengths: list[torch.Tensor], good: torch.Tensor) -> KeyedJaggedTensor:
+    """A KJT over all rows where bad rows are emptied (their ids are dropped)."""
+    kept_values, kept_lengths = [], []
+    for v, l in zip(values, lengths):
+        kept_values.append(v[torch.repeat_interleave(good, l)])
+        kept_lengths.append(torch.where(good, l, torch.zeros_like(l)))
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.cat(kept_values) if kept_values else torch.zeros(0, dtype=torch.int64),
+        lengths=torch.cat(kept_lengths) if kept_lengths else torch.zeros(0, dtype=torch.int64),
+    )
+
+
+def write_parquet(batches: Iterable[Batch], spec: FeatureSpec, path: str | Path, row_group_size: int = 65_536) -> int:
+    """Write ``batches`` in the schema above (one row per example, row groups of ``row_group_size`` rows);
+    returns the number of rows written.
+
+    Event features are named ``event.<type>.<feature>`` with the ``<type>_`` prefix of the spec's feature
+    name removed when present, so the file reads back to the same names; the spec's vocabulary sizes go
+    into the schema metadata.
+    """
+    writer, pending, total = None, [], 0
+
+    def flush(final: bool) -> None:
+        nonlocal pending
+        table = pa.concat_tables(pending)
+        whole = table.num_rows if final else (table.num_rows // row_group_size) * row_group_size
+        if whole:
+            writer.write_table(table.slice(0, whole), row_group_size=row_group_size)
+        pending = [table.slice(whole)] if whole < table.num_rows else []
+
+    try:
+        for batch in batches:
+            table = _to_arrow(batch, spec)
+            if writer is None:
+                vocab = {f.name: f.num_embeddings for f in spec.sparse} | {f.name: f.num_embeddings for e in spec.events for f in e.features}
+                writer = pq.ParquetWriter(str(path), table.schema.with_metadata({b"gem.vocab_sizes": json.dumps(vocab).encode()}))
+            pending.append(table.replace_schema_metadata(writer.schema.metadata))
+            total += batch.batch_size
+            if sum(t.num_rows for t in pending) >= row_group_size:
+                flush(final=False)
+        if pending:
+            flush(final=True)
+    finally:
+        if writer is not None:
+            writer.close()
+    return total
+
+
+def _list_array(values: torch.Tensor, lengths: torch.Tensor) -> pa.ListArray:
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets.numpy()), pa.array(values.numpy()))
+
+
+def _to_arrow(batch: Batch, spec: FeatureSpec) -> pa.Table:
+    columns: dict[str, pa.Array] = {}
+    if spec.num_dense:
+        columns["dense"] = pa.FixedSizeListArray.from_arrays(pa.array(batch.dense.float().reshape(-1).numpy()), spec.num_dense)
+    for feature in spec.sparse:
+        jt = batch.sparse[feature.name]
+        columns[f"sparse.{feature.name}"] = _list_array(jt.values(), jt.lengths())
+    for event in spec.events:
+        seq = batch.sequences[event.name]
+        for feature in event.features:
+            jt = seq.ids[feature.name]
+            columns[f"event.{event.name}.{feature.name.removeprefix(event.name + '_')}"] = _list_array(jt.values(), jt.lengths())
+        columns[f"event.{event.name}.timestamp"] = _list_array(seq.timestamps.double(), seq.lengths())
+    for t, task in enumerate(spec.tasks):
+        columns[f"label.{task}"] = pa.array(batch.labels[:, t].float().numpy())
+    columns["surface"] = pa.array(batch.surface.numpy())
+    return pa.table(columns)

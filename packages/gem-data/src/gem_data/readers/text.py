@@ -1,0 +1,90 @@
+"""Sequential-recommendation text files: one user per line, ``user item item ...`` (items in time order),
+with an optional ``item2attributes.json`` (``{"item": [attribute ids]}``), as in the SASRec / S3-Rec Beauty data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from gem_data.batch_ops import exclusive_cumsum
+from gem_data.errors import BadRows, DataError
+from gem_data.sequential.corpus import Bags, SequenceCorpus, vocabulary
+
+
+def read_sequence_text(
+    path: str | Path, attributes_path: str | Path | None = None, skip_bad_rows: bool = False
+) -> SequenceCorpus:
+    """Read ``path`` (and the attribute file) into a ``SequenceCorpus``.
+
+    Ids must be non-negative integers. Blank lines are ignored. A bad line (a non-integer token, a user
+    without items, a user seen twice) raises ``DataError`` naming file and line, or is counted and skipped
+    with ``skip_bad_rows=True``. Items are those appearing in the sequences; attribute entries of other items
+    are ignored. Timestamps are the positions ``0, 1, ...`` since the file has none.
+    """
+    path = Path(path)
+    bad = BadRows(skip=skip_bad_rows)
+    users: list[str] = []
+    sequences: list[list[str]] = []
+    seen: set[str] = set()
+    with path.open() as handle:
+        for number, line in enumerate(handle, 1):
+            tokens = line.split()
+            if not tokens:
+                continue
+            wrong = next((t for t in tokens if not t.isdigit()), None)
+            if wrong is not None:
+                bad.report(path, number, f"{wrong!r} is not a non-negative integer id")
+                continue
+            if len(tokens) < 2:
+                bad.report(path, number, f"user {tokens[0]} has no items")
+                continue
+            if tokens[0] in seen:
+                bad.report(path, number, f"user {tokens[0]} appears on an earlier line too")
+                continue
+            seen.add(tokens[0])
+            users.append(tokens[0])
+            sequences.append(tokens[1:])
+    if not users:
+        raise DataError(path, None, "no users")
+    item_tokens = vocabulary(t for seq in sequences for t in seq)
+    item_index = {t: i for i, t in enumerate(item_tokens)}
+    items = torch.tensor([item_index[t] for seq in sequences for t in seq], dtype=torch.int64)
+    lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.int64)
+    offsets = exclusive_cumsum(lengths)
+    positions = torch.arange(items.numel(), dtype=torch.int64) - torch.repeat_interleave(offsets[:-1], lengths)
+    item_fields = {}
+    if attributes_path is not None:
+        item_fields["attributes"] = _read_attributes(Path(attributes_path), item_index, bad)
+    return SequenceCorpus(
+        name=path.stem,
+        user_tokens=users,
+        item_tokens=item_tokens,
+        items=items,
+        offsets=offsets,
+        timestamps=positions.double(),
+        item_fields=item_fields,
+        bad_rows=bad.count,
+        bad_row_examples=bad.examples,
+    )
+
+
+def _read_attributes(path: Path, item_index: dict[str, int], bad: BadRows) -> Bags:
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise DataError(path, error.lineno, f"invalid JSON: {error.msg}") from None
+    if not isinstance(raw, dict):
+        raise DataError(path, None, "expected an object mapping item ids to lists of attribute ids")
+    per_item: list[list[str]] = [[] for _ in item_index]
+    for key, values in raw.items():
+        if not isinstance(values, list) or not all(isinstance(v, int) and v >= 0 for v in values):
+            bad.report(path, f"item {key}", f"attributes must be a list of non-negative integers, got {values!r}")
+            continue
+        if key in item_index:
+            per_item[item_index[key]] = [str(v) for v in values]
+    attribute_tokens = vocabulary(t for bag in per_item for t in bag)
+    attribute_index = {t: i for i, t in enumerate(attribute_tokens)}
+    return Bags.from_lists([[attribute_index[t] for t in bag] for bag in per_item], len(attribute_tokens), attribute_tokens)

@@ -1,0 +1,1 @@
+"""Sequential recommendation: user histories read from files, next-item training examples, ranking evaluation."""

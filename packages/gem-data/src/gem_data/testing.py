@@ -1,0 +1,53 @@
+"""Helpers for tests of gem-data and its users: where the shared real data lives, batch fingerprints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gem_kunlun import Batch
+
+
+def shared_data_dir(repo_root: str | Path) -> Path:
+    """``../shared/data`` beside the repository root: the real data sets (never copied into the repo)."""
+    return Path(repo_root).resolve().parent / "shared" / "data"
+
+
+def find_repo_root(start: str | Path) -> Path:
+    """The nearest folder above ``start`` holding ``hatch.toml`` (the monorepo root)."""
+    start = Path(start).resolve()
+    for folder in (start, *start.parents):
+        if (folder / "hatch.toml").is_file():
+            return folder
+    raise FileNotFoundError(f"no hatch.toml above {start}")
+
+
+def example_fingerprints(batch: Batch) -> list[tuple]:
+    """One hashable tuple per example (its ids, event ids, labels, surface): compares streams example by example."""
+    rows = []
+    sparse = {k: (jt.values(), jt.offsets()) for k, jt in batch.sparse.to_dict().items()}
+    events = {k: (jt.values(), jt.offsets()) for s in batch.sequences.values() for k, jt in s.ids.to_dict().items()}
+    for i in range(batch.batch_size):
+        ids = tuple(tuple(v[o[i] : o[i + 1]].tolist()) for v, o in (*sparse.values(), *events.values()))
+        rows.append((ids, tuple(batch.labels[i].tolist()), int(batch.surface[i]), tuple(batch.dense[i].tolist())))
+    return rows
+
+
+def equal_batches(a: Batch, b: Batch) -> bool:
+    """Exact equality of two batches, field by field."""
+    same_sequences = a.sequences.keys() == b.sequences.keys() and all(
+        torch.equal(a.sequences[k].ids.values(), b.sequences[k].ids.values())
+        and torch.equal(a.sequences[k].ids.lengths(), b.sequences[k].ids.lengths())
+        and torch.equal(a.sequences[k].timestamps, b.sequences[k].timestamps)
+        for k in a.sequences
+    )
+    return (
+        torch.equal(a.dense, b.dense)
+        and torch.equal(a.sparse.values(), b.sparse.values())
+        and torch.equal(a.sparse.lengths(), b.sparse.lengths())
+        and same_sequences
+        and torch.equal(a.labels, b.labels)
+        and torch.equal(a.surface, b.surface)
+        and ((a.source is None and b.source is None) or (a.source is not None and b.source is not None and torch.equal(a.source, b.source)))
+    )

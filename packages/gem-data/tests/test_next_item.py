@@ -1,0 +1,130 @@
+"""Next-item examples (leave-one-out, sampled negatives) and ranking-evaluation inputs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gem_data import NextItemConfig, NextItemDataset, TableStream, read_atomic, read_sequence_text
+from gem_data.testing import find_repo_root, shared_data_dir
+
+DATA = shared_data_dir(find_repo_root(Path(__file__)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("toy")
+    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k) % 40) for k in range(3 + u % 6)) for u in range(1, 31)]
+    (folder / "s.txt").write_text("\n".join(lines) + "\n")
+    (folder / "a.json").write_text("{" + ", ".join(f'"{i}": [{i % 5}, {5 + i % 3}]' for i in range(1, 41)) + "}")
+    return read_sequence_text(folder / "s.txt", folder / "a.json")
+
+
+def sequence(corpus, user):
+    return corpus.items[corpus.offsets[user] : corpus.offsets[user + 1]].tolist()
+
+
+def test_every_training_prefix_predicts_its_next_item_from_items_before_the_last_two(corpus):
+    dataset = NextItemDataset(corpus, NextItemConfig(num_negatives=0))
+    batch = next(iter(TableStream(dataset.training_table(), 10_000, shuffle=False, num_epochs=1)))
+    batch.validate(dataset.spec)
+    history = batch.sequences["history"]
+    hist_items = history.ids["history_item_id"].values().split(history.lengths().tolist())
+    expected = [(u, seq[:k], seq[k]) for u in range(corpus.num_users) for seq in [sequence(corpus, u)] for k in range(1, len(seq) - 2)]
+    got = list(zip(hist_items, batch.sparse["item_id"].values().tolist()))
+    assert [(h, t) for _, h, t in expected] == [(h.tolist(), t) for h, t in got]
+    assert bool((batch.labels == 1).all()) and dataset.num_training_examples == len(expected)
+    assert history.timestamps.tolist() == [float(i) for _, h, _ in expected for i in range(len(h))]
+
+
+def test_negatives_are_outside_the_users_sequence_and_fixed_per_epoch(corpus):
+    dataset = NextItemDataset(corpus, NextItemConfig(num_negatives=3, seed=5))
+    table = dataset.training_table()
+    rows = torch.arange(table.block_sizes()[0])
+    batch = table.take(0, rows, epoch=0)
+    users = dataset.example_user[rows // 4]
+    items = batch.sparse["item_id"].values()
+    negative = rows % 4 > 0
+    assert not bool(dataset.sampler.is_owned(users[negative], items[negative]).any())
+    assert torch.equal(batch.labels[:, 0], (~negative).float())
+    assert torch.equal(table.take(0, rows, epoch=0).sparse.values(), batch.sparse.values())
+    assert not torch.equal(table.take(0, rows, epoch=1).sparse["item_id"].values(), items)
+    # the candidate's attributes ride along as a bag
+    bags = batch.sparse["item_attributes"]
+    assert bags.lengths().tolist() == corpus.item_fields["attributes"].lengths()[items].tolist()
+
+
+def test_popularity_sampler_follows_training_counts():
+    from gem_data.sequential.sampling import NegativeSampler
+
+    counts = torch.tensor([0, 1, 2, 4, 8, 16])
+    sampler = NegativeSampler(6, torch.tensor([5]), "popularity", counts)  # user 0 owns item 5
+    users = torch.cat([torch.zeros(20_000, dtype=torch.int64), torch.ones(20_000, dtype=torch.int64)])
+    drawn = sampler.draw(users, torch.arange(40_000), salt=1)
+    own = torch.bincount(drawn[:20_000], minlength=6).double() / 20_000
+    other = torch.bincount(drawn[20_000:], minlength=6).double() / 20_000
+    assert own[5] == 0 and other[0] == 0
+    expected = counts[1:].double() / counts.sum()
+    assert torch.allclose(other[1:], expected, atol=4 * (expected * (1 - expected) / 20_000).sqrt().max())
+    assert torch.allclose(own[1:5], counts[1:5].double() / counts[1:5].sum(), atol=0.02)
+
+
+def test_sampled_ranking_holds_the_target_and_99_distinct_unseen_items(corpus):
+    dataset = NextItemDataset(corpus)
+    ranking = dataset.ranking_examples("test", "sampled", num_negatives=20, seed=3)
+    u = ranking.num_users
+    assert ranking.candidates.shape == (u, 21) and u == corpus.num_users
+    targets = ranking.targets()
+    assert targets.tolist() == [sequence(corpus, int(user))[-1] for user in ranking.users]
+    others = ranking.candidates.clone()
+    others[torch.arange(u), ranking.target_index] = -1
+    for row, user in zip(others.tolist(), ranking.users.tolist()):
+        negatives = [i for i in row if i >= 0]
+        assert len(set(negatives)) == 20 and not set(negatives) & set(sequence(corpus, user))
+    again = dataset.ranking_examples("test", "sampled", num_negatives=20, seed=3)
+    assert torch.equal(again.candidates, ranking.candidates)
+    assert not torch.equal(dataset.ranking_examples("test", "sampled", num_negatives=20, seed=4).candidates, ranking.candidates)
+    assert len(set(ranking.target_index.tolist())) > 1  # the target is not always in the same column
+
+
+def test_validation_history_stops_before_the_second_to_last_item(corpus):
+    dataset = NextItemDataset(corpus, NextItemConfig(max_history=2))
+    ranking = dataset.ranking_examples("valid", "full")
+    assert ranking.candidates.shape == (corpus.num_users, corpus.num_items)
+    assert torch.equal(ranking.target_index, ranking.targets())
+    seq = sequence(corpus, int(ranking.users[0]))
+    kept = ranking.history.ids["history_item_id"].values()[: int(ranking.history.lengths()[0])].tolist()
+    assert ranking.targets()[0] == seq[-2] and kept == seq[:-2][-2:]
+
+
+def test_scoring_batches_cover_users_times_candidates(corpus):
+    dataset = NextItemDataset(corpus, NextItemConfig(with_user_id=True))
+    ranking = dataset.ranking_examples("test", "sampled", num_negatives=9)
+    scores = torch.full(ranking.candidates.shape, -1.0)
+    for start, batch in dataset.scoring_batches(ranking, chunk_size=64):
+        batch.validate(dataset.spec)
+        scores.view(-1)[start : start + batch.batch_size] = batch.sparse["item_id"].values().float()
+        assert torch.equal(batch.sparse["user_id"].values(), ranking.users[torch.arange(start, start + batch.batch_size) // 10])
+    assert torch.equal(scores.long(), ranking.candidates)
+
+
+def test_beauty_leave_one_out_sizes():
+    if not (DATA / "beauty").exists():
+        pytest.skip(f"shared real data not found at {DATA / 'beauty'}")
+    corpus = read_sequence_text(DATA / "beauty" / "Beauty.txt", DATA / "beauty" / "Beauty_item2attributes.json")
+    dataset = NextItemDataset(corpus, NextItemConfig(num_negatives=1))
+    assert dataset.num_training_examples == 198502 - 3 * 22363  # every user trains on n-3 prefixes
+    ranking = dataset.ranking_examples("test", "sampled", seed=0)
+    assert ranking.candidates.shape == (22363, 100)
+    assert not bool(dataset.sampler.is_owned(ranking.users[:, None], ranking.candidates).sum(1).ne(1).any())
+    next(iter(TableStream(dataset.training_table(), 512))).validate(dataset.spec)
+
+
+def test_ml100k_examples_carry_user_and_item_attributes():
+    if not (DATA / "ml-100k").exists():
+        pytest.skip(f"shared real data not found at {DATA / 'ml-100k'}")
+    dataset = NextItemDataset(read_atomic(DATA / "ml-100k"), NextItemConfig(sampler="popularity", max_history=50))
+    batch = next(iter(TableStream(dataset.training_table(), 256)))
+    batch.validate(dataset.spec)
+    assert {"user_gender", "user_occupation", "item_class"} <= set(batch.sparse.keys())
+    assert int(batch.sequences["history"].lengths().max()) <= 50

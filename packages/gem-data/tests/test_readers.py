@@ -1,0 +1,120 @@
+"""The sequential text and RecBole atomic readers, on small files written here and on the shared real data."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gem_data import DataError, read_atomic, read_sequence_text
+from gem_data.testing import find_repo_root, shared_data_dir
+
+DATA = shared_data_dir(find_repo_root(Path(__file__)))
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_text_reader_maps_ids_and_keeps_order(tmp_path):
+    seqs = write(tmp_path / "s.txt", "7 30 10 20\n\n8 10 40\n")
+    attrs = write(tmp_path / "a.json", json.dumps({"10": [5, 6], "20": [6], "99": [1]}))
+    corpus = read_sequence_text(seqs, attrs)
+    assert corpus.item_tokens == ["10", "20", "30", "40"] and corpus.user_tokens == ["7", "8"]
+    assert corpus.items.tolist() == [2, 0, 1, 0, 3] and corpus.offsets.tolist() == [0, 3, 5]
+    assert corpus.timestamps.tolist() == [0, 1, 2, 0, 1]
+    bags = corpus.item_fields["attributes"]
+    assert bags.tokens == ["5", "6"] and bags.lengths().tolist() == [2, 1, 0, 0]
+    assert bags.slots(2).tolist() == [[0, 1], [1, 2], [2, 2], [2, 2]]  # padded with vocab_size
+
+
+@pytest.mark.parametrize(
+    "text, line, message",
+    [("1 2 3\n2 4 x\n", 2, "not a non-negative integer"), ("1 2\n3\n", 2, "no items"), ("1 2\n1 3\n", 2, "earlier line")],
+)
+def test_text_reader_names_file_and_line_of_a_bad_row(tmp_path, text, line, message):
+    path = write(tmp_path / "bad.txt", text)
+    with pytest.raises(DataError, match=rf"bad.txt:{line}: .*{message}"):
+        read_sequence_text(path)
+    corpus = read_sequence_text(path, skip_bad_rows=True)
+    assert corpus.bad_rows == 1 and f"bad.txt:{line}" in corpus.bad_row_examples[0] and corpus.num_users == 1
+
+
+def test_attribute_file_errors_name_the_file(tmp_path):
+    seqs = write(tmp_path / "s.txt", "1 2 3\n")
+    with pytest.raises(DataError, match=r"a.json:2: invalid JSON"):
+        read_sequence_text(seqs, write(tmp_path / "a.json", '{"2": [1],\n oops}'))
+    with pytest.raises(DataError, match=r"b.json:item 2: attributes must be"):
+        read_sequence_text(seqs, write(tmp_path / "b.json", '{"2": "brand"}'))
+    assert read_sequence_text(seqs, tmp_path / "b.json", skip_bad_rows=True).bad_rows == 1
+
+
+def write_atomic(folder: Path, inter_rows: str, item_rows: str = "", user_rows: str = "") -> Path:
+    folder.mkdir()
+    write(folder / "toy.inter", "user_id:token\titem_id:token\trating:float\ttimestamp:float\n" + inter_rows)
+    if item_rows:
+        write(folder / "toy.item", "item_id:token\tgenre:token_seq\tyear:token\tprice:float\n" + item_rows)
+    if user_rows:
+        write(folder / "toy.user", "user_id:token\tgender:token\tscores:float_seq\n" + user_rows)
+    return folder
+
+
+def test_atomic_reader_orders_by_time_and_reads_features(tmp_path):
+    folder = write_atomic(
+        tmp_path / "toy",
+        "u1\ti2\t4\t200\nu1\ti1\t5\t100\nu2\ti1\t3\t150\nu1\ti3\t1\t200\n",
+        "i1\tdrama comedy\t1995\t9.5\ni3\tdrama\t\t1.0\ni9\thorror\t2001\t2\n",
+        "u2\tF\t1 2\n",
+    )
+    corpus = read_atomic(folder)
+    assert corpus.item_tokens == ["i1", "i2", "i3"] and corpus.user_tokens == ["u1", "u2"]
+    assert corpus.items.tolist() == [0, 1, 2, 0]  # u1 by time (ties in file order), then u2
+    assert corpus.timestamps.tolist() == [0, 100, 100, 50]  # seconds since the first event
+    genre = corpus.item_fields["genre"]
+    assert genre.tokens == ["comedy", "drama"] and genre.lengths().tolist() == [2, 0, 1]
+    assert corpus.item_fields["year"].lengths().tolist() == [1, 0, 0]
+    assert corpus.item_dense[:, 0].tolist() == [9.5, 0.0, 1.0]
+    assert corpus.user_fields["gender"].lengths().tolist() == [0, 1]
+    assert corpus.ignored_fields == ["toy.user:scores"]
+
+
+def test_atomic_reader_bad_rows_and_headers(tmp_path):
+    folder = write_atomic(tmp_path / "toy", "u1\ti1\t4\t1\nu1\ti2\tfour\t2\nu2\ti1\t1\n")
+    with pytest.raises(DataError, match=r"toy.inter:3: .*'four' in float field 'rating'"):
+        read_atomic(folder)
+    corpus = read_atomic(folder, skip_bad_rows=True)
+    assert corpus.bad_rows == 2 and "toy.inter:4" in corpus.bad_row_examples[1] and corpus.items.numel() == 1
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    write(broken / "broken.inter", "user_id:token\titem_id:tokn\n1\t2\n")
+    with pytest.raises(DataError, match=r"broken.inter:1: header cell 'item_id:tokn'"):
+        read_atomic(broken)
+    with pytest.raises(DataError, match="not found"):
+        read_atomic(tmp_path / "nothing")
+
+
+def needs(path: Path):
+    if not path.exists():
+        pytest.skip(f"shared real data not found at {path} (expected ../shared/data beside the repository)")
+
+
+def test_beauty_matches_its_published_statistics():
+    needs(DATA / "beauty")
+    corpus = read_sequence_text(DATA / "beauty" / "Beauty.txt", DATA / "beauty" / "Beauty_item2attributes.json")
+    assert (corpus.num_users, corpus.num_items, corpus.items.numel()) == (22363, 12101, 198502)
+    assert corpus.bad_rows == 0 and int(corpus.lengths().min()) >= 5
+    assert corpus.item_fields["attributes"].vocab_size == 637
+
+
+def test_ml100k_matches_its_published_statistics():
+    needs(DATA / "ml-100k")
+    corpus = read_atomic(DATA / "ml-100k")
+    assert (corpus.num_users, corpus.num_items, corpus.items.numel()) == (943, 1682, 100000)
+    assert set(corpus.user_fields) == {"age", "gender", "occupation", "zip_code"}
+    assert set(corpus.item_fields) == {"movie_title", "release_year", "class"}
+    # each user's events are in time order
+    steps = corpus.timestamps[1:] - corpus.timestamps[:-1]
+    first = torch.zeros(corpus.items.numel(), dtype=torch.bool)
+    first[corpus.offsets[:-1]] = True
+    assert bool((steps[~first[1:]] >= 0).all())

@@ -1,0 +1,77 @@
+import itertools
+
+import pytest
+import torch
+from gem_kunlun.testing import SPEC, random_batch
+
+from gem_data import BatchSource, BatchTable, SyntheticConfig, SyntheticGenerator, SyntheticStream, TableStream, WorkerLoader
+from gem_data.testing import example_fingerprints
+
+
+@pytest.fixture(scope="module")
+def table():
+    return BatchTable(random_batch(50, seed=4), SPEC)
+
+
+def rows_of(batches):
+    return [row for b in batches for row in example_fingerprints(b)]
+
+
+def test_one_epoch_visits_every_row_once_in_a_seeded_order(table):
+    first = rows_of(TableStream(table, 8, num_epochs=1, seed=1))
+    assert sorted(first) == sorted(example_fingerprints(table.batch)) and len(first) == 50
+    assert first == rows_of(TableStream(table, 8, num_epochs=1, seed=1))
+    assert first != rows_of(TableStream(table, 8, num_epochs=1, seed=2))
+    assert rows_of(TableStream(table, 8, num_epochs=1, shuffle=False)) == example_fingerprints(table.batch)
+
+
+def test_ranks_split_the_rows_without_duplicates_or_gaps(table):
+    single = rows_of(TableStream(table, 8, num_epochs=2))
+    world = 3
+    per_rank = [list(TableStream(table, 8, rank=r, world_size=world, num_epochs=2)) for r in range(world)]
+    global_order = [per_rank[g % world][g // world] for g in range(sum(len(p) for p in per_rank))]
+    assert rows_of(global_order) == single and len(single) == 100
+
+
+def test_resume_continues_at_the_same_example_across_epochs(table):
+    stream = TableStream(table, 16, rank=1, world_size=2)
+    batches = iter(stream)
+    for _ in range(3):  # 3 local batches = rows 16..31, 48..63, 80..95: past the first epoch
+        next(batches)
+    state = stream.state_dict()
+    expected = rows_of(itertools.islice(batches, 3))
+    resumed = TableStream(table, 16, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    assert rows_of(itertools.islice(resumed, 3)) == expected
+
+
+def test_every_stream_is_a_batch_source(table):
+    generator = SyntheticGenerator(SyntheticConfig(num_ads=2000, max_events=16))
+    for stream in (TableStream(table, 4), SyntheticStream(generator, 4), WorkerLoader(TableStream(table, 4))):
+        assert isinstance(stream, BatchSource)
+        next(iter(stream)).validate(stream.spec)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_dataloader_workers_reproduce_the_single_process_sequence_and_resume(table):
+    single = rows_of(itertools.islice(TableStream(table, 8, rank=1, world_size=2), 9))
+    loader = WorkerLoader(TableStream(table, 8, rank=1, world_size=2), num_workers=2)
+    batches = iter(loader)
+    first = rows_of(itertools.islice(batches, 5))
+    state = loader.state_dict()
+    del batches
+    assert first == single[: 5 * 8] and state["position"] == 5
+    resumed = WorkerLoader(TableStream(table, 8, rank=1, world_size=2), num_workers=3)
+    resumed.load_state_dict(state)
+    assert rows_of(itertools.islice(resumed, 4)) == single[5 * 8 :]
+
+
+def test_bad_table_arguments_are_rejected(table):
+    with pytest.raises(ValueError, match="rank"):
+        TableStream(table, 8, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        TableStream(table, 0)
+    with pytest.raises(ValueError, match="world_size"):
+        TableStream(table, 8, world_size=2).load_state_dict(TableStream(table, 8).state_dict())
+    assert torch.equal(next(iter(TableStream(table, 50, shuffle=False))).dense, table.batch.dense)

@@ -1,0 +1,71 @@
+"""Shared plumbing of the attention ops: resolve defaults, pick the kernel, run it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gem_kernels.ops import _validation as V
+from gem_kernels.ops.pytorch.pt_activations import ACTIVATIONS
+from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
+
+
+def resolve_activations(activation: str | list[str] | tuple[str, ...], num_heads: int) -> tuple[str, ...]:
+    acts = (activation,) * num_heads if isinstance(activation, str) else tuple(activation)
+    if len(acts) != num_heads:
+        raise ValueError(f"activation has {len(acts)} entries but q has {num_heads} heads")
+    for a in acts:
+        if a not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {a!r}")
+    return acts
+
+
+def run_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    *,
+    max_q: int,
+    max_kv: int,
+    activations: tuple[str, ...],
+    sm_scale: float,
+    pw_scale: float,
+    kernel: str,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    block_size: int | None = None,
+    window_blocks: int | None = None,
+) -> torch.Tensor:
+    head_dim = q.shape[2]
+    use_triton = V.use_triton(kernel, q.device)
+    if use_triton and kernel == "auto":
+        try:
+            V.check_triton_head_dim("q", head_dim)
+        except ValueError:
+            use_triton = False  # auto falls back to the reference for shapes the kernel does not cover
+    empty = q.shape[0] == 0 or k.shape[0] == 0
+    if use_triton and not empty:
+        V.check_triton_head_dim("q", head_dim)
+        V.check_triton_device("q", q)
+        from gem_kernels.ops.triton.triton_attention import AttnSpec, triton_attention
+
+        spec = AttnSpec(
+            max_q=max_q, max_kv=max_kv, nq=None if q_offsets is not None else q.shape[0],
+            activations=activations, sm_scale=float(sm_scale), pw_scale=float(pw_scale),
+            window_left=window_left, window_right=window_right, block_size=block_size,
+            window_blocks=window_blocks,
+        )
+        return triton_attention(q, k, v, q_offsets, kv_offsets, kv_index, spec)
+    return pt_attention(
+        q, k, v, q_offsets, kv_offsets, max_q, max_kv, list(activations), sm_scale, pw_scale,
+        kv_index=kv_index, window_left=window_left, window_right=window_right, block_size=block_size,
+        window_blocks=window_blocks,
+    )
+
+
+def default_sm_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,52 @@
+"""BlockAttention: self-attention in fixed token blocks, each block seeing itself and a few blocks before it."""
+
+from __future__ import annotations
+
+import torch
+
+from gem_kernels.ops import _validation as V
+from gem_kernels.ops._dispatch import default_sm_scale, resolve_activations, run_attention
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    block_size: int = 64,
+    window_blocks: int = 1,
+    activation: str | list[str] = "softmax",
+    max_seq_len: int | None = None,
+    scale: float | None = None,
+    kernel: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """Each sequence is cut into blocks of block_size tokens (the last one may be short); every token of block
+    i attends to every token of blocks i-window_blocks+1..i (window_blocks=1: independent blocks), so the cost is
+    linear in the sequence length. q, k, v: [T, H, D], offsets: [B+1] int64. activation as in gdpa (softmax or
+    pointwise, or one per head); scale defaults to 1/sqrt(D) for softmax and 1/(block_size * window_blocks)
+    for pointwise heads. max_seq_len bounds the lengths (None: read from offsets, one sync). Returns
+    [T, H, D]."""
+    V.check_kernel(kernel)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        V.check_values(name, t, 3, "[T, H, D]")
+    V.check_same(["q", "k", "v"], [q, k, v])
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must have the same shape [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    V.check_offsets_meta("offsets", offsets, q.device)
+    for name, val in (("block_size", block_size), ("window_blocks", window_blocks)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if max_seq_len is not None:
+        V.check_max_len("max_seq_len", max_seq_len)
+    acts = resolve_activations(activation, q.shape[1])
+    if validate or max_seq_len is None:
+        real = V.check_offsets_values("offsets", offsets, q.shape[0], max_seq_len, "max_seq_len")
+        max_seq_len = max_seq_len or max(real, 1)
+    sm_scale = default_sm_scale(q.shape[2]) if scale is None else scale
+    pw_scale = 1.0 / (block_size * window_blocks) if scale is None else scale
+    return run_attention(
+        q, k, v, offsets, offsets, None, max_q=max_seq_len, max_kv=max_seq_len, activations=acts,
+        sm_scale=sm_scale, pw_scale=pw_scale, kernel=kernel, block_size=block_size, window_blocks=window_blocks,
+    )

@@ -1,0 +1,79 @@
+"""Fused LayerNorm / RMSNorm with an optional residual add."""
+
+from __future__ import annotations
+
+import torch
+
+from gem_kernels.ops import _validation as V
+from gem_kernels.ops.pytorch.pt_norms import pt_layer_norm, pt_rms_norm
+
+
+def _check(x, weight, bias, residual, kernel) -> bool:
+    V.check_kernel(kernel)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError("x must be a tensor of rank >= 1 ([..., N])")
+    if x.dtype not in V.SUPPORTED_DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be 1-D of size {x.shape[-1]} (x's last dim), got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape):
+        raise ValueError(f"bias must be None or 1-D of size {x.shape[-1]}")
+    names, tensors = ["x", "weight"], [x, weight]
+    if bias is not None:
+        names.append("bias")
+        tensors.append(bias)
+    for n, t in zip(names[1:], tensors[1:]):
+        if t.device != x.device:
+            raise ValueError(f"{n} is on {t.device} but x is on {x.device}")
+        if t.dtype not in V.SUPPORTED_DTYPES:
+            raise ValueError(f"{n} must be a floating tensor, got {t.dtype}")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}")
+        V.check_same(["x", "residual"], [x, residual])
+    use = V.use_triton(kernel, x.device)
+    if use and x.shape[-1] > 16384:
+        if kernel == "triton":
+            raise ValueError(f"x width {x.shape[-1]} is unsupported by the triton kernel (max 16384)")
+        use = False
+    if use and x.numel() == 0:
+        use = False
+    if use:
+        V.check_triton_device("x", x)
+    return use
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dim of x [..., N] with weight / bias [N] (bias may be None). With a residual
+    (x's shape and dtype) it normalises h = x + residual in one pass and returns (y, h), h in x's dtype, so the
+    residual stream needs no separate add; otherwise returns y. Statistics are fp32; y is in x's dtype.
+    kernel: "triton", "pytorch" or "auto" (Triton on CUDA)."""
+    if _check(x, weight, bias, residual, kernel):
+        from gem_kernels.ops.triton.triton_norms import triton_layer_norm
+
+        return triton_layer_norm(x, weight, bias, eps, residual)
+    return pt_layer_norm(x, weight, bias, eps, residual)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim of x [..., N]: y = h / sqrt(mean(h^2) + eps) * weight, h = x (+ residual).
+    Returns y, or (y, h) when a residual is given; see layer_norm."""
+    if _check(x, weight, None, residual, kernel):
+        from gem_kernels.ops.triton.triton_norms import triton_rms_norm
+
+        return triton_rms_norm(x, weight, eps, residual)
+    return pt_rms_norm(x, weight, eps, residual)

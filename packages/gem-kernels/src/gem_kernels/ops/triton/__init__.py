@@ -1,0 +1,1 @@
+"""Triton kernels with torch.autograd.Function wrappers. Importing this package imports triton."""

@@ -1,0 +1,64 @@
+"""A small launch-time tuner: the first candidate by default, the fastest with GEM_KERNELS_AUTOTUNE=1 on GPU.
+
+Triton's own autotuner would also run under the interpreter (where timing is meaningless), so the package
+keeps its own: candidates are plain launch-keyword dicts, results are cached per key for the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import triton
+
+_TUNED: dict[tuple, dict] = {}
+_PRESET: dict[str, dict] = {}  # configs loaded from a file, keyed by repr(key)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("GEM_KERNELS_AUTOTUNE", "0") == "1" and not interpreting()
+
+
+def tuned_configs() -> dict[tuple, dict]:
+    """The configs picked so far (for benchmark logs)."""
+    return dict(_TUNED)
+
+
+def save_tuned(path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({repr(k): v for k, v in _TUNED.items()}, f, indent=1)
+
+
+def load_tuned(path: str) -> None:
+    with open(path) as f:
+        _PRESET.update(json.load(f))
+
+
+def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands: list[dict]) -> None:
+    """args: a tuple, or a function of the config returning one (for inputs that depend on the tile size)."""
+    args_fn = args if callable(args) else (lambda c: args)
+    # NOTE: every kernel launched through here only writes its outputs, so timing a candidate by
+    # re-running it leaves the result unchanged.
+    cfg = _TUNED.get(key)
+    if cfg is None and repr(key) in _PRESET:
+        cfg = _TUNED[key] = dict(_PRESET[repr(key)])
+    if cfg is None:
+        cfg = cands[0]
+        if autotune_enabled() and len(cands) > 1:
+            best = None
+            for c in cands:
+                try:
+                    t = triton.testing.do_bench(lambda c=c: kernel[grid_fn(c)](*args_fn(c), **consts, **c),
+                                                warmup=5, rep=25, return_mode="median")
+                except Exception:  # a candidate can run out of shared memory or registers
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, c)
+            if best is not None:
+                cfg = best[1]
+        _TUNED[key] = cfg
+    kernel[grid_fn(cfg)](*args_fn(cfg), **consts, **cfg)

@@ -1,0 +1,189 @@
+"""Launchers and the autograd Function for the shared attention kernels (see triton_attention_kernels)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from gem_kernels.ops.triton._tuning import interpreting, launch
+from gem_kernels.ops.triton.triton_attention_kernels import (
+    ACT_CODES,
+    attn_bwd_dkdv_kernel,
+    attn_bwd_dq_kernel,
+    attn_fwd_kernel,
+)
+
+_UNBOUNDED = 1 << 30
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """Everything about one attention call that is not a tensor."""
+
+    max_q: int  # declared max query length (or Nq for broadcast queries)
+    max_kv: int
+    nq: int | None  # broadcast queries (PMA) when set
+    activations: tuple[str, ...]  # one per head
+    sm_scale: float
+    pw_scale: float
+    window_left: int | None = None
+    window_right: int | None = None
+    block_size: int | None = None
+    window_blocks: int | None = None
+
+    @property
+    def mask_args(self) -> tuple[int, int, int, int, int]:
+        if self.block_size is not None:
+            return 1, 0, 0, self.block_size, self.window_blocks
+        wl = _UNBOUNDED if self.window_left is None else self.window_left
+        wr = _UNBOUNDED if self.window_right is None else self.window_right
+        return 0, wl, wr, 1, 1
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+# --- tile configs ---------------------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M tiles queries, BLOCK_N keys, in all three kernels.
+
+def _candidates(kind: str, spec: AttnSpec, head_dim: int) -> list[dict]:
+    if interpreting():
+        return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
+    big = head_dim <= 128
+    kv_cap = _pow2_at_least(spec.max_kv, 16)
+    q_cap = _pow2_at_least(spec.max_q, 16)
+    block = spec.block_size
+    if kind == "fwd":
+        cands = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)] if big else \
+            [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)]
+    elif kind == "dkdv":
+        cands = [(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 3)] if big else \
+            [(32, 64, 8, 1), (32, 32, 4, 1)]
+    else:
+        cands = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 128, 8, 2)] if big else \
+            [(64, 32, 8, 1), (32, 32, 4, 1)]
+    out = []
+    for bm, bn, w, st in cands:
+        bm, bn = min(bm, q_cap), min(bn, kv_cap)
+        if block is not None and block % 16 == 0:
+            # NOTE: tiles that divide the block size never straddle a block edge, so they stay unmasked.
+            bm, bn = math.gcd(bm, block), math.gcd(bn, block)
+        cfg = dict(BLOCK_M=max(bm, 16), BLOCK_N=max(bn, 16), num_warps=w, num_stages=st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _bucket(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _head_groups(spec: AttnSpec, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    groups: dict[str, list[int]] = {}
+    for h, a in enumerate(spec.activations):
+        groups.setdefault(a, []).append(h)
+    return [(a, torch.tensor(hs, dtype=torch.int32, device=device)) for a, hs in groups.items()]
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # fp32 inputs get exact fp32 dots (the reference's precision); 16-bit inputs use the tensor cores anyway.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
+    T_out = q.shape[0] if spec.nq is None else (kv_offsets.shape[0] - 1) * spec.nq
+    B = q_offsets.shape[0] - 1 if spec.nq is None else kv_offsets.shape[0] - 1
+    H, D = q.shape[1], q.shape[2]
+    o = torch.empty((T_out, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((T_out, H), dtype=torch.float32, device=q.device)
+    mask_kind, wl, wr, bs, kb = spec.mask_args
+    dummy = kv_offsets
+    for act, head_ids in _head_groups(spec, q.device):
+        code = ACT_CODES[act]
+        args = (q, k, v, o, lse, dummy if q_offsets is None else q_offsets, kv_offsets,
+                dummy if kv_index is None else kv_index, head_ids,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                o.stride(0), o.stride(1), lse.stride(0),
+                spec.nq or 0, spec.sm_scale * _LOG2E, spec.pw_scale, wl, wr, bs, kb)
+        consts = dict(ACT=code, MASK_KIND=mask_kind, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
+                      PREC=_prec(q.dtype), BLOCK_D=D)
+        key = ("fwd", code, mask_kind, spec.nq is None, kv_index is not None, D, q.dtype,
+               _bucket(spec.max_q), _bucket(spec.max_kv), spec.block_size, spec.window_left is None,
+               spec.window_right is None)
+        nh = head_ids.numel()
+        launch(attn_fwd_kernel, lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
+                _candidates("fwd", spec, D))
+    return o, lse
+
+
+def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
+    H, D = q.shape[1], q.shape[2]
+    R = kv_offsets.shape[0] - 1
+    B = q_offsets.shape[0] - 1 if spec.nq is None else R
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1)  # [T_out, H]: only the softmax heads read it
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    # NOTE: broadcast queries collect one partial dQ per example, summed afterwards (deterministic).
+    dq = torch.empty_like(q) if spec.nq is None else torch.empty((B * spec.nq, H, D), dtype=torch.float32,
+                                                                 device=q.device)
+    if kv_index is not None:
+        order = torch.argsort(kv_index, stable=True)
+        cand_off = torch.searchsorted(kv_index[order], torch.arange(R + 1, device=q.device))
+        cand_ids = order
+    else:
+        cand_off = cand_ids = kv_offsets
+    mask_kind, wl, wr, bs, kb = spec.mask_args
+    q_off = kv_offsets if q_offsets is None else q_offsets
+    for act, head_ids in _head_groups(spec, q.device):
+        code = ACT_CODES[act]
+        scale = spec.sm_scale if code == 0 else spec.pw_scale
+        nh = head_ids.numel()
+        common = dict(ACT=code, MASK_KIND=mask_kind, Q_JAGGED=spec.nq is None, PREC=_prec(q.dtype), BLOCK_D=D)
+        key_tail = (code, mask_kind, spec.nq is None, kv_index is not None, D, q.dtype, _bucket(spec.max_q),
+                    _bucket(spec.max_kv), spec.block_size, spec.window_left is None, spec.window_right is None)
+        args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+                spec.nq or 0, spec.sm_scale * _LOG2E, scale, 1.0 if code == 0 else scale, wl, wr, bs, kb)
+        launch(attn_bwd_dkdv_kernel, lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
+                dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail, _candidates("dkdv", spec, D))
+        args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
+                head_ids, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+                spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
+        launch(attn_bwd_dq_kernel, lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
+                dict(common, HAS_KV_IDX=kv_index is not None), ("dq",) + key_tail, _candidates("dq", spec, D))
+    if spec.nq is not None:
+        dq = dq.view(B, spec.nq, H, D).sum(0).to(q.dtype)
+    return dq, dk, dv
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_offsets, kv_offsets, kv_index, spec):
+        o, lse = attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec)
+        ctx.save_for_backward(q, k, v, o, lse, q_offsets, kv_offsets, kv_index)
+        ctx.spec = spec
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, q_offsets, kv_offsets, kv_index = ctx.saved_tensors
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, ctx.spec)
+        return dq, dk, dv, None, None, None, None
+
+
+def triton_attention(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> torch.Tensor:
+    """q [Tq, H, D] jagged by q_offsets, or [Nq, H, D] broadcast (q_offsets None, spec.nq set); k, v [Tk, H, D]
+    jagged by kv_offsets; returns [Tq, H, D] or [B, Nq, H, D]."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = _TritonAttention.apply(q, k, v, q_offsets, kv_offsets, kv_index, spec)
+    if spec.nq is not None:
+        o = o.view(-1, spec.nq, q.shape[1], q.shape[2])
+    return o

@@ -1,0 +1,424 @@
+"""Triton kernels shared by JFA, GDPA and BlockAttention.
+
+One forward kernel and two backward kernels (dK/dV per key tile, dQ per query tile; no atomics, so the backward
+is deterministic) cover every attention op of the package:
+
+- queries are jagged (``Q_JAGGED``) or a few broadcast rows (PMA, ``NQ`` rows shared by every example);
+- example ``b`` reads kv sequence ``KV_IDX[b]`` (cross attention where one request serves many candidates);
+- the visible keys of query ``i`` are one interval ``[lo(i), hi(i)]`` whose ends never decrease with ``i``:
+  a window ``[i - Wl, i + Wr]`` (``MASK_KIND=0``; full or causal attention are windows) or whole blocks
+  (``MASK_KIND=1``: the ``KB`` blocks of ``BS`` tokens ending at ``i``'s block).
+
+Because the interval is monotone, every (query tile, key tile) pair is classified once per program: tiles
+outside the union of intervals are skipped, tiles inside every row's interval run without any mask, and only
+the few boundary tiles apply a per-element mask (``tl.where`` to a large negative constant, never -inf).
+Softmax heads keep a running max / sum and store the log-sum-exp (base 2) for the backward; pointwise heads
+(``ACT > 0``) just accumulate ``act(q.k) v`` tile by tile.
+"""
+
+import triton
+import triton.language as tl
+
+ACT_CODES = {
+    "softmax": 0, "gelu": 1, "gelu_tanh": 2, "gelu_taylor6": 3, "silu": 4, "relu": 5, "relu2": 6, "identity": 7,
+}
+
+
+@triton.jit
+def _tanh(x):
+    # NOTE: tl has no portable tanh (libdevice is not available to the interpreter).
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    if ACT == 1:
+        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif ACT == 2:
+        y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif ACT == 3:
+        x2 = x * x
+        y = 0.5 * x + 0.3989422804014327 * x2 * (1.0 - x2 * 0.16666666666666666 + x2 * x2 * 0.025)
+    elif ACT == 4:
+        y = x * tl.sigmoid(x)
+    elif ACT == 5:
+        y = tl.maximum(x, 0.0)
+    elif ACT == 6:
+        y = tl.maximum(x, 0.0)
+        y = y * y
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _act_grad(x, ACT: tl.constexpr):
+    if ACT == 1:
+        y = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACT == 2:
+        t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        y = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+    elif ACT == 3:
+        x2 = x * x
+        y = 0.5 + 0.3989422804014327 * x * (2.0 - x2 * 0.6666666666666666 + x2 * x2 * 0.15)
+    elif ACT == 4:
+        sg = tl.sigmoid(x)
+        y = sg * (1.0 + x * (1.0 - sg))
+    elif ACT == 5:
+        y = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 6:
+        y = 2.0 * tl.maximum(x, 0.0)
+    else:
+        y = x * 0.0 + 1.0
+    return y
+
+
+@triton.jit
+def _key_range(i, Wl, Wr, BS, KB, MASK_KIND: tl.constexpr):
+    """Inclusive [lo, hi] of the key positions visible to query position i (i >= 0)."""
+    if MASK_KIND == 0:
+        lo = i - Wl
+        hi = i + Wr
+    else:
+        blk = i // BS
+        lo = (blk - KB + 1) * BS
+        hi = (blk + 1) * BS - 1
+    return lo, hi
+
+
+@triton.jit
+def _query_range(j, Wl, Wr, BS, KB, MASK_KIND: tl.constexpr):
+    """Inclusive [lo, hi] of the query positions that see key position j (j >= 0)."""
+    if MASK_KIND == 0:
+        lo = j - Wr
+        hi = j + Wl
+    else:
+        blk = j // BS
+        lo = blk * BS
+        hi = (blk + KB) * BS - 1
+    return lo, hi
+
+
+@triton.jit
+def _segments(first_lo, last_hi, full_lo, full_hi, n, BLOCK: tl.constexpr):
+    """Split the visible columns [first_lo, last_hi) of a row tile into masked / unmasked / masked tiles.
+
+    full_lo / full_hi bound the columns visible to every row of the tile; all bounds are clamped to [0, n)
+    before any division, so the integer divisions never see negative numbers (C and Python round those
+    differently, and the interpreter runs Python's).
+    """
+    lo = tl.maximum(first_lo, 0)
+    hi = tl.minimum(last_hi, n)
+    lo_al = (lo // BLOCK) * BLOCK
+    full_lo = tl.maximum(full_lo, 0)
+    full_hi = tl.maximum(tl.minimum(full_hi, n), 0)
+    fs = tl.minimum(tl.maximum(((full_lo + BLOCK - 1) // BLOCK) * BLOCK, lo_al), hi)
+    fe = tl.maximum((full_hi // BLOCK) * BLOCK, fs)
+    return lo_al, fs, fe, hi
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, start, end, k_len,
+    qk_scale, Wl, Wr, BS, KB,
+    ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kt_ptrs = K_base + offs_n[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = V_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if MASKED:
+            kmask = offs_n < k_len
+            kt = tl.load(kt_ptrs, mask=kmask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, kt, input_precision=PREC)
+        if MASKED:
+            lo, hi = _key_range(offs_m, Wl, Wr, BS, KB, MASK_KIND)
+            allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]) & kmask[None, :]
+        if ACT == 0:
+            s = s * qk_scale
+            if MASKED:
+                s = tl.where(allowed, s, -1.0e6)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        else:
+            p = _act(s, ACT)
+            if MASKED:
+                p = tl.where(allowed, p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr):
+    if Q_JAGGED:
+        q_start = tl.load(Q_OFF + b)
+        q_len = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
+        o_start = q_start
+    else:
+        q_start = tl.full([], 0, tl.int64)
+        q_len = NQ
+        o_start = b.to(tl.int64) * NQ
+    if HAS_KV_IDX:
+        r = tl.load(KV_IDX + b)
+    else:
+        r = b
+    k_start = tl.load(KV_OFF + r)
+    k_len = (tl.load(KV_OFF + r + 1) - k_start).to(tl.int32)
+    return q_start, q_len, o_start, k_start, k_len
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+    NQ, qk_scale, out_scale, Wl, Wr, BS, KB,
+    ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.load(HEAD_IDS + tl.program_id(2))
+    q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
+    m0 = pid_m * BLOCK_M
+    # NOTE: the grid is sized by the declared max length; tiles past this sequence's end exit at once.
+    if m0 < q_len:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        qmask = offs_m < q_len
+        q = tl.load(Q + h * stride_qh + (q_start + offs_m)[:, None] * stride_qt + offs_d[None, :],
+                    mask=qmask[:, None], other=0.0)
+        K_base = K + h * stride_kh + k_start * stride_kt
+        V_base = V + h * stride_vh + k_start * stride_vt
+        m1 = tl.minimum(m0 + BLOCK_M, q_len)
+        first_lo, full_hi = _key_range(m0, Wl, Wr, BS, KB, MASK_KIND)
+        full_lo, last_hi = _key_range(m1 - 1, Wl, Wr, BS, KB, MASK_KIND)
+        lo_al, fs, fe, hi = _segments(first_lo, last_hi + 1, full_lo, full_hi + 1, k_len, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d,
+                                   lo_al, fs, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC,
+                                   BLOCK_N)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d,
+                                   fs, fe, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, False, PREC,
+                                   BLOCK_N)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d,
+                                   fe, hi, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC,
+                                   BLOCK_N)
+        if ACT == 0:
+            # A row that saw no visible key only ever met the -1e6 mask value: it outputs 0 and gets a huge
+            # LSE so that the backward's exp2(s - lse) is exactly 0 for it.
+            seen = m_i > -5.0e5
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+            out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+            lse = tl.where(seen, m_i + tl.log2(l_safe), 1.0e30)
+            tl.store(LSE + (o_start + offs_m) * stride_lt + h, lse, mask=qmask)
+        else:
+            out = acc * out_scale
+        tl.store(O + h * stride_oh + (o_start + offs_m)[:, None] * stride_ot + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=qmask[:, None])
+
+
+@triton.jit
+def _bwd_kv_tiles(
+    dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot, stride_lt,
+    offs_n, offs_d, start, end, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
+    ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q_ptrs = Q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = DO_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+        if MASKED:
+            qmask = offs_m < q_len
+            q = tl.load(q_ptrs, mask=qmask[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=qmask[:, None], other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        if MASKED:
+            lo, hi = _key_range(offs_m, Wl, Wr, BS, KB, MASK_KIND)
+            allowed = ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] <= hi[None, :])
+                       & qmask[None, :] & (offs_n < k_len)[:, None])
+        if ACT == 0:
+            if MASKED:
+                lse = tl.load(LSE_base + offs_m * stride_lt, mask=qmask, other=1.0e30)
+                delta = tl.load(DELTA_base + offs_m * stride_lt, mask=qmask, other=0.0)
+            else:
+                lse = tl.load(LSE_base + offs_m * stride_lt)
+                delta = tl.load(DELTA_base + offs_m * stride_lt)
+            p_t = tl.exp2(s_t * qk_scale - lse[None, :])
+            if MASKED:
+                p_t = tl.where(allowed, p_t, 0.0)
+            ds_t = p_t * (dp_t - delta[None, :])
+        else:
+            p_t = _act(s_t, ACT)
+            ds_t = dp_t * _act_grad(s_t, ACT)
+            if MASKED:
+                p_t = tl.where(allowed, p_t, 0.0)
+                ds_t = tl.where(allowed, ds_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, CAND_OFF, CAND_IDS, HEAD_IDS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
+    NQ, qk_scale, dk_scale, dv_scale, Wl, Wr, BS, KB,
+    ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_CAND: tl.constexpr,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    r = tl.program_id(1)
+    h = tl.load(HEAD_IDS + tl.program_id(2))
+    k_start = tl.load(KV_OFF + r)
+    k_len = (tl.load(KV_OFF + r + 1) - k_start).to(tl.int32)
+    n0 = pid_n * BLOCK_N
+    if n0 < k_len:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        kmask = offs_n < k_len
+        k = tl.load(K + h * stride_kh + (k_start + offs_n)[:, None] * stride_kt + offs_d[None, :],
+                    mask=kmask[:, None], other=0.0)
+        v = tl.load(V + h * stride_vh + (k_start + offs_n)[:, None] * stride_vt + offs_d[None, :],
+                    mask=kmask[:, None], other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        n1 = tl.minimum(n0 + BLOCK_N, k_len)
+        first_lo, full_hi = _query_range(n0, Wl, Wr, BS, KB, MASK_KIND)
+        full_lo, last_hi = _query_range(n1 - 1, Wl, Wr, BS, KB, MASK_KIND)
+        # NOTE: every example that reads this kv sequence is visited here, in a fixed order: the sum over
+        # candidates stays in registers, deterministic and free of atomics.
+        if HAS_CAND:
+            c_lo = tl.load(CAND_OFF + r)
+            c_hi = tl.load(CAND_OFF + r + 1)
+        else:
+            c_lo = r
+            c_hi = r + 1
+        for c in range(c_lo, c_hi):
+            if HAS_CAND:
+                b = tl.load(CAND_IDS + c)
+            else:
+                b = c
+            if Q_JAGGED:
+                q_start = tl.load(Q_OFF + b)
+                q_len = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
+                o_start = q_start
+            else:
+                q_start = tl.full([], 0, tl.int64)
+                q_len = NQ
+                o_start = b.to(tl.int64) * NQ
+            lo_al, fs, fe, hi = _segments(first_lo, last_hi + 1, full_lo, full_hi + 1, q_len, BLOCK_M)
+            Q_base = Q + h * stride_qh + q_start * stride_qt
+            DO_base = DO + h * stride_doh + o_start * stride_dot
+            LSE_base = LSE + o_start * stride_lt + h
+            DELTA_base = DELTA + o_start * stride_lt + h
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot,
+                                   stride_lt, offs_n, offs_d, lo_al, fs, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
+                                   ACT, MASK_KIND, True, PREC, BLOCK_M)
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot,
+                                   stride_lt, offs_n, offs_d, fs, fe, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
+                                   ACT, MASK_KIND, False, PREC, BLOCK_M)
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot,
+                                   stride_lt, offs_n, offs_d, fe, hi, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
+                                   ACT, MASK_KIND, True, PREC, BLOCK_M)
+        tl.store(DK + h * stride_dkh + (k_start + offs_n)[:, None] * stride_dkt + offs_d[None, :],
+                 (dk * dk_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
+        tl.store(DV + h * stride_dvh + (k_start + offs_n)[:, None] * stride_dvt + offs_d[None, :],
+                 (dv * dv_scale).to(DV.dtype.element_ty), mask=kmask[:, None])
+
+
+@triton.jit
+def _bwd_q_tiles(
+    dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, start, end, k_len,
+    qk_scale, Wl, Wr, BS, KB,
+    ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k_ptrs = K_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+        vt_ptrs = V_base + offs_n[None, :] * stride_vt + offs_d[:, None]
+        if MASKED:
+            kmask = offs_n < k_len
+            k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0)
+            vt = tl.load(vt_ptrs, mask=kmask[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            vt = tl.load(vt_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        dp = tl.dot(do, vt, input_precision=PREC)
+        if MASKED:
+            lo, hi = _key_range(offs_m, Wl, Wr, BS, KB, MASK_KIND)
+            allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]) & kmask[None, :]
+        if ACT == 0:
+            p = tl.exp2(s * qk_scale - lse[:, None])
+            if MASKED:
+                p = tl.where(allowed, p, 0.0)
+            ds = p * (dp - delta[:, None])
+        else:
+            ds = dp * _act_grad(s, ACT)
+            if MASKED:
+                ds = tl.where(allowed, ds, 0.0)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_lt,
+    NQ, qk_scale, dq_scale, Wl, Wr, BS, KB,
+    ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.load(HEAD_IDS + tl.program_id(2))
+    q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
+    m0 = pid_m * BLOCK_M
+    if m0 < q_len:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        qmask = offs_m < q_len
+        q = tl.load(Q + h * stride_qh + (q_start + offs_m)[:, None] * stride_qt + offs_d[None, :],
+                    mask=qmask[:, None], other=0.0)
+        do = tl.load(DO + h * stride_doh + (o_start + offs_m)[:, None] * stride_dot + offs_d[None, :],
+                     mask=qmask[:, None], other=0.0)
+        if ACT == 0:
+            lse = tl.load(LSE + (o_start + offs_m) * stride_lt + h, mask=qmask, other=1.0e30)
+            delta = tl.load(DELTA + (o_start + offs_m) * stride_lt + h, mask=qmask, other=0.0)
+        else:
+            lse = tl.zeros([BLOCK_M], dtype=tl.float32)
+            delta = lse
+        K_base = K + h * stride_kh + k_start * stride_kt
+        V_base = V + h * stride_vh + k_start * stride_vt
+        m1 = tl.minimum(m0 + BLOCK_M, q_len)
+        first_lo, full_hi = _key_range(m0, Wl, Wr, BS, KB, MASK_KIND)
+        full_lo, last_hi = _key_range(m1 - 1, Wl, Wr, BS, KB, MASK_KIND)
+        lo_al, fs, fe, hi = _segments(first_lo, last_hi + 1, full_lo, full_hi + 1, k_len, BLOCK_N)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, lo_al, fs,
+                          k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
+        dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, fs, fe,
+                          k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, False, PREC, BLOCK_N)
+        dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
+                          k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
+        tl.store(DQ + h * stride_dqh + (o_start + offs_m)[:, None] * stride_dqt + offs_d[None, :],
+                 (dq * dq_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])

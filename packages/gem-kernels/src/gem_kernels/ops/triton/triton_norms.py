@@ -1,0 +1,176 @@
+"""Fused LayerNorm / RMSNorm (+ residual add) in Triton, forward and backward.
+
+Forward: one pass reads x (and the residual), writes y (and the sum), and keeps per-row mean / rstd in fp32.
+Backward: each program walks a fixed, strided set of row tiles and keeps its weight / bias gradient partials in
+registers; the partials are summed by torch afterwards, so the result is deterministic (no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.ops.triton._tuning import interpreting, launch
+
+
+@triton.jit
+def norm_fwd_kernel(
+    X, RES, W, B, Y, H, MEAN, RSTD, M, N, eps, stride_x, stride_r, stride_y, stride_h,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(RES + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(H + rows[:, None] * stride_h + cols[None, :], x.to(H.dtype.element_ty), mask=mask)
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, 1) / N
+        tl.store(MEAN + rows, mean, mask=rmask)
+        xc = tl.where(cmask[None, :], x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def norm_bwd_kernel(
+    XN, DY, DH, W, MEAN, RSTD, DX, DW, DB, M, N, stride_x, stride_dy, stride_dh, stride_dx,
+    IS_RMS: tl.constexpr, HAS_DH: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    n_tiles = tl.cdiv(M, ROWS)
+    for t in range(pid, n_tiles, nprog):
+        rows = (t * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(XN + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        if IS_RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, 1) / N
+        if IS_RMS:
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, 1) / N
+            dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, 0)
+        if HAS_BIAS:
+            db += tl.sum(dy, 0)
+    tl.store(DW + pid * N + cols, dw, mask=cmask)
+    if HAS_BIAS:
+        tl.store(DB + pid * N + cols, db, mask=cmask)
+
+
+MAX_WIDTH = 16384
+
+
+def _fwd_cands(block_n: int) -> list[dict]:
+    if interpreting():
+        return [dict(ROWS=4, num_warps=4)]
+    base = max(1, min(16, 8192 // block_n))
+    cands = [dict(ROWS=base, num_warps=8), dict(ROWS=base, num_warps=4), dict(ROWS=max(1, base // 2), num_warps=4),
+             dict(ROWS=min(32, base * 2), num_warps=8)]
+    out = []
+    for c in cands:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _bwd_cands(block_n: int) -> list[dict]:
+    if interpreting():
+        return [dict(ROWS=4, num_warps=4)]
+    base = max(1, min(8, 4096 // block_n))
+    return [dict(ROWS=base, num_warps=8), dict(ROWS=max(1, base // 2), num_warps=4), dict(ROWS=base, num_warps=4)]
+
+
+def _num_bwd_programs(m: int, rows: int, device: torch.device) -> int:
+    if interpreting() or device.type != "cuda":
+        return max(1, min(4, triton.cdiv(m, rows)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(4 * sms, triton.cdiv(m, rows)))
+
+
+class _TritonNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, is_rms):
+        shape = x.shape
+        N = shape[-1]
+        x2 = x.reshape(-1, N).contiguous()
+        M = x2.shape[0]
+        res2 = None if residual is None else residual.reshape(-1, N).contiguous()
+        y = torch.empty_like(x2)
+        h = torch.empty_like(x2) if res2 is not None else x2
+        mean = torch.empty(M, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+        block_n = triton.next_power_of_2(N)
+        args = (x2, x2 if res2 is None else res2, weight, weight if bias is None else bias, y, h, mean, rstd, M, N,
+                eps, x2.stride(0), x2.stride(0) if res2 is None else res2.stride(0), y.stride(0), h.stride(0))
+        consts = dict(IS_RMS=is_rms, HAS_RES=res2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n)
+        launch(norm_fwd_kernel, lambda c: (triton.cdiv(M, c["ROWS"]),), args, consts,
+               ("norm_fwd", is_rms, res2 is not None, bias is not None, block_n, x.dtype), _fwd_cands(block_n))
+        ctx.save_for_backward(h, weight, bias, mean, rstd)
+        ctx.is_rms, ctx.has_res, ctx.shape = is_rms, res2 is not None, shape
+        if res2 is None:
+            return y.view(shape)
+        return y.view(shape), h.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        h, weight, bias, mean, rstd = ctx.saved_tensors
+        N = h.shape[-1]
+        M = h.shape[0]
+        dy2 = dy.reshape(-1, N).contiguous()
+        dh2 = None if (dh is None or not ctx.has_res) else dh.reshape(-1, N).contiguous()
+        dx = torch.empty_like(h)
+        block_n = triton.next_power_of_2(N)
+        cands = _bwd_cands(block_n)
+        key = ("norm_bwd", ctx.is_rms, dh2 is not None, bias is not None, block_n, h.dtype)
+        # NOTE: the program count must not depend on the tuned config's ROWS for the partial buffers, so it
+        # is fixed from the first candidate; the grid function then reuses it.
+        G = _num_bwd_programs(M, cands[0]["ROWS"], h.device)
+        dw = torch.empty((G, N), dtype=torch.float32, device=h.device)
+        db = torch.empty((G, N), dtype=torch.float32, device=h.device) if bias is not None else dw
+        args = (h, dy2, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw, db, M, N,
+                h.stride(0), dy2.stride(0), dy2.stride(0) if dh2 is None else dh2.stride(0), dx.stride(0))
+        consts = dict(IS_RMS=ctx.is_rms, HAS_DH=dh2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n)
+        launch(norm_bwd_kernel, lambda c: (G,), args, consts, key, cands)
+        dx = dx.view(ctx.shape)
+        dweight = dw.sum(0).to(weight.dtype)
+        dbias = db.sum(0).to(bias.dtype) if bias is not None else None
+        return dx, dweight, dbias, (dx if ctx.has_res else None), None, None
+
+
+def triton_layer_norm(x, weight, bias, eps, residual=None):
+    return _TritonNorm.apply(x, weight, bias, residual, eps, False)
+
+
+def triton_rms_norm(x, weight, eps, residual=None):
+    return _TritonNorm.apply(x, weight, None, residual, eps, True)

@@ -1,0 +1,76 @@
+"""Shared test helpers: jagged inputs, a naive per-sequence attention (float64), closeness checks."""
+
+from __future__ import annotations
+
+import torch
+
+from gem_kernels.ops.pytorch.pt_activations import pt_pointwise
+
+
+def offsets_of(lengths: list[int]) -> torch.Tensor:
+    off = [0]
+    for n in lengths:
+        off.append(off[-1] + n)
+    return torch.tensor(off, dtype=torch.int64)
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0, grad=True) -> torch.Tensor:
+    t = (torch.randn(*shape) * scale).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def visible(Lq: int, Lk: int, wl=None, wr=None, block_size=None, window_blocks=None) -> torch.Tensor:
+    m = torch.ones(Lq, Lk, dtype=torch.bool)
+    for i in range(Lq):
+        for j in range(Lk):
+            if wl is not None and j < i - wl:
+                m[i, j] = False
+            if wr is not None and j > i + wr:
+                m[i, j] = False
+            if block_size is not None:
+                bi, bj = i // block_size, j // block_size
+                if not (bi - window_blocks < bj <= bi):
+                    m[i, j] = False
+    return m
+
+
+def naive_attention(q, k, v, q_off, kv_off, acts, sm_scale, pw_scale, kv_index=None, wl=None, wr=None,
+                    block_size=None, window_blocks=None):
+    """Loop over examples and heads in float64: the obviously-correct twin of every attention op."""
+    B = (kv_off.numel() - 1) if q_off is None else (q_off.numel() - 1)
+    outs = []
+    for b in range(B):
+        qb = q if q_off is None else q[q_off[b]:q_off[b + 1]]
+        r = b if kv_index is None else int(kv_index[b])
+        kb, vb = k[kv_off[r]:kv_off[r + 1]], v[kv_off[r]:kv_off[r + 1]]
+        Lq, Lk = qb.shape[0], kb.shape[0]
+        mask = visible(Lq, Lk, wl, wr, block_size, window_blocks)
+        heads = []
+        for h, act in enumerate(acts):
+            s = qb[:, h].double() @ kb[:, h].double().T
+            if act == "softmax":
+                p = torch.softmax((s * sm_scale).masked_fill(~mask, float("-inf")), -1)
+                p = torch.where(mask, p, torch.zeros_like(p))
+            else:
+                p = pt_pointwise(act, s) * mask * pw_scale
+            heads.append(p @ vb[:, h].double())
+        outs.append(torch.stack(heads, 1) if heads else qb.new_zeros(Lq, 0, q.shape[2]).double())
+    if q_off is None:
+        return torch.stack(outs)
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], q.shape[2]).double()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "") -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.double(), expected.double()
+    assert torch.isfinite(a).all(), f"{what}: non-finite values"
+    if e.numel() == 0:
+        return
+    err = (a - e).abs().max().item()
+    ref = max(e.abs().max().item(), 1.0)
+    assert err <= tol * ref, f"{what}: max abs err {err:.3e} > {tol:.1e} * {ref:.3e}"
+
+
+def grads(out: torch.Tensor, inputs: list[torch.Tensor], dout: torch.Tensor) -> list[torch.Tensor]:
+    gs = torch.autograd.grad(out, inputs, dout, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, gs)]

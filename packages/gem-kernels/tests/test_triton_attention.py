@@ -1,0 +1,169 @@
+"""Triton attention kernels (through the interpreter on CPU) against the PyTorch references.
+
+Outputs and every gradient, fp32 and fp16, on hypothesis-drawn jagged shapes with empty sequences, length-1
+sequences, lengths that are no multiple of the 16-wide interpreter tiles and declared maxima above the real one.
+"""
+
+import pytest
+import torch
+from conftest import requires_triton
+from gem_kernels_testing import assert_close, grads, offsets_of, rand
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gem_kernels import ACTIVATIONS, block_attention, gdpa, jagged_flash_attention
+
+pytestmark = requires_triton
+
+FAST = settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+TOL = {torch.float32: 2e-5, torch.float16: 2e-2}
+
+
+def _check_against_reference(fn, inputs, dtype, label=""):
+    out_t = fn("triton")
+    out_r = fn("pytorch")
+    tol = TOL[dtype]
+    assert out_t.dtype == dtype
+    assert_close(out_t, out_r, tol, f"{label} out")
+    if out_r.numel() == 0:
+        return
+    do = torch.randn_like(out_r)
+    for g_t, g_r, n in zip(grads(out_t, inputs, do), grads(out_r, inputs, do), "qkv"):
+        assert_close(g_t, g_r, tol, f"{label} d{n}")
+
+
+lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=3)
+
+
+@FAST
+@given(lengths=lengths_st, extra=st.integers(0, 9), heads=st.integers(1, 2), causal=st.booleans(),
+       window=st.sampled_from([None, 0, 5, 17]), dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_jfa_matches_reference(lengths, extra, heads, causal, window, dtype):
+    off = offsets_of(lengths)
+    T, D = int(off[-1]), 16
+    q, k, v = (rand(T, heads, D, dtype=dtype) for _ in range(3))
+    max_len = max(max(lengths), 1) + extra
+
+    def fn(kernel):
+        return jagged_flash_attention(q, k, v, off, max_len, causal=causal, window=window, kernel=kernel)
+
+    _check_against_reference(fn, [q, k, v], dtype, f"jfa {lengths} causal={causal} window={window}")
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_gdpa_self_every_activation(act):
+    off = offsets_of([19, 0, 1, 33])
+    T, H, D = int(off[-1]), 2, 16
+    # NOTE: q.k stays O(1) so that gelu_taylor6 is used where it is valid and relu2 does not blow up fp32 tolerances
+    q, k, v = rand(T, H, D, scale=0.3), rand(T, H, D, scale=0.3), rand(T, H, D)
+
+    def fn(kernel):
+        return gdpa(q, k, v, off, activation=act, max_seq_len_q=40, window=6, kernel=kernel)
+
+    _check_against_reference(fn, [q, k, v], torch.float32, act)
+
+
+def test_gdpa_per_head_activations_fp16():
+    off = offsets_of([21, 7])
+    T, D = int(off[-1]), 32
+    acts = ["softmax", "gelu_tanh", "relu", "softmax"]
+    q, k, v = (rand(T, 4, D, dtype=torch.float16, scale=0.4) for _ in range(3))
+
+    def fn(kernel):
+        return gdpa(q, k, v, off, activation=acts, causal=True, kernel=kernel)
+
+    _check_against_reference(fn, [q, k, v], torch.float16, "per-head")
+
+
+@FAST
+@given(q_lengths=lengths_st, kv_len=st.lists(st.integers(0, 20), min_size=3, max_size=3),
+       act=st.sampled_from(["softmax", "gelu", "silu"]), use_index=st.booleans(),
+       window=st.sampled_from([None, 3]), dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_gdpa_cross_matches_reference(q_lengths, kv_len, act, use_index, window, dtype):
+    H, D = 2, 16
+    B = len(q_lengths)
+    if use_index:
+        kv_index = torch.tensor([(b + 1) % 2 for b in range(B)], dtype=torch.int64)  # shared, one unused
+    else:
+        kv_index, kv_len = None, kv_len[:B]
+    qo, ko = offsets_of(q_lengths), offsets_of(kv_len)
+    q = rand(int(qo[-1]), H, D, dtype=dtype, scale=0.5)
+    k, v = rand(int(ko[-1]), H, D, dtype=dtype, scale=0.5), rand(int(ko[-1]), H, D, dtype=dtype)
+
+    def fn(kernel):
+        return gdpa(q, k, v, qo, ko, activation=act, kv_index=kv_index, window=window, kernel=kernel)
+
+    _check_against_reference(fn, [q, k, v], dtype, f"cross {act} index={use_index}")
+
+
+@pytest.mark.parametrize("act", ["softmax", "gelu", "identity"])
+@pytest.mark.parametrize("nq", [1, 3, 20])
+def test_gdpa_pma_matches_reference(act, nq):
+    H, D = 2, 16
+    ko = offsets_of([17, 0, 5, 40])
+    q = rand(nq, H, D, scale=0.5)
+    k, v = rand(int(ko[-1]), H, D, scale=0.5), rand(int(ko[-1]), H, D)
+
+    def fn(kernel):
+        return gdpa(q, k, v, None, ko, activation=act, max_seq_len_kv=45, kernel=kernel)
+
+    _check_against_reference(fn, [q, k, v], torch.float32, f"pma {act}")
+
+
+@pytest.mark.parametrize("block_size,window_blocks", [(16, 1), (16, 3), (32, 2), (20, 2)])
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+def test_block_attention_matches_reference(block_size, window_blocks, act):
+    off = offsets_of([70, 0, 1, 37])
+    T, H, D = int(off[-1]), 1, 16
+    q, k, v = rand(T, H, D, scale=0.5), rand(T, H, D, scale=0.5), rand(T, H, D)
+
+    def fn(kernel):
+        return block_attention(q, k, v, off, block_size=block_size, window_blocks=window_blocks, activation=act,
+                               kernel=kernel)
+
+    _check_against_reference(fn, [q, k, v], torch.float32, f"block {block_size}x{window_blocks}")
+
+
+def test_block_attention_fp16():
+    off = offsets_of([50, 13])
+    q, k, v = (rand(63, 2, 32, dtype=torch.float16) for _ in range(3))
+
+    def fn(kernel):
+        return block_attention(q, k, v, off, block_size=16, window_blocks=2, kernel=kernel)
+
+    _check_against_reference(fn, [q, k, v], torch.float16, "block fp16")
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_jfa_wider_heads(head_dim):
+    off = offsets_of([18, 3])
+    q, k, v = (rand(21, 1, head_dim) for _ in range(3))
+
+    def fn(kernel):
+        return jagged_flash_attention(q, k, v, off, 20, causal=True, kernel=kernel)
+
+    _check_against_reference(fn, [q, k, v], torch.float32, f"D={head_dim}")
+
+
+def test_all_sequences_empty():
+    off = offsets_of([0, 0])
+    q, k, v = (rand(0, 2, 16) for _ in range(3))
+    out = jagged_flash_attention(q, k, v, off, 4, kernel="triton")
+    assert out.shape == (0, 2, 16)
+    ko = offsets_of([0, 0])
+    out = gdpa(rand(3, 2, 16), k, v, None, ko, activation="gelu", max_seq_len_kv=1, kernel="triton")
+    assert out.shape == (2, 3, 2, 16) and not out.any()
+
+
+def test_backward_is_deterministic():
+    off = offsets_of([33, 20])
+    ko = offsets_of([9, 4])
+    q, k, v = rand(53, 2, 16), rand(13, 2, 16), rand(13, 2, 16)
+    kv_index = torch.tensor([1, 1])
+    do = torch.randn(53, 2, 16)
+    runs = []
+    for _ in range(2):
+        out = gdpa(q, k, v, off, ko, activation=["softmax", "gelu"], kv_index=kv_index, kernel="triton")
+        runs.append(grads(out, [q, k, v], do))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -1,0 +1,369 @@
+"""The Kunlun model (arXiv 2602.10016): interleaved non-sequence compression, sequence summarization, a
+mixture-of-experts cross interaction and sequence updates (pFFN and local self-attention) per layer.
+
+Data path of one layer, for ``B`` examples with non-sequence tokens ``X [B, N, D]`` and one merged jagged
+history ``S [T, D]``:
+
+1. ``X_sum = C(X)``: a token-axis linear N -> n_sum tokens, then a per-token MLP (residual).
+2. ``P = PMA(S)`` or ``HSP(S)``: a few summary tokens of the history.
+3. ``U = [X_sum; P] + MoE([X_sum; P])``: Wukong-style experts, top-k gated per example.
+4. ``S += pFFN(S; X_sum')``: GDPA with q = sequence tokens and k/v = per-head projections of the
+   example's X_sum' (a per-example FFN whose weights come from the non-sequence side).
+5. ``S += LocalAttention(S)``: BlockAttention or a sliding window, with ROTE positions.
+
+``U`` is the next layer's ``X``; after the last layer, a final PMA over the updated history joins ``U`` at
+the heads. CompSkip switches sequence components off per layer: a skipped component
+passes its input on unchanged. Before the layers, each event type may get its own width, heads, window and
+depth (event-level personalization), then all types are projected to ``D`` and merged in time order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gem_kernels import block_attention, gdpa, jagged_flash_attention
+from gem_kunlun.batch import Batch
+from gem_kunlun.embedding import FeatureEmbedding
+from gem_kunlun.features import FeatureSpec
+from gem_kunlun.heads import ModelOutput, MultiTaskHeads
+from gem_kunlun.moe import MixtureOfExperts
+from gem_kunlun.norm import LayerNorm
+from gem_kunlun.rote import apply_rotary, time_gap_positions
+from gem_kunlun.sequence import keep_latest, merge_by_time
+from gem_kunlun.summarization import PMA, HierarchicalSeedPooling
+
+SEQUENCE_COMPONENTS = ("summary", "pffn", "attention")
+
+
+@dataclass(frozen=True)
+class EventPersonalization:
+    """How one event type is encoded before the merge."""
+
+    width: int | None = None  # embedding width of its ids (None: the model width)
+    num_layers: int = 0  # self-attention layers over this type's events alone
+    num_heads: int = 2
+    window: int = 32  # each event sees events within this many positions in those layers
+
+
+@dataclass(frozen=True)
+class KunlunConfig:
+    d_model: int = 32
+    num_layers: int = 2
+    num_heads: int = 2
+    num_summary_tokens: int = 4
+    num_seeds: int = 4
+    summarization: str = "pma"  # "pma" or "hsp"
+    hsp_expansion: int = 4
+    hsp_rank: int = 2
+    num_experts: int = 4
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    expert_rank: int = 8
+    expert_hidden: int = 128
+    balance_loss_weight: float = 0.01
+    pffn_activation: str = "gelu"
+    attention: str = "block"  # "block" (BlockAttention) or "window" (sliding window)
+    block_size: int = 64
+    window_blocks: int = 2
+    window: int = 64
+    rote: bool = True
+    skip: tuple[tuple[str, ...], ...] = ()  # CompSkip: per layer, the sequence components switched off
+    events: dict[str, EventPersonalization] = field(default_factory=dict)
+    hidden: tuple[int, ...] = (128,)
+    max_seq_len: int = 256
+    kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if (self.d_model // self.num_heads) % 2 and self.rote:
+            raise ValueError("ROTE needs an even head dim (d_model / num_heads)")
+        if self.summarization not in ("pma", "hsp"):
+            raise ValueError(f"summarization must be 'pma' or 'hsp', got {self.summarization!r}")
+        if self.attention not in ("block", "window"):
+            raise ValueError(f"attention must be 'block' or 'window', got {self.attention!r}")
+        if len(self.skip) > self.num_layers:
+            raise ValueError(f"skip lists {len(self.skip)} layers but the model has {self.num_layers}")
+        for i, components in enumerate(self.skip):
+            unknown = set(components) - set(SEQUENCE_COMPONENTS)
+            if unknown:
+                raise ValueError(f"skip[{i}] names unknown components {sorted(unknown)}; known: {SEQUENCE_COMPONENTS}")
+        if self.skip and "summary" in self.skip[0]:
+            raise ValueError("skip[0] cannot switch off 'summary': the first layer has no earlier summary to pass on")
+
+    def skipped(self, layer: int) -> set[str]:
+        return set(self.skip[layer]) if layer < len(self.skip) else set()
+
+
+KUNLUN_SIZES = {
+    # tiny is sized for a 2-core CPU: the PyTorch reference kernels pad to the declared length
+    "tiny": KunlunConfig(max_seq_len=64, block_size=16, window_blocks=2, window=16),
+    "small": KunlunConfig(d_model=128, num_layers=3, num_heads=4, num_summary_tokens=6, num_seeds=6,
+                          num_experts=8, expert_hidden=256, hidden=(256,), max_seq_len=1024, window_blocks=4),
+    "base": KunlunConfig(d_model=512, num_layers=4, num_heads=4, num_summary_tokens=8, num_seeds=8,
+                         num_experts=8, expert_rank=16, expert_hidden=1024, hidden=(1024, 256),
+                         max_seq_len=8192, window_blocks=8),
+    "large": KunlunConfig(d_model=1024, num_layers=8, num_heads=8, num_summary_tokens=16, num_seeds=16,
+                          num_experts=16, expert_rank=32, expert_hidden=2048, hidden=(2048, 512),
+                          max_seq_len=8192, window_blocks=8),
+}
+
+
+class LocalAttention(nn.Module):
+    """Pre-norm self-attention over a jagged sequence restricted to nearby events (blocks or a window)."""
+
+    def __init__(self, dim: int, num_heads: int, mode: str, block_size: int, window_blocks: int, window: int,
+                 rote: bool, kernel: str, device=None) -> None:
+        super().__init__()
+        self.dim, self.num_heads, self.mode = dim, num_heads, mode
+        self.block_size, self.window_blocks, self.window, self.rote, self.kernel = block_size, window_blocks, window, rote, kernel
+        self.norm = LayerNorm(dim, kernel=kernel, device=device)
+        self.qkv = nn.Linear(dim, 3 * dim, device=device)
+        self.out = nn.Linear(dim, dim, device=device)
+
+    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+        h, d = self.num_heads, self.dim // self.num_heads
+        q, k, v = self.qkv(self.norm(seq)).view(-1, 3, h, d).unbind(1)
+        if self.rote:
+            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+        if self.mode == "block":
+            o = block_attention(q, k, v, offsets, block_size=self.block_size, window_blocks=self.window_blocks,
+                                max_seq_len=max_len, kernel=self.kernel, validate=False)
+        else:
+            o = jagged_flash_attention(q, k, v, offsets, max_len, window=self.window, kernel=self.kernel, validate=False)
+        return seq + self.out(o.reshape(-1, self.dim))
+
+    def visible_pairs(self, lengths: torch.Tensor) -> float:
+        """Query-key pairs the attention computes over real tokens."""
+        if lengths.numel() == 0 or int(lengths.max()) == 0:
+            return 0.0
+        i = torch.arange(int(lengths.max()), device=lengths.device)[None, :]
+        n = lengths[:, None]
+        if self.mode == "block":
+            block = i // self.block_size
+            hi = torch.minimum((block + 1) * self.block_size, n)
+            lo = ((block - self.window_blocks + 1) * self.block_size).clamp(min=0)
+        else:
+            hi = torch.minimum(i + self.window + 1, n)
+            lo = (i - self.window).clamp(min=0)
+        return float(((hi - lo) * (i < n)).sum())
+
+    def flops(self, lengths: torch.Tensor) -> float:
+        tokens = float(lengths.sum())
+        return 2.0 * self.dim * 4 * self.dim * tokens + 4.0 * self.dim * self.visible_pairs(lengths)
+
+
+class PersonalizedFFN(nn.Module):
+    """pFFN: ``S += W_o GDPA(q = W_q S, k/v = per-head projections of the example's X_sum)``.
+
+    With a pointwise activation this is a per-example two-layer FFN whose hidden units are the summary
+    tokens: the non-sequence side parameterises how every event of the history is transformed.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_tokens: int, activation: str, kernel: str, device=None) -> None:
+        super().__init__()
+        self.dim, self.num_heads, self.num_tokens, self.activation, self.kernel = dim, num_heads, num_tokens, activation, kernel
+        self.norm = LayerNorm(dim, kernel=kernel, device=device)
+        self.q = nn.Linear(dim, dim, device=device)
+        self.kv = nn.Linear(dim, 2 * dim, device=device)
+        self.out = nn.Linear(dim, dim, device=device)
+
+    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, x_sum: torch.Tensor, max_len: int) -> torch.Tensor:
+        h, d, b = self.num_heads, self.dim // self.num_heads, x_sum.shape[0]
+        q = self.q(self.norm(seq)).view(-1, h, d)
+        k, v = self.kv(x_sum).reshape(-1, 2, h, d).unbind(1)  # [B * n, H, d]
+        kv_offsets = torch.arange(0, (b + 1) * self.num_tokens, self.num_tokens, device=seq.device)
+        o = gdpa(q, k, v, offsets, kv_offsets, activation=self.activation, max_seq_len_q=max_len,
+                 max_seq_len_kv=self.num_tokens, kernel=self.kernel, validate=False)
+        return seq + self.out(o.reshape(-1, self.dim))
+
+    def flops(self, tokens: float, batch_size: int) -> float:
+        return (2.0 * self.dim * 2 * self.dim * tokens + 2.0 * self.dim * 2 * self.dim * self.num_tokens * batch_size
+                + 4.0 * self.num_tokens * self.dim * tokens)
+
+
+class KunlunLayer(nn.Module):
+    def __init__(self, config: KunlunConfig, num_tokens_in: int, index: int, device=None) -> None:
+        super().__init__()
+        c, d = config, config.d_model
+        self.config, self.skipped = config, config.skipped(index)
+        self.num_tokens_in = num_tokens_in
+        self.token_mix = nn.Parameter(torch.empty(num_tokens_in, c.num_summary_tokens, device=device))
+        self.compress_norm = LayerNorm(d, kernel=c.kernel, device=device)
+        self.compress_mlp = nn.Sequential(nn.Linear(d, 2 * d, device=device), nn.GELU(), nn.Linear(2 * d, d, device=device))
+        self.summary = None
+        if "summary" not in self.skipped:
+            self.summary_norm = LayerNorm(d, kernel=c.kernel, device=device)
+            if c.summarization == "pma":
+                self.summary = PMA(d, c.num_seeds, c.num_heads, kernel=c.kernel, device=device)
+            else:
+                self.summary = HierarchicalSeedPooling(d, c.num_seeds, c.num_heads, c.hsp_expansion, c.hsp_rank,
+                                                       kernel=c.kernel, device=device)
+        tokens = c.num_summary_tokens + c.num_seeds
+        self.moe_norm = LayerNorm(d, kernel=c.kernel, device=device)
+        self.moe = MixtureOfExperts(tokens, d, c.num_experts, c.top_k, c.capacity_factor, c.expert_rank,
+                                    c.expert_hidden, device=device)
+        self.pffn = None if "pffn" in self.skipped else PersonalizedFFN(
+            d, c.num_heads, c.num_summary_tokens, c.pffn_activation, c.kernel, device=device)
+        self.attention = None if "attention" in self.skipped else LocalAttention(
+            d, c.num_heads, c.attention, c.block_size, c.window_blocks, c.window, c.rote, c.kernel, device=device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.token_mix, std=self.num_tokens_in**-0.5)
+
+    def forward(self, x, seq, offsets, positions, max_len, previous_summary):
+        c = self.config
+        compressed = torch.einsum("bnd,nm->bmd", x, self.token_mix.to(x.dtype))
+        x_sum = compressed + self.compress_mlp(self.compress_norm(compressed))
+        summary = previous_summary if self.summary is None else self.summary(self.summary_norm(seq), offsets, max_len)
+        u = torch.cat([x_sum, summary], 1)
+        u = u + self.moe(self.moe_norm(u))
+        if self.pffn is not None:
+            seq = self.pffn(seq, offsets, u[:, : c.num_summary_tokens], max_len)
+        if self.attention is not None:
+            seq = self.attention(seq, offsets, positions, max_len)
+        return u, seq, summary
+
+    def flops(self, lengths: torch.Tensor) -> dict[str, float]:
+        c, d, b = self.config, self.config.d_model, lengths.numel()
+        tokens = float(lengths.sum())
+        table = {
+            "compress": 2.0 * self.num_tokens_in * c.num_summary_tokens * d * b
+            + 2.0 * (2 * d * d * 2) * c.num_summary_tokens * b,
+            "moe": self.moe.flops(b),
+        }
+        if self.summary is not None:
+            table["summary"] = self.summary.flops(tokens, b)
+        if self.pffn is not None:
+            table["pffn"] = self.pffn.flops(tokens, b)
+        if self.attention is not None:
+            table["attention"] = self.attention.flops(lengths)
+        return table
+
+
+class EventEncoder(nn.Module):
+    """Event-level personalization: a few windowed self-attention + FFN layers over one event type alone,
+    at that type's own width, then a projection to the model width."""
+
+    def __init__(self, width: int, dim: int, p: EventPersonalization, rote: bool, kernel: str, device=None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            LocalAttention(width, p.num_heads, "window", 64, 1, p.window, rote, kernel, device=device) for _ in range(p.num_layers)
+        )
+        self.ffn_norms = nn.ModuleList(LayerNorm(width, kernel=kernel, device=device) for _ in range(p.num_layers))
+        self.ffns = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width, device=device), nn.GELU(), nn.Linear(2 * width, width, device=device))
+            for _ in range(p.num_layers)
+        )
+        self.project = nn.Linear(width, dim, device=device) if width != dim else nn.Identity()
+        self.width = width
+
+    def forward(self, events, offsets, positions, max_len):
+        for attention, norm, ffn in zip(self.layers, self.ffn_norms, self.ffns):
+            events = attention(events, offsets, positions, max_len)
+            events = events + ffn(norm(events))
+        return self.project(events)
+
+    def flops(self, lengths: torch.Tensor, dim: int) -> float:
+        tokens = float(lengths.sum())
+        per_layer = sum(a.flops(lengths) for a in self.layers) + len(self.ffns) * 2.0 * (2 * self.width * self.width * 2) * tokens
+        return per_layer + (2.0 * self.width * dim * tokens if self.width != dim else 0.0)
+
+
+class KunlunModel(nn.Module):
+    """``forward(batch) -> ModelOutput(logits [B, num_tasks], aux_loss)``; see the module docstring."""
+
+    def __init__(self, spec: FeatureSpec, config: KunlunConfig = KunlunConfig(), device: torch.device | None = None):
+        super().__init__()
+        c, d = config, config.d_model
+        unknown = sorted(set(c.events) - {e.name for e in spec.events})
+        if unknown:
+            raise ValueError(f"events names unknown event types {unknown}; the data has {[e.name for e in spec.events]}")
+        self.spec, self.config = spec, config
+        widths = {e.name: (c.events.get(e.name) or EventPersonalization()).width or d for e in spec.events}
+        self.embedding = FeatureEmbedding(spec, d, event_dims=widths, device=device)
+        self.event_encoders = nn.ModuleDict(
+            {name: EventEncoder(widths[name], d, c.events.get(name) or EventPersonalization(), c.rote, c.kernel, device=device)
+             for name in widths}
+        )
+        self.event_type = nn.Embedding(len(spec.events), d, device=device)
+        tokens_in = len(spec.sparse) + 1
+        layers = []
+        for i in range(c.num_layers):
+            layers.append(KunlunLayer(c, tokens_in, i, device=device))
+            tokens_in = c.num_summary_tokens + c.num_seeds
+        self.layers = nn.ModuleList(layers)
+        # the history as updated by the last layer is summarised once more, so that every layer's sequence
+        # update reaches the heads
+        self.final_summary_norm = LayerNorm(d, kernel=c.kernel, device=device)
+        self.final_summary = PMA(d, c.num_seeds, c.num_heads, kernel=c.kernel, device=device)
+        self.final_norm = LayerNorm(d, kernel=c.kernel, device=device)
+        widths_mlp = [(tokens_in + c.num_seeds) * d, *c.hidden]
+        self.mlp = nn.Sequential(*[m for i, o in zip(widths_mlp, widths_mlp[1:]) for m in (nn.Linear(i, o, device=device), nn.GELU())])
+        self.representation_dim = widths_mlp[-1]
+        self.heads = MultiTaskHeads(widths_mlp[-1], len(spec.tasks), spec.num_surfaces, device=device)
+
+    def encode_sequence(self, batch: Batch, events: dict[str, torch.Tensor]):
+        """Per-type encoders, then the time-ordered merge, truncated to the latest ``max_seq_len`` events."""
+        c, names = self.config, [e.name for e in self.spec.events]
+        values, lengths, times = [], [], []
+        for name in names:
+            seq = batch.sequences[name]
+            offsets = seq.offsets()
+            index, kept_offsets = keep_latest(offsets, c.max_seq_len)
+            t = seq.timestamps[index]
+            positions = time_gap_positions(t, kept_offsets)
+            values.append(self.event_encoders[name](events[name][index], kept_offsets, positions, c.max_seq_len))
+            lengths.append(kept_offsets[1:] - kept_offsets[:-1])
+            times.append(t)
+        merged, offsets, timestamps, event_type = merge_by_time(values, lengths, times)
+        index, offsets = keep_latest(offsets, c.max_seq_len)
+        seq = merged[index] + self.event_type(event_type[index])
+        return seq, offsets, time_gap_positions(timestamps[index], offsets)
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        c = self.config
+        sparse, dense, events = self.embedding(batch)
+        seq, offsets, positions = self.encode_sequence(batch, events)
+        x = torch.cat([sparse, dense[:, None]], 1)
+        summary = None
+        aux = x.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            x, seq, summary = layer(x, seq, offsets, positions, c.max_seq_len, summary)
+            aux = aux + c.balance_loss_weight * layer.moe.last_stats.balance_loss
+        final = self.final_summary(self.final_summary_norm(seq), offsets, c.max_seq_len)
+        representation = self.mlp(self.final_norm(torch.cat([x, final], 1)).flatten(1))
+        return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
+
+    def flops(self, batch: Batch) -> dict[str, float]:
+        """Forward model FLOPs of ``batch`` per component (real lengths; active experts only; embedding
+        lookups excluded). Multiply by 3 for training."""
+        c, d, b = self.config, self.config.d_model, batch.batch_size
+        table = {"embedding.dense_proj": 2.0 * self.spec.num_dense * d * b}
+        merged = torch.zeros(b, dtype=torch.int64)
+        for e in self.spec.events:
+            lengths = batch.sequences[e.name].lengths().cpu().clamp(max=c.max_seq_len)
+            merged += lengths
+            value = self.event_encoders[e.name].flops(lengths, d)
+            if value:
+                table[f"events.{e.name}"] = value
+        merged = merged.clamp(max=c.max_seq_len)
+        for i, layer in enumerate(self.layers):
+            for name, value in layer.flops(merged).items():
+                table[f"layer{i}.{name}"] = value
+        table["final_summary"] = self.final_summary.flops(float(merged.sum()), b)
+        table["mlp"] = sum(2.0 * m.in_features * m.out_features for m in self.mlp if isinstance(m, nn.Linear)) * b
+        table["heads"] = self.heads.flops_per_example() * b
+        return table
+
+    def embedding_bytes(self, batch: Batch) -> float:
+        """Bytes read from embedding tables by the forward pass of ``batch`` (float32 rows)."""
+        total = batch.sparse.values().numel() * 4.0 * self.config.d_model
+        for e in self.spec.events:
+            width = self.event_encoders[e.name].width
+            total += batch.sequences[e.name].ids.values().numel() * 4.0 * width
+        return total

@@ -1,0 +1,162 @@
+import dataclasses
+
+import pytest
+import torch
+
+from gem_kunlun import (
+    KUNLUN_SIZES,
+    EventPersonalization,
+    KunlunConfig,
+    KunlunLayer,
+    KunlunModel,
+    SumKronLinear,
+    multitask_loss,
+)
+from gem_kunlun.rote import apply_rotary, time_gap_positions
+from gem_kunlun.sequence import lengths_to_offsets
+from gem_kunlun.testing import SPEC, random_batch, select_example
+
+# unbounded expert capacity: routing of one example never depends on the others
+TINY = KunlunConfig(d_model=16, num_heads=2, num_summary_tokens=3, num_seeds=2, num_experts=3, top_k=2,
+                    expert_hidden=16, hidden=(16,), block_size=4, window_blocks=2, window=3, max_seq_len=32,
+                    capacity_factor=0.0, kernel="pytorch")
+
+
+def build(config=TINY, seed=0):
+    torch.manual_seed(seed)
+    return KunlunModel(SPEC, config)
+
+
+@pytest.mark.parametrize("summarization", ["pma", "hsp"])
+@pytest.mark.parametrize("attention", ["block", "window"])
+def test_forward_shapes_and_gradients(summarization, attention):
+    model = build(dataclasses.replace(TINY, summarization=summarization, attention=attention))
+    batch = random_batch(12, seed=1)
+    out = model(batch)
+    assert out.logits.shape == (12, 2) and out.aux_loss.shape == ()
+    (multitask_loss(out.logits, batch.labels, torch.ones(2)) + out.aux_loss).backward()
+    unused_experts = {
+        f"layers.{i}.moe.experts.{e}" for i, layer in enumerate(model.layers) for e in range(3)
+        if int(layer.moe.last_stats.kept[e]) == 0
+    }
+    missing = [
+        n for n, p in model.named_parameters()
+        if (p.grad is None or not torch.isfinite(p.grad).all()) and not any(n.startswith(u) for u in unused_experts)
+    ]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("attention", ["block", "window"])
+def test_batch_gives_the_same_outputs_as_its_examples_one_by_one(attention):
+    config = dataclasses.replace(TINY, attention=attention, events={"buy": EventPersonalization(width=8, num_layers=1, window=2)})
+    model = build(config).eval()
+    batch = random_batch(6, seed=3, max_events=3)
+    assert int(batch.num_events()[0]) == 0 and int(batch.num_events().max()) > 0  # empty and non-empty histories
+    together = model(batch).logits
+    alone = torch.cat([model(select_example(batch, i)).logits for i in range(batch.batch_size)])
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_long_histories_keep_their_latest_events():
+    config = dataclasses.replace(TINY, max_seq_len=4)
+    model = build(config).eval()
+    batch = random_batch(3, seed=4, max_events=9)
+    assert int(batch.num_events().max()) > 4
+    seq, offsets, positions = model.encode_sequence(batch, model.embedding(batch)[2])
+    assert (offsets[1:] - offsets[:-1]).tolist() == batch.num_events().clamp(max=4).tolist()
+    # the latest event of every non-empty example has gap 0
+    last = offsets[1:][offsets[1:] > offsets[:-1]] - 1
+    assert torch.all(positions[last] == 0)
+
+
+def test_compskip_removes_exactly_the_skipped_components_flops():
+    batch = random_batch(8, seed=2)
+    full = build().flops(batch)
+    skipped = build(dataclasses.replace(TINY, skip=((), ("attention", "pffn")))).flops(batch)
+    assert "layer1.attention" not in skipped and "layer1.pffn" not in skipped
+    saved = full["layer1.attention"] + full["layer1.pffn"]
+    assert sum(skipped.values()) == pytest.approx(sum(full.values()) - saved)
+
+
+def test_a_skipped_component_passes_its_input_on():
+    layer = KunlunLayer(dataclasses.replace(TINY, skip=(("pffn", "attention"),)), num_tokens_in=5, index=0)
+    offsets = lengths_to_offsets(torch.tensor([3, 0, 2]))
+    seq = torch.randn(5, 16)
+    x = torch.randn(3, 5, 16)
+    _, out, _ = layer(x, seq, offsets, torch.zeros(5), 8, None)
+    assert torch.equal(out, seq)
+    with pytest.raises(ValueError, match="skip\\[0\\] cannot switch off 'summary'"):
+        dataclasses.replace(TINY, skip=(("summary",),))
+
+
+def test_event_personalization_changes_widths_and_flops():
+    batch = random_batch(8, seed=5)
+    plain = build()
+    personal = build(dataclasses.replace(TINY, events={"buy": EventPersonalization(width=8, num_layers=2, num_heads=2, window=2)}))
+    assert "events.buy" in personal.flops(batch) and "events.buy" not in plain.flops(batch)
+    assert personal.embedding.events["width8"].embedding_configs()[0].embedding_dim == 8
+    assert len(personal.event_encoders["buy"].layers) == 2
+    with pytest.raises(ValueError, match="unknown event types"):
+        KunlunModel(SPEC, dataclasses.replace(TINY, events={"click": EventPersonalization()}))
+
+
+def test_attention_flops_count_real_pairs_only():
+    model = build()
+    attention = model.layers[0].attention  # blocks of 4, window of 2 blocks
+    # a sequence of 6: tokens 0-3 see block 0 (4 keys); tokens 4-5 see blocks 0-1 (6 keys)
+    assert attention.visible_pairs(torch.tensor([6, 0])) == 4 * 4 + 2 * 6
+    window = build(dataclasses.replace(TINY, attention="window")).layers[0].attention  # |i-j| <= 3
+    assert window.visible_pairs(torch.tensor([5])) == 4 + 5 + 5 + 5 + 4
+
+
+def test_rote_depends_on_time_differences_only():
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+    score = lambda pq, pk: (apply_rotary(q, torch.tensor([pq])) * apply_rotary(k, torch.tensor([pk]))).sum(-1)
+    torch.testing.assert_close(score(1.0, 3.5), score(4.0, 6.5))
+    torch.testing.assert_close(apply_rotary(q, torch.tensor([2.0])).norm(dim=-1), q.norm(dim=-1))
+    positions = time_gap_positions(torch.tensor([0.0, 60.0, 120.0, 5.0]), torch.tensor([0, 3, 4]))
+    torch.testing.assert_close(positions, torch.log1p(torch.tensor([2.0, 1.0, 0.0, 0.0])))
+
+
+def test_sum_kron_linear_equals_its_dense_matrix():
+    layer = SumKronLinear(k_in=5, k_out=2, dim=3, dim_out=4, rank=3)
+    z = torch.randn(7, 5, 3)
+    # vec(A^T Z W) = (A^T kron W^T) vec(Z) for row-major vec
+    dense = sum(torch.kron(layer.token[i].t(), layer.feature[i].t()) for i in range(3))
+    expected = (z.reshape(7, -1) @ dense.t()).view(7, 2, 4)
+    torch.testing.assert_close(layer(z), expected)
+
+
+def test_tiny_overfits_a_small_batch():
+    model = build(dataclasses.replace(TINY, d_model=32, hidden=(32,)))
+    batch = random_batch(16, seed=9)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(120):
+        out = model(batch)
+        loss = multitask_loss(out.logits, batch.labels, torch.ones(2))
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        (loss + out.aux_loss).backward()
+        optimizer.step()
+    assert loss.item() < 0.1 * first
+
+
+def test_built_on_meta_and_materialized():
+    model = KunlunModel(SPEC, TINY, device=torch.device("meta"))
+    assert all(p.is_meta for p in model.parameters())
+    model = model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    out = model(random_batch(4))
+    assert torch.isfinite(out.logits).all()
+
+
+def test_sizes_grow_in_parameters_and_flops():
+    counts = {}
+    for name, config in KUNLUN_SIZES.items():
+        model = KunlunModel(SPEC, config, device=torch.device("meta"))
+        counts[name] = sum(p.numel() for n, p in model.named_parameters() if "embedding" not in n)
+    assert counts["tiny"] < counts["small"] < counts["base"] < counts["large"]

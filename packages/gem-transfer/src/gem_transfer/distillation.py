@@ -1,0 +1,116 @@
+"""Knowledge distillation from a foundation model (teacher) into a serving model (student).
+
+Three pieces, after ExFM (arXiv 2502.17494):
+
+- An **auxiliary head** on the student takes the teacher's supervision, so the serving head is trained on
+  true labels only and the teacher's biases do not leak into what is served; the shared trunk still
+  learns from both.
+- A **student adapter** corrects the teacher's prediction before it is used: teachers are refreshed less
+  often than students, so their predictions are stale. A small per-task map from the teacher's logit
+  (and the surface) to a corrected logit is fitted on fresh labels; its output, detached, is the
+  distillation target.
+- The **soft-label loss**: binary cross-entropy between the student's auxiliary logits and the corrected
+  teacher probabilities, at a temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gem_kunlun import ModelOutput, MultiTaskHeads
+
+
+def soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over examples and tasks of BCE(sigmoid(student / T), sigmoid(teacher / T)) * T^2, in float32.
+
+    Zero exactly when the student's logits equal the teacher's; the T^2 keeps gradient sizes comparable
+    across temperatures.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} must have the same shape")
+    targets = torch.sigmoid(teacher_logits.float() / temperature)
+    loss = F.binary_cross_entropy_with_logits(student_logits.float() / temperature, targets)
+    # subtract the targets' own entropy so that a perfect match scores 0
+    entropy = F.binary_cross_entropy(targets, targets)
+    return (loss - entropy) * temperature**2
+
+
+class StudentAdapter(nn.Module):
+    """Per task and surface, ``corrected = a * teacher_logit + b + MLP(teacher_logit)``, starting at the
+    identity map; ``fit_loss`` trains it on true labels."""
+
+    def __init__(self, num_tasks: int, num_surfaces: int, hidden: int = 16, device=None) -> None:
+        super().__init__()
+        self.num_tasks, self.num_surfaces = num_tasks, num_surfaces
+        self.scale = nn.Parameter(torch.ones(num_surfaces, num_tasks, device=device))
+        self.shift = nn.Parameter(torch.zeros(num_surfaces, num_tasks, device=device))
+        self.residual = nn.Sequential(nn.Linear(1, hidden, device=device), nn.Tanh(), nn.Linear(hidden, 1, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.scale)
+        nn.init.zeros_(self.shift)
+        # the residual's output layer starts at zero, so the adapter starts as the identity map
+        nn.init.zeros_(self.residual[2].weight)
+        nn.init.zeros_(self.residual[2].bias)
+
+    def forward(self, teacher_logits: torch.Tensor, surface: torch.Tensor) -> torch.Tensor:
+        t = teacher_logits.float()
+        correction = self.residual(t.unsqueeze(-1)).squeeze(-1)
+        return self.scale[surface] * t + self.shift[surface] + correction
+
+    def fit_loss(self, teacher_logits: torch.Tensor, surface: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(self(teacher_logits.detach(), surface), labels.float())
+
+
+@dataclass
+class DistillationOutput(ModelOutput):
+    """The student's serving ``logits`` and ``aux_loss`` (its own auxiliary loss plus, with a teacher, the
+    distillation terms), the ``auxiliary_logits`` trained on the teacher, and the adapter's corrected teacher
+    logits and ``distillation_loss`` (None without a teacher)."""
+
+    auxiliary_logits: torch.Tensor | None = None
+    corrected_teacher_logits: torch.Tensor | None = None
+    distillation_loss: torch.Tensor | None = None
+
+
+class DistilledStudent(nn.Module):
+    """A student model with an auxiliary head (and, optionally, a student adapter) for distillation.
+
+    The student must return a ``ModelOutput`` whose ``representation`` feeds its heads; the auxiliary head
+    reads the same representation. ``forward(batch, teacher_logits)`` computes the distillation terms
+    inside the forward pass (so data-parallel wrappers see every parameter used there) and adds them to
+    ``aux_loss``: ``weight`` x soft-label loss of the auxiliary head against the corrected teacher, plus the
+    adapter's fit on ``batch.labels``. Without teacher logits it is the plain student (serving, evaluation).
+    """
+
+    def __init__(self, student: nn.Module, representation_dim: int, num_tasks: int, num_surfaces: int,
+                 weight: float = 1.0, temperature: float = 1.0, adapter: bool = True, device=None) -> None:
+        super().__init__()
+        self.student = student
+        self.auxiliary_head = MultiTaskHeads(representation_dim, num_tasks, num_surfaces, device=device)
+        self.adapter = StudentAdapter(num_tasks, num_surfaces, device=device) if adapter else None
+        self.weight, self.temperature = weight, temperature
+
+    def forward(self, batch, teacher_logits: torch.Tensor | None = None) -> DistillationOutput:
+        out = self.student(batch)
+        if out.representation is None:
+            raise ValueError(f"{type(self.student).__name__} returns no representation for an auxiliary head")
+        auxiliary = self.auxiliary_head(out.representation, batch.surface)
+        if teacher_logits is None:
+            return DistillationOutput(out.logits, out.aux_loss, out.representation, auxiliary)
+        teacher_logits = teacher_logits.detach().float()
+        corrected = teacher_logits
+        loss = out.aux_loss.new_zeros(())
+        if self.adapter is not None:
+            corrected = self.adapter(teacher_logits, batch.surface)
+            loss = loss + self.adapter.fit_loss(teacher_logits, batch.surface, batch.labels)
+        loss = loss + self.weight * soft_label_loss(auxiliary, corrected.detach(), self.temperature)
+        return DistillationOutput(out.logits, out.aux_loss + loss, out.representation, auxiliary, corrected, loss)
