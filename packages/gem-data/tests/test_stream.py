@@ -44,3 +44,11 @@ def test_eval_split_is_partitioned_across_ranks(generator):
     whole = [fingerprint(b) for b in eval_batches(generator, 8, 5)]
     parts = [fingerprint(b) for r in range(2) for b in eval_batches(generator, 8, 5, r, 2)]
     assert sorted(whole) == sorted(parts) and len(parts) == 5
+
+
+def test_numbered_streams_are_disjoint_views_of_the_same_data_set(generator):
+    first = [fingerprint(b) for b in itertools.islice(SyntheticStream(generator, 8, stream=0), 3)]
+    second = [fingerprint(b) for b in itertools.islice(SyntheticStream(generator, 8, stream=1), 3)]
+    assert not set(first) & set(second)
+    again = [fingerprint(b) for b in itertools.islice(SyntheticStream(generator, 8, stream=1), 3)]
+    assert again == second

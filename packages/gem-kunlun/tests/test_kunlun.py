@@ -36,7 +36,7 @@ def test_forward_shapes_and_gradients(summarization, attention):
     assert out.logits.shape == (12, 2) and out.aux_loss.shape == ()
     (multitask_loss(out.logits, batch.labels, torch.ones(2)) + out.aux_loss).backward()
     unused_experts = {
-        f"layers.{i}.moe.experts.{e}" for i, layer in enumerate(model.layers) for e in range(3)
+        f"trunk.layers.{i}.moe.experts.{e}" for i, layer in enumerate(model.layers) for e in range(3)
         if int(layer.moe.last_stats.kept[e]) == 0
     }
     missing = [
@@ -62,7 +62,7 @@ def test_long_histories_keep_their_latest_events():
     model = build(config).eval()
     batch = random_batch(3, seed=4, max_events=9)
     assert int(batch.num_events().max()) > 4
-    seq, offsets, positions = model.encode_sequence(batch, model.embedding(batch)[2])
+    _, seq, offsets, positions = model.encoder(batch)
     assert (offsets[1:] - offsets[:-1]).tolist() == batch.num_events().clamp(max=4).tolist()
     # the latest event of every non-empty example has gap 0
     last = offsets[1:][offsets[1:] > offsets[:-1]] - 1
@@ -94,8 +94,8 @@ def test_event_personalization_changes_widths_and_flops():
     plain = build()
     personal = build(dataclasses.replace(TINY, events={"buy": EventPersonalization(width=8, num_layers=2, num_heads=2, window=2)}))
     assert "events.buy" in personal.flops(batch) and "events.buy" not in plain.flops(batch)
-    assert personal.embedding.events["width8"].embedding_configs()[0].embedding_dim == 8
-    assert len(personal.event_encoders["buy"].layers) == 2
+    assert personal.encoder.embedding.events["width8"].embedding_configs()[0].embedding_dim == 8
+    assert len(personal.encoder.event_encoders["buy"].layers) == 2
     with pytest.raises(ValueError, match="unknown event types"):
         KunlunModel(SPEC, dataclasses.replace(TINY, events={"click": EventPersonalization()}))
 

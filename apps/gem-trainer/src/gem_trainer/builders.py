@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from gem_data import SyntheticConfig, SyntheticGenerator, SyntheticStream
-from gem_kunlun import BaselineConfig, BaselineRanker, FeatureSpec, KunlunModel
+from gem_data import (
+    BatchSource,
+    LengthBalancedStream,
+    MixedStream,
+    MixingConfig,
+    MixSource,
+    NextItemConfig,
+    NextItemDataset,
+    ParquetTable,
+    SyntheticConfig,
+    SyntheticGenerator,
+    SyntheticStream,
+    TableStream,
+    WorkerLoader,
+    eval_batches,
+    read_atomic,
+    read_sequence_text,
+)
+from gem_kunlun import BaselineConfig, BaselineRanker, Batch, FeatureSpec, KunlunModel
 from gem_parallel import dense_parameters, shard_embeddings
 from gem_trainer.config import TrainerConfig
 from gem_transfer import DistilledStudent
@@ -31,8 +50,91 @@ def build_generator(config: TrainerConfig) -> SyntheticGenerator:
     )
 
 
-def build_train_stream(config: TrainerConfig, generator: SyntheticGenerator, env: DistributedEnv) -> SyntheticStream:
-    return SyntheticStream(generator, config.data.batch_size, env.rank, env.world_size)
+@dataclass
+class DataSetup:
+    """What the trainer reads: the feature spec, this rank's resumable training stream, and either held-out
+    batches for binary metrics (``eval_batches()``) or a next-item data set for ranking metrics."""
+
+    spec: FeatureSpec
+    train: BatchSource
+    eval_batches: Callable[[], Iterator[Batch]] | None = None
+    ranking: NextItemDataset | None = None
+    mixer: MixedStream | None = None
+    balancer: LengthBalancedStream | None = None
+
+
+def build_data(config: TrainerConfig, env: DistributedEnv) -> DataSetup:
+    d = config.data
+    # with balancing every rank reads the same global batches and keeps its balanced share of them
+    rank, world, batch_size = (0, 1, d.batch_size * env.world_size) if d.balance else (env.rank, env.world_size, d.batch_size)
+    mixer = ranking = eval_fn = None
+    if d.source == "synthetic":
+        generator = build_generator(config)
+        if d.mixture.sources:
+            m = d.mixture
+            mixer = MixedStream(
+                {s.name: SyntheticStream(generator, batch_size, rank, world, stream=s.seed) for s in m.sources},
+                MixingConfig(
+                    sources=tuple(MixSource(s.name, s.weight, s.online) for s in m.sources),
+                    batch_size=batch_size, granularity=m.granularity, online_share_start=m.online_share_start,
+                    online_share_end=m.online_share_end, ramp_steps=m.ramp_steps, seed=config.seed,
+                ),
+            )
+            train = mixer
+        else:
+            train = SyntheticStream(generator, batch_size, rank, world)
+        eval_fn = lambda: eval_batches(generator, d.batch_size, d.eval_batches, env.rank, env.world_size)  # noqa: E731
+    elif d.source in ("sequence_text", "atomic"):
+        ranking = build_next_item_dataset(config)
+        train = TableStream(ranking.training_table(), batch_size, rank, world, shuffle=True, seed=config.seed)
+    else:
+        table = ParquetTable(_files(d.path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
+        held_out = ParquetTable(_files(d.eval_path, "*.parquet"), skip_bad_rows=d.skip_bad_rows,
+                                vocab_sizes={f.name: f.num_embeddings for f in table.spec.sparse}, num_surfaces=table.spec.num_surfaces)
+        train = TableStream(table, batch_size, rank, world, shuffle=True, seed=config.seed)
+        eval_fn = lambda: iter(TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False, num_epochs=1))  # noqa: E731
+    if d.num_workers:
+        train = WorkerLoader(train, num_workers=d.num_workers)
+    balancer = None
+    if d.balance:
+        balancer = train = LengthBalancedStream(train, env.rank, env.world_size, window_batches=d.balance_window)
+    return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer)
+
+
+def build_next_item_dataset(config: TrainerConfig) -> NextItemDataset:
+    """Read a sequence file (with its item attributes) or RecBole atomic files into the next-item task."""
+    d, s = config.data, config.data.sequential
+    path = Path(d.path)
+    if d.source == "sequence_text":
+        text = path if path.is_file() else _single(path, "*.txt")
+        attributes = Path(s.attributes_file) if s.attributes_file else text.with_name(f"{text.stem}_item2attributes.json")
+        corpus = read_sequence_text(text, attributes if attributes.is_file() else None, skip_bad_rows=d.skip_bad_rows)
+    else:
+        corpus = read_atomic(path, skip_bad_rows=d.skip_bad_rows)
+    return NextItemDataset(
+        corpus,
+        NextItemConfig(
+            num_negatives=s.num_negatives, sampler=s.sampler, popularity_power=s.popularity_power,
+            max_history=s.max_history, attribute_slots=s.attribute_slots, with_user_id=s.with_user_id, seed=config.seed,
+        ),
+    )
+
+
+def _single(folder: Path, pattern: str) -> Path:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"data.path: {folder} does not exist")
+    found = sorted(folder.glob(pattern))
+    if len(found) != 1:
+        raise FileNotFoundError(f"data.path: expected one {pattern} file in {folder}, found {[f.name for f in found]}")
+    return found[0]
+
+
+def _files(path: str, pattern: str) -> list[Path]:
+    p = Path(path)
+    files = sorted(p.glob(pattern)) if p.is_dir() else [p]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"data: no {pattern} file at {p}")
+    return files
 
 
 def build_model(config: TrainerConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:
@@ -78,7 +180,7 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     if not path.is_file():
         raise ConfigError(f"distillation.teacher_run_dir: {path} not found (is {folder} a finished run folder?)")
     teacher_config = load_config(path)
-    if build_generator(teacher_config).spec != spec:
+    if build_data(teacher_config, env).spec != spec:
         raise ConfigError(f"distillation.teacher_run_dir: the teacher at {folder} was trained on other features than this run")
     checkpoints = CheckpointManager(Path(folder) / "checkpoints", keep_latest=1)
     step = checkpoints.latest_step()

@@ -95,13 +95,20 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
 def _print_eval(result: dict[str, float], step: int, run_dir: Path) -> None:
     (run_dir / "eval.json").write_text(json.dumps({"step": step, **result}, indent=2) + "\n")
     print(f"\nevaluation at step {step} (held-out split):")
-    print(f"{'task/group':<28}{'AUC':>8}{'NE':>8}{'calib':>8}{'count':>9}")
-    for key in sorted(k for k in result if k.endswith("/auc")):
-        prefix = key[: -len("/auc")]
-        print(
-            f"{prefix:<28}{result[key]:>8.4f}{result[prefix + '/ne']:>8.4f}"
-            f"{result[prefix + '/calibration']:>8.3f}{int(result[prefix + '/count']):>9}"
-        )
+    if any(k.endswith("/auc") for k in result):
+        print(f"{'task/group':<28}{'AUC':>8}{'NE':>8}{'calib':>8}{'count':>9}")
+        for key in sorted(k for k in result if k.endswith("/auc")):
+            prefix = key[: -len("/auc")]
+            print(
+                f"{prefix:<28}{result[key]:>8.4f}{result[prefix + '/ne']:>8.4f}"
+                f"{result[prefix + '/calibration']:>8.3f}{int(result[prefix + '/count']):>9}"
+            )
+    for protocol in ("sampled", "full"):
+        names = [k.split("/")[1] for k in result if k.startswith(f"{protocol}/") and k.count("/") == 1 and not k.endswith("/users")]
+        if names:
+            users = int(result[f"{protocol}/users"])
+            cells = "  ".join(f"{n} {result[f'{protocol}/{n}']:.4f}±{result[f'{protocol}/{n}/std']:.4f}" for n in names)
+            print(f"{protocol} ({users} users): {cells}")
     print(f"metrics written to {run_dir / 'eval.json'}")
 
 

@@ -108,11 +108,67 @@ class SyntheticDataConfig(Section):
     max_events: int = Field(256, ge=1)
 
 
+class SequentialDataConfig(Section):
+    """Next-item examples from a sequence file (``sequence_text``) or RecBole atomic files (``atomic``)."""
+
+    attributes_file: str | None = None  # sequence_text: item -> attribute ids JSON (default: <name>_item2attributes.json)
+    num_negatives: int = Field(1, ge=0)
+    sampler: Literal["uniform", "popularity"] = "uniform"
+    popularity_power: float = 1.0
+    max_history: int | None = Field(50, ge=1)
+    attribute_slots: int = Field(4, ge=1)
+    with_user_id: bool = False
+    eval_split: Literal["valid", "test"] = "test"
+    eval_protocols: tuple[Literal["sampled", "full"], ...] = ("sampled",)
+    eval_negatives: int = Field(99, ge=1)
+    eval_seeds: tuple[int, ...] = (0,)
+    eval_users: int | None = Field(None, ge=1)  # a fixed random subset of users (None: all)
+    eval_chunk: int = Field(8192, ge=1)
+
+
+class MixtureSourceConfig(Section):
+    name: str
+    weight: float = Field(1.0, gt=0)
+    online: bool = False
+    seed: int = 0  # each synthetic source is its own stream: same ground truth, its own examples
+
+
+class MixtureConfig(Section):
+    """Interleave several synthetic sources by weight (zero-copy mixing); empty: one synthetic stream."""
+
+    sources: tuple[MixtureSourceConfig, ...] = ()
+    granularity: Literal["example", "batch"] = "example"
+    online_share_start: float | None = Field(None, ge=0, le=1)
+    online_share_end: float | None = Field(None, ge=0, le=1)
+    ramp_steps: int = Field(0, ge=0)
+
+
 class DataConfig(Section):
-    source: Literal["synthetic"] = "synthetic"
+    source: Literal["synthetic", "sequence_text", "atomic", "parquet"] = "synthetic"
+    path: str | None = None  # the data file (sequence_text, parquet) or folder (atomic)
+    eval_path: str | None = None  # parquet: held-out file(s)
     batch_size: int = Field(256, ge=1)
     eval_batches: int = Field(40, ge=1)
+    num_workers: int = Field(0, ge=0)
+    skip_bad_rows: bool = False
+    balance: bool = False  # length-balanced batches across ranks
+    balance_window: int = Field(1, ge=1)
     synthetic: SyntheticDataConfig = SyntheticDataConfig()
+    sequential: SequentialDataConfig = SequentialDataConfig()
+    mixture: MixtureConfig = MixtureConfig()
+
+    @model_validator(mode="after")
+    def _source_needs(self) -> "DataConfig":
+        if self.source != "synthetic" and self.path is None:
+            raise ValueError(f"data.path is required for data.source = {self.source!r}")
+        if self.mixture.sources and self.source != "synthetic":
+            raise ValueError("data.mixture mixes synthetic sources; set data.source = \"synthetic\"")
+        if self.source == "parquet" and self.eval_path is None:
+            raise ValueError("data.eval_path (held-out parquet) is required for data.source = \"parquet\"")
+        names = [s.name for s in self.mixture.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.mixture.sources names must be unique, got {names}")
+        return self
 
 
 class OptimizerConfig(Section):

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import torch
 
 from gem_trainer import builders
 from gem_trainer.config import TrainerConfig
+from gem_trainer.distributed import DistributedEnv
 
 
 def flop_report(config: TrainerConfig, sample_batches: int = 4) -> dict:
     """Forward and training (3x) FLOPs per example per component, averaged over a few real batches, with
     parameter counts per top-level module and embedding bytes read per example."""
-    generator = builders.build_generator(config)
-    model = builders.build_model(config, generator.spec, device=torch.device("meta"))
+    data = builders.build_data(config, DistributedEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    model = builders.build_model(config, data.spec, device=torch.device("meta"))
     forward: dict[str, float] = defaultdict(float)
-    examples, embedding_bytes = 0, 0.0
-    for index in range(sample_batches):
-        batch = generator.batch(index, config.data.batch_size)
+    examples, embedding_bytes, events = 0, 0.0, 0.0
+    for batch in itertools.islice(iter(data.train), sample_batches):
+        events += float(batch.num_events().sum())
         for name, value in model.flops(batch).items():
             forward[name] += value
         embedding_bytes += model.embedding_bytes(batch)
@@ -28,10 +30,7 @@ def flop_report(config: TrainerConfig, sample_batches: int = 4) -> dict:
     return {
         "model": config.model.name,
         "examples_sampled": examples,
-        "mean_events_per_example": sum(
-            float(generator.batch(i, config.data.batch_size).num_events().float().mean()) for i in range(sample_batches)
-        )
-        / sample_batches,
+        "mean_events_per_example": events / examples,
         "parameters": params,
         "total_parameters": sum(params.values()),
         "flops_per_example": components,

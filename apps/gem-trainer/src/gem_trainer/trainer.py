@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import time
@@ -12,13 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gem_data import SyntheticGenerator, eval_batches
+from gem_data import rank_imbalance
 from gem_kunlun import multitask_loss
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import TrainerConfig
 from gem_trainer.distributed import DistributedEnv
-from gem_trainer.evaluation import binary_metrics
+from gem_trainer.evaluation import binary_metrics, ranking_metrics, target_ranks
 from gem_parallel import mfu, peak_tflops
 from gem_trainer.metrics import MetricLogger, memory_gib, progress
 
@@ -49,9 +50,9 @@ class Trainer:
     def __init__(self, config: TrainerConfig, env: DistributedEnv) -> None:
         self.config, self.env = config, env
         set_determinism(config.seed, config.deterministic)
-        self.generator: SyntheticGenerator = builders.build_generator(config)
-        self.spec = self.generator.spec
-        self.stream = builders.build_train_stream(config, self.generator, env)
+        self.data = builders.build_data(config, env)
+        self.spec = self.data.spec
+        self.stream = self.data.train
         self._batches = iter(self.stream)
         model = builders.build_model(config, self.spec, device=torch.device("meta"))
         self.flop_model = model  # the unsharded module answers FLOP questions
@@ -133,6 +134,7 @@ class Trainer:
         self.dense_optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
+        self._last_batch = batch
         flops = 3.0 * sum(self.flop_model.flops(batch).values())
         if self.teacher is not None:  # the teacher runs forward only
             flops += sum(self.teacher_flop_model.flops(batch).values())
@@ -165,6 +167,7 @@ class Trainer:
                 }
                 if self.peak is not None:
                     line["mfu"] = mfu(tflops, self.peak, self.env.world_size)
+                line.update(self._data_metrics())
                 self.logger.log(self.step, line)
                 window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
             if cfg.checkpoint.enable and self.step % cfg.checkpoint.every_steps == 0:
@@ -175,29 +178,98 @@ class Trainer:
             self.save_checkpoint()
         return metrics
 
+    def _data_metrics(self) -> dict[str, float]:
+        """Examples read per mixed source, and sequence-token imbalance across ranks (max / mean)."""
+        values: dict[str, float] = {}
+        if self.data.mixer is not None:
+            values.update({f"source_{name}": float(n) for name, n in self.data.mixer.counts().items()})
+        if self.data.balancer is not None:
+            values.update({f"balance_{k}": v for k, v in self.data.balancer.last_report.items()})
+        elif self.env.world_size > 1:
+            values.update({f"rank_{k}": v for k, v in rank_imbalance(self._last_batch).items()})
+        return values
+
     # -- evaluation --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """NE, AUC and calibration per task and surface on the held-out split; identical on every rank."""
-        cfg = self.config
+        """Held-out metrics, identical on every rank: NE, AUC and calibration per task and surface, or, for
+        next-item data, HR@K / NDCG@K / MRR for each configured protocol and seed."""
         self.model.eval()
+        result = self._evaluate_binary() if self.data.ranking is None else self._evaluate_ranking()
+        self.logger.log(self.step, result, phase="eval", echo=False)
+        return result
+
+    def _evaluate_binary(self) -> dict[str, float]:
         probs, labels, surfaces = [], [], []
-        batches = eval_batches(self.generator, cfg.data.batch_size, cfg.data.eval_batches, self.env.rank, self.env.world_size)
-        total = len(range(self.env.rank, cfg.data.eval_batches, self.env.world_size))
-        for batch in progress(batches, total, "eval", cfg.metrics.progress_bar and self.env.rank == 0):
+        total = len(range(self.env.rank, self.config.data.eval_batches, self.env.world_size))
+        for batch in progress(self.data.eval_batches(), total, "eval", self._show_progress()):
             batch = batch.to(self.env.device)
             with self._autocast():
                 logits = self.model(batch).logits
             probs.append(torch.sigmoid(logits.float()).cpu())
             labels.append(batch.labels.cpu())
             surfaces.append(batch.surface.cpu())
-        local = (torch.cat(probs), torch.cat(labels), torch.cat(surfaces))
+        p, y, s = (torch.cat(g) for g in zip(*self._gather((torch.cat(probs), torch.cat(labels), torch.cat(surfaces)))))
+        return binary_metrics(p, y, s, self.spec.tasks, self.spec.num_surfaces)
+
+    def _evaluate_ranking(self) -> dict[str, float]:
+        s, dataset = self.config.data.sequential, self.data.ranking
+        result: dict[str, float] = {}
+        for protocol in s.eval_protocols:
+            ks = (1, 5, 10) if protocol == "sampled" else (5, 10, 20)
+            per_seed = []
+            for seed in s.eval_seeds if protocol == "sampled" else s.eval_seeds[:1]:
+                ranking = dataset.ranking_examples(s.eval_split, protocol, s.eval_negatives, seed)
+                users = torch.arange(ranking.num_users)
+                if s.eval_users is not None and s.eval_users < ranking.num_users:
+                    # the same fixed subset for every protocol and seed
+                    chosen = torch.randperm(ranking.num_users, generator=torch.Generator().manual_seed(self.config.seed))
+                    users = chosen[: s.eval_users].sort().values
+                mine = users[self.env.rank :: self.env.world_size]
+                ranks = target_ranks(self._score(dataset, ranking, mine), ranking.target_index[mine])
+                ranks = torch.cat(self._gather(ranks))
+                metrics = ranking_metrics(ranks, ks)
+                per_seed.append(metrics)
+                result.update({f"{protocol}/seed{seed}/{k}": v for k, v in metrics.items()})
+            for key in per_seed[0]:
+                values = torch.tensor([m[key] for m in per_seed], dtype=torch.float64)
+                result[f"{protocol}/{key}"] = float(values.mean())
+                result[f"{protocol}/{key}/std"] = float(values.std(unbiased=False))
+            result[f"{protocol}/users"] = float(ranks.numel())
+        return result
+
+    def _score(self, dataset, ranking, users: torch.Tensor) -> torch.Tensor:
+        """Scores ``[len(users), C]`` of each user's candidates: through the model's ``score_candidates`` (the
+        user side computed once per user) when it has one, else one row per (user, candidate)."""
+        core = getattr(self.model, "module", self.model)
+        candidates = ranking.candidates[users]
+        if hasattr(core, "score_candidates"):
+            scores = []
+            chunk = max(1, self.config.data.sequential.eval_chunk // candidates.shape[1])
+            for start in range(0, users.numel(), chunk):
+                rows = users[start : start + chunk]
+                user_ids = ranking.users[rows]
+                history = dataset.history(user_ids, ranking.history_length[rows])
+                requests = dataset.assemble(user_ids, history, ranking.targets()[rows], torch.ones(rows.numel())).to(self.env.device)
+                with self._autocast():
+                    scores.append(core.score_candidates(requests, candidates[start : start + chunk].to(self.env.device)).float().cpu())
+            return torch.cat(scores) if scores else torch.zeros(0, candidates.shape[1])
+        subset = dataclasses.replace(ranking, users=ranking.users[users], history_length=ranking.history_length[users],
+                                     candidates=candidates, target_index=ranking.target_index[users])
+        scores = torch.empty(candidates.shape)
+        for start, batch in dataset.scoring_batches(subset, self.config.data.sequential.eval_chunk):
+            with self._autocast():
+                logits = self.model(batch.to(self.env.device)).logits
+            scores.view(-1)[start : start + batch.batch_size] = logits[:, 0].float().cpu()
+        return scores
+
+    def _gather(self, local):
         gathered = [None] * self.env.world_size
         dist.all_gather_object(gathered, local)
-        p, y, s = (torch.cat([g[i] for g in gathered]) for i in range(3))
-        result = binary_metrics(p, y, s, self.spec.tasks, self.spec.num_surfaces)
-        self.logger.log(self.step, result, phase="eval", echo=False)
-        return result
+        return gathered
+
+    def _show_progress(self) -> bool:
+        return self.config.metrics.progress_bar and self.env.rank == 0
 
     def close(self) -> None:
         self.logger.close()

@@ -18,24 +18,36 @@ from gem_data.synthetic import SyntheticGenerator
 from gem_data.table import ExampleTable
 
 
+# NOTE: torch's CPU generator keeps 32 bits of a seed, and the generator's train and eval splits sit 2**31
+# batch indices apart: 128 streams of 2**24 batches each fit below that.
+BATCHES_PER_STREAM = 1 << 24
+MAX_STREAMS = 128
+
+
 class SyntheticStream(ShardedStream):
     """An endless stream of training batches for one rank.
 
     Rank ``r`` of ``world_size`` takes global batches ``r, r + world_size, r + 2 * world_size, ...``: no
     two ranks see the same batch and none is skipped. ``state_dict`` holds the position, so a restarted run
-    continues at exactly the next batch.
+    continues at exactly the next batch. ``stream`` selects one of many disjoint streams of the same data set
+    (same hidden ground truth, other examples): separate sources to mix, such as offline logs and a live stream.
     """
 
-    def __init__(self, generator: SyntheticGenerator, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, generator: SyntheticGenerator, batch_size: int, rank: int = 0, world_size: int = 1, stream: int = 0
+    ) -> None:
         super().__init__(rank, world_size)
+        if not 0 <= stream < MAX_STREAMS:
+            raise ValueError(f"stream must lie in [0, {MAX_STREAMS}), got {stream}")
         self.generator, self.batch_size = generator, batch_size
+        self.first_index = stream * BATCHES_PER_STREAM
 
     @property
     def spec(self) -> FeatureSpec:
         return self.generator.spec
 
     def global_batch(self, index: int) -> Batch:
-        return self.generator.batch(index, self.batch_size, split="train")
+        return self.generator.batch(self.first_index + index, self.batch_size, split="train")
 
 
 def eval_batches(generator: SyntheticGenerator, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1):

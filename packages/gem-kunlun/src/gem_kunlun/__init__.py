@@ -5,7 +5,15 @@ from gem_kunlun.batch import Batch, EventSequence
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import EventType, FeatureSpec, SparseFeature
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads, multitask_loss
-from gem_kunlun.kunlun import KUNLUN_SIZES, EventPersonalization, KunlunConfig, KunlunLayer, KunlunModel
+from gem_kunlun.kunlun import (
+    KUNLUN_SIZES,
+    EventPersonalization,
+    KunlunConfig,
+    KunlunEncoder,
+    KunlunLayer,
+    KunlunModel,
+    KunlunTrunk,
+)
 from gem_kunlun.moe import MixtureOfExperts, WukongBlock
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
 from gem_kunlun.sequence import jagged_to_padded, lengths_to_offsets, merge_by_time
@@ -20,8 +28,10 @@ __all__ = [
     "HierarchicalSeedPooling",
     "KUNLUN_SIZES",
     "KunlunConfig",
+    "KunlunEncoder",
     "KunlunLayer",
     "KunlunModel",
+    "KunlunTrunk",
     "MixtureOfExperts",
     "ModelOutput",
     "PMA",

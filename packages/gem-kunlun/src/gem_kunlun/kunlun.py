@@ -274,10 +274,13 @@ class EventEncoder(nn.Module):
         return per_layer + (2.0 * self.width * dim * tokens if self.width != dim else 0.0)
 
 
-class KunlunModel(nn.Module):
-    """``forward(batch) -> ModelOutput(logits [B, num_tasks], aux_loss)``; see the module docstring."""
+class KunlunEncoder(nn.Module):
+    """The input side: feature embedding, per-event-type encoders (personalization), the time-ordered merge.
 
-    def __init__(self, spec: FeatureSpec, config: KunlunConfig = KunlunConfig(), device: torch.device | None = None):
+    ``forward(batch) -> (x [B, N, D] non-sequence tokens, seq [T, D], offsets [B+1], positions [T])``.
+    """
+
+    def __init__(self, spec: FeatureSpec, config: KunlunConfig, device: torch.device | None = None) -> None:
         super().__init__()
         c, d = config, config.d_model
         unknown = sorted(set(c.events) - {e.name for e in spec.events})
@@ -291,31 +294,15 @@ class KunlunModel(nn.Module):
              for name in widths}
         )
         self.event_type = nn.Embedding(len(spec.events), d, device=device)
-        tokens_in = len(spec.sparse) + 1
-        layers = []
-        for i in range(c.num_layers):
-            layers.append(KunlunLayer(c, tokens_in, i, device=device))
-            tokens_in = c.num_summary_tokens + c.num_seeds
-        self.layers = nn.ModuleList(layers)
-        # the history as updated by the last layer is summarised once more, so that every layer's sequence
-        # update reaches the heads
-        self.final_summary_norm = LayerNorm(d, kernel=c.kernel, device=device)
-        self.final_summary = PMA(d, c.num_seeds, c.num_heads, kernel=c.kernel, device=device)
-        self.final_norm = LayerNorm(d, kernel=c.kernel, device=device)
-        widths_mlp = [(tokens_in + c.num_seeds) * d, *c.hidden]
-        self.mlp = nn.Sequential(*[m for i, o in zip(widths_mlp, widths_mlp[1:]) for m in (nn.Linear(i, o, device=device), nn.GELU())])
-        self.representation_dim = widths_mlp[-1]
-        self.heads = MultiTaskHeads(widths_mlp[-1], len(spec.tasks), spec.num_surfaces, device=device)
+        self.num_tokens = len(spec.sparse) + 1
 
-    def encode_sequence(self, batch: Batch, events: dict[str, torch.Tensor]):
-        """Per-type encoders, then the time-ordered merge, truncated to the latest ``max_seq_len`` events."""
+    def forward(self, batch: Batch):
         c, names = self.config, [e.name for e in self.spec.events]
+        sparse, dense, events = self.embedding(batch)
         values, lengths, times = [], [], []
         for name in names:
-            seq = batch.sequences[name]
-            offsets = seq.offsets()
-            index, kept_offsets = keep_latest(offsets, c.max_seq_len)
-            t = seq.timestamps[index]
+            index, kept_offsets = keep_latest(batch.sequences[name].offsets(), c.max_seq_len)
+            t = batch.sequences[name].timestamps[index]
             positions = time_gap_positions(t, kept_offsets)
             values.append(self.event_encoders[name](events[name][index], kept_offsets, positions, c.max_seq_len))
             lengths.append(kept_offsets[1:] - kept_offsets[:-1])
@@ -323,41 +310,24 @@ class KunlunModel(nn.Module):
         merged, offsets, timestamps, event_type = merge_by_time(values, lengths, times)
         index, offsets = keep_latest(offsets, c.max_seq_len)
         seq = merged[index] + self.event_type(event_type[index])
-        return seq, offsets, time_gap_positions(timestamps[index], offsets)
-
-    def forward(self, batch: Batch) -> ModelOutput:
-        c = self.config
-        sparse, dense, events = self.embedding(batch)
-        seq, offsets, positions = self.encode_sequence(batch, events)
         x = torch.cat([sparse, dense[:, None]], 1)
-        summary = None
-        aux = x.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
-            x, seq, summary = layer(x, seq, offsets, positions, c.max_seq_len, summary)
-            aux = aux + c.balance_loss_weight * layer.moe.last_stats.balance_loss
-        final = self.final_summary(self.final_summary_norm(seq), offsets, c.max_seq_len)
-        representation = self.mlp(self.final_norm(torch.cat([x, final], 1)).flatten(1))
-        return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
+        return x, seq, offsets, time_gap_positions(timestamps[index], offsets)
+
+    def merged_lengths(self, batch: Batch) -> torch.Tensor:
+        """Events per example after truncation and merge, ``[B]`` on the CPU."""
+        total = torch.zeros(batch.batch_size, dtype=torch.int64)
+        for e in self.spec.events:
+            total += batch.sequences[e.name].lengths().cpu().clamp(max=self.config.max_seq_len)
+        return total.clamp(max=self.config.max_seq_len)
 
     def flops(self, batch: Batch) -> dict[str, float]:
-        """Forward model FLOPs of ``batch`` per component (real lengths; active experts only; embedding
-        lookups excluded). Multiply by 3 for training."""
-        c, d, b = self.config, self.config.d_model, batch.batch_size
-        table = {"embedding.dense_proj": 2.0 * self.spec.num_dense * d * b}
-        merged = torch.zeros(b, dtype=torch.int64)
+        d = self.config.d_model
+        table = {"embedding.dense_proj": 2.0 * self.spec.num_dense * d * batch.batch_size}
         for e in self.spec.events:
-            lengths = batch.sequences[e.name].lengths().cpu().clamp(max=c.max_seq_len)
-            merged += lengths
+            lengths = batch.sequences[e.name].lengths().cpu().clamp(max=self.config.max_seq_len)
             value = self.event_encoders[e.name].flops(lengths, d)
             if value:
                 table[f"events.{e.name}"] = value
-        merged = merged.clamp(max=c.max_seq_len)
-        for i, layer in enumerate(self.layers):
-            for name, value in layer.flops(merged).items():
-                table[f"layer{i}.{name}"] = value
-        table["final_summary"] = self.final_summary.flops(float(merged.sum()), b)
-        table["mlp"] = sum(2.0 * m.in_features * m.out_features for m in self.mlp if isinstance(m, nn.Linear)) * b
-        table["heads"] = self.heads.flops_per_example() * b
         return table
 
     def embedding_bytes(self, batch: Batch) -> float:
@@ -367,3 +337,80 @@ class KunlunModel(nn.Module):
             width = self.event_encoders[e.name].width
             total += batch.sequences[e.name].ids.values().numel() * 4.0 * width
         return total
+
+
+class KunlunTrunk(nn.Module):
+    """The Kunlun layers, a final summary of the updated history and the MLP to a representation.
+
+    ``forward(x, seq, offsets, positions) -> (representation [B, R], aux_loss)``.
+    """
+
+    def __init__(self, config: KunlunConfig, num_tokens_in: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        c, d = config, config.d_model
+        self.config = config
+        layers = []
+        for i in range(c.num_layers):
+            layers.append(KunlunLayer(c, num_tokens_in, i, device=device))
+            num_tokens_in = c.num_summary_tokens + c.num_seeds
+        self.layers = nn.ModuleList(layers)
+        # the history as updated by the last layer is summarised once more, so that every layer's sequence
+        # update reaches the heads
+        self.final_summary_norm = LayerNorm(d, kernel=c.kernel, device=device)
+        self.final_summary = PMA(d, c.num_seeds, c.num_heads, kernel=c.kernel, device=device)
+        self.final_norm = LayerNorm(d, kernel=c.kernel, device=device)
+        widths = [(num_tokens_in + c.num_seeds) * d, *c.hidden]
+        self.mlp = nn.Sequential(*[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.GELU())])
+        self.representation_dim = widths[-1]
+
+    def forward(self, x, seq, offsets, positions):
+        c = self.config
+        summary = None
+        aux = x.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            x, seq, summary = layer(x, seq, offsets, positions, c.max_seq_len, summary)
+            aux = aux + c.balance_loss_weight * layer.moe.last_stats.balance_loss
+        final = self.final_summary(self.final_summary_norm(seq), offsets, c.max_seq_len)
+        return self.mlp(self.final_norm(torch.cat([x, final], 1)).flatten(1)), aux
+
+    def flops(self, lengths: torch.Tensor) -> dict[str, float]:
+        """Forward FLOPs for examples with merged history ``lengths [B]``."""
+        table = {}
+        for i, layer in enumerate(self.layers):
+            for name, value in layer.flops(lengths).items():
+                table[f"layer{i}.{name}"] = value
+        table["final_summary"] = self.final_summary.flops(float(lengths.sum()), lengths.numel())
+        table["mlp"] = sum(2.0 * m.in_features * m.out_features for m in self.mlp if isinstance(m, nn.Linear)) * lengths.numel()
+        return table
+
+
+class KunlunModel(nn.Module):
+    """``forward(batch) -> ModelOutput(logits [B, num_tasks], aux_loss, representation)``; see the module
+    docstring."""
+
+    def __init__(self, spec: FeatureSpec, config: KunlunConfig = KunlunConfig(), device: torch.device | None = None):
+        super().__init__()
+        self.spec, self.config = spec, config
+        self.encoder = KunlunEncoder(spec, config, device=device)
+        self.trunk = KunlunTrunk(config, self.encoder.num_tokens, device=device)
+        self.representation_dim = self.trunk.representation_dim
+        self.heads = MultiTaskHeads(self.representation_dim, len(spec.tasks), spec.num_surfaces, device=device)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.trunk.layers
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        representation, aux = self.trunk(*self.encoder(batch))
+        return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
+
+    def flops(self, batch: Batch) -> dict[str, float]:
+        """Forward model FLOPs of ``batch`` per component (real lengths; active experts only; embedding
+        lookups excluded). Multiply by 3 for training."""
+        table = self.encoder.flops(batch)
+        table.update(self.trunk.flops(self.encoder.merged_lengths(batch)))
+        table["heads"] = self.heads.flops_per_example() * batch.batch_size
+        return table
+
+    def embedding_bytes(self, batch: Batch) -> float:
+        return self.encoder.embedding_bytes(batch)
