@@ -9,6 +9,7 @@ from gem_data.balancing import (
     rank_imbalance,
 )
 from gem_data.batch_ops import concat_batches, select_examples
+from gem_data.domain_experts import DomainExpertModel
 from gem_data.errors import BadRows, DataError
 from gem_data.mixing import MixedStream, MixingConfig, MixSource
 from gem_data.readers.atomic import read_atomic
@@ -27,6 +28,7 @@ __all__ = [
     "BatchSource",
     "BatchTable",
     "DataError",
+    "DomainExpertModel",
     "ExampleTable",
     "LengthBalancedStream",
     "MixSource",
