@@ -41,6 +41,14 @@ def run_attention(
     window_blocks: int | None = None,
 ) -> torch.Tensor:
     head_dim = q.shape[2]
+    if kernel == "builtin":
+        from gem_kernels.ops.pytorch.builtin import builtin_attention
+
+        return builtin_attention(
+            q, k, v, q_offsets, kv_offsets, max_q, max_kv, list(activations), sm_scale, pw_scale,
+            kv_index=kv_index, window_left=window_left, window_right=window_right, block_size=block_size,
+            window_blocks=window_blocks,
+        )
     use_triton = V.use_triton(kernel, q.device)
     if use_triton and kernel == "auto":
         try:

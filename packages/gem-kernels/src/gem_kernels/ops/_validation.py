@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-KERNELS = ("auto", "triton", "pytorch")
+KERNELS = ("auto", "triton", "pytorch", "builtin")  # builtin: PyTorch's own ops (pytorch/builtin.py)
 
 
 def check_kernel(kernel: str) -> None:
@@ -85,7 +85,7 @@ def triton_available() -> bool:
 
 def use_triton(kernel: str, device: torch.device) -> bool:
     """``auto`` picks Triton on CUDA (or under the Triton interpreter on CPU only when asked explicitly)."""
-    if kernel == "pytorch":
+    if kernel in ("pytorch", "builtin"):
         return False
     if kernel == "triton":
         if not triton_available():

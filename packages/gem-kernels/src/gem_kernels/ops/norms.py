@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from gem_kernels.ops import _validation as V
+from gem_kernels.ops.pytorch.builtin import builtin_layer_norm, builtin_rms_norm
 from gem_kernels.ops.pytorch.pt_norms import pt_layer_norm, pt_rms_norm
 
 
@@ -55,11 +56,13 @@ def layer_norm(
     """LayerNorm over the last dim of x [..., N] with weight / bias [N] (bias may be None). With a residual
     (x's shape and dtype) it normalises h = x + residual in one pass and returns (y, h), h in x's dtype, so the
     residual stream needs no separate add; otherwise returns y. Statistics are fp32; y is in x's dtype.
-    kernel: "triton", "pytorch" or "auto" (Triton on CUDA)."""
+    kernel: "triton", "pytorch", "auto" (Triton on CUDA) or "builtin" (torch's unfused ops)."""
     if _check(x, weight, bias, residual, kernel):
         from gem_kernels.ops.triton.triton_norms import triton_layer_norm
 
         return triton_layer_norm(x, weight, bias, eps, residual)
+    if kernel == "builtin":
+        return builtin_layer_norm(x, weight, bias, eps, residual)
     return pt_layer_norm(x, weight, bias, eps, residual)
 
 
@@ -76,4 +79,6 @@ def rms_norm(
         from gem_kernels.ops.triton.triton_norms import triton_rms_norm
 
         return triton_rms_norm(x, weight, eps, residual)
+    if kernel == "builtin":
+        return builtin_rms_norm(x, weight, eps, residual)
     return pt_rms_norm(x, weight, eps, residual)

@@ -1,0 +1,636 @@
+"""Training benchmark of the Kunlun model on one GPU: our kernels against the same model written the plain-PyTorch way.
+
+    python -m gem_trainer.bench --config apps/gem-trainer/configs/bench-h200.toml \
+        --out benchmarks/results/train-h200.json
+
+Both variants train the same model (same config, same initial weights, same batches) in one process:
+
+- ``gem``: gem-kernels' Triton kernels (jagged BlockAttention, GDPA for pFFN and PMA, fused LayerNorm);
+- ``plain``: ``kernel="builtin"``: FlexAttention for BlockAttention, ``varlen_attn`` (FlashAttention-2 varlen) for
+  PMA, padded batched matmuls for the pointwise pFFN, unfused ``F.layer_norm``.
+
+The MoE runs its per-expert loop in both. The model is unsharded (TorchRec EBC / EC run unsharded on the GPU
+image), trained with bf16 autocast, fused AdamW for the dense parameters and plain SGD for the embedding tables.
+Batches are drawn here: ``--sparse-features`` pooled id features, two event types whose merged history per
+example has log-normal length (``--mean-len``, clipped to ``[16, --max-len]``). The lengths are drawn once and
+kept for every step (ids, timestamps, dense features and labels are fresh), so every step has the same shapes
+and the same FLOPs. Model FLOPs come from ``model.flops(batch)`` (forward, real lengths, x3 for training).
+
+Per variant: warm-up steps, timed steps (wall clock between device syncs), then a few steps under
+``torch.profiler`` whose GPU time is attributed to model components (``gem::<component>`` ranges entered by
+module hooks; backward kernels are matched to the forward op that created their autograd node by sequence
+number). Writes JSON: meta (device, versions, commit, date, command), checks, one entry per variant and the
+ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, KunlunModel, SparseFeature, multitask_loss
+from gem_kunlun.norm import LayerNorm
+from gem_trainer.config import load_config
+
+PEAK_TFLOPS = 989.0  # H100 / H200 dense bf16 datasheet peak: the MFU denominator
+VARIANTS = {"gem": "auto", "plain": "builtin"}
+
+
+# --- data ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BenchData:
+    batch_size: int
+    sparse_features: int = 100
+    vocab: int = 4096
+    ids_per_feature: int = 4
+    mean_len: float = 1024.0
+    max_len: int = 8192
+    min_len: int = 16
+    sigma: float = 0.8
+    event_vocab: int = 100_000
+    num_dense: int = 16
+    num_tasks: int = 2
+    num_surfaces: int = 3
+    seed: int = 0
+
+    def spec(self) -> FeatureSpec:
+        sparse = tuple(SparseFeature(f"f{i:03d}", self.vocab) for i in range(self.sparse_features))
+        events = (
+            EventType("click", (SparseFeature("click_item", self.event_vocab), SparseFeature("click_author", self.event_vocab // 4))),
+            EventType("view", (SparseFeature("view_item", self.event_vocab), SparseFeature("view_author", self.event_vocab // 4))),
+        )
+        tasks = tuple(f"task{i}" for i in range(self.num_tasks))
+        return FeatureSpec(num_dense=self.num_dense, sparse=sparse, events=events, tasks=tasks,
+                           num_surfaces=self.num_surfaces)
+
+
+def lognormal_lengths(data: BenchData, generator: torch.Generator) -> torch.Tensor:
+    """``[B]`` int64 history lengths: log-normal with arithmetic mean ``mean_len`` before clipping to
+    ``[min_len, max_len]``."""
+    mu = math.log(data.mean_len) - data.sigma**2 / 2
+    z = torch.randn(data.batch_size, generator=generator, dtype=torch.float64)
+    return torch.exp(mu + data.sigma * z).round().clamp(data.min_len, data.max_len).long()
+
+
+class BenchBatches:
+    """Fresh random batches of fixed per-example history lengths (see the module docstring)."""
+
+    def __init__(self, data: BenchData) -> None:
+        self.data, self.spec = data, data.spec()
+        self.generator = torch.Generator().manual_seed(data.seed)
+        total = lognormal_lengths(data, self.generator)
+        self.click = (total * 0.6).round().long()
+        self.view = total - self.click
+        self.total = total
+
+    def _kjt(self, features, lengths: torch.Tensor, ids_per_row: torch.Tensor | None = None):
+        from torchrec import KeyedJaggedTensor
+
+        g = self.generator
+        values, all_lengths = [], []
+        for f in features:
+            n = lengths if ids_per_row is None else ids_per_row
+            values.append(torch.randint(0, f.num_embeddings, (int(n.sum()),), generator=g))
+            all_lengths.append(n)
+        return KeyedJaggedTensor(keys=[f.name for f in features], values=torch.cat(values),
+                                 lengths=torch.cat(all_lengths))
+
+    def next(self) -> Batch:
+        d, g, b = self.data, self.generator, self.data.batch_size
+        bag_sizes = torch.randint(1, 2 * d.ids_per_feature, (len(self.spec.sparse), b), generator=g)
+        from torchrec import KeyedJaggedTensor
+
+        sparse = KeyedJaggedTensor(
+            keys=[f.name for f in self.spec.sparse],
+            values=torch.randint(0, d.vocab, (int(bag_sizes.sum()),), generator=g),
+            lengths=bag_sizes.flatten(),
+        )
+        sequences = {}
+        for event, lengths in zip(self.spec.events, (self.click, self.view)):
+            # timestamps increase within each example (seconds over ~30 days), as a log would have them
+            n = int(lengths.sum())
+            times = torch.rand(n, generator=g, dtype=torch.float64) * 30 * 86400
+            example = torch.repeat_interleave(torch.arange(b), lengths)
+            times = times[torch.argsort(example * 1e8 + times)].float()
+            sequences[event.name] = EventSequence(ids=self._kjt(event.features, lengths), timestamps=times)
+        return Batch(
+            dense=torch.randn(b, d.num_dense, generator=g),
+            sparse=sparse,
+            sequences=sequences,
+            labels=(torch.rand(b, d.num_tasks, generator=g) < 0.3).float(),
+            surface=torch.randint(0, d.num_surfaces, (b,), generator=g),
+        )
+
+
+# --- model and optimizers --------------------------------------------------------------------------------------
+
+def apply_compiled_rotary(device: torch.device) -> str:
+    """Compile ROTE (a dozen fp32 elementwise ops over q and k) into fused kernels, for both variants alike: it
+    is plain PyTorch either way, and eagerly it moves several times q's bytes per layer. Returns what ran."""
+    import gem_kunlun.kunlun as kunlun_module
+    from gem_kunlun.rote import apply_rotary
+
+    if device.type != "cuda":
+        return "eager"
+    compiled = torch.compile(apply_rotary, dynamic=True)
+    try:
+        x = torch.randn(1000, 4, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+        pos = torch.rand(1000, device=device) * 10
+        torch.testing.assert_close(compiled(x, pos).float(), apply_rotary(x, pos).float(), rtol=2e-2, atol=2e-2)
+        compiled(x, pos).sum().backward()
+    except Exception as e:  # keep the eager function: the benchmark still runs
+        return f"eager (compile failed: {type(e).__name__}: {str(e)[:200]})"
+    kunlun_module.apply_rotary = compiled
+    return "torch.compile"
+
+
+def build_variant(config, spec: FeatureSpec, kernel: str, device: torch.device, seed: int) -> KunlunModel:
+    """The configured Kunlun model with every op and norm on ``kernel``; equal seeds give equal weights."""
+    torch.manual_seed(seed)
+    model_config = dataclasses.replace(config.model.kunlun.build(), kernel=kernel)
+    model = KunlunModel(spec, model_config, device=torch.device("cpu"))
+    return model.to(device)
+
+
+def embedding_parameters(model: nn.Module) -> list[nn.Parameter]:
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+    return [p for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+            for p in m.parameters()]
+
+
+def build_optimizers(model: nn.Module, config, device: torch.device):
+    """Fused AdamW for the dense parameters, plain SGD for the embedding tables (the simple sparse update of an
+    unsharded model; the trainer's fused row-wise Adagrad needs sharded TorchRec)."""
+    sparse = embedding_parameters(model)
+    sparse_ids = {id(p) for p in sparse}
+    dense = [p for p in model.parameters() if id(p) not in sparse_ids]
+    o = config.optimizer
+    fused = {"fused": True} if device.type == "cuda" else {}
+    return (torch.optim.AdamW(dense, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, **fused),
+            torch.optim.SGD(sparse, lr=o.sparse_lr))
+
+
+def autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(model, optimizers, batch: Batch, task_weights: torch.Tensor, device) -> torch.Tensor:
+    with autocast(device):
+        out = model(batch)
+    with torch.profiler.record_function("gem::loss"):
+        loss = multitask_loss(out.logits, batch.labels, task_weights) + out.aux_loss
+    loss.backward()
+    with torch.profiler.record_function("gem::optimizer"):
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+# --- component ranges for the profiler -------------------------------------------------------------------------
+
+def component_modules(model: KunlunModel) -> list[tuple[str, nn.Module]]:
+    """Modules whose forward gets a ``gem::<name>`` range; the innermost range owns a kernel."""
+    encoder, trunk = model.encoder, model.trunk
+    named = [("sequence_merge", encoder),  # what the encoder does besides embedding: truncation, time-ordered merge
+             ("embedding", encoder.embedding), ("final_summary", trunk.final_summary), ("mlp_heads", trunk.mlp),
+             ("mlp_heads", model.heads)]
+    for enc in encoder.event_encoders.values():
+        named.append(("event_encoders", enc))
+    for layer in trunk.layers:
+        named.append(("layer_glue", layer))  # token mixing, concatenations, residual adds
+        named.append(("compress", layer.compress_mlp))
+        for part in ("summary", "moe", "pffn", "attention"):
+            module = getattr(layer, part)
+            if module is not None:
+                named.append((part, module))
+    named += [("norm", m) for m in model.modules() if isinstance(m, (LayerNorm, nn.LayerNorm))]
+    return named
+
+
+@contextlib.contextmanager
+def component_ranges(model: KunlunModel):
+    """Enter ``gem::<component>`` profiler ranges around the forward of each component module, for as long as
+    the context is open."""
+    stack, handles = [], []
+
+    def enter(name):
+        def hook(module, args):
+            rf = torch.profiler.record_function(f"gem::{name}")
+            rf.__enter__()
+            stack.append(rf)
+        return hook
+
+    def leave(module, args, output):
+        stack.pop().__exit__(None, None, None)
+
+    for name, module in component_modules(model):
+        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _device_time(event) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, attr):
+            return float(getattr(event, attr))
+    return 0.0
+
+
+def _component_of(event) -> str | None:
+    e = event
+    while e is not None:
+        if e.name.startswith("gem::"):
+            return e.name.removeprefix("gem::")
+        e = e.cpu_parent
+    return None
+
+
+def _cpu_time(event) -> float:
+    return float(getattr(event, "self_cpu_time_total", 0.0))
+
+
+def attribute_device_time(events, steps: int, time_of=_device_time) -> dict[str, dict[str, float]]:
+    """Milliseconds of GPU kernel time (``time_of``: of each event's own work) per step, per component, split
+    into forward and backward.
+
+    A kernel belongs to the innermost ``gem::`` range around the op that launched it (forward, loss, optimizer);
+    a backward kernel belongs to the component whose forward op created its autograd node (same sequence
+    number). What matches neither is ``other``.
+    """
+    by_sequence: dict[int, str] = {}
+    for e in events:
+        seq = getattr(e, "sequence_nr", -1)
+        if seq is not None and seq >= 0 and not e.name.startswith("autograd::engine"):
+            component = _component_of(e)
+            if component is not None:
+                by_sequence.setdefault(seq, component)
+    table: dict[str, dict[str, float]] = defaultdict(lambda: {"fwd_ms": 0.0, "bwd_ms": 0.0})
+    for e in events:
+        # NOTE: only host-side ops: a kernel's time is counted once, as its launching op's own device time (the
+        # device-side copies of kernels and of the gem:: ranges would count it again)
+        if "CPU" not in str(getattr(e, "device_type", "CPU")):
+            continue
+        t = time_of(e)
+        if t <= 0:
+            continue
+        component, phase = _component_of(e), "fwd_ms"
+        if component is None:
+            phase = "bwd_ms"
+            node = e
+            while node is not None and not node.name.startswith("autograd::engine::evaluate_function"):
+                node = node.cpu_parent
+            seq = getattr(node, "sequence_nr", -1) if node is not None else -1
+            component = by_sequence.get(seq, "other") if node is not None else "other"
+            if node is None:
+                phase = "fwd_ms"
+        table[component][phase] += t / 1000.0 / steps
+    out = {}
+    for k, v in sorted(table.items(), key=lambda kv: -(kv[1]["fwd_ms"] + kv[1]["bwd_ms"])):
+        out[k] = {"fwd_ms": round(v["fwd_ms"], 3), "bwd_ms": round(v["bwd_ms"], 3),
+                  "total_ms": round(v["fwd_ms"] + v["bwd_ms"], 3)}
+    return out
+
+
+def top_kernels(prof, steps: int, n: int = 15) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        t = _device_time(e)
+        if t > 0 and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            rows.append({"kernel": e.key[:120], "ms_per_step": round(t / 1000.0 / steps, 3), "calls": e.count // steps})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:n]
+
+
+# --- one variant ------------------------------------------------------------------------------------------------
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_variant(name: str, kernel: str, config, batches: list[Batch], flops_per_step: float, args, device,
+                log) -> dict:
+    spec = args.spec
+    result: dict = {"kernel": kernel}
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_variant(config, spec, kernel, device, config.seed)
+    optimizers = build_optimizers(model, config, device)
+    weights = torch.ones(len(spec.tasks), device=device)
+    losses = []
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        losses.append(float(train_step(model, optimizers, batches[i % len(batches)], weights, device)))
+    sync(device)
+    result["warmup_s"] = round(time.perf_counter() - t0, 2)
+    log(f"[{name}] warm-up {args.warmup} steps in {result['warmup_s']} s, losses {losses}")
+
+    step_times = []
+    for i in range(args.steps):
+        sync(device)
+        start = time.perf_counter()
+        loss = train_step(model, optimizers, batches[i % len(batches)], weights, device)
+        sync(device)
+        step_times.append(time.perf_counter() - start)
+    losses.append(float(loss))
+    step_s = sorted(step_times)[len(step_times) // 2]
+    tflops = flops_per_step / step_s / 1e12
+    result.update({
+        "steps_timed": args.steps,
+        "step_ms_median": round(step_s * 1e3, 2),
+        "step_ms_mean": round(sum(step_times) / len(step_times) * 1e3, 2),
+        "examples_per_s": round(args.batch_size / step_s, 1),
+        "tflops": round(tflops, 1),
+        "mfu_local": round(tflops / PEAK_TFLOPS, 4),
+        "final_loss": round(losses[-1], 5),
+        "loss_finite": all(math.isfinite(x) for x in losses),
+    })
+    if device.type == "cuda":
+        result["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+    log(f"[{name}] {result['step_ms_median']} ms/step, {result['examples_per_s']} ex/s, {result['tflops']} TFLOP/s, "
+        f"MFU {result['mfu_local']:.3f}, peak {result.get('peak_memory_gb')} GB")
+
+    if args.profile_steps > 0:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with component_ranges(model), torch.profiler.profile(activities=activities) as prof:
+            for i in range(args.profile_steps):
+                train_step(model, optimizers, batches[i % len(batches)], weights, device)
+            sync(device)
+        events = prof.events()
+        # NOTE: on CPU there are no kernels: the ops' own CPU time stands in (the smoke test's path)
+        breakdown = attribute_device_time(events, args.profile_steps,
+                                          _device_time if device.type == "cuda" else _cpu_time)
+        result["components_ms_per_step"] = breakdown
+        result["profiled_gpu_ms_per_step"] = round(sum(v["total_ms"] for v in breakdown.values()), 2)
+        result["top_kernels"] = top_kernels(prof, args.profile_steps)
+        log(f"[{name}] components (ms/step): " + ", ".join(f"{k} {v['total_ms']}" for k, v in breakdown.items()))
+    del model, optimizers
+    return result
+
+
+# --- checks on the device ---------------------------------------------------------------------------------------
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def check_ops(device) -> list[dict]:
+    """Our kernels and the builtin route against the fp32 reference on random jagged inputs (fwd and grads)."""
+    from gem_kernels import block_attention, gdpa, layer_norm
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    lengths = [700, 1, 64, 129, 0, 333, 1500]
+    off = torch.tensor([0] + lengths).cumsum(0).to(device)
+    T, H, D = int(off[-1]), 4, 128
+    checks = []
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    cases = {
+        "block_attention": (lambda q, k, v, kern: block_attention(q, k, v, off, block_size=64, window_blocks=8,
+                                                                  max_seq_len=1500, kernel=kern, validate=False),
+                            (T, H, D), (T, H, D)),
+        "pma": (lambda q, k, v, kern: gdpa(q, k, v, None, off, max_seq_len_kv=1500, kernel=kern, validate=False),
+                (8, H, D), (T, H, D)),
+        "pffn_gelu": (lambda q, k, v, kern: gdpa(q, k, v, off, torch.arange(0, 8 * 8, 8, device=device),
+                                                 activation="gelu", max_seq_len_q=1500, max_seq_len_kv=8,
+                                                 kernel=kern, validate=False),
+                      (T, H, D), (7 * 8, H, D)),
+    }
+    for name, (fn, q_shape, kv_shape) in cases.items():
+        base = [rand(*q_shape) * 0.5, rand(*kv_shape) * 0.5, rand(*kv_shape)]
+        ref_in = [x.clone().requires_grad_() for x in base]
+        ref = fn(*ref_in, "pytorch")
+        do = torch.randn(ref.shape, generator=g).to(device)
+        ref_grads = torch.autograd.grad(ref, ref_in, do)
+        for kern in ("auto", "builtin"):
+            try:
+                xs = [x.to(torch.bfloat16).requires_grad_() for x in base]
+                out = fn(*xs, kern)
+                grads = torch.autograd.grad(out, xs, do.to(out.dtype))
+                row = {"op": name, "kernel": kern, "out_rel_err": round(rel_err(out, ref), 5)}
+                for n, a, b in zip("qkv", grads, ref_grads):
+                    row[f"d{n}_rel_err"] = round(rel_err(a, b), 5)
+                row["ok"] = all(v < 3e-2 for k, v in row.items() if k.endswith("rel_err"))
+            except Exception as e:  # a route missing on this torch: record it, the benchmark goes on
+                row = {"op": name, "kernel": kern, "error": f"{type(e).__name__}: {e}"[:300], "ok": False}
+            checks.append(row)
+    x, r = rand(4096, 512), rand(4096, 512)
+    w, b = rand(512), rand(512)
+    ref = layer_norm(x, w, b, kernel="pytorch")
+    for kern in ("auto", "builtin"):
+        out = layer_norm(x.bfloat16(), w.bfloat16(), b.bfloat16(), kernel=kern)
+        checks.append({"op": "layer_norm", "kernel": kern, "out_rel_err": round(rel_err(out, ref), 5),
+                       "ok": rel_err(out, ref) < 1e-2})
+    del r
+    return checks
+
+
+def check_model_agreement(config, args, device) -> dict:
+    """The two variants' logits on one small batch with equal weights (bf16 autocast): they compute one function."""
+    data = BenchData(batch_size=8, sparse_features=args.sparse_features, mean_len=200, max_len=1024, seed=7)
+    batch = BenchBatches(data).next().to(device)
+    spec = data.spec()
+    logits = {}
+    for name, kernel in VARIANTS.items():
+        model = build_variant(config, spec, kernel, device, config.seed)
+        with torch.no_grad(), autocast(device):
+            logits[name] = model(batch).logits.float()
+        del model
+    return {"batch_size": 8, "logits_rel_err_plain_vs_gem": round(rel_err(logits["gem"], logits["plain"]), 5)}
+
+
+# --- provenance ---------------------------------------------------------------------------------------------------
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("GEM_COMMIT", "unknown")
+
+
+def meta(device, argv) -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m gem_trainer.bench " + " ".join(argv),
+        "commit": git_commit(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "peak_tflops_bf16": PEAK_TFLOPS,
+    }
+    for pkg in ("triton", "torchrec", "fbgemm_gpu"):
+        try:
+            info[pkg] = __import__(pkg).__version__
+        except Exception:
+            info[pkg] = None
+    return info
+
+
+# --- main ---------------------------------------------------------------------------------------------------------
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m gem_trainer.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="trainer config; --section.field=value arguments override it")
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: the config's device, cuda when available)")
+    p.add_argument("--variants", default="gem,plain")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--batches", type=int, default=4, help="distinct batches drawn up front and cycled")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the config's data.batch_size")
+    p.add_argument("--sparse-features", type=int, default=100)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--mean-len", type=float, default=1024.0)
+    p.add_argument("--max-len", type=int, default=None, help="default: the model's max_seq_len")
+    p.add_argument("--skip-checks", action="store_true")
+    args, rest = p.parse_known_args(argv)
+    unknown = [a for a in rest if not (a.startswith("--") and "=" in a and "." in a.split("=")[0])]
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [a.removeprefix("--") for a in rest]  # --section.field=value, as the trainer's CLI takes them
+    args.spec = None
+    return args
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    config = load_config(Path(args.config), args.overrides)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and config.device != "cpu" else "cpu"))
+    model_config = config.model.kunlun.build()
+    args.batch_size = args.batch_size or config.data.batch_size
+    data = BenchData(batch_size=args.batch_size, sparse_features=args.sparse_features, vocab=args.vocab,
+                     mean_len=args.mean_len, max_len=args.max_len or model_config.max_seq_len, seed=config.seed)
+    args.spec = data.spec()
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    doc = {"meta": meta(device, argv), "config": {}, "checks": {}, "variants": {}, "errors": []}
+
+    def write():
+        out_path.write_text(json.dumps(doc, indent=1))
+
+    source = BenchBatches(data)
+    batches = [source.next().to(device) for _ in range(args.batches)]
+    flops_model = KunlunModel(args.spec, model_config, device=torch.device("meta"))
+    table = flops_model.flops(batches[0])
+    del flops_model
+    forward = sum(table.values())
+    flops_per_step = 3.0 * forward
+    lengths = source.total.clamp(max=model_config.max_seq_len).float()
+    doc["config"] = {
+        "file": args.config,
+        "model": {k: v for k, v in dataclasses.asdict(model_config).items() if k != "events"},
+        "batch_size": args.batch_size, "sparse_features": args.sparse_features, "sparse_vocab": args.vocab,
+        "event_types": [e.name for e in args.spec.events],
+        "lengths": {"distribution": f"log-normal, sigma {data.sigma}, mean {data.mean_len} before clipping to "
+                                    f"[{data.min_len}, {data.max_len}]; drawn once, fixed for every step",
+                    "mean": round(float(lengths.mean()), 1), "median": float(lengths.median()),
+                    "max": int(lengths.max()), "tokens_per_batch": int(lengths.sum())},
+        "forward_gflop_per_example": round(forward / args.batch_size / 1e9, 3),
+        "train_tflop_per_step": round(flops_per_step / 1e12, 3),
+        "forward_flop_share": {k: round(v / forward, 4) for k, v in sorted(table.items(), key=lambda kv: -kv[1])},
+        "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
+        "optimizers": "fused AdamW (dense), SGD (embedding tables)",
+        "compile": "ROTE compiled in both variants, FlexAttention compiled (plain variant); the rest runs eagerly "
+                   "(jagged, data-dependent shapes)",
+        "moe": "per-expert loop in both variants",
+        "warmup": args.warmup, "steps": args.steps, "profile_steps": args.profile_steps,
+    }
+    log(f"forward {doc['config']['forward_gflop_per_example']} GFLOP/example, {doc['config']['train_tflop_per_step']} "
+        f"TFLOP/step, lengths {doc['config']['lengths']}")
+    write()
+
+    doc["config"]["rote"] = apply_compiled_rotary(device)
+    log(f"ROTE: {doc['config']['rote']}")
+    if not args.skip_checks and device.type == "cuda":
+        try:
+            doc["checks"]["ops"] = check_ops(device)
+            doc["checks"]["model"] = check_model_agreement(config, args, device)
+            log(f"checks: {json.dumps(doc['checks'])}")
+        except Exception as e:
+            doc["errors"].append(f"checks: {type(e).__name__}: {e}"[:500])
+            traceback.print_exc()
+        write()
+
+    for name in args.variants.split(","):
+        try:
+            doc["variants"][name] = run_variant(name, VARIANTS[name], config, batches, flops_per_step, args, device, log)
+        except Exception as e:  # out of memory or a missing route: record it and go on with the other variant
+            doc["errors"].append(f"{name}: {type(e).__name__}: {e}"[:500])
+            traceback.print_exc()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        write()
+
+    v = doc["variants"]
+    if "gem" in v and "plain" in v:
+        doc["gem_vs_plain"] = {"examples_per_s_ratio": round(v["gem"]["examples_per_s"] / v["plain"]["examples_per_s"], 3)}
+        doc["targets"] = {"mfu_local >= 0.35": v["gem"]["mfu_local"] >= 0.35,
+                          "examples_per_s >= 1.4x plain": doc["gem_vs_plain"]["examples_per_s_ratio"] >= 1.4}
+    doc["log"] = lines
+    write()
+    print_table(doc)
+    return doc
+
+
+def print_table(doc) -> None:
+    v = doc["variants"]
+    print(f"\n{'variant':8s} {'ms/step':>9s} {'ex/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GB':>8s}")
+    for name, r in v.items():
+        print(f"{name:8s} {r['step_ms_median']:9.1f} {r['examples_per_s']:9.1f} {r['tflops']:8.1f} "
+              f"{r['mfu_local']:6.3f} {str(r.get('peak_memory_gb')):>8s}")
+    comps = sorted({c for r in v.values() for c in r.get("components_ms_per_step", {})})
+    if comps:
+        print(f"\n{'component (ms/step)':22s} " + " ".join(f"{n:>16s}" for n in v))
+        for c in comps:
+            print(f"{c:22s} " + " ".join(f"{r.get('components_ms_per_step', {}).get(c, {}).get('total_ms', 0):16.2f}"
+                                         for r in v.values()))
+    if "gem_vs_plain" in doc:
+        print(f"\ngem / plain examples/s: {doc['gem_vs_plain']['examples_per_s_ratio']}  targets: {doc['targets']}")
+    if doc["errors"]:
+        print("errors:", doc["errors"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Smoke test of the training benchmark harness on CPU: a tiny Kunlun, both variants, the JSON it writes."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gem_trainer import bench
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "bench-h200.toml"
+TINY = ["--model.kunlun.d_model=32", "--model.kunlun.num_layers=2", "--model.kunlun.num_heads=2",
+        "--model.kunlun.max_seq_len=96", "--model.kunlun.block_size=16", "--model.kunlun.window_blocks=2",
+        "--model.kunlun.expert_hidden=32", "--model.kunlun.hidden=[32]"]
+
+
+def test_bench_config_is_the_gem_like_shape():
+    from gem_trainer.config import load_config
+
+    config = load_config(CONFIG)
+    model = config.model.kunlun.build()
+    assert config.model.name == "kunlun" and config.data.batch_size >= 512
+    assert model.d_model >= 512 and model.num_layers >= 4 and model.num_experts >= 8 and model.max_seq_len == 8192
+    args = bench.parse_args(["--config", str(CONFIG), "--out", "x.json"])
+    assert args.sparse_features >= 100 and args.mean_len == 1024
+
+
+def test_bench_batches_have_lognormal_lengths_and_are_valid():
+    data = bench.BenchData(batch_size=64, sparse_features=5, mean_len=300, max_len=2048)
+    source = bench.BenchBatches(data)
+    batch = source.next()
+    batch.validate(data.spec())
+    lengths = batch.num_events()
+    assert torch.equal(lengths, source.total) and int(lengths.min()) >= 16 and int(lengths.max()) <= 2048
+    assert 150 < float(lengths.float().mean()) < 600
+    assert torch.equal(source.next().num_events(), lengths)  # fixed lengths, fresh ids
+    seq = batch.sequences["click"]
+    t, off = seq.timestamps, seq.offsets()
+    assert all(bool((t[a + 1:b] >= t[a:b - 1]).all()) for a, b in zip(off[:-1].tolist(), off[1:].tolist()))
+
+
+@pytest.mark.slow  # ~15 s on 2 cores: two tiny models trained and profiled
+def test_bench_runs_both_variants_and_writes_the_json(tmp_path):
+    out = tmp_path / "train.json"
+    doc = bench.main(["--config", str(CONFIG), "--out", str(out), "--device", "cpu", "--batch-size", "4",
+                      "--sparse-features", "3", "--mean-len", "40", "--max-len", "96", "--warmup", "1",
+                      "--steps", "1", "--profile-steps", "1", "--batches", "2", *TINY])
+    written = json.loads(out.read_text())
+    assert written["meta"]["command"].startswith("python -m gem_trainer.bench")
+    for key in ("date", "commit", "torch", "device"):
+        assert written["meta"][key]
+    assert set(written["variants"]) == {"gem", "plain"} and not written["errors"]
+    for name, kernel in (("gem", "auto"), ("plain", "builtin")):
+        v = written["variants"][name]
+        assert v["kernel"] == kernel and v["examples_per_s"] > 0 and v["loss_finite"]
+        assert v["tflops"] >= 0 and 0 <= v["mfu_local"] < 1
+        components = v["components_ms_per_step"]
+        assert {"attention", "pffn", "moe", "embedding"} <= set(components)
+    assert written["config"]["forward_gflop_per_example"] > 0
+    assert doc["gem_vs_plain"]["examples_per_s_ratio"] > 0
+
+
+def test_backward_time_is_attributed_to_the_component_that_ran_forward():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    x = torch.randn(256, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("gem::first"):
+            h = model[1](model[0](x))
+        with torch.profiler.record_function("gem::second"):
+            y = model[2](h)
+        y.sum().backward()
+    table = bench.attribute_device_time(prof.events(), 1, bench._cpu_time)
+    assert table["first"]["bwd_ms"] > 0 and table["second"]["bwd_ms"] > 0

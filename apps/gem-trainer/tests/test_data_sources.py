@@ -1,0 +1,66 @@
+"""The trainer reaches every data source and data feature from its config."""
+
+import itertools
+
+import pytest
+import torch
+
+from gem_data import SyntheticConfig, SyntheticGenerator, write_parquet
+from gem_trainer.config import ConfigError, load_config
+from gem_trainer.distributed import init_distributed
+from gem_trainer.trainer import Trainer
+
+SMALL = ["--data.batch_size=32", "--data.eval_batches=2", "--metrics.tensorboard=false", "--device=cpu",
+         "--schedule.steps=4", "--schedule.warmup_steps=1", "--metrics.log_every=2", "--checkpoint.enable=false"]
+
+
+def trainer_for(tmp_path, *extra):
+    return Trainer(load_config(None, [f"--run_dir={tmp_path}", *SMALL, *extra]), init_distributed("cpu", "gloo"))
+
+
+def test_mixture_of_synthetic_streams_counts_examples_per_source(tmp_path):
+    trainer = trainer_for(
+        tmp_path,
+        '--data.mixture.sources=[{name = "offline", weight = 3.0}, {name = "online", weight = 1.0, online = true, seed = 1}]',
+    )
+    for _ in range(4):
+        trainer.train_step()
+    metrics = trainer._data_metrics()
+    assert metrics["source_offline"] + metrics["source_online"] == 4 * 32
+    assert metrics["source_offline"] > metrics["source_online"]
+    batch = trainer._last_batch
+    assert batch.source is not None and set(batch.source.tolist()) <= {0, 1}
+
+
+def test_parquet_source_trains_and_evaluates(tmp_path):
+    generator = SyntheticGenerator(SyntheticConfig(num_ads=2000, max_events=16))
+    write_parquet((generator.batch(i, 64) for i in range(4)), generator.spec, tmp_path / "train.parquet")
+    write_parquet((generator.batch(i, 64, split="eval") for i in range(2)), generator.spec, tmp_path / "eval.parquet")
+    trainer = trainer_for(tmp_path / "run", "--data.source=parquet", f"--data.path={tmp_path / 'train.parquet'}",
+                          f"--data.eval_path={tmp_path / 'eval.parquet'}")
+    assert trainer.spec.tasks == ("click", "conversion")
+    for _ in range(4):
+        assert torch.isfinite(torch.tensor(trainer.train_step()["loss"]))
+    result = trainer.evaluate()
+    assert result["click/all/count"] == 128
+
+
+def test_balanced_batches_report_imbalance_before_and_after(tmp_path):
+    # how well balancing works is tested in gem-data; here: the trainer reads through it and logs its report
+    trainer = trainer_for(tmp_path, "--data.balance=true", "--data.balance_window=2")
+    trainer.train_step()
+    report = trainer._data_metrics()
+    assert {"balance_tokens_before", "balance_tokens_after", "balance_attention_after"} <= report.keys()
+    assert all(value >= 1.0 for value in report.values())
+
+
+def test_data_workers_give_the_same_batches(tmp_path):
+    plain = trainer_for(tmp_path / "a")
+    workers = trainer_for(tmp_path / "b", "--data.num_workers=2")
+    for a, b in itertools.islice(zip(plain.stream, workers.stream), 3):
+        assert torch.equal(a.dense, b.dense)
+
+
+def test_sources_other_than_synthetic_need_a_path():
+    with pytest.raises(ConfigError, match="data.path is required"):
+        load_config(None, ["--data.source=sequence_text"])
