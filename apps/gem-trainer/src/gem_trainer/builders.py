@@ -12,6 +12,7 @@ from torch import nn
 
 from gem_data import (
     BatchSource,
+    DomainExpertModel,
     LengthBalancedStream,
     MixedStream,
     MixingConfig,
@@ -28,7 +29,7 @@ from gem_data import (
     read_atomic,
     read_sequence_text,
 )
-from gem_kunlun import BaselineConfig, BaselineRanker, Batch, FeatureSpec, KunlunModel
+from gem_kunlun import BaselineConfig, BaselineRanker, Batch, FeatureSpec, InterFormerModel, KunlunModel
 from gem_parallel import dense_parameters, shard_embeddings
 from gem_trainer.config import TrainerConfig
 from gem_transfer import DistilledStudent
@@ -146,6 +147,11 @@ def build_model(config: TrainerConfig, spec: FeatureSpec, device: torch.device |
         if unknown:
             raise ValueError(f"model.kunlun.events names unknown event types {unknown}; the data has {[e.name for e in spec.events]}")
         return KunlunModel(spec, model_config, device=device)
+    if m.name == "interformer":
+        return InterFormerModel(spec, m.interformer.build(), device=device)
+    if m.name == "domain_experts":
+        e = m.domain_experts
+        return DomainExpertModel(spec, m.kunlun.build(), e.num_shared, e.num_specific, device=device)
     b = m.baseline
     return BaselineRanker(
         spec,

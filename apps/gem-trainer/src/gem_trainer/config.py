@@ -74,7 +74,7 @@ class KunlunSection(Section):
     events: dict[str, EventSection] = {}
     hidden: tuple[int, ...] | None = None
     max_seq_len: int | None = Field(None, ge=1)
-    kernel: Literal["auto", "triton", "pytorch"] | None = None
+    kernel: Literal["auto", "triton", "pytorch", "builtin"] | None = None
 
     @model_validator(mode="after")
     def _builds(self) -> "KunlunSection":
@@ -92,11 +92,44 @@ class KunlunSection(Section):
         return dataclasses.replace(KUNLUN_SIZES[self.size], **fields)
 
 
+class DomainExpertsSection(Section):
+    """Shared and per-domain (per-surface) Kunlun experts gated per domain; the experts follow ``[model.kunlun]``."""
+
+    num_shared: int = Field(2, ge=0)
+    num_specific: int = Field(1, ge=0)
+
+
+class InterFormerSection(Section):
+    """``gem_kunlun.InterFormerConfig``: the InterFormer-style baseline (DCN interaction, pFFN + MHA, PMA summaries)."""
+
+    d_model: int = Field(32, ge=2)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(2, ge=1)
+    num_seeds: int = Field(2, ge=1)
+    cross_layers: int = Field(2, ge=1)
+    pffn_activation: Literal["gelu", "gelu_tanh", "gelu_taylor6", "silu", "relu", "relu2", "identity", "softmax"] = "gelu"
+    hidden: tuple[int, ...] = (128,)
+    max_seq_len: int = Field(64, ge=1)
+    kernel: Literal["auto", "triton", "pytorch", "builtin"] = "auto"
+
+    @model_validator(mode="after")
+    def _builds(self) -> "InterFormerSection":
+        self.build()
+        return self
+
+    def build(self):
+        from gem_kunlun import InterFormerConfig
+
+        return InterFormerConfig(**self.model_dump())
+
+
 class ModelConfig(Section):
-    name: Literal["kunlun", "baseline"] = "kunlun"
+    name: Literal["kunlun", "baseline", "domain_experts", "interformer"] = "kunlun"
     task_weights: dict[str, float] = {}
     kunlun: KunlunSection = KunlunSection()
     baseline: BaselineSection = BaselineSection()
+    domain_experts: DomainExpertsSection = DomainExpertsSection()
+    interformer: InterFormerSection = InterFormerSection()
 
 
 class SyntheticDataConfig(Section):

@@ -5,6 +5,7 @@ from gem_kunlun.batch import Batch, EventSequence
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import EventType, FeatureSpec, SparseFeature
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads, multitask_loss
+from gem_kunlun.interformer import InterFormerConfig, InterFormerModel
 from gem_kunlun.kunlun import (
     KUNLUN_SIZES,
     EventPersonalization,
@@ -26,6 +27,8 @@ __all__ = [
     "EventPersonalization",
     "EventType",
     "HierarchicalSeedPooling",
+    "InterFormerConfig",
+    "InterFormerModel",
     "KUNLUN_SIZES",
     "KunlunConfig",
     "KunlunEncoder",
