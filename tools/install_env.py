@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "tools" / "constraints-cpu.txt"
 TORCHREC_REQUIREMENTS = ["tensordict", "torchmetrics", "tqdm", "pyre-extensions", "iopath"]
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+# numpy: Triton's interpreter, which runs the kernel tests on CPU, needs it
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
 BUILD_TOOLS = ["hatchling>=1.26", "hatch-vcs>=0.4", "editables"]  # members install editable, without isolation
 STACK = {"torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu"}
 
