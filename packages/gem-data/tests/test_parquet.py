@@ -1,7 +1,6 @@
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from gem_data import DataError, ParquetTable, SyntheticConfig, SyntheticGenerator, TableStream, concat_batches, write_parquet
 from gem_data.testing import equal_batches

@@ -2,7 +2,6 @@ import torch
 from gem_kunlun.testing import SPEC, random_batch, select_example
 
 from gem_kunlun import BaselineConfig, BaselineRanker, multitask_loss
-from gem_kunlun.baseline import init_dense_parameters
 
 
 def test_forward_shape_and_all_parameters_get_gradients():
@@ -50,11 +49,10 @@ def test_built_on_meta_then_materialized():
     assert all(p.is_meta for p in model.parameters())
     model = model.to_empty(device="cpu")
     torch.manual_seed(0)
-    init_dense_parameters(model)
+    # as TorchRec's model parallel does: every module initialises its own parameters
     for module in model.modules():
-        if hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs"):
-            for p in module.parameters():
-                torch.nn.init.normal_(p, std=0.01)
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
     assert torch.isfinite(model(random_batch(3)).logits).all()
 
 

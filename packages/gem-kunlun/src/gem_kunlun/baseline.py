@@ -131,17 +131,4 @@ class BaselineRanker(nn.Module):
         return row * ids
 
 
-def init_dense_parameters(model: nn.Module) -> None:
-    """Initialise every non-embedding module with its own ``reset_parameters`` (used after building on meta)."""
-    for module in model.modules():
-        if hasattr(module, "reset_parameters") and not _is_embedding(module):
-            module.reset_parameters()
-
-
-def _is_embedding(module: nn.Module) -> bool:
-    from torchrec import EmbeddingBagCollection, EmbeddingCollection
-
-    return isinstance(module, (EmbeddingBagCollection, EmbeddingCollection))
-
-
-__all__ = ["BaselineConfig", "BaselineRanker", "SeedPooling", "init_dense_parameters"]
+__all__ = ["BaselineConfig", "BaselineRanker", "SeedPooling"]

@@ -101,7 +101,7 @@ class InterFormerLayer(nn.Module):
         return x, seq, self.summarize(seq, offsets)
 
     def flops(self, lengths: torch.Tensor) -> dict[str, float]:
-        b, tokens, d = lengths.numel(), float(lengths.sum()), self.config.d_model
+        b, tokens = lengths.numel(), float(lengths.sum())
         width = self.back_to_tokens.in_features
         return {
             "interaction": (self.cross.flops_per_example() + 2.0 * width * self.back_to_tokens.out_features) * b,
