@@ -1,5 +1,5 @@
 import torch
-from gem_kunlun.testing import SPEC, random_batch, select_example
+from gem_kunlun.testing import SPEC, overfit, random_batch, select_example
 
 from gem_kunlun import BaselineConfig, BaselineRanker, multitask_loss
 
@@ -60,12 +60,5 @@ def test_a_small_batch_can_be_overfit():
     torch.manual_seed(0)
     model = BaselineRanker(SPEC, BaselineConfig(dim=16, num_heads=2, hidden=(32,)))
     batch = random_batch(16, seed=9)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    first = None
-    for _ in range(150):
-        loss = multitask_loss(model(batch).logits, batch.labels, torch.ones(2))
-        first = first if first is not None else loss.item()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.1 * first
+    first, last = overfit(model, batch, steps=150, lr=0.01)
+    assert last < 0.1 * first

@@ -1,7 +1,7 @@
 import torch
 
 from gem_kunlun import InterFormerConfig, InterFormerModel, multitask_loss
-from gem_kunlun.testing import SPEC, random_batch, select_example
+from gem_kunlun.testing import SPEC, overfit, random_batch, select_example
 
 CONFIG = InterFormerConfig(d_model=16, num_heads=2, num_seeds=2, hidden=(16,), max_seq_len=16, kernel="pytorch")
 
@@ -39,12 +39,5 @@ def test_self_attention_is_full_and_counted_on_real_lengths():
 def test_a_small_batch_can_be_overfit():
     model = build()
     batch = random_batch(16, seed=9)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    first = None
-    for _ in range(120):
-        loss = multitask_loss(model(batch).logits, batch.labels, torch.ones(2))
-        first = first if first is not None else loss.item()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.1 * first
+    first, last = overfit(model, batch, steps=120, lr=0.003)
+    assert last < 0.1 * first

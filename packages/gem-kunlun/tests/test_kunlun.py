@@ -14,7 +14,7 @@ from gem_kunlun import (
 )
 from gem_kunlun.rote import apply_rotary, time_gap_positions
 from gem_kunlun.sequence import lengths_to_offsets
-from gem_kunlun.testing import SPEC, random_batch, select_example
+from gem_kunlun.testing import SPEC, overfit, random_batch, select_example
 
 # unbounded expert capacity: routing of one example never depends on the others
 TINY = KunlunConfig(d_model=16, num_heads=2, num_summary_tokens=3, num_seeds=2, num_experts=3, top_k=2,
@@ -130,16 +130,8 @@ def test_sum_kron_linear_equals_its_dense_matrix():
 def test_tiny_overfits_a_small_batch():
     model = build(dataclasses.replace(TINY, d_model=32, hidden=(32,)))
     batch = random_batch(16, seed=9)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    first = None
-    for _ in range(120):
-        out = model(batch)
-        loss = multitask_loss(out.logits, batch.labels, torch.ones(2))
-        first = first if first is not None else loss.item()
-        optimizer.zero_grad()
-        (loss + out.aux_loss).backward()
-        optimizer.step()
-    assert loss.item() < 0.1 * first
+    first, last = overfit(model, batch, steps=120, lr=0.003)
+    assert last < 0.1 * first
 
 
 def test_built_on_meta_and_materialized():

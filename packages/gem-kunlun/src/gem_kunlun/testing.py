@@ -74,3 +74,21 @@ def select_example(batch: Batch, i: int) -> Batch:
         labels=batch.labels[i : i + 1],
         surface=batch.surface[i : i + 1],
     )
+
+
+def overfit(model: torch.nn.Module, batch: Batch, steps: int = 120, lr: float = 3e-3) -> tuple[float, float]:
+    """Adam on a single batch for ``steps`` steps; returns the task loss before and after (a model that can
+    learn drives it towards zero)."""
+    from gem_kunlun.heads import multitask_loss
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    weights = torch.ones(batch.labels.shape[1])
+    losses = []
+    for _ in range(steps):
+        out = model(batch)
+        loss = multitask_loss(out.logits, batch.labels, weights)
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        (loss + out.aux_loss).backward()
+        optimizer.step()
+    return losses[0], losses[-1]
