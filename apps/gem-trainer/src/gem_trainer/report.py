@@ -44,6 +44,13 @@ def collect(runs: dict[str, Path]) -> list[dict]:
     return rows
 
 
+def _describe(folder: Path) -> dict:
+    config = load_config(folder / "config.toml")
+    model = config.model.model_dump(mode="json", include={"name", config.model.name}, exclude_none=True)
+    return {"folder": str(folder), "model": model, "steps": config.schedule.steps,
+            "batch_size": config.data.batch_size, "seed": config.seed}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", action="append", required=True, help="NAME=RUN_DIR (repeat)")
@@ -57,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = Path(folder)
     rows = collect(runs)
     meta = {
+        # what each run was: enough to rerun it with `gem-trainer train --config <folder>/config.toml`
+        "runs": {name: _describe(folder) for name, folder in runs.items()},
         "commit": git_commit(Path(__file__).resolve().parent),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m gem_trainer.report " + " ".join(argv if argv is not None else sys.argv[1:]),
