@@ -91,8 +91,8 @@ def test_train_learns_then_eval_plot_and_flops_work(tmp_path):
 
 
 def test_config_command_and_bad_config_exit_codes(tmp_path):
-    shown = run_cli("config", "--optimizer.lr=0.5")
-    assert shown.returncode == 0 and "lr = 0.5" in shown.stdout
+    shown = run_cli("config", "--optimizer.lr=0.5", "--data.path", "some/folder")
+    assert shown.returncode == 0 and "lr = 0.5" in shown.stdout and 'path = "some/folder"' in shown.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text("[optimizer]\nlearning_rate = 1\n")
     failed = run_cli("config", "--config", str(bad))
@@ -130,7 +130,7 @@ def test_distillation_from_a_finished_teacher_run(tmp_path):
 
     keys = FileSystemReader(str(student / "checkpoints" / "step-100")).read_metadata().state_dict_metadata
     assert any(k.startswith("model.auxiliary_head.") for k in keys) and any(k.startswith("model.adapter.") for k in keys)
-    assert any(k.startswith("model.student.layers.") for k in keys)
+    assert any(k.startswith("model.student.trunk.layers.") for k in keys)
 
 
 def test_a_missing_teacher_is_a_config_error(tmp_path):

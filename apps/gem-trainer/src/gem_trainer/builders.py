@@ -152,6 +152,16 @@ def build_model(config: TrainerConfig, spec: FeatureSpec, device: torch.device |
     if m.name == "domain_experts":
         e = m.domain_experts
         return DomainExpertModel(spec, m.kunlun.build(), e.num_shared, e.num_specific, device=device)
+    if m.name == "sasrec":
+        from gem_kunlun import SasrecConfig, SasrecModel
+
+        r = m.sasrec
+        return SasrecModel(
+            spec,
+            SasrecConfig(dim=r.dim, num_blocks=r.num_blocks, num_heads=r.num_heads, dropout=r.dropout,
+                         max_seq_len=r.max_seq_len, init_std=r.init_std),
+            device=device,
+        )
     b = m.baseline
     return BaselineRanker(
         spec,

@@ -37,10 +37,16 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--nnodes", default="1")
             sub.add_argument("--node-rank", type=int, default=None)
             sub.add_argument("--rdzv-endpoint", default=None, help="host:port of node 0 for multi-node runs")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--")]
-    if bad:
-        parser.error(f"unexpected arguments {bad}; overrides look like --section.field=value")
+    args, rest = parser.parse_known_args(argv)
+    overrides = []
+    for item in rest:
+        # `--section.field value` is the same override as `--section.field=value`
+        if not item.startswith("--") and overrides and "=" not in overrides[-1]:
+            overrides[-1] = f"{overrides[-1]}={item}"
+        elif item.startswith("--"):
+            overrides.append(item)
+        else:
+            parser.error(f"unexpected argument {item!r}; overrides look like --section.field=value")
     try:
         config = load_config(args.config, overrides)
     except ConfigError as error:

@@ -99,6 +99,23 @@ class DomainExpertsSection(Section):
     num_specific: int = Field(1, ge=0)
 
 
+class SasrecSection(Section):
+    """``gem_kunlun.SasrecConfig``: the SASRec baseline of the next-item task (item ids only)."""
+
+    dim: int = Field(64, ge=1)
+    num_blocks: int = Field(2, ge=1)
+    num_heads: int = Field(2, ge=1)
+    dropout: float = Field(0.2, ge=0, lt=1)
+    max_seq_len: int = Field(50, ge=1)
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> "SasrecSection":
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
+        return self
+
+
 class InterFormerSection(Section):
     """``gem_kunlun.InterFormerConfig``: the InterFormer-style baseline (DCN interaction, pFFN + MHA, PMA summaries)."""
 
@@ -124,10 +141,11 @@ class InterFormerSection(Section):
 
 
 class ModelConfig(Section):
-    name: Literal["kunlun", "baseline", "domain_experts", "interformer"] = "kunlun"
+    name: Literal["kunlun", "baseline", "domain_experts", "sasrec", "interformer"] = "kunlun"
     task_weights: dict[str, float] = {}
     kunlun: KunlunSection = KunlunSection()
     baseline: BaselineSection = BaselineSection()
+    sasrec: SasrecSection = SasrecSection()
     domain_experts: DomainExpertsSection = DomainExpertsSection()
     interformer: InterFormerSection = InterFormerSection()
 

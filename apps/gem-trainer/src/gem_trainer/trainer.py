@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import random
 import time
@@ -11,7 +12,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from gem_data import rank_imbalance
 from gem_kunlun import multitask_loss
@@ -251,8 +251,17 @@ class Trainer:
                 user_ids = ranking.users[rows]
                 history = dataset.history(user_ids, ranking.history_length[rows])
                 requests = dataset.assemble(user_ids, history, ranking.targets()[rows], torch.ones(rows.numel())).to(self.env.device)
+                block = candidates[start : start + chunk]
+                extra = {}
+                if "candidate_features" in inspect.signature(core.score_candidates).parameters:
+                    # a model that crosses candidate features with the request needs each candidate's own
+                    # features (attribute bags), which only the data set knows; their histories stay empty
+                    owners = user_ids.repeat_interleave(block.shape[1])
+                    extra["candidate_features"] = dataset.assemble(
+                        owners, dataset.history(owners, torch.zeros_like(owners)), block.reshape(-1), torch.zeros(owners.numel())
+                    ).to(self.env.device)
                 with self._autocast():
-                    scores.append(core.score_candidates(requests, candidates[start : start + chunk].to(self.env.device)).float().cpu())
+                    scores.append(core.score_candidates(requests, block.to(self.env.device), **extra).float().cpu())
             return torch.cat(scores) if scores else torch.zeros(0, candidates.shape[1])
         subset = dataclasses.replace(ranking, users=ranking.users[users], history_length=ranking.history_length[users],
                                      candidates=candidates, target_index=ranking.target_index[users])
@@ -290,6 +299,3 @@ def _autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
         return None
     return torch.bfloat16
 
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

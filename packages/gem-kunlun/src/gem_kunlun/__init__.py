@@ -16,6 +16,7 @@ from gem_kunlun.kunlun import (
     KunlunTrunk,
 )
 from gem_kunlun.moe import MixtureOfExperts, WukongBlock
+from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
 from gem_kunlun.sequence import jagged_to_padded, lengths_to_offsets, merge_by_time
 
@@ -44,6 +45,9 @@ __all__ = [
     "FeatureSpec",
     "MultiTaskHeads",
     "SeedPooling",
+    "SasrecBlock",
+    "SasrecConfig",
+    "SasrecModel",
     "SparseFeature",
     "jagged_to_padded",
     "lengths_to_offsets",

@@ -404,6 +404,13 @@ class KunlunModel(nn.Module):
         representation, aux = self.trunk(*self.encoder(batch))
         return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
 
+    def score_candidates(self, requests: Batch, candidates: torch.Tensor, candidate_features: Batch) -> torch.Tensor:
+        """``[U, C]`` logits of ``candidates [U, C]`` for one request row per user: the history side encoded
+        once per request; ``candidate_features`` (``U * C`` rows) carries each candidate's own features."""
+        from gem_kunlun.ranking import kunlun_score_candidates
+
+        return kunlun_score_candidates(self, requests, candidates, candidate_features)
+
     def flops(self, batch: Batch) -> dict[str, float]:
         """Forward model FLOPs of ``batch`` per component (real lengths; active experts only; embedding
         lookups excluded). Multiply by 3 for training."""

@@ -1,0 +1,203 @@
+"""SASRec (Kang and McAuley, ICDM 2018): a causal transformer over a user's item sequence, scoring a candidate
+by the dot product of the last position's output with the candidate's item embedding.
+
+It is the baseline of the next-item task (``gem_data.sequential``): the history is one event type whose item
+id feature and the candidate's item id feature look up the *same* table (one TorchRec EmbeddingCollection
+table serving both feature names), so the score ``<user, item>`` ranks every item of the catalogue with one
+matrix product. ``score_candidates`` is that path: the user side runs once per request.
+
+Per example: the last ``max_seq_len`` history items, embedded and scaled by ``sqrt(dim)``, plus a learned
+position (counted back from the most recent item, as SASRec's left padding does), then ``num_blocks`` pre-norm
+blocks of causal multi-head self-attention and a ReLU feed-forward, a final LayerNorm, and the most recent
+position's vector is the user representation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+
+from gem_kunlun.batch import Batch
+from gem_kunlun.features import FeatureSpec
+from gem_kunlun.heads import ModelOutput
+
+
+@dataclass(frozen=True)
+class SasrecConfig:
+    dim: int = 64
+    num_blocks: int = 2
+    num_heads: int = 2
+    dropout: float = 0.2
+    max_seq_len: int = 50
+    history: str = "history"  # the event type holding the item sequence
+    history_item: str = "history_item_id"  # its item id feature
+    candidate_item: str = "item_id"  # the candidate's item id feature (non-sequence)
+    rows_per_group: int = 64  # attention pads examples in groups of this many, sorted by length
+    init_std: float = 0.02  # item embeddings start as N(0, init_std); TorchRec's default (1/sqrt(rows)) is far smaller
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+
+
+class SasrecBlock(nn.Module):
+    """Pre-norm causal self-attention and point-wise feed-forward, each with dropout and a residual, over
+    right-padded sequences (padding only ever follows a sequence, so causality hides it from real tokens)."""
+
+    def __init__(self, dim: int, num_heads: int, dropout: float, device=None) -> None:
+        super().__init__()
+        self.num_heads, self.dropout = num_heads, dropout
+        self.attention_norm = nn.LayerNorm(dim, device=device)
+        self.qkv = nn.Linear(dim, 3 * dim, device=device)
+        self.out = nn.Linear(dim, dim, device=device)
+        self.ffn_norm = nn.LayerNorm(dim, device=device)
+        self.ffn = nn.Sequential(
+            nn.Linear(dim, dim, device=device), nn.ReLU(), nn.Dropout(dropout), nn.Linear(dim, dim, device=device), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, L, D]`` -> ``[B, L, D]``."""
+        b, length, d = x.shape
+        q, k, v = self.qkv(self.attention_norm(x)).view(b, length, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        # NOTE: no dropout on the attention weights: it would force SDPA's materialising math path on the CPU
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + F.dropout(self.out(o.transpose(1, 2).reshape(b, length, d)), self.dropout, self.training)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class SasrecModel(nn.Module):
+    """``forward(batch) -> ModelOutput(logits [B, 1], aux_loss = 0, representation [B, dim])``;
+    ``score_candidates(requests, candidates [U, C]) -> [U, C]``. See the module docstring."""
+
+    def __init__(self, spec: FeatureSpec, config: SasrecConfig = SasrecConfig(), device: torch.device | None = None) -> None:
+        super().__init__()
+        c = config
+        events = {e.name: e for e in spec.events}
+        sparse = {f.name: f for f in spec.sparse}
+        if c.history not in events or c.history_item not in {f.name for f in events[c.history].features}:
+            raise ValueError(f"SASRec needs event type {c.history!r} with feature {c.history_item!r}; the data has {list(events)}")
+        if c.candidate_item not in sparse:
+            raise ValueError(f"SASRec needs the candidate feature {c.candidate_item!r}; the data has {list(sparse)}")
+        num_items = sparse[c.candidate_item].num_embeddings
+        history_items = next(f for f in events[c.history].features if f.name == c.history_item).num_embeddings
+        if history_items != num_items:
+            raise ValueError(f"{c.history_item!r} ({history_items} ids) and {c.candidate_item!r} ({num_items} ids) must share one item table")
+        if len(spec.tasks) != 1:
+            raise ValueError(f"SASRec scores one next-item task, the data has {list(spec.tasks)}")
+        self.spec, self.config = spec, config
+        self.items = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name="t_item", embedding_dim=c.dim, num_embeddings=num_items,
+                    feature_names=[c.history_item, c.candidate_item],
+                    init_fn=lambda weight: nn.init.normal_(weight, std=c.init_std),
+                )
+            ],
+            device=device,
+        )
+        # a bare parameter, not nn.Embedding: DMP materialising a meta-built model calls the owning module's
+        # reset_parameters, and nn.Embedding's would draw N(0, 1), drowning the item vectors
+        self.position = nn.Parameter(torch.empty(c.max_seq_len, c.dim, device=device))
+        self.blocks = nn.ModuleList(SasrecBlock(c.dim, c.num_heads, c.dropout, device=device) for _ in range(c.num_blocks))
+        self.final_norm = nn.LayerNorm(c.dim, device=device)
+        self.representation_dim = c.dim
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.position, std=self.config.init_std)
+
+    def _lookup(self, history: KeyedJaggedTensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Item vectors of the history events ``[T, D]`` and of the flattened candidates ``[N, D]``, in one
+        lookup (a sharded EmbeddingCollection takes a single KJT)."""
+        c = self.config
+        history_ids = history[c.history_item]
+        b = history_ids.lengths().numel()
+        n = candidates.numel()
+        # the candidate ids ride in the same KJT, padded to a common stride: B rows of history, N rows of one id
+        stride = max(b, n)
+        ids = KeyedJaggedTensor.from_lengths_sync(
+            keys=[c.history_item, c.candidate_item],
+            values=torch.cat([history_ids.values(), candidates.reshape(-1)]),
+            lengths=torch.cat([
+                F.pad(history_ids.lengths(), (0, stride - b)),
+                F.pad(torch.ones(n, dtype=torch.int64, device=candidates.device), (0, stride - n)),
+            ]),
+        )
+        looked_up = self.items(ids)
+        return looked_up[c.history_item].values(), looked_up[c.candidate_item].values()
+
+    def user_representation(self, history_vectors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``history_vectors [T, D]`` (jagged by ``lengths [B]``, time order) -> ``[B, D]`` the output at each
+        example's most recent item (the learned position-0 vector alone for an empty history).
+
+        Examples are sorted by length and run in groups of ``rows_per_group``, each padded to its own longest:
+        prefixes are mostly short (Beauty: 8 events on average, 50 at most), so padding the whole batch to its
+        longest would be mostly zeros."""
+        c = self.config
+        b = lengths.numel()
+        device = history_vectors.device
+        kept = lengths.clamp(max=c.max_seq_len)
+        ends = torch.cumsum(lengths, 0)
+        zero_row = history_vectors.shape[0]  # an appended zero vector fills the padding
+        vectors = torch.cat([history_vectors, history_vectors.new_zeros(1, c.dim)]) * math.sqrt(c.dim)
+        order = torch.argsort(kept, stable=True)
+        outputs = []
+        for start in range(0, b, c.rows_per_group):
+            rows = order[start : start + c.rows_per_group]
+            n = kept[rows]
+            width = max(int(n.max()), 1)
+            column = torch.arange(width, device=device)
+            valid = column[None, :] < n[:, None]
+            source = torch.where(valid, ends[rows, None] - n[:, None] + column[None, :], zero_row)
+            recency = (n[:, None] - 1 - column[None, :]).clamp(min=0)
+            # NOTE: F.embedding rather than indexing: its backward is a fast dense scatter, not index_put
+            x = F.embedding(source, vectors) + F.embedding(recency, self.position) * valid[..., None]
+            x = F.dropout(x, c.dropout, self.training)
+            for block in self.blocks:
+                x = block(x)
+            outputs.append(x[torch.arange(rows.numel(), device=device), (n - 1).clamp(min=0)])
+        last = torch.cat(outputs) if outputs else history_vectors.new_zeros(0, c.dim)
+        last = last[torch.argsort(order)]
+        empty = kept == 0
+        if bool(empty.any()):
+            last = torch.where(empty[:, None], self.position[0].expand(b, -1), last)
+        return self.final_norm(last)
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        c = self.config
+        history = batch.sequences[c.history]
+        candidates = batch.sparse[c.candidate_item].values()
+        history_vectors, candidate_vectors = self._lookup(history.ids, candidates)
+        user = self.user_representation(history_vectors, history.lengths())
+        logits = (user * candidate_vectors).sum(-1, keepdim=True)
+        return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=user)
+
+    def score_candidates(self, requests: Batch, candidates: torch.Tensor) -> torch.Tensor:
+        """One request row per user (its candidate feature is ignored) and ``candidates [U, C]`` item ids ->
+        ``[U, C]`` scores, equal to ``forward`` on every (user, candidate) row; the transformer runs U times
+        and the candidates need nothing but their ids (the shared item table)."""
+        history = requests.sequences[self.config.history]
+        history_vectors, candidate_vectors = self._lookup(history.ids, candidates)
+        user = self.user_representation(history_vectors, history.lengths())
+        return torch.einsum("ud,ucd->uc", user, candidate_vectors.view(*candidates.shape, -1))
+
+    def flops(self, batch: Batch) -> dict[str, float]:
+        """Forward FLOPs per component over real lengths (embedding lookups excluded); multiply by 3 for training."""
+        c, d = self.config, self.config.dim
+        lengths = batch.sequences[c.history].lengths().cpu().clamp(max=c.max_seq_len).double()
+        tokens = float(lengths.sum())
+        pairs = float((lengths * (lengths + 1) / 2).sum())
+        per_block = 2.0 * d * 3 * d * tokens + 4.0 * d * pairs + 2.0 * d * d * tokens + 2.0 * 2 * d * d * tokens
+        return {f"block{i}": per_block for i in range(c.num_blocks)} | {"score": 2.0 * d * batch.batch_size}
+
+    def embedding_bytes(self, batch: Batch) -> float:
+        history = batch.sequences[self.config.history].ids[self.config.history_item]
+        return 4.0 * self.config.dim * (history.values().numel() + batch.batch_size)
+
