@@ -14,10 +14,11 @@ import argparse
 import datetime
 import json
 import re
-import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from gem_trainer.report import git_commit
 
 # S3-Rec (CIKM 2020) tables for this exact data, as quoted in ../shared/data/README.md
 PUBLISHED_BEAUTY = {
@@ -68,7 +69,7 @@ def build_table(runs: dict[str, Path], wall: dict[str, float], commands: list[st
             configs[model] = tomllib.loads(config_path.read_text())
     return {
         "meta": {
-            "commit": _commit(),
+            "commit": git_commit(Path(__file__).resolve().parent),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commands": commands,
             "data": "Amazon Beauty 5-core (../shared/data/beauty), leave-one-out, test split",
@@ -78,13 +79,6 @@ def build_table(runs: dict[str, Path], wall: dict[str, float], commands: list[st
         "rows": rows,
         "summary": summary,
     }
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
