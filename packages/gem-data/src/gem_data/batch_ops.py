@@ -9,14 +9,7 @@ from __future__ import annotations
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import Batch, EventSequence
-
-
-def exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
-    """``[N]`` lengths -> ``[N+1]`` int64 offsets."""
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return offsets
+from gem_kunlun import Batch, EventSequence, lengths_to_offsets
 
 
 def jagged_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -24,7 +17,7 @@ def jagged_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     total = int(lengths.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.int64)
-    shift = starts - exclusive_cumsum(lengths)[:-1]
+    shift = starts - lengths_to_offsets(lengths)[:-1]
     return torch.repeat_interleave(shift, lengths, output_size=total) + torch.arange(total)
 
 

@@ -12,7 +12,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem_kunlun import Batch, FeatureSpec, KunlunConfig, KunlunEncoder, KunlunTrunk, ModelOutput, MultiTaskHeads
+from gem_kunlun import (
+    Batch,
+    FeatureSpec,
+    KunlunConfig,
+    KunlunEncoder,
+    KunlunTrunk,
+    ModelOutput,
+    MultiTaskHeads,
+    lengths_to_offsets,
+)
 
 
 class DomainExpertModel(nn.Module):
@@ -87,8 +96,7 @@ class DomainExpertModel(nn.Module):
 def _select_rows(x, seq, offsets, positions, rows):
     """Examples ``rows`` of the encoder's output: their tokens and their jagged histories."""
     starts, lengths = offsets[rows], offsets[rows + 1] - offsets[rows]
-    new_offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=offsets.device)
-    torch.cumsum(lengths, 0, out=new_offsets[1:])
+    new_offsets = lengths_to_offsets(lengths)
     owner = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), lengths)
     index = starts[owner] + torch.arange(owner.numel(), device=rows.device) - new_offsets[:-1][owner]
     return x[rows], seq[index], new_offsets, positions[index]

@@ -10,9 +10,9 @@ from collections import OrderedDict
 
 import torch
 
-from gem_kunlun import Batch, FeatureSpec
+from gem_kunlun import Batch, FeatureSpec, lengths_to_offsets
 
-from gem_data.batch_ops import concat_batches, exclusive_cumsum
+from gem_data.batch_ops import concat_batches
 from gem_data.source import ShardedStream
 from gem_data.synthetic import SyntheticGenerator
 from gem_data.table import ExampleTable
@@ -121,7 +121,7 @@ class TableStream(ShardedStream):
             order = torch.randperm(n, generator=self._generator(epoch, -1)) if self.shuffle else torch.arange(n)
             self._remember(key, order)
         order = self._orders[key]
-        return order, exclusive_cumsum(self._sizes[order])[:-1]
+        return order, lengths_to_offsets(self._sizes[order])[:-1]
 
     def _group_order(self, epoch: int, block: int) -> torch.Tensor:
         key = ("groups", epoch, block)

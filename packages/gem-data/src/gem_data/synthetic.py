@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature, lengths_to_offsets
 
 SPLITS = {"train": 0, "eval": 1}
 
@@ -147,9 +147,7 @@ class SyntheticGenerator:
         match = torch.zeros(b).index_add_(0, owner, (event_cluster == ad_cluster[owner]).float())
         # timestamps: exponential gaps (mean one hour), the last event of every example at time 1e6
         cumulative = torch.cat([torch.zeros(1), torch.cumsum(torch.empty(total).exponential_(1 / 3600.0, generator=g), 0)])
-        starts = torch.zeros(b + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=starts[1:])
-        last = cumulative[starts[1:]]
+        last = cumulative[lengths_to_offsets(lengths)[1:]]
         timestamps = 1e6 - (last[owner] - cumulative[1:])
         return (ids, secondary(ids), timestamps, lengths), match
 

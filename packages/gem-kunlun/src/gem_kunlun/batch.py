@@ -12,6 +12,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from gem_kunlun.features import FeatureSpec
+from gem_kunlun.sequence import lengths_to_offsets
 
 
 @dataclass
@@ -32,7 +33,7 @@ class EventSequence:
 
     def offsets(self) -> torch.Tensor:
         """``[B+1]`` int64 offsets into the event axis."""
-        return _offsets_from_lengths(self.lengths())
+        return lengths_to_offsets(self.lengths())
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "EventSequence":
         return EventSequence(
@@ -116,8 +117,3 @@ def _check_kjt(where: str, kjt: KeyedJaggedTensor, features: tuple, batch_size: 
         if values.numel() and (int(values.min()) < 0 or int(values.max()) >= feature.num_embeddings):
             raise ValueError(f"{where}[{feature.name!r}] has ids outside [0, {feature.num_embeddings})")
 
-
-def _offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return offsets

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from gem_data.batch_ops import exclusive_cumsum
+from gem_kunlun import lengths_to_offsets
+
 from gem_data.errors import BadRows, DataError
 from gem_data.sequential.corpus import Bags, SequenceCorpus, vocabulary
 
@@ -72,14 +73,14 @@ def read_atomic(
     if times is not None:
         timestamps = times[order] - times.min()
     else:
-        offsets = exclusive_cumsum(lengths)
+        offsets = lengths_to_offsets(lengths)
         timestamps = (torch.arange(len(kept)) - torch.repeat_interleave(offsets[:-1], lengths)).double()
     corpus = SequenceCorpus(
         name=name,
         user_tokens=user_tokens,
         item_tokens=item_tokens,
         items=items[order],
-        offsets=exclusive_cumsum(lengths),
+        offsets=lengths_to_offsets(lengths),
         timestamps=timestamps,
     )
     ignored = [f"{inter_path.name}:{f}" for f, t in header.items() if t == "float_seq"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from gem_data.batch_ops import exclusive_cumsum
+from gem_kunlun import lengths_to_offsets
+
 from gem_data.errors import BadRows, DataError
 from gem_data.sequential.corpus import Bags, SequenceCorpus, vocabulary
 
@@ -53,7 +54,7 @@ def read_sequence_text(
     item_index = {t: i for i, t in enumerate(item_tokens)}
     items = torch.tensor([item_index[t] for seq in sequences for t in seq], dtype=torch.int64)
     lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.int64)
-    offsets = exclusive_cumsum(lengths)
+    offsets = lengths_to_offsets(lengths)
     positions = torch.arange(items.numel(), dtype=torch.int64) - torch.repeat_interleave(offsets[:-1], lengths)
     item_fields = {}
     if attributes_path is not None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gem_data.batch_ops import exclusive_cumsum
+from gem_kunlun import lengths_to_offsets
+
 
 
 def vocabulary(tokens) -> list[str]:
@@ -34,7 +35,7 @@ class Bags:
     def from_lists(lists: list[list[int]], vocab_size: int, tokens: list[str] | None = None) -> "Bags":
         lengths = torch.tensor([len(x) for x in lists], dtype=torch.int64)
         values = torch.tensor([v for x in lists for v in x], dtype=torch.int64)
-        return Bags(values, exclusive_cumsum(lengths), vocab_size, tokens or [])
+        return Bags(values, lengths_to_offsets(lengths), vocab_size, tokens or [])
 
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
