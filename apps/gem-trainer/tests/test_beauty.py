@@ -27,6 +27,24 @@ def short_trainer(tmp_path, config_name, *extra):
     return Trainer(config, init_distributed("cpu", "gloo"))
 
 
+def assert_fast_path_matches_one_row_per_candidate(trainer, num_users=50):
+    """The user-once ranking path scores exactly what the model says on one (user, candidate) row at a time."""
+    core = getattr(trainer.model, "module", trainer.model)
+    assert core.candidate_input is not None  # the path under test is taken
+    dataset = trainer.data.ranking
+    ranking = dataset.ranking_examples("test", "sampled", 99, seed=0)
+    users = torch.arange(0, ranking.num_users, ranking.num_users // num_users)[:num_users]
+    fast = trainer._score(dataset, ranking, users)
+    subset = dataclasses.replace(ranking, users=ranking.users[users], history_length=ranking.history_length[users],
+                                 candidates=ranking.candidates[users], target_index=ranking.target_index[users])
+    slow = torch.empty(fast.shape)
+    trainer.model.eval()
+    with torch.no_grad():
+        for start, batch in dataset.scoring_batches(subset, 1000):
+            slow.view(-1)[start : start + batch.batch_size] = trainer.model(batch).logits[:, 0]
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+
+
 def test_sasrec_fast_ranking_path_matches_one_row_per_candidate_and_metrics_are_written(tmp_path):
     trainer = short_trainer(tmp_path, "beauty-sasrec.toml", "--schedule.steps=40", "--data.sequential.eval_users=300")
     trainer.train()
@@ -41,31 +59,32 @@ def test_sasrec_fast_ranking_path_matches_one_row_per_candidate_and_metrics_are_
     # 40 steps already rank the test item above chance (HR@10 = 0.1 for 99 random negatives)
     assert result["sampled/hr@10"] > 0.15
 
-    # the user-once path scores exactly what the model says on one (user, candidate) row at a time
-    assert hasattr(getattr(trainer.model, "module", trainer.model), "score_candidates")  # the path under test is taken
-    dataset = trainer.data.ranking
-    ranking = dataset.ranking_examples("test", "sampled", 99, seed=0)
-    users = torch.arange(0, ranking.num_users, ranking.num_users // 50)[:50]
-    fast = trainer._score(dataset, ranking, users)
-    subset = dataclasses.replace(ranking, users=ranking.users[users], history_length=ranking.history_length[users],
-                                 candidates=ranking.candidates[users], target_index=ranking.target_index[users])
-    slow = torch.empty(fast.shape)
-    with torch.no_grad():
-        for start, batch in dataset.scoring_batches(subset, 1000):
-            slow.view(-1)[start : start + batch.batch_size] = trainer.model(batch).logits[:, 0]
-    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
-
+    assert_fast_path_matches_one_row_per_candidate(trainer)
     (tmp_path / "eval.json").write_text(json.dumps(result))
     table = build_table({"sasrec": tmp_path}, {}, ["test"])
     assert {(r["protocol"], r["seed"]) for r in table["rows"]} == {("sampled", 0), ("sampled", 1), ("sampled", 2), ("full", None)}
     assert table["summary"][0]["users"] == 300
 
 
-def test_kunlun_trains_on_beauty_with_item_attributes_and_ranks_through_its_fast_path(tmp_path):
+def test_sasrec_trains_on_every_position_of_each_sequence(tmp_path):
+    trainer = short_trainer(tmp_path, "beauty-sasrec.toml", "--schedule.steps=2")
+    batch = next(trainer._batches)
+    targets = batch.next_items
+    assert targets.every and targets.loss == "binary" and targets.num_queries == int(batch.sequences["history"].lengths().sum())
+    assert targets.num_queries > 2 * batch.batch_size  # Beauty sequences hold ~9 items: several queries per user
+
+
+def test_kunlun_two_tower_trains_on_beauty_with_item_attributes_and_ranks_through_its_fast_path(tmp_path):
     trainer = short_trainer(tmp_path, "beauty-kunlun.toml", "--schedule.steps=20", "--data.sequential.eval_users=40",
                             "--data.sequential.eval_seeds=[0]")
     names = {f.name for f in trainer.spec.sparse} | {f.name for e in trainer.spec.events for f in e.features}
     assert {"item_id", "item_attributes", "history_item_id", "history_attributes_0"} <= names
+    assert trainer.spec.candidate == ("item_id", "item_attributes")
+    core = getattr(trainer.model, "module", trainer.model)
+    assert core.config.two_tower and core.candidate_input == "catalogue"
     trainer.train()
     result = trainer.evaluate()
-    assert result["sampled/users"] == 40 and 0 <= result["sampled/ndcg@10"] <= 1
+    assert result["sampled/users"] == result["full/users"] == 40 and 0 <= result["sampled/ndcg@10"] <= 1
+    # the softmax over the catalogue already lifts the test item above chance after 20 steps
+    assert result["sampled/hr@10"] > 0.15
+    assert_fast_path_matches_one_row_per_candidate(trainer, num_users=20)

@@ -95,3 +95,22 @@ def test_printed_config_loads_back_to_the_same_config(tmp_path):
     )
     path = write(tmp_path / "resolved.toml", dump_config(config))
     assert load_config(path) == config
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--model.name=kunlun"], r"objective = \"retrieval\" needs model.name = \"sasrec\" or a Kunlun with model.kunlun.two_tower"),
+        (["--model.name=kunlun", "--model.kunlun.two_tower=true"], r"queries = \"every\" needs a causal model"),
+        (["--data.sequential.max_history=80"], r"max_history \(80\) must not exceed model.sasrec.max_seq_len \(50\)"),
+        (["--data.sequential.num_negatives=0"], r"num_negatives must be >= 1 for loss = \"binary\""),
+        (["--data.source=synthetic"], r"need next-item data"),
+        (["--model.name=baseline", "--model.kunlun.two_tower=true"], r"two_tower applies to model.name = \"kunlun\""),
+    ],
+)
+def test_retrieval_objective_needs_a_model_that_can_answer_it(tmp_path, overrides, message):
+    path = write(tmp_path / "r.toml", '[model]\nname = "sasrec"\n[data]\nsource = "sequence_text"\npath = "x.txt"\n'
+                 '[data.sequential]\nobjective = "retrieval"\nqueries = "every"\n')
+    assert load_config(path).data.sequential.queries == "every"
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, overrides)

@@ -128,3 +128,59 @@ def test_ml100k_examples_carry_user_and_item_attributes():
     batch.validate(dataset.spec)
     assert {"user_gender", "user_occupation", "item_class"} <= set(batch.sparse.keys())
     assert int(batch.sequences["history"].lengths().max()) <= 50
+
+
+def test_every_event_queries_predict_the_item_that_follows_them(corpus):
+    dataset = NextItemDataset(corpus, NextItemConfig(num_negatives=2, objective="retrieval", queries="every", max_history=4, seed=3))
+    table = dataset.training_table()
+    users = [u for u in range(corpus.num_users) if len(sequence(corpus, u)) >= 4]
+    assert table.block_sizes() == [len(users)]
+    batch = table.take(0, torch.arange(len(users)), epoch=0)
+    batch.validate(dataset.spec)
+    history = batch.sequences["history"]
+    hist_items = history.ids["history_item_id"].values().split(history.lengths().tolist())
+    positives = batch.next_items.positives.split(history.lengths().tolist())
+    for u, h, p in zip(users, hist_items, positives):
+        train = sequence(corpus, u)[:-2]  # the last two items are validation and test
+        assert h.tolist() == train[:-1][-4:]  # the newest max_history items of all but the last
+        assert p.tolist() == train[1:][-4:]  # each event's successor, the last training item last
+    t = batch.next_items
+    assert t.every and t.loss == "binary" and t.negatives.shape == (t.num_queries, 2)
+    owners = torch.repeat_interleave(torch.tensor(users), history.lengths())
+    assert not bool(dataset.sampler.is_owned(owners[:, None], t.negatives).any())
+    again = table.take(0, torch.arange(len(users)), epoch=0).next_items.negatives
+    assert torch.equal(again, t.negatives)
+    assert not torch.equal(table.take(0, torch.arange(len(users)), epoch=1).next_items.negatives, t.negatives)
+    # the catalogue row of item i describes item i
+    catalogue = t.catalogue
+    assert catalogue.keys() == list(dataset.spec.candidate) == ["item_id", "item_attributes"]
+    assert catalogue["item_id"].values().tolist() == list(range(corpus.num_items))
+    assert catalogue["item_attributes"].lengths().tolist() == corpus.item_fields["attributes"].lengths().tolist()
+
+
+def test_last_queries_are_the_training_prefixes_and_batches_concatenate_and_select(corpus):
+    from gem_data.batch_ops import concat_batches, select_examples
+
+    dataset = NextItemDataset(corpus, NextItemConfig(num_negatives=0, objective="retrieval", queries="last", loss="softmax"))
+    table = dataset.training_table()
+    assert table.block_sizes() == [dataset.num_training_examples]
+    batch = table.take(0, torch.arange(dataset.num_training_examples), epoch=0)
+    assert batch.next_items.negatives is None and not batch.next_items.every
+    assert torch.equal(batch.next_items.positives, batch.sparse["item_id"].values())  # the row's candidate is its target
+    every = NextItemDataset(corpus, NextItemConfig(objective="retrieval", queries="every")).training_table()
+    a, b = every.take(0, torch.tensor([0, 1]), 0), every.take(0, torch.tensor([2, 3, 4]), 0)
+    joined = concat_batches([a, b])
+    assert torch.equal(joined.next_items.positives, torch.cat([a.next_items.positives, b.next_items.positives]))
+    picked = select_examples(joined, torch.tensor([3, 0]))
+    direct = every.take(0, torch.tensor([3, 0]), 0)
+    assert torch.equal(picked.next_items.positives, direct.next_items.positives)
+    assert torch.equal(picked.next_items.negatives, direct.next_items.negatives)
+    with pytest.raises(ValueError, match="differ in kind"):
+        concat_batches([a, batch])
+
+
+def test_retrieval_options_are_checked():
+    with pytest.raises(ValueError, match="binary retrieval loss"):
+        NextItemConfig(num_negatives=0, objective="retrieval", loss="binary")
+    with pytest.raises(ValueError, match="queries must be"):
+        NextItemConfig(objective="retrieval", queries="all")

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from gem_trainer.config import ConfigError, TrainerConfig, dump_config, load_config
@@ -65,11 +66,15 @@ def _train(config: TrainerConfig, args, overrides) -> int:
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(config.run_dir) / "config.toml").write_text(dump_config(config))
     try:
+        started = time.perf_counter()
         trainer.train()
+        trained = time.perf_counter()
         if config.eval.at_end:
             result = trainer.evaluate()
+            # wall times of this process (a resumed run counts from its restart)
+            timing = {"train_s": trained - started, "eval_s": time.perf_counter() - trained}
             if env.rank == 0:
-                _print_eval(result, trainer.step, Path(config.run_dir))
+                _print_eval({**result, **timing}, trainer.step, Path(config.run_dir))
     except TrainingDiverged as error:
         print(f"gem-trainer: {error}", file=sys.stderr)
         return 3
@@ -100,6 +105,8 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
 
 def _print_eval(result: dict[str, float], step: int, run_dir: Path) -> None:
     (run_dir / "eval.json").write_text(json.dumps({"step": step, **result}, indent=2) + "\n")
+    if "train_s" in result:
+        print(f"\ntrained {step} steps in {result['train_s']:.0f} s, evaluated in {result['eval_s']:.0f} s")
     print(f"\nevaluation at step {step} (held-out split):")
     if any(k.endswith("/auc") for k in result):
         print(f"{'task/group':<28}{'AUC':>8}{'NE':>8}{'calib':>8}{'count':>9}")

@@ -75,6 +75,7 @@ class KunlunSection(Section):
     hidden: tuple[int, ...] | None = None
     max_seq_len: int | None = Field(None, ge=1)
     kernel: Literal["auto", "triton", "pytorch", "builtin"] | None = None
+    two_tower: bool | None = None  # score by dot product with an item tower over the data's candidate features
 
     @model_validator(mode="after")
     def _builds(self) -> "KunlunSection":
@@ -163,7 +164,10 @@ class SequentialDataConfig(Section):
     """Next-item examples from a sequence file (``sequence_text``) or RecBole atomic files (``atomic``)."""
 
     attributes_file: str | None = None  # sequence_text: item -> attribute ids JSON (default: <name>_item2attributes.json)
-    num_negatives: int = Field(1, ge=0)
+    num_negatives: int = Field(1, ge=0)  # per positive; retrieval softmax: 0 scores against every item
+    objective: Literal["pointwise", "retrieval"] = "pointwise"  # see gem_data.sequential.examples
+    queries: Literal["last", "every"] = "last"  # retrieval: a query per prefix, or per history event (causal models)
+    loss: Literal["binary", "softmax"] = "binary"  # retrieval
     sampler: Literal["uniform", "popularity"] = "uniform"
     popularity_power: float = 1.0
     max_history: int | None = Field(50, ge=1)
@@ -175,6 +179,14 @@ class SequentialDataConfig(Section):
     eval_seeds: tuple[int, ...] = (0,)
     eval_users: int | None = Field(None, ge=1)  # a fixed random subset of users (None: all)
     eval_chunk: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _negatives_fit_objective(self) -> "SequentialDataConfig":
+        if self.objective == "retrieval" and self.loss == "binary" and self.num_negatives < 1:
+            raise ValueError("data.sequential.num_negatives must be >= 1 for loss = \"binary\" (0, every item, is softmax only)")
+        if self.objective == "pointwise" and (self.queries != "last" or self.loss != "binary"):
+            raise ValueError("data.sequential.queries and .loss apply to objective = \"retrieval\" only")
+        return self
 
 
 class MixtureSourceConfig(Section):
@@ -303,7 +315,30 @@ class TrainerConfig(Section):
             raise ValueError("data.synthetic.min_events must not exceed data.synthetic.max_events")
         if synthetic.num_ads < 10 * synthetic.num_clusters:
             raise ValueError("data.synthetic.num_ads must be at least 10 * data.synthetic.num_clusters")
+        self._check_retrieval()
         return self
+
+    def _check_retrieval(self) -> None:
+        """Retrieval examples need a model whose request side ignores the candidate."""
+        s, m = self.data.sequential, self.model
+        two_tower = m.name == "kunlun" and m.kunlun.build().two_tower
+        if m.kunlun.two_tower and m.name != "kunlun":
+            raise ValueError(f"model.kunlun.two_tower applies to model.name = \"kunlun\", not {m.name!r}")
+        if self.data.source not in ("sequence_text", "atomic"):
+            if s.objective == "retrieval" or two_tower:
+                raise ValueError("data.sequential.objective = \"retrieval\" and model.kunlun.two_tower need next-item data "
+                                 "(data.source = \"sequence_text\" or \"atomic\")")
+            return
+        if s.objective == "retrieval" and not (m.name == "sasrec" or two_tower):
+            raise ValueError(f"data.sequential.objective = \"retrieval\" needs model.name = \"sasrec\" or a Kunlun with "
+                             f"model.kunlun.two_tower = true, not {m.name!r}")
+        if s.queries == "every" and m.name != "sasrec":
+            raise ValueError("data.sequential.queries = \"every\" needs a causal model (model.name = \"sasrec\")")
+        if s.queries == "every" and (s.max_history is None or s.max_history > m.sasrec.max_seq_len):
+            raise ValueError(f"data.sequential.max_history ({s.max_history}) must not exceed model.sasrec.max_seq_len "
+                             f"({m.sasrec.max_seq_len}) with queries = \"every\"")
+        if s.objective == "retrieval" and self.distillation.teacher_run_dir is not None:
+            raise ValueError("distillation distils pointwise logits; set data.sequential.objective = \"pointwise\"")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:

@@ -53,9 +53,17 @@ def summary_of_run(model: str, eval_result: dict[str, float], wall_s: float | No
         seeds = sorted({int(m["seed"]) for k in eval_result if (m := _PER_SEED.match(k)) and m["protocol"] == protocol})
         summaries.append({
             "model": model, "protocol": protocol, "seeds": seeds if protocol == "sampled" else [], "users": int(users),
-            "step": int(eval_result.get("step", 0)), "wall_s": wall_s, "mean": mean, "std": std,
+            "step": int(eval_result.get("step", 0)), "wall_s": wall_s if wall_s is not None else _recorded_wall(eval_result),
+            "mean": mean, "std": std,
         })
     return summaries
+
+
+def _recorded_wall(eval_result: dict[str, float]) -> float | None:
+    """Training plus evaluation seconds as the run recorded them (``gem-trainer train`` writes both)."""
+    if "train_s" not in eval_result:
+        return None
+    return eval_result["train_s"] + eval_result["eval_s"]
 
 
 def build_table(runs: dict[str, Path], wall: dict[str, float], commands: list[str]) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import math
 import random
 import time
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from gem_data import rank_imbalance
-from gem_kunlun import multitask_loss
+from gem_kunlun import multitask_loss, next_item_loss
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import TrainerConfig
@@ -121,7 +120,10 @@ class Trainer:
                 with torch.no_grad():
                     teacher_logits = self.teacher(batch).logits.float()
                 output = self.model(batch, teacher_logits)
-        loss = multitask_loss(output.logits, batch.labels, self.task_weights) + output.aux_loss
+        if batch.next_items is None:
+            loss = multitask_loss(output.logits, batch.labels, self.task_weights) + output.aux_loss
+        else:
+            loss = next_item_loss(output.logits, batch.next_items) + output.aux_loss
         if not torch.isfinite(loss):
             # NOTE: checked before backward, because backward already applies the fused sparse update.
             last = self.checkpoints.latest_step()
@@ -243,7 +245,11 @@ class Trainer:
         user side computed once per user) when it has one, else one row per (user, candidate)."""
         core = getattr(self.model, "module", self.model)
         candidates = ranking.candidates[users]
-        if hasattr(core, "score_candidates"):
+        # what a model's score_candidates reads of the candidates besides their ids: "ids" (nothing),
+        # "features" (each candidate's own features, which only the data set knows; their histories stay
+        # empty) or "catalogue" (every item's features once, for an item tower)
+        candidate_input = getattr(core, "candidate_input", None)
+        if candidate_input is not None:
             scores = []
             chunk = max(1, self.config.data.sequential.eval_chunk // candidates.shape[1])
             for start in range(0, users.numel(), chunk):
@@ -253,13 +259,13 @@ class Trainer:
                 requests = dataset.assemble(user_ids, history, ranking.targets()[rows], torch.ones(rows.numel())).to(self.env.device)
                 block = candidates[start : start + chunk]
                 extra = {}
-                if "candidate_features" in inspect.signature(core.score_candidates).parameters:
-                    # a model that crosses candidate features with the request needs each candidate's own
-                    # features (attribute bags), which only the data set knows; their histories stay empty
+                if candidate_input == "features":
                     owners = user_ids.repeat_interleave(block.shape[1])
                     extra["candidate_features"] = dataset.assemble(
                         owners, dataset.history(owners, torch.zeros_like(owners)), block.reshape(-1), torch.zeros(owners.numel())
                     ).to(self.env.device)
+                elif candidate_input == "catalogue":
+                    extra["catalogue"] = dataset.catalogue().to(self.env.device)
                 with self._autocast():
                     scores.append(core.score_candidates(requests, block.to(self.env.device), **extra).float().cpu())
             return torch.cat(scores) if scores else torch.zeros(0, candidates.shape[1])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import Batch, EventSequence, lengths_to_offsets
+from gem_kunlun import Batch, EventSequence, NextItemTargets, lengths_to_offsets
 
 
 def jagged_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,22 @@ def select_examples(batch: Batch, rows: torch.Tensor) -> Batch:
         labels=batch.labels[rows],
         surface=batch.surface[rows],
         source=None if batch.source is None else batch.source[rows],
+        next_items=None if batch.next_items is None else _select_targets(batch, rows),
     )
+
+
+def _select_targets(batch: Batch, rows: torch.Tensor) -> NextItemTargets:
+    """The next-item targets of examples ``rows``: one query per example, or one per event of the history."""
+    t = batch.next_items
+    index = rows
+    if t.every:
+        if len(batch.sequences) != 1:
+            raise ValueError("every-event next-item targets need a batch with exactly one event type")
+        (seq,) = batch.sequences.values()
+        offsets = seq.offsets()
+        index = jagged_index(offsets[rows], offsets[rows + 1] - offsets[rows])
+    return NextItemTargets(every=t.every, positives=t.positives[index],
+                           negatives=None if t.negatives is None else t.negatives[index], loss=t.loss, catalogue=t.catalogue)
 
 
 def concat_kjts(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
@@ -86,4 +101,19 @@ def concat_batches(batches: list[Batch]) -> Batch:
         labels=torch.cat([b.labels for b in batches]),
         surface=torch.cat([b.surface for b in batches]),
         source=None if any(s is None for s in sources) else torch.cat(sources),
+        next_items=_concat_targets([b.next_items for b in batches]),
+    )
+
+
+def _concat_targets(targets: list[NextItemTargets | None]) -> NextItemTargets | None:
+    if all(t is None for t in targets):
+        return None
+    first = targets[0]
+    if any(t is None or t.every != first.every or t.loss != first.loss or (t.negatives is None) != (first.negatives is None)
+           for t in targets):
+        raise ValueError("cannot concatenate batches whose next-item targets differ in kind")
+    return NextItemTargets(
+        every=first.every, positives=torch.cat([t.positives for t in targets]),
+        negatives=None if first.negatives is None else torch.cat([t.negatives for t in targets]),
+        loss=first.loss, catalogue=first.catalogue,
     )

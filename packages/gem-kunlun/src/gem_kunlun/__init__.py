@@ -1,7 +1,7 @@
 """gem-kunlun: recommendation models over jagged GEM batches, with FLOP accounting."""
 
 from gem_kunlun.baseline import BaselineConfig, BaselineRanker, SeedPooling
-from gem_kunlun.batch import Batch, EventSequence
+from gem_kunlun.batch import Batch, EventSequence, NextItemTargets
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import EventType, FeatureSpec, SparseFeature
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads, multitask_loss
@@ -15,6 +15,7 @@ from gem_kunlun.kunlun import (
     KunlunModel,
     KunlunTrunk,
 )
+from gem_kunlun.retrieval import next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.moe import MixtureOfExperts, WukongBlock
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
@@ -24,6 +25,7 @@ __all__ = [
     "BaselineConfig",
     "BaselineRanker",
     "Batch",
+    "NextItemTargets",
     "EventSequence",
     "EventPersonalization",
     "EventType",
@@ -53,4 +55,7 @@ __all__ = [
     "lengths_to_offsets",
     "merge_by_time",
     "multitask_loss",
+    "next_item_loss",
+    "retrieval_logits",
+    "scored_item_ids",
 ]

@@ -43,6 +43,57 @@ class EventSequence:
 
 
 @dataclass
+class NextItemTargets:
+    """Retrieval training: each query of a batch scored against items, the true next item among them.
+
+    - ``every``: False, one query per example (the state after its whole history, ``N = B``); True, one
+      query per event of the history (the state right after that event, ``N = T`` events in batch order),
+      which only a causal model can answer.
+    - ``positives [N]``: the item that came next after each query.
+    - ``negatives [N, K]``: sampled items each query is also scored against; None: every query is scored
+      against the whole catalogue (``logits [N, num_items]``, a softmax over all items).
+    - ``loss``: ``"binary"`` (the positive against each negative, as SASRec trains) or ``"softmax"``
+      (cross-entropy of the positive among the scored items).
+    - ``catalogue``: the candidate-side features of every item, row ``i`` for item ``i`` (the keys of
+      ``FeatureSpec.candidate``), for models whose item side reads more than the id; the same object in
+      every batch of a data set.
+    """
+
+    every: bool
+    positives: torch.Tensor
+    negatives: torch.Tensor | None
+    loss: str
+    catalogue: KeyedJaggedTensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("binary", "softmax"):
+            raise ValueError(f"NextItemTargets.loss must be 'binary' or 'softmax', got {self.loss!r}")
+        if self.loss == "binary" and self.negatives is None:
+            raise ValueError("NextItemTargets: the binary loss needs sampled negatives")
+        if self.negatives is not None and (self.negatives.dim() != 2 or self.negatives.shape[0] != self.positives.shape[0]):
+            raise ValueError(f"NextItemTargets.negatives must be [N, K] with N = {self.positives.shape[0]} positives, "
+                             f"got {tuple(self.negatives.shape)}")
+
+    @property
+    def num_queries(self) -> int:
+        return self.positives.shape[0]
+
+    def scored_items(self) -> torch.Tensor | None:
+        """``[N, 1 + K]`` the items each query is scored against, its positive in column 0; None for the
+        whole catalogue."""
+        return None if self.negatives is None else torch.cat([self.positives[:, None], self.negatives], 1)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "NextItemTargets":
+        return NextItemTargets(
+            every=self.every,
+            positives=self.positives.to(device, non_blocking=non_blocking),
+            negatives=None if self.negatives is None else self.negatives.to(device, non_blocking=non_blocking),
+            loss=self.loss,
+            catalogue=None if self.catalogue is None else self.catalogue.to(device, non_blocking=non_blocking),
+        )
+
+
+@dataclass
 class Batch:
     """A batch of ``B`` examples.
 
@@ -51,6 +102,8 @@ class Batch:
     - ``sequences``: event type name -> its jagged EventSequence.
     - ``labels``: ``[B, num_tasks]`` float32 in {0, 1}.
     - ``surface``: ``[B]`` int64 surface (domain) of each example.
+    - ``next_items``: retrieval training targets (see ``NextItemTargets``); None for pointwise examples,
+      which ``labels`` describe.
     """
 
     dense: torch.Tensor
@@ -59,6 +112,7 @@ class Batch:
     labels: torch.Tensor
     surface: torch.Tensor
     source: torch.Tensor | None = field(default=None)
+    next_items: NextItemTargets | None = field(default=None)
 
     @property
     def batch_size(self) -> int:
@@ -79,6 +133,7 @@ class Batch:
             labels=self.labels.to(device, non_blocking=non_blocking),
             surface=self.surface.to(device, non_blocking=non_blocking),
             source=None if self.source is None else self.source.to(device, non_blocking=non_blocking),
+            next_items=None if self.next_items is None else self.next_items.to(device, non_blocking),
         )
 
     def validate(self, spec: FeatureSpec) -> None:

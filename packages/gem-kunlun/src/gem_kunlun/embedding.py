@@ -21,6 +21,17 @@ def table_name(feature: str) -> str:
     return f"t_{feature}"
 
 
+def select_keys(kjt: KeyedJaggedTensor, keys: list[str] | tuple[str, ...]) -> KeyedJaggedTensor:
+    """The features ``keys`` of ``kjt`` (in that order), every example kept."""
+    present = kjt.keys()
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise ValueError(f"features {missing} are missing from the batch, which has {present}")
+    if list(keys) == present:
+        return kjt
+    return kjt.permute([present.index(k) for k in keys])
+
+
 class FeatureEmbedding(nn.Module):
     """Non-sequence ids through an EmbeddingBagCollection (mean-pooled bags), event ids through an
     EmbeddingCollection (one vector per event, jagged), dense floats through a linear projection.
@@ -36,7 +47,9 @@ class FeatureEmbedding(nn.Module):
         event_dims = event_dims or {}
         self.spec = spec
         self.dim = dim
-        self.bags = EmbeddingBagCollection(
+        # NOTE: a model may read only some of a batch's non-sequence features (a two-tower request side);
+        # with none at all there is no bag collection (TorchRec cannot shard an empty one)
+        self.bags = None if not spec.sparse else EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(
                     name=table_name(f.name),
@@ -68,7 +81,11 @@ class FeatureEmbedding(nn.Module):
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         b = batch.batch_size
-        sparse = self.bags(batch.sparse).values().view(b, len(self.spec.sparse), self.dim)
+        if self.bags is None:
+            sparse = batch.dense.new_zeros(b, 0, self.dim)
+        else:
+            features = select_keys(batch.sparse, [f.name for f in self.spec.sparse])
+            sparse = self.bags(features).values().view(b, len(self.spec.sparse), self.dim)
         dense = self.dense(batch.dense)
         events = {}
         for key, collection in self.events.items():
@@ -79,3 +96,28 @@ class FeatureEmbedding(nn.Module):
             for e in types:
                 events[e.name] = torch.stack([looked_up[f.name].values() for f in e.features], 0).sum(0)
         return sparse, dense, events
+
+
+class ItemTower(nn.Module):
+    """The item side of a two-tower model: an item's candidate features (its id, its attribute bags), each
+    mean-pooled to ``dim``, concatenated and projected to ``out_dim``. ``forward(kjt [M rows]) -> [M, out_dim]``."""
+
+    def __init__(self, features: tuple, dim: int, out_dim: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.names = [f.name for f in features]
+        self.dim = dim
+        self.bags = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name=f"item_tower_{table_name(f.name)}", embedding_dim=dim, num_embeddings=f.num_embeddings,
+                                   feature_names=[f.name], pooling=PoolingType.MEAN)
+                for f in features
+            ],
+            device=device,
+        )
+        self.project = nn.Linear(len(features) * dim, out_dim, device=device)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.project(self.bags(select_keys(features, self.names)).values())
+
+    def flops(self, num_items: int) -> float:
+        return 2.0 * self.project.in_features * self.project.out_features * num_items

@@ -30,6 +30,9 @@ class FeatureSpec:
     events: tuple[EventType, ...]
     tasks: tuple[str, ...]
     num_surfaces: int = 1
+    # the sparse features that describe the candidate item (its id, its attributes): what a two-tower
+    # model's item side reads and its request side leaves out
+    candidate: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.sparse] + [f.name for e in self.events for f in e.features]
@@ -38,5 +41,8 @@ class FeatureSpec:
             raise ValueError(f"feature names must be unique across sparse and event features, repeated: {duplicated}")
         if not self.tasks:
             raise ValueError("FeatureSpec.tasks must name at least one task")
+        unknown = sorted(set(self.candidate) - {f.name for f in self.sparse})
+        if unknown:
+            raise ValueError(f"FeatureSpec.candidate names {unknown}, which are not sparse features")
         if self.num_surfaces < 1:
             raise ValueError(f"FeatureSpec.num_surfaces must be >= 1, got {self.num_surfaces}")

@@ -19,17 +19,20 @@ depth (event-level personalization), then all types are projected to ``D`` and m
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torchrec import KeyedJaggedTensor
 
 from gem_kernels import block_attention, gdpa, jagged_flash_attention
 from gem_kunlun.batch import Batch
-from gem_kunlun.embedding import FeatureEmbedding
+from gem_kunlun.embedding import FeatureEmbedding, ItemTower
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
 from gem_kunlun.moe import MixtureOfExperts
+from gem_kunlun.retrieval import retrieval_logits, scored_item_ids
 from gem_kunlun.norm import LayerNorm
 from gem_kunlun.rote import apply_rotary, time_gap_positions
 from gem_kunlun.sequence import keep_latest, merge_by_time
@@ -75,6 +78,7 @@ class KunlunConfig:
     hidden: tuple[int, ...] = (128,)
     max_seq_len: int = 256
     kernel: str = "auto"
+    two_tower: bool = False  # see KunlunModel
 
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
@@ -386,15 +390,35 @@ class KunlunTrunk(nn.Module):
 
 class KunlunModel(nn.Module):
     """``forward(batch) -> ModelOutput(logits [B, num_tasks], aux_loss, representation)``; see the module
-    docstring."""
+    docstring.
+
+    With ``two_tower`` the candidate's features (``spec.candidate``) stay out of the trunk, which then
+    encodes the request alone; an ``ItemTower`` embeds the candidate and the logit is the dot product of
+    the two. The trunk then runs once per request whatever the number of candidates (retrieval, full
+    ranking over a catalogue), at the price of crossing the candidate with the history only at the end.
+    """
 
     def __init__(self, spec: FeatureSpec, config: KunlunConfig = KunlunConfig(), device: torch.device | None = None):
         super().__init__()
         self.spec, self.config = spec, config
-        self.encoder = KunlunEncoder(spec, config, device=device)
+        request_spec = spec
+        if config.two_tower:
+            if not spec.candidate:
+                raise ValueError("two_tower needs the data's candidate features (FeatureSpec.candidate is empty)")
+            if len(spec.tasks) != 1:
+                raise ValueError(f"two_tower scores one task, the data has {list(spec.tasks)}")
+            request_spec = dataclasses.replace(spec, sparse=tuple(f for f in spec.sparse if f.name not in spec.candidate), candidate=())
+        self.encoder = KunlunEncoder(request_spec, config, device=device)
         self.trunk = KunlunTrunk(config, self.encoder.num_tokens, device=device)
         self.representation_dim = self.trunk.representation_dim
-        self.heads = MultiTaskHeads(self.representation_dim, len(spec.tasks), spec.num_surfaces, device=device)
+        if config.two_tower:
+            candidate = {f.name: f for f in spec.sparse}
+            self.query = nn.Linear(self.representation_dim, self.representation_dim, device=device)
+            self.item_tower = ItemTower(tuple(candidate[n] for n in spec.candidate), config.d_model, self.representation_dim, device=device)
+            self.candidate_input = "catalogue"  # what score_candidates reads (see the trainer's ranking evaluation)
+        else:
+            self.heads = MultiTaskHeads(self.representation_dim, len(spec.tasks), spec.num_surfaces, device=device)
+            self.candidate_input = "features"
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -402,21 +426,61 @@ class KunlunModel(nn.Module):
 
     def forward(self, batch: Batch) -> ModelOutput:
         representation, aux = self.trunk(*self.encoder(batch))
-        return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
+        if not self.config.two_tower:
+            if batch.next_items is not None:
+                raise ValueError("retrieval examples (batch.next_items) need model.kunlun.two_tower = true")
+            return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
+        query = self.query(representation)
+        targets = batch.next_items
+        if targets is None:
+            items = self.item_tower(batch.sparse)
+            return ModelOutput(logits=(query * items).sum(-1, keepdim=True), aux_loss=aux, representation=query)
+        if targets.every:
+            raise ValueError("Kunlun encodes a whole history per query: retrieval needs data.sequential.queries = \"last\"")
+        if targets.catalogue is None:
+            raise ValueError("batch.next_items.catalogue is missing: the item tower needs every item's features")
+        vectors = self.item_tower(targets.catalogue)
+        if targets.negatives is not None:
+            vectors = vectors[scored_item_ids(targets, vectors.shape[0])]
+        return ModelOutput(logits=retrieval_logits(query, vectors, targets), aux_loss=aux, representation=query)
 
-    def score_candidates(self, requests: Batch, candidates: torch.Tensor, candidate_features: Batch) -> torch.Tensor:
-        """``[U, C]`` logits of ``candidates [U, C]`` for one request row per user: the history side encoded
-        once per request; ``candidate_features`` (``U * C`` rows) carries each candidate's own features."""
-        from gem_kunlun.ranking import kunlun_score_candidates
+    def score_candidates(self, requests: Batch, candidates: torch.Tensor, candidate_features: Batch | None = None,
+                         catalogue: KeyedJaggedTensor | None = None) -> torch.Tensor:
+        """``[U, C]`` logits of ``candidates [U, C]`` for one request row per user, the history side encoded
+        once per request. Crossing: ``candidate_features`` (``U * C`` rows) carries each candidate's own
+        features and the trunk runs per candidate. Two-tower: the trunk runs once per request and the item
+        tower once over ``catalogue`` (every item's candidate features)."""
+        if not self.config.two_tower:
+            from gem_kunlun.ranking import kunlun_score_candidates
 
-        return kunlun_score_candidates(self, requests, candidates, candidate_features)
+            if candidate_features is None:
+                raise ValueError("a crossing Kunlun needs candidate_features to score candidates")
+            return kunlun_score_candidates(self, requests, candidates, candidate_features)
+        if catalogue is None:
+            raise ValueError("a two-tower Kunlun needs the catalogue to score candidates")
+        representation, _ = self.trunk(*self.encoder(requests))
+        vectors = self.item_tower(catalogue)
+        return torch.einsum("ud,ucd->uc", self.query(representation), vectors[candidates])
 
     def flops(self, batch: Batch) -> dict[str, float]:
         """Forward model FLOPs of ``batch`` per component (real lengths; active experts only; embedding
         lookups excluded). Multiply by 3 for training."""
         table = self.encoder.flops(batch)
         table.update(self.trunk.flops(self.encoder.merged_lengths(batch)))
-        table["heads"] = self.heads.flops_per_example() * batch.batch_size
+        if not self.config.two_tower:
+            table["heads"] = self.heads.flops_per_example() * batch.batch_size
+            return table
+        r = self.representation_dim
+        table["query"] = 2.0 * r * r * batch.batch_size
+        targets = batch.next_items
+        if targets is None:
+            table["item_tower"] = self.item_tower.flops(batch.batch_size)
+            table["score"] = 2.0 * r * batch.batch_size
+        else:
+            num_items = targets.catalogue.stride() if targets.catalogue is not None else 0
+            scored = num_items if targets.negatives is None else 1 + targets.negatives.shape[1]
+            table["item_tower"] = self.item_tower.flops(num_items)
+            table["score"] = 2.0 * r * targets.num_queries * scored
         return table
 
     def embedding_bytes(self, batch: Batch) -> float:

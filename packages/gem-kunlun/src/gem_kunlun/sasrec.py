@@ -25,6 +25,7 @@ from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from gem_kunlun.batch import Batch
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput
+from gem_kunlun.retrieval import retrieval_logits, scored_item_ids
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ class SasrecModel(nn.Module):
             raise ValueError(f"{c.history_item!r} ({history_items} ids) and {c.candidate_item!r} ({num_items} ids) must share one item table")
         if len(spec.tasks) != 1:
             raise ValueError(f"SASRec scores one next-item task, the data has {list(spec.tasks)}")
-        self.spec, self.config = spec, config
+        self.spec, self.config, self.num_items = spec, config, num_items
+        self.candidate_input = "ids"  # score_candidates reads nothing of a candidate but its id
         self.items = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(
@@ -135,11 +137,22 @@ class SasrecModel(nn.Module):
 
     def user_representation(self, history_vectors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``history_vectors [T, D]`` (jagged by ``lengths [B]``, time order) -> ``[B, D]`` the output at each
-        example's most recent item (the learned position-0 vector alone for an empty history).
+        example's most recent item (the learned position-0 vector alone for an empty history)."""
+        return self._encode(history_vectors, lengths, every=False)
 
-        Examples are sorted by length and run in groups of ``rows_per_group``, each padded to its own longest:
-        prefixes are mostly short (Beauty: 8 events on average, 50 at most), so padding the whole batch to its
-        longest would be mostly zeros."""
+    def position_representations(self, history_vectors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``[T, D]``: the output at every history event, each seeing only the events up to it (causal),
+        which is what training on every position of a sequence at once needs."""
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if longest > self.config.max_seq_len:
+            raise ValueError(f"a history of {longest} events is longer than model.sasrec.max_seq_len "
+                             f"({self.config.max_seq_len}): every-position training needs data.sequential.max_history <= it")
+        return self._encode(history_vectors, lengths, every=True)
+
+    def _encode(self, history_vectors: torch.Tensor, lengths: torch.Tensor, every: bool) -> torch.Tensor:
+        """Examples are sorted by length and run in groups of ``rows_per_group``, each padded to its own
+        longest: prefixes are mostly short (Beauty: 8 events on average, 50 at most), so padding the whole
+        batch to its longest would be mostly zeros."""
         c = self.config
         b = lengths.numel()
         device = history_vectors.device
@@ -149,6 +162,7 @@ class SasrecModel(nn.Module):
         vectors = torch.cat([history_vectors, history_vectors.new_zeros(1, c.dim)]) * math.sqrt(c.dim)
         order = torch.argsort(kept, stable=True)
         outputs = []
+        every_output = history_vectors.new_zeros(history_vectors.shape[0], c.dim) if every else None
         for start in range(0, b, c.rows_per_group):
             rows = order[start : start + c.rows_per_group]
             n = kept[rows]
@@ -162,7 +176,14 @@ class SasrecModel(nn.Module):
             x = F.dropout(x, c.dropout, self.training)
             for block in self.blocks:
                 x = block(x)
-            outputs.append(x[torch.arange(rows.numel(), device=device), (n - 1).clamp(min=0)])
+            if every:
+                # NOTE: positions count back from the newest event (SASRec's left-padded layout), so an event's
+                # output depends on how many events follow it in the window, as in SASRec's own training
+                every_output = every_output.index_put((source[valid],), x[valid])
+            else:
+                outputs.append(x[torch.arange(rows.numel(), device=device), (n - 1).clamp(min=0)])
+        if every:
+            return self.final_norm(every_output)
         last = torch.cat(outputs) if outputs else history_vectors.new_zeros(0, c.dim)
         last = last[torch.argsort(order)]
         empty = kept == 0
@@ -171,13 +192,26 @@ class SasrecModel(nn.Module):
         return self.final_norm(last)
 
     def forward(self, batch: Batch) -> ModelOutput:
+        """Pointwise (``logits [B, 1]`` for each row's candidate) or, when ``batch.next_items`` is set,
+        retrieval logits of every query against its scored items (see ``gem_kunlun.retrieval``)."""
         c = self.config
         history = batch.sequences[c.history]
-        candidates = batch.sparse[c.candidate_item].values()
-        history_vectors, candidate_vectors = self._lookup(history.ids, candidates)
-        user = self.user_representation(history_vectors, history.lengths())
-        logits = (user * candidate_vectors).sum(-1, keepdim=True)
-        return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=user)
+        targets = batch.next_items
+        if targets is None:
+            history_vectors, candidate_vectors = self._lookup(history.ids, batch.sparse[c.candidate_item].values())
+            user = self.user_representation(history_vectors, history.lengths())
+            logits = (user * candidate_vectors).sum(-1, keepdim=True)
+            return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=user)
+        history_vectors, item_vectors = self._lookup(history.ids, scored_item_ids(targets, self.num_items))
+        if targets.every:
+            queries = self.position_representations(history_vectors, history.lengths())
+        else:
+            queries = self.user_representation(history_vectors, history.lengths())
+        if queries.shape[0] != targets.num_queries:
+            raise ValueError(f"batch.next_items has {targets.num_queries} positives for {queries.shape[0]} queries "
+                             f"({'every history event' if targets.every else 'one per example'})")
+        logits = retrieval_logits(queries, item_vectors, targets)
+        return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=queries)
 
     def score_candidates(self, requests: Batch, candidates: torch.Tensor) -> torch.Tensor:
         """One request row per user (its candidate feature is ignored) and ``candidates [U, C]`` item ids ->

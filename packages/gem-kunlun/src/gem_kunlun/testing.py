@@ -20,7 +20,9 @@ SPEC = FeatureSpec(  # two surfaces, two tasks, one multi-id event type and one 
 def random_batch(batch_size: int, seed: int = 0, max_events: int = 9, spec: FeatureSpec = SPEC) -> Batch:
     """A valid batch for ``spec``: random ids, 0..max_events events per type and example, sorted times."""
     g = torch.Generator().manual_seed(seed)
-    sparse_lengths = torch.cat([torch.ones(batch_size, dtype=torch.int64), torch.randint(0, 4, (batch_size,), generator=g)])
+    # the first sparse feature has one id per example, every other one a bag of 0 to 3 ids
+    sparse_lengths = torch.cat([torch.ones(batch_size, dtype=torch.int64)]
+                               + [torch.randint(0, 4, (batch_size,), generator=g) for _ in spec.sparse[1:]])
     sparse_values = torch.cat(
         [
             torch.randint(f.num_embeddings, (int(n),), generator=g)

@@ -1,8 +1,7 @@
 """Next-item training examples and ranking-evaluation inputs built from a ``SequenceCorpus``.
 
 Leave-one-out, as the data README prescribes: training uses ``items[:-2]`` of every user, where each prefix
-``items[:k]`` (``k >= 1``) predicts ``items[k]`` (label 1) alongside ``num_negatives`` sampled items (label 0);
-the validation target is ``items[-2]`` (history ``items[:-2]``), the test target ``items[-1]`` (history
+``items[:k]`` (``k >= 1``) predicts ``items[k]``; the validation target is ``items[-2]`` (history ``items[:-2]``), the test target ``items[-1]`` (history
 ``items[:-1]``). Users with fewer than 3 items have no validation/test target and no training prefix.
 
 Batch layout: the candidate item is a non-sequence sparse feature (``item_id`` plus ``item_<field>`` bags
@@ -10,6 +9,17 @@ of its attributes; ``user_<field>`` for user attributes, ``user_id`` on request)
 type ``history`` with ``history_item_id`` and, per item attribute field, ``history_<field>_<slot>`` ids (the
 first ``attribute_slots`` attributes of the event's item, padded with id ``vocab_size``), because an event
 feature carries exactly one id per event. Float fields become dense features (user's, then item's).
+
+Two training objectives:
+
+- ``pointwise``: a row per (prefix, candidate): the next item (label 1) and ``num_negatives`` sampled items
+  (label 0), for any model that scores a (request, candidate) row.
+- ``retrieval``: rows carry ``Batch.next_items`` for models with a candidate-independent request side
+  (``gem_kunlun.retrieval``). ``queries = "last"``: a row per prefix, one query each; ``"every"``: a row
+  per user (its training items but the last as history) with a query at every event, each predicting the
+  item that follows it, SASRec's way of reading a sequence once per epoch. Each query is scored against
+  ``num_negatives`` sampled items (``loss = "binary"`` or a sampled ``"softmax"``), or with
+  ``num_negatives = 0`` and ``loss = "softmax"`` against the whole catalogue.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from typing import Literal
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature, lengths_to_offsets
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, NextItemTargets, SparseFeature, lengths_to_offsets
 
 from gem_data.batch_ops import gather_jagged, jagged_index
 from gem_data.sequential.corpus import SequenceCorpus
@@ -32,7 +42,10 @@ HISTORY = "history"
 
 @dataclass(frozen=True)
 class NextItemConfig:
-    num_negatives: int = 1  # sampled negatives per positive in training
+    num_negatives: int = 1  # sampled negatives per positive in training (retrieval softmax: 0 = all items)
+    objective: Literal["pointwise", "retrieval"] = "pointwise"
+    queries: Literal["last", "every"] = "last"  # retrieval: one query per prefix, or one per history event
+    loss: Literal["binary", "softmax"] = "binary"  # retrieval
     sampler: Literal["uniform", "popularity"] = "uniform"
     popularity_power: float = 1.0  # popularity weight = (training count) ** power
     max_history: int | None = None  # keep the most recent events only
@@ -48,6 +61,12 @@ class NextItemConfig:
             raise ValueError(f"num_negatives must be >= 0, got {self.num_negatives}")
         if self.max_history is not None and self.max_history < 1:
             raise ValueError(f"max_history must be >= 1 or None, got {self.max_history}")
+        if self.objective not in ("pointwise", "retrieval"):
+            raise ValueError(f"objective must be 'pointwise' or 'retrieval', got {self.objective!r}")
+        if self.queries not in ("last", "every") or self.loss not in ("binary", "softmax"):
+            raise ValueError(f"queries must be 'last' or 'every' and loss 'binary' or 'softmax', got {self.queries!r}, {self.loss!r}")
+        if self.objective == "retrieval" and self.loss == "binary" and self.num_negatives < 1:
+            raise ValueError("num_negatives must be >= 1 for the binary retrieval loss (0 means the whole catalogue, softmax only)")
         if not 0 <= self.surface < self.num_surfaces:
             raise ValueError(f"surface must lie in [0, num_surfaces), got {self.surface}, {self.num_surfaces}")
 
@@ -105,6 +124,7 @@ class NextItemDataset:
             events=(EventType(HISTORY, tuple(history_features)),),
             tasks=(c.task,),
             num_surfaces=c.num_surfaces,
+            candidate=tuple(f.name for f in sparse[: 1 + len(self.item_fields)]),
         )
         lengths = corpus.lengths()
         # training prefixes: users with n >= 3 items train on items[:n-2], prefixes k = 1 .. n-3
@@ -116,13 +136,30 @@ class NextItemDataset:
         self.owned_keys = corpus.owned_keys()
         self.sampler = NegativeSampler(corpus.num_items, self.owned_keys, c.sampler, self.train_counts, c.popularity_power)
 
+        # users with a training pair: n >= 4 items, so items[:n-2] holds at least two
+        self.sequence_users = (per_user > 0).nonzero().squeeze(1)
+        self._catalogue: KeyedJaggedTensor | None = None
+
     @property
     def num_training_examples(self) -> int:
-        """Positive training examples (prefixes); the table has ``1 + num_negatives`` rows per example."""
+        """Positive training examples (prefixes); the pointwise table has ``1 + num_negatives`` rows per example."""
         return self.example_user.numel()
 
-    def training_table(self) -> "NextItemTable":
-        return NextItemTable(self)
+    def training_table(self) -> "NextItemTable | RetrievalTable":
+        return NextItemTable(self) if self.config.objective == "pointwise" else RetrievalTable(self)
+
+    def catalogue(self) -> KeyedJaggedTensor:
+        """The candidate-side features (``spec.candidate``) of every item, row ``i`` for item ``i``."""
+        if self._catalogue is None:
+            items = torch.arange(self.corpus.num_items)
+            values, lengths = [items], [torch.ones_like(items)]
+            for bags in self.item_fields.values():
+                v, n = gather_jagged(bags.values, bags.offsets, items)
+                values.append(v)
+                lengths.append(n)
+            self._catalogue = KeyedJaggedTensor.from_lengths_sync(
+                keys=list(self.spec.candidate), values=torch.cat(values), lengths=torch.cat(lengths))
+        return self._catalogue
 
     # -- batch assembly -----------------------------------------------------------------------------------------
     def history_window(self, users: torch.Tensor, history_length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,3 +262,42 @@ class NextItemTable:
         if bool(negative.any()):
             candidates[negative] = d.sampler.draw(users[negative], rows[negative], salt_of(d.config.seed, epoch))
         return d.assemble(users, d.history(users, k), candidates, ~negative)
+
+
+class RetrievalTable:
+    """Training rows carrying ``Batch.next_items`` (see the module docstring): a row per prefix
+    (``queries = "last"``) or per user (``"every"``). Negatives are a pure function of
+    ``(seed, epoch, target position)``, so a resumed run draws the same ones."""
+
+    group_size = 1
+
+    def __init__(self, dataset: NextItemDataset) -> None:
+        self.dataset, self.spec = dataset, dataset.spec
+
+    def block_sizes(self) -> list[int]:
+        d = self.dataset
+        return [d.sequence_users.numel() if d.config.queries == "every" else d.num_training_examples]
+
+    def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
+        d, c = self.dataset, self.dataset.config
+        if c.queries == "every":
+            users = d.sequence_users[rows]
+            history_length = d.corpus.lengths()[users] - 3  # items[:n-3]; their successors end at items[n-3]
+            start, kept = d.history_window(users, history_length)
+            positions = jagged_index(start + 1, kept)  # where in corpus.items each query's next item sits
+            query_users = torch.repeat_interleave(users, kept)
+        else:
+            users, history_length = d.example_user[rows], d.example_k[rows]
+            positions = d.corpus.offsets[users] + history_length
+            query_users = users
+        positives = d.corpus.items[positions]
+        negatives = None
+        if c.num_negatives:
+            k = c.num_negatives
+            keys = (positions[:, None] * k + torch.arange(k)).reshape(-1)
+            negatives = d.sampler.draw(query_users.repeat_interleave(k), keys, salt_of(c.seed, epoch)).view(-1, k)
+        last_target = d.corpus.items[d.corpus.offsets[users] + history_length]
+        batch = d.assemble(users, d.history(users, history_length), last_target, torch.ones(users.numel()))
+        batch.next_items = NextItemTargets(every=c.queries == "every", positives=positives, negatives=negatives,
+                                           loss=c.loss, catalogue=d.catalogue())
+        return batch

@@ -1,0 +1,45 @@
+"""Retrieval training: queries scored by dot product against items, and the next-item losses.
+
+A model with a request side independent of the candidate (SASRec; Kunlun's two-tower head) turns a batch
+into query vectors and the items into item vectors; ``retrieval_logits`` scores every query against the
+items ``NextItemTargets`` names (its positive and sampled negatives, or the whole catalogue) and
+``next_item_loss`` turns those scores into the training loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from gem_kunlun.batch import NextItemTargets
+
+
+def scored_item_ids(targets: NextItemTargets, num_items: int) -> torch.Tensor:
+    """The item ids whose vectors ``retrieval_logits`` needs: ``[N * (1 + K)]`` (row-major) for sampled
+    negatives, every id ``[num_items]`` for the catalogue."""
+    scored = targets.scored_items()
+    if scored is None:
+        return torch.arange(num_items, device=targets.positives.device)
+    return scored.reshape(-1)
+
+
+def retrieval_logits(queries: torch.Tensor, item_vectors: torch.Tensor, targets: NextItemTargets) -> torch.Tensor:
+    """``queries [N, D]`` and the vectors of ``scored_item_ids`` -> ``[N, 1 + K]`` logits (positive in
+    column 0), or ``[N, num_items]`` against the catalogue."""
+    if targets.negatives is None:
+        return queries @ item_vectors.t()
+    return torch.einsum("nd,nkd->nk", queries, item_vectors.view(queries.shape[0], -1, queries.shape[1]))
+
+
+def next_item_loss(logits: torch.Tensor, targets: NextItemTargets) -> torch.Tensor:
+    """Mean over queries, in float32: ``binary`` sums the positive's and every negative's binary
+    cross-entropy (SASRec's objective); ``softmax`` is the cross-entropy of the positive among the scored
+    items (column 0, or its id over the catalogue)."""
+    logits = logits.float()
+    if targets.negatives is None:
+        return F.cross_entropy(logits, targets.positives)
+    if targets.loss == "softmax":
+        return F.cross_entropy(logits, torch.zeros_like(targets.positives))
+    labels = torch.zeros_like(logits)
+    labels[:, 0] = 1.0
+    return F.binary_cross_entropy_with_logits(logits, labels, reduction="none").sum(1).mean()

@@ -1,0 +1,189 @@
+"""Retrieval training: every-position SASRec queries, the two-tower Kunlun, the next-item losses."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torchrec import KeyedJaggedTensor
+
+from gem_kunlun import (
+    Batch,
+    EventSequence,
+    EventType,
+    FeatureSpec,
+    KunlunConfig,
+    KunlunModel,
+    NextItemTargets,
+    SasrecConfig,
+    SasrecModel,
+    SparseFeature,
+    next_item_loss,
+    retrieval_logits,
+)
+from gem_kunlun.testing import random_batch
+
+NUM_ITEMS, NUM_ATTRIBUTES = 30, 7
+SPEC = FeatureSpec(
+    num_dense=0,
+    sparse=(SparseFeature("item_id", NUM_ITEMS), SparseFeature("item_attributes", NUM_ATTRIBUTES), SparseFeature("user_age", 5)),
+    events=(EventType("history", (SparseFeature("history_item_id", NUM_ITEMS), SparseFeature("history_attributes_0", NUM_ATTRIBUTES))),),
+    tasks=("next_item",),
+    candidate=("item_id", "item_attributes"),
+)
+
+
+def catalogue() -> KeyedJaggedTensor:
+    """Item i has attributes {i % 7} and, for even i, also {(i + 3) % 7}."""
+    items = torch.arange(NUM_ITEMS)
+    lengths = 1 + (items % 2 == 0).long()
+    attributes = torch.cat([torch.tensor([i % 7] + ([(i + 3) % 7] if i % 2 == 0 else [])) for i in range(NUM_ITEMS)])
+    return KeyedJaggedTensor.from_lengths_sync(keys=["item_id", "item_attributes"], values=torch.cat([items, attributes]),
+                                               lengths=torch.cat([torch.ones_like(items), lengths]))
+
+
+def with_candidates(batch: Batch, items: torch.Tensor, user_features: bool = True) -> Batch:
+    """``batch`` whose candidate features are those of ``items [B]`` (from the catalogue), user features kept."""
+    table = catalogue().to_dict()
+    attributes = [table["item_attributes"].values()[table["item_attributes"].offsets()[i] : table["item_attributes"].offsets()[i + 1]]
+                  for i in items.tolist()]
+    keys = ["item_id", "item_attributes"]
+    values = [items, *attributes]
+    lengths = [torch.ones_like(items), torch.tensor([a.numel() for a in attributes])]
+    if user_features:
+        age = batch.sparse["user_age"]
+        keys, values, lengths = keys + ["user_age"], values + [age.values()], lengths + [age.lengths()]
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+    return Batch(batch.dense, sparse, batch.sequences, batch.labels, batch.surface)
+
+
+def test_losses_match_their_definitions_on_random_logits():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4, generator=g)
+    positives = torch.randint(NUM_ITEMS, (6,), generator=g)
+    sampled = NextItemTargets(every=False, positives=positives, negatives=torch.randint(NUM_ITEMS, (6, 3), generator=g), loss="binary")
+    expected = (-F.logsigmoid(logits[:, 0]) - F.logsigmoid(-logits[:, 1:]).sum(1)).mean()
+    torch.testing.assert_close(next_item_loss(logits, sampled), expected)
+    sampled_softmax = NextItemTargets(False, positives, sampled.negatives, "softmax")
+    torch.testing.assert_close(next_item_loss(logits, sampled_softmax), (torch.logsumexp(logits, 1) - logits[:, 0]).mean())
+    full = torch.randn(6, NUM_ITEMS, generator=g)
+    catalogue_softmax = NextItemTargets(False, positives, None, "softmax")
+    torch.testing.assert_close(next_item_loss(full, catalogue_softmax),
+                               (torch.logsumexp(full, 1) - full[torch.arange(6), positives]).mean())
+
+
+def test_sampled_logits_are_columns_of_the_catalogue_logits():
+    g = torch.Generator().manual_seed(1)
+    queries, items = torch.randn(5, 8, generator=g), torch.randn(NUM_ITEMS, 8, generator=g)
+    targets = NextItemTargets(False, torch.randint(NUM_ITEMS, (5,), generator=g), torch.randint(NUM_ITEMS, (5, 4), generator=g), "binary")
+    scored = targets.scored_items()
+    full = retrieval_logits(queries, items, NextItemTargets(False, targets.positives, None, "softmax"))
+    torch.testing.assert_close(retrieval_logits(queries, items[scored.reshape(-1)], targets), full.gather(1, scored))
+
+
+def test_targets_are_checked():
+    with pytest.raises(ValueError, match="binary loss needs sampled negatives"):
+        NextItemTargets(False, torch.zeros(3, dtype=torch.int64), None, "binary")
+    with pytest.raises(ValueError, match="negatives must be"):
+        NextItemTargets(False, torch.zeros(3, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64), "binary")
+    with pytest.raises(ValueError, match="candidate names"):
+        FeatureSpec(num_dense=0, sparse=(SparseFeature("a", 3),), events=(), tasks=("t",), candidate=("b",))
+
+
+def sasrec() -> SasrecModel:
+    torch.manual_seed(0)
+    spec = FeatureSpec(0, SPEC.sparse[:2], (EventType("history", SPEC.events[0].features[:1]),), SPEC.tasks)
+    return SasrecModel(spec, SasrecConfig(dim=16, num_heads=2, max_seq_len=8, rows_per_group=3)).eval(), spec
+
+
+def test_sasrec_every_position_queries_are_causal_and_the_last_is_the_user_representation():
+    m, spec = sasrec()
+    batch = random_batch(7, seed=3, max_events=8, spec=spec)
+    history = batch.sequences["history"]
+    ids = history.ids["history_item_id"]
+    vectors, _ = m._lookup(history.ids, torch.zeros(1, dtype=torch.int64))
+    with torch.no_grad():
+        every = m.position_representations(vectors, ids.lengths())
+        last = m.user_representation(vectors, ids.lengths())
+        ends = torch.cumsum(ids.lengths(), 0) - 1
+        nonempty = ids.lengths() > 0
+        torch.testing.assert_close(every[ends[nonempty]], last[nonempty])
+        # changing the newest item of every example leaves the outputs at earlier events unchanged
+        changed = vectors.clone()
+        changed[ends[nonempty]] = torch.randn(int(nonempty.sum()), 16)
+        again = m.position_representations(changed, ids.lengths())
+        earlier = torch.ones(vectors.shape[0], dtype=torch.bool)
+        earlier[ends[nonempty]] = False
+        torch.testing.assert_close(again[earlier], every[earlier])
+        assert not torch.allclose(again[~earlier], every[~earlier])
+
+
+def test_sasrec_retrieval_logits_equal_pointwise_logits_of_the_same_items():
+    m, spec = sasrec()
+    batch = random_batch(6, seed=4, max_events=8, spec=spec)
+    g = torch.Generator().manual_seed(5)
+    positives, negatives = torch.randint(NUM_ITEMS, (6,), generator=g), torch.randint(NUM_ITEMS, (6, 2), generator=g)
+    batch.next_items = NextItemTargets(False, positives, negatives, "binary")
+    with torch.no_grad():
+        logits = m(batch).logits
+        batch.next_items = None
+        for column, items in enumerate([positives, negatives[:, 0], negatives[:, 1]]):
+            pointwise = m(with_candidates(batch, items, user_features=False)).logits[:, 0]
+            torch.testing.assert_close(logits[:, column], pointwise)
+
+
+def test_sasrec_every_position_training_rejects_histories_longer_than_the_model_reads():
+    m, spec = sasrec()
+    batch = random_batch(3, seed=6, max_events=20, spec=spec)
+    t = int(batch.sequences["history"].lengths().sum())
+    batch.next_items = NextItemTargets(True, torch.zeros(t, dtype=torch.int64), torch.zeros(t, 1, dtype=torch.int64), "binary")
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(batch)
+
+
+def two_tower() -> KunlunModel:
+    torch.manual_seed(0)
+    return KunlunModel(SPEC, KunlunConfig(max_seq_len=8, block_size=4, window=4, two_tower=True)).eval()
+
+
+def test_two_tower_kunlun_scores_by_dot_product_the_same_on_every_path():
+    m = two_tower()
+    requests = random_batch(5, seed=7, max_events=10, spec=SPEC)
+    candidates = torch.randint(NUM_ITEMS, (5, 6), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        fast = m.score_candidates(requests, candidates, catalogue=catalogue())
+        for column in range(candidates.shape[1]):
+            pointwise = m(with_candidates(requests, candidates[:, column])).logits[:, 0]
+            torch.testing.assert_close(fast[:, column], pointwise)
+        requests.next_items = NextItemTargets(False, candidates[:, 0], None, "softmax", catalogue=catalogue())
+        full = m(requests).logits
+        assert full.shape == (5, NUM_ITEMS)
+        torch.testing.assert_close(full.gather(1, candidates), fast)
+        requests.next_items = NextItemTargets(False, candidates[:, 0], candidates[:, 1:], "binary", catalogue=catalogue())
+        torch.testing.assert_close(m(requests).logits, fast)
+
+
+def test_two_tower_kunlun_request_side_ignores_the_candidate_and_the_item_side_reads_attributes():
+    m = two_tower()
+    requests = random_batch(4, seed=9, max_events=6, spec=SPEC)
+    with torch.no_grad():
+        a, _ = m.trunk(*m.encoder(with_candidates(requests, torch.tensor([0, 1, 2, 3]))))
+        b, _ = m.trunk(*m.encoder(with_candidates(requests, torch.tensor([9, 8, 7, 6]))))
+        torch.testing.assert_close(a, b)
+        table = catalogue()
+        other = KeyedJaggedTensor.from_lengths_sync(keys=table.keys(), values=torch.cat([table["item_id"].values(), (table["item_attributes"].values() + 1) % 7]),
+                                                    lengths=table.lengths())
+        assert not torch.allclose(m.item_tower(table), m.item_tower(other))
+
+
+def test_two_tower_needs_candidate_features_and_crossing_kunlun_rejects_retrieval_batches():
+    with pytest.raises(ValueError, match="candidate features"):
+        KunlunModel(FeatureSpec(0, SPEC.sparse, SPEC.events, SPEC.tasks), KunlunConfig(two_tower=True))
+    crossing = KunlunModel(SPEC, KunlunConfig(max_seq_len=8, block_size=4, window=4))
+    batch = random_batch(2, seed=1, spec=SPEC)
+    batch.next_items = NextItemTargets(False, torch.zeros(2, dtype=torch.int64), None, "softmax", catalogue=catalogue())
+    with pytest.raises(ValueError, match="two_tower"):
+        crossing(batch)
+    every = random_batch(2, seed=1, spec=SPEC)
+    t = int(every.sequences["history"].lengths().sum())
+    every.next_items = NextItemTargets(True, torch.zeros(t, dtype=torch.int64), None, "softmax", catalogue=catalogue())
+    with pytest.raises(ValueError, match="queries"):
+        two_tower()(every)
