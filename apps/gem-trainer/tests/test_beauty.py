@@ -67,7 +67,7 @@ def test_sasrec_fast_ranking_path_matches_one_row_per_candidate_and_metrics_are_
 
 
 def test_sasrec_trains_on_every_position_of_each_sequence(tmp_path):
-    trainer = short_trainer(tmp_path, "beauty-sasrec.toml", "--schedule.steps=2")
+    trainer = short_trainer(tmp_path, "beauty-sasrec.toml", "--schedule.steps=10")
     batch = next(trainer._batches)
     targets = batch.next_items
     assert targets.every and targets.loss == "binary" and targets.num_queries == int(batch.sequences["history"].lengths().sum())

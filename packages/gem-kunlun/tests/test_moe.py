@@ -42,6 +42,15 @@ def test_dropped_assignments_contribute_nothing():
     assert int((out.abs().flatten(1).sum(1) == 0).sum()) == 16 - kept
 
 
+def test_eval_mode_drops_nothing_so_an_example_scores_the_same_in_any_batch():
+    moe = make(capacity_factor=0.25, experts=2, top_k=1).eval()
+    x = torch.randn(16, 5, 6)
+    together = moe(x)
+    assert torch.equal(moe.last_stats.kept, moe.last_stats.assigned)
+    torch.testing.assert_close(together, dense_moe_reference(moe, x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([moe(x[i : i + 1]) for i in range(16)]), together, rtol=1e-5, atol=1e-6)
+
+
 def test_balance_loss_is_one_when_uniform_and_grows_when_collapsed():
     moe = make(experts=4, top_k=1)
     with torch.no_grad():

@@ -63,8 +63,10 @@ class RoutingStats:
 class MixtureOfExperts(nn.Module):
     """Top-k gated experts over ``[B, n, D]`` token sets; returns the gate-weighted sum of expert outputs.
 
-    ``capacity_factor`` bounds each expert to ``ceil(factor * B * k / E)`` examples (<= 0: unbounded). Higher
-    choices (top-1 before top-2) and earlier examples claim capacity first. ``last_stats`` holds the routing
+    ``capacity_factor`` bounds each expert to ``ceil(factor * B * k / E)`` examples (<= 0: unbounded) in
+    training, where it keeps the per-expert work bounded. Higher choices (top-1 before top-2) and earlier
+    examples claim capacity first. In eval mode nothing is dropped: an example's output must not depend on
+    which other requests share its batch (ranking one user's candidates, serving). ``last_stats`` holds the routing
     of the last call; ``balance_loss`` is the Switch-Transformer loss ``E * sum_e f_e * p_e``.
     """
 
@@ -97,7 +99,7 @@ class MixtureOfExperts(nn.Module):
         starts = torch.cumsum(counts, 0) - counts
         position = torch.empty_like(order)
         position[order] = torch.arange(order.numel(), device=x.device) - starts[expert[order]]
-        keep = position < self.capacity(b)
+        keep = position < (self.capacity(b) if self.training else b)
 
         out = torch.zeros_like(x)
         kept = torch.zeros(e, dtype=torch.int64, device=x.device)

@@ -34,8 +34,7 @@ def kunlun_score_candidates(model, requests: Batch, candidates: torch.Tensor, ca
 
     ``candidate_features`` has ``U * C`` rows in row-major order (user 0's candidates first) carrying each
     candidate's non-sequence features (its history is ignored; an empty one is cheapest). The trunk runs on
-    ``rows_per_call`` (user, candidate) rows at a time, each group of whole users, so that its scores equal
-    ``model(batch)`` on the same rows (MoE capacity depends on which rows share a forward).
+    ``rows_per_call`` (user, candidate) rows at a time, each group of whole users.
     """
     u, c = candidates.shape
     _, seq, offsets, positions = model.encoder(requests)
