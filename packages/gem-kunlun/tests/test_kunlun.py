@@ -152,3 +152,30 @@ def test_sizes_grow_in_parameters_and_flops():
         model = KunlunModel(SPEC, config, device=torch.device("meta"))
         counts[name] = sum(p.numel() for n, p in model.named_parameters() if "embedding" not in n)
     assert counts["tiny"] < counts["small"] < counts["base"] < counts["large"]
+
+
+def test_newest_events_are_the_last_of_each_history_newest_first_zero_padded():
+    from gem_kunlun.kunlun import newest_events
+
+    seq = torch.arange(12, dtype=torch.float32).view(6, 2)  # events 0..5, event i = [2i, 2i + 1]
+    offsets = torch.tensor([0, 3, 3, 4, 6])  # histories of 3, 0, 1 and 2 events
+    got = newest_events(seq, offsets, 2)
+    expected = torch.tensor([[[4, 5], [2, 3]], [[0, 0], [0, 0]], [[6, 7], [0, 0]], [[10, 11], [8, 9]]], dtype=torch.float32)
+    assert torch.equal(got, expected)
+    assert newest_events(seq[:0], torch.zeros(3, dtype=torch.int64), 2).shape == (2, 2, 2)
+
+
+def test_dropout_acts_in_training_only_and_recent_tokens_widen_the_mlp():
+    from gem_kunlun.testing import SPEC, random_batch
+
+    torch.manual_seed(0)
+    config = KunlunConfig(max_seq_len=8, block_size=4, window=4, dropout=0.3, recent_tokens=2)
+    model = KunlunModel(SPEC, config)
+    batch = random_batch(6, seed=1)
+    assert not torch.equal(model(batch).logits, model(batch).logits)  # a fresh dropout mask per call
+    model.eval()
+    torch.testing.assert_close(model(batch).logits, model(batch).logits, rtol=0, atol=0)
+    plain = KunlunModel(SPEC, KunlunConfig(max_seq_len=8, block_size=4, window=4))
+    assert model.trunk.mlp[0].in_features == plain.trunk.mlp[0].in_features + 2 * config.d_model
+    with pytest.raises(ValueError, match="dropout"):
+        KunlunConfig(dropout=1.0)

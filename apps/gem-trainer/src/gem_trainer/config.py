@@ -75,6 +75,8 @@ class KunlunSection(Section):
     hidden: tuple[int, ...] | None = None
     max_seq_len: int | None = Field(None, ge=1)
     kernel: Literal["auto", "triton", "pytorch", "builtin"] | None = None
+    recent_tokens: int | None = Field(None, ge=0)
+    dropout: float | None = Field(None, ge=0, lt=1)
     two_tower: bool | None = None  # score by dot product with an item tower over the data's candidate features
 
     @model_validator(mode="after")

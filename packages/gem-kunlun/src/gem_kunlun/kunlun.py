@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torchrec import KeyedJaggedTensor
 
 from gem_kernels import block_attention, gdpa, jagged_flash_attention
@@ -76,6 +77,8 @@ class KunlunConfig:
     skip: tuple[tuple[str, ...], ...] = ()  # CompSkip: per layer, the sequence components switched off
     events: dict[str, EventPersonalization] = field(default_factory=dict)
     hidden: tuple[int, ...] = (128,)
+    recent_tokens: int = 0  # the newest events of the updated history that join the final summary as tokens
+    dropout: float = 0.0  # on the trunk's inputs (non-sequence tokens, events) and its MLP's hidden units
     max_seq_len: int = 256
     kernel: str = "auto"
     two_tower: bool = False  # see KunlunModel
@@ -89,6 +92,10 @@ class KunlunConfig:
             raise ValueError(f"summarization must be 'pma' or 'hsp', got {self.summarization!r}")
         if self.attention not in ("block", "window"):
             raise ValueError(f"attention must be 'block' or 'window', got {self.attention!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        if self.recent_tokens < 0:
+            raise ValueError(f"recent_tokens must be >= 0, got {self.recent_tokens}")
         if len(self.skip) > self.num_layers:
             raise ValueError(f"skip lists {len(self.skip)} layers but the model has {self.num_layers}")
         for i, components in enumerate(self.skip):
@@ -343,6 +350,16 @@ class KunlunEncoder(nn.Module):
         return total
 
 
+def newest_events(seq: torch.Tensor, offsets: torch.Tensor, count: int) -> torch.Tensor:
+    """``[B, count, D]``: each example's newest ``count`` events of the jagged ``seq [T, D]``, newest first,
+    zeros where a history is shorter. Next-item tasks hinge on the last few events, which a pooled
+    summary blurs; ``recent_tokens`` hands them to the heads as they are."""
+    ends = offsets[1:, None] - 1 - torch.arange(count, device=seq.device)[None, :]  # [B, count]
+    valid = ends >= offsets[:-1, None]
+    padded = torch.cat([seq, seq.new_zeros(1, seq.shape[1])])
+    return padded[torch.where(valid, ends, seq.shape[0])]
+
+
 class KunlunTrunk(nn.Module):
     """The Kunlun layers, a final summary of the updated history and the MLP to a representation.
 
@@ -363,19 +380,25 @@ class KunlunTrunk(nn.Module):
         self.final_summary_norm = LayerNorm(d, kernel=c.kernel, device=device)
         self.final_summary = PMA(d, c.num_seeds, c.num_heads, kernel=c.kernel, device=device)
         self.final_norm = LayerNorm(d, kernel=c.kernel, device=device)
-        widths = [(num_tokens_in + c.num_seeds) * d, *c.hidden]
-        self.mlp = nn.Sequential(*[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.GELU())])
+        widths = [(num_tokens_in + c.num_seeds + c.recent_tokens) * d, *c.hidden]
+        regularise = (nn.Dropout(c.dropout),) if c.dropout else ()
+        self.mlp = nn.Sequential(*[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.GELU(), *regularise)])
         self.representation_dim = widths[-1]
 
     def forward(self, x, seq, offsets, positions):
         c = self.config
+        if c.dropout:
+            x, seq = F.dropout(x, c.dropout, self.training), F.dropout(seq, c.dropout, self.training)
         summary = None
         aux = x.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
             x, seq, summary = layer(x, seq, offsets, positions, c.max_seq_len, summary)
             aux = aux + c.balance_loss_weight * layer.moe.last_stats.balance_loss
         final = self.final_summary(self.final_summary_norm(seq), offsets, c.max_seq_len)
-        return self.mlp(self.final_norm(torch.cat([x, final], 1)).flatten(1)), aux
+        tokens = [x, final]
+        if c.recent_tokens:
+            tokens.append(newest_events(seq, offsets, c.recent_tokens))
+        return self.mlp(self.final_norm(torch.cat(tokens, 1)).flatten(1)), aux
 
     def flops(self, lengths: torch.Tensor) -> dict[str, float]:
         """Forward FLOPs for examples with merged history ``lengths [B]``."""
