@@ -115,7 +115,8 @@ def build_next_item_dataset(config: TrainerConfig) -> NextItemDataset:
     return NextItemDataset(
         corpus,
         NextItemConfig(
-            num_negatives=s.num_negatives, objective=s.objective, queries=s.queries, loss=s.loss, sampler=s.sampler, popularity_power=s.popularity_power,
+            num_negatives=s.num_negatives, objective=s.objective, queries=s.queries, loss=s.loss,
+            sampler=s.sampler, popularity_power=s.popularity_power,
             max_history=s.max_history, attribute_slots=s.attribute_slots, with_user_id=s.with_user_id, seed=config.seed,
         ),
     )

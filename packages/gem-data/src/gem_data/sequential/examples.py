@@ -1,8 +1,8 @@
 """Next-item training examples and ranking-evaluation inputs built from a ``SequenceCorpus``.
 
 Leave-one-out, as the data README prescribes: training uses ``items[:-2]`` of every user, where each prefix
-``items[:k]`` (``k >= 1``) predicts ``items[k]``; the validation target is ``items[-2]`` (history ``items[:-2]``), the test target ``items[-1]`` (history
-``items[:-1]``). Users with fewer than 3 items have no validation/test target and no training prefix.
+``items[:k]`` (``k >= 1``) predicts ``items[k]``; the validation target is ``items[-2]`` (history
+``items[:-2]``), the test target ``items[-1]`` (history ``items[:-1]``). Users with fewer than 3 items have no validation/test target and no training prefix.
 
 Batch layout: the candidate item is a non-sequence sparse feature (``item_id`` plus ``item_<field>`` bags
 of its attributes; ``user_<field>`` for user attributes, ``user_id`` on request); the history is one event
