@@ -128,6 +128,8 @@ def test_sasrec_retrieval_logits_equal_pointwise_logits_of_the_same_items():
         for column, items in enumerate([positives, negatives[:, 0], negatives[:, 1]]):
             pointwise = m(with_candidates(batch, items, user_features=False)).logits[:, 0]
             torch.testing.assert_close(logits[:, column], pointwise)
+    batch.next_items = NextItemTargets(False, positives, negatives, "binary")
+    assert m.flops(batch)["score"] == 2.0 * 16 * 6 * 3  # every query against its positive and 2 negatives
 
 
 def test_sasrec_every_position_training_rejects_histories_longer_than_the_model_reads():

@@ -15,8 +15,8 @@ from gem_kunlun.kunlun import (
     KunlunModel,
     KunlunTrunk,
 )
-from gem_kunlun.retrieval import next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.moe import MixtureOfExperts, WukongBlock
+from gem_kunlun.retrieval import next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
 from gem_kunlun.sequence import jagged_to_padded, lengths_to_offsets, merge_by_time

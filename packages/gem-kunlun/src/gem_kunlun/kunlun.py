@@ -33,8 +33,8 @@ from gem_kunlun.embedding import FeatureEmbedding, ItemTower
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
 from gem_kunlun.moe import MixtureOfExperts
-from gem_kunlun.retrieval import retrieval_logits, scored_item_ids
 from gem_kunlun.norm import LayerNorm
+from gem_kunlun.retrieval import retrieval_logits, scored_item_ids
 from gem_kunlun.rote import apply_rotary, time_gap_positions
 from gem_kunlun.sequence import keep_latest, merge_by_time
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling
@@ -382,7 +382,9 @@ class KunlunTrunk(nn.Module):
         self.final_norm = LayerNorm(d, kernel=c.kernel, device=device)
         widths = [(num_tokens_in + c.num_seeds + c.recent_tokens) * d, *c.hidden]
         regularise = (nn.Dropout(c.dropout),) if c.dropout else ()
-        self.mlp = nn.Sequential(*[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.GELU(), *regularise)])
+        self.mlp = nn.Sequential(
+            *[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.GELU(), *regularise)]
+        )
         self.representation_dim = widths[-1]
 
     def forward(self, x, seq, offsets, positions):
@@ -430,14 +432,16 @@ class KunlunModel(nn.Module):
                 raise ValueError("two_tower needs the data's candidate features (FeatureSpec.candidate is empty)")
             if len(spec.tasks) != 1:
                 raise ValueError(f"two_tower scores one task, the data has {list(spec.tasks)}")
-            request_spec = dataclasses.replace(spec, sparse=tuple(f for f in spec.sparse if f.name not in spec.candidate), candidate=())
+            request = tuple(f for f in spec.sparse if f.name not in spec.candidate)
+            request_spec = dataclasses.replace(spec, sparse=request, candidate=())
         self.encoder = KunlunEncoder(request_spec, config, device=device)
         self.trunk = KunlunTrunk(config, self.encoder.num_tokens, device=device)
         self.representation_dim = self.trunk.representation_dim
         if config.two_tower:
             candidate = {f.name: f for f in spec.sparse}
             self.query = nn.Linear(self.representation_dim, self.representation_dim, device=device)
-            self.item_tower = ItemTower(tuple(candidate[n] for n in spec.candidate), config.d_model, self.representation_dim, device=device)
+            self.item_tower = ItemTower(tuple(candidate[n] for n in spec.candidate), config.d_model,
+                                        self.representation_dim, device=device)
             self.candidate_input = "catalogue"  # what score_candidates reads (see the trainer's ranking evaluation)
         else:
             self.heads = MultiTaskHeads(self.representation_dim, len(spec.tasks), spec.num_surfaces, device=device)

@@ -229,7 +229,12 @@ class SasrecModel(nn.Module):
         tokens = float(lengths.sum())
         pairs = float((lengths * (lengths + 1) / 2).sum())
         per_block = 2.0 * d * 3 * d * tokens + 4.0 * d * pairs + 2.0 * d * d * tokens + 2.0 * 2 * d * d * tokens
-        return {f"block{i}": per_block for i in range(c.num_blocks)} | {"score": 2.0 * d * batch.batch_size}
+        targets = batch.next_items
+        if targets is None:
+            scores = float(batch.batch_size)
+        else:
+            scores = targets.num_queries * float(self.num_items if targets.negatives is None else 1 + targets.negatives.shape[1])
+        return {f"block{i}": per_block for i in range(c.num_blocks)} | {"score": 2.0 * d * scores}
 
     def embedding_bytes(self, batch: Batch) -> float:
         history = batch.sequences[self.config.history].ids[self.config.history_item]
