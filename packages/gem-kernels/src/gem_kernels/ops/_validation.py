@@ -36,6 +36,16 @@ def check_same(names: list[str], tensors: list[torch.Tensor]) -> None:
             raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
+def check_self_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Self-attention inputs: q, k, v of one shape [T, H, D], one dtype and device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_values(name, t, 3, "[T, H, D]")
+    check_same(["q", "k", "v"], [q, k, v])
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must have the same shape [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+
+
 def check_offsets_meta(name: str, offsets: torch.Tensor, device: torch.device) -> None:
     if not isinstance(offsets, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")

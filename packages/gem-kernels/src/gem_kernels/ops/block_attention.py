@@ -28,12 +28,7 @@ def block_attention(
     for pointwise heads. max_seq_len bounds the lengths (None: read from offsets, one sync). Returns
     [T, H, D]."""
     V.check_kernel(kernel)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        V.check_values(name, t, 3, "[T, H, D]")
-    V.check_same(["q", "k", "v"], [q, k, v])
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must have the same shape [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+    V.check_self_qkv(q, k, v)
     V.check_offsets_meta("offsets", offsets, q.device)
     for name, val in (("block_size", block_size), ("window_blocks", window_blocks)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:

@@ -27,12 +27,7 @@ def jagged_flash_attention(
     reference) or "auto" (Triton on CUDA, the reference elsewhere). validate=False skips the offset value checks,
     which cost one device sync. Returns [T, H, D] in q's dtype."""
     V.check_kernel(kernel)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        V.check_values(name, t, 3, "[T, H, D]")
-    V.check_same(["q", "k", "v"], [q, k, v])
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must have the same shape [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+    V.check_self_qkv(q, k, v)
     V.check_offsets_meta("offsets", offsets, q.device)
     V.check_max_len("max_seq_len", max_seq_len)
     V.check_window(window)
