@@ -250,6 +250,7 @@ class Trainer:
         # empty) or "catalogue" (every item's features once, for an item tower)
         candidate_input = getattr(core, "candidate_input", None)
         if candidate_input is not None:
+            catalogue = dataset.catalogue().to(self.env.device) if candidate_input == "catalogue" else None
             scores = []
             chunk = max(1, self.config.data.sequential.eval_chunk // candidates.shape[1])
             for start in range(0, users.numel(), chunk):
@@ -265,7 +266,7 @@ class Trainer:
                         owners, dataset.history(owners, torch.zeros_like(owners)), block.reshape(-1), torch.zeros(owners.numel())
                     ).to(self.env.device)
                 elif candidate_input == "catalogue":
-                    extra["catalogue"] = dataset.catalogue().to(self.env.device)
+                    extra["catalogue"] = catalogue
                 with self._autocast():
                     scores.append(core.score_candidates(requests, block.to(self.env.device), **extra).float().cpu())
             return torch.cat(scores) if scores else torch.zeros(0, candidates.shape[1])
