@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gem_parallel import gathered_parameters
 from gem_trainer.config import load_config
 from gem_trainer.distributed import init_distributed
 from gem_trainer.quality import build_table
@@ -34,7 +35,9 @@ def assert_fast_path_matches_one_row_per_candidate(trainer, num_users=50):
     dataset = trainer.data.ranking
     ranking = dataset.ranking_examples("test", "sampled", 99, seed=0)
     users = torch.arange(0, ranking.num_users, ranking.num_users // num_users)[:num_users]
-    fast = trainer._score(dataset, ranking, users)
+    trainer.model.eval()
+    with gathered_parameters(trainer.model, reshard_after_forward=True):  # as evaluate() runs it
+        fast = trainer._score(dataset, ranking, users)
     subset = dataclasses.replace(ranking, users=ranking.users[users], history_length=ranking.history_length[users],
                                  candidates=ranking.candidates[users], target_index=ranking.target_index[users])
     slow = torch.empty(fast.shape)

@@ -14,12 +14,12 @@ def generator():
     return SyntheticGenerator(SyntheticConfig(num_ads=2000, max_events=16))
 
 
-def test_ranks_split_the_stream_without_duplicates_or_gaps(generator):
-    single = [fingerprint(b) for b in itertools.islice(SyntheticStream(generator, 8), 12)]
+def test_ranks_take_slices_of_the_global_batches_one_process_reads(generator):
     world = 3
+    single = [fingerprint(b) for b in itertools.islice(SyntheticStream(generator, 8 * world), 4)]
     per_rank = [[fingerprint(b) for b in itertools.islice(SyntheticStream(generator, 8, r, world), 4)] for r in range(world)]
-    interleaved = [per_rank[i % world][i // world] for i in range(12)]
-    assert interleaved == single
+    assert [sum((per_rank[r][t] for r in range(world)), ()) for t in range(4)] == single
+    assert all(len(per_rank[r][t]) == 8 for r in range(world) for t in range(4))
 
 
 def test_resume_continues_at_the_exact_next_batch(generator):
@@ -34,10 +34,11 @@ def test_resume_continues_at_the_exact_next_batch(generator):
     assert [fingerprint(b) for b in itertools.islice(resumed, 3)] == expected
 
 
-def test_resume_with_another_world_size_is_refused(generator):
+def test_resume_on_other_ranks_needs_the_same_global_batch(generator):
     stream = SyntheticStream(generator, 8, rank=0, world_size=2)
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(ValueError, match="global batch"):
         SyntheticStream(generator, 8, rank=0, world_size=4).load_state_dict(stream.state_dict())
+    SyntheticStream(generator, 4, rank=0, world_size=4).load_state_dict(stream.state_dict())
 
 
 def test_eval_split_is_partitioned_across_ranks(generator):

@@ -30,7 +30,15 @@ from gem_data import (
     read_sequence_text,
 )
 from gem_kunlun import BaselineConfig, BaselineRanker, Batch, FeatureSpec, InterFormerModel, KunlunModel
-from gem_parallel import dense_parameters, shard_embeddings
+from gem_parallel import (
+    DenseOptions,
+    ParallelDims,
+    ParallelMeshes,
+    dense_parameters,
+    init_dense_parameters,
+    parallelize_kunlun,
+    shard_embeddings,
+)
 from gem_trainer.config import TrainerConfig
 from gem_transfer import DistilledStudent
 from gem_trainer.distributed import DistributedEnv
@@ -204,7 +212,9 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     if step is None:
         raise ConfigError(f"distillation.teacher_run_dir: no complete checkpoint under {checkpoints.folder}")
     unsharded = build_model(teacher_config, spec, device=torch.device("meta"))
+    # the teacher only runs forward: tables sharded, the dense part replicated on every rank, then loaded
     teacher = shard_embeddings(unsharded, env.device, sharding_type=teacher_config.parallelism.sparse_sharding)
+    init_dense_parameters(unsharded, teacher_config.seed, env.device)
     state = {"model": teacher.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoints.path(step)))
     teacher.load_state_dict(state["model"])
@@ -218,17 +228,41 @@ def task_weights(config: TrainerConfig, spec: FeatureSpec) -> torch.Tensor:
     return torch.tensor([config.model.task_weights.get(t, 1.0) for t in spec.tasks])
 
 
-def shard_model(config: TrainerConfig, model: nn.Module, env: DistributedEnv) -> nn.Module:
-    """Shard the embedding tables (row-wise Adagrad fused into their backward); the dense part is data parallel."""
+def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelDims:
+    """The layout of ``[parallelism]`` on this job's ranks; a bad degree is a one-line ``ConfigError``."""
+    from gem_trainer.config import ConfigError
+
+    p = config.parallelism
+    try:
+        return ParallelDims(world_size=env.world_size, local_world_size=env.local_world_size, dense_replicate=p.dense_replicate,
+                            dense_shard=p.dense_shard, expert=p.expert, sparse_group=p.sparse_group)
+    except ValueError as error:
+        raise ConfigError(f"parallelism.{error}") from None
+
+
+def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDims, meshes: ParallelMeshes,
+                      env: DistributedEnv) -> nn.Module:
+    """Shard the embedding tables (row-wise Adagrad fused into their backward), split the experts, initialise
+    and FSDP-wrap the dense part, as ``gem_parallel.parallelize_kunlun`` orders it."""
     from torchrec.optim import RowWiseAdagrad
 
-    return shard_embeddings(
-        model,
-        env.device,
-        sharding_type=config.parallelism.sparse_sharding,
-        sparse_optimizer=RowWiseAdagrad,
-        sparse_optimizer_kwargs={"lr": config.optimizer.sparse_lr, "eps": config.optimizer.sparse_eps},
-    )
+    from gem_trainer.config import ConfigError
+
+    p, dtypes = config.parallelism, {"float32": None, "bfloat16": torch.bfloat16}
+    dense = DenseOptions(param_dtype=dtypes[p.param_dtype], reduce_dtype=dtypes[p.reduce_dtype],
+                         reshard_after_forward=p.reshard_after_forward,
+                         activation_checkpointing=p.activation_checkpointing, compile=p.compile)
+    try:
+        return parallelize_kunlun(
+            model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,
+            sparse_optimizer=RowWiseAdagrad,
+            sparse_optimizer_kwargs={"lr": config.optimizer.sparse_lr, "eps": config.optimizer.sparse_eps},
+            expert_padded=p.expert_padded,
+        )
+    except ValueError as error:
+        if str(error).startswith(("expert (", "sparse_sharding")):
+            raise ConfigError(f"parallelism.{error}") from None
+        raise
 
 
 def build_optimizers(config: TrainerConfig, model: nn.Module):

@@ -60,8 +60,13 @@ def _train(config: TrainerConfig, args, overrides) -> int:
     from gem_trainer.distributed import init_distributed, shutdown_distributed
     from gem_trainer.trainer import Trainer, TrainingDiverged
 
-    env = init_distributed(config.device, config.parallelism.backend)
-    trainer = Trainer(config, env)
+    try:
+        env = init_distributed(config.device, config.parallelism.collectives)
+        trainer = Trainer(config, env)
+    except ConfigError as error:
+        print(f"gem-trainer: config error: {error}", file=sys.stderr)
+        shutdown_distributed()
+        return 2
     if env.rank == 0:
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(config.run_dir) / "config.toml").write_text(dump_config(config))
@@ -88,8 +93,13 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
     from gem_trainer.distributed import init_distributed, shutdown_distributed
     from gem_trainer.trainer import Trainer
 
-    env = init_distributed(config.device, config.parallelism.backend)
-    trainer = Trainer(config, env)
+    try:
+        env = init_distributed(config.device, config.parallelism.collectives)
+        trainer = Trainer(config, env)
+    except ConfigError as error:
+        print(f"gem-trainer: config error: {error}", file=sys.stderr)
+        shutdown_distributed()
+        return 2
     try:
         if not trainer.resume(args.step):
             print(f"gem-trainer: no checkpoint under {trainer.checkpoints.folder}", file=sys.stderr)

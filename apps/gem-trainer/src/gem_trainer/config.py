@@ -253,9 +253,33 @@ class ScheduleConfig(Section):
 
 
 class ParallelismConfig(Section):
-    nproc_per_node: int = Field(1, ge=1)
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    sparse_sharding: Literal["table_wise", "row_wise", "column_wise", "data_parallel"] = "table_wise"
+    """How ranks share the work (``gem_parallel.ParallelDims``; -1: automatic). Checked against the world
+    size when the job starts."""
+
+    nproc_per_node: int = Field(1, ge=1)  # processes per node for `launch`
+    collectives: Literal["auto", "nccl", "copy_engine", "gloo"] = "auto"  # auto: NCCL on GPUs, Gloo on CPU
+    # dense (FSDP2 / HSDP): replicas x shard group; -1 + -1: shard inside a node, replicate across nodes
+    dense_replicate: int = Field(-1, ge=-1)
+    dense_shard: int = Field(-1, ge=-1)
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP2 mixed precision of the blocks
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each block
+    # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
+    expert: int = Field(1, ge=1)
+    expert_padded: bool = False  # equal-split all-to-all (fixed shapes, capacity per rank)
+    # sparse (TorchRec): tables sharded over groups of sparse_group ranks, replicated across groups
+    sparse_group: int = Field(-1, ge=-1)
+    sparse_sharding: Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"] = "table_wise"
+    sparse_sync_every: int = Field(1, ge=1)  # steps between replica averages (2-D sparse)
+
+    @model_validator(mode="after")
+    def _no_zero_degrees(self) -> "ParallelismConfig":
+        for name in ("dense_replicate", "dense_shard", "sparse_group"):
+            if getattr(self, name) == 0:
+                raise ValueError(f"parallelism.{name} must be >= 1 or -1 (automatic), got 0")
+        return self
 
 
 class PrecisionConfig(Section):

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gem_parallel import process_group_backend
+
 
 @dataclass(frozen=True)
 class DistributedEnv:
@@ -16,6 +18,7 @@ class DistributedEnv:
     world_size: int
     local_rank: int
     device: torch.device
+    local_world_size: int = 1  # ranks on this node
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -26,8 +29,9 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def init_distributed(device_choice: str, backend: str) -> DistributedEnv:
-    """Initialise the default process group (a one-process group when not launched by torchrun).
+def init_distributed(device_choice: str, collectives: str) -> DistributedEnv:
+    """Initialise the default process group (a one-process group when not launched by torchrun), with the
+    backend ``collectives`` asks for (``gem_parallel.collectives``).
 
     TorchRec's model parallel needs a process group even on one process, so there is always one.
     """
@@ -37,15 +41,20 @@ def init_distributed(device_choice: str, backend: str) -> DistributedEnv:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
+        try:
+            backend = process_group_backend(collectives, device)
+        except ValueError as error:
+            from gem_trainer.config import ConfigError
+
+            raise ConfigError(f"parallelism.{error}") from None
         if "RANK" in os.environ:
             dist.init_process_group(backend=backend)
         else:
             # NOTE: a private address rather than MASTER_* variables, which child processes would inherit.
             init = f"tcp://127.0.0.1:{_free_port()}"
             dist.init_process_group(backend=backend, init_method=init, rank=0, world_size=1)
-    return DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, local_world_size)
 
 
 def _free_port() -> int:

@@ -7,20 +7,26 @@ import dataclasses
 import math
 import random
 import time
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gem_data import rank_imbalance
-from gem_kunlun import multitask_loss, next_item_loss
+from gem_kunlun import MixtureOfExperts, multitask_loss, next_item_loss
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluation import binary_metrics, ranking_metrics, target_ranks
-from gem_parallel import mfu, peak_tflops
+from gem_parallel import SparseReplicas, clip_grad_norm_, gathered_parameters, mfu, peak_tflops
 from gem_trainer.metrics import MetricLogger, memory_gib, progress
+
+
+# NOTE: FSDP2 warns whenever a wrapped block returns a view, in case the caller then changes it in place (which
+# would bypass its backward hook); no gem-kunlun model changes a block's output in place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
 
 
 class TrainingDiverged(RuntimeError):
@@ -53,13 +59,23 @@ class Trainer:
         self.spec = self.data.spec
         self.stream = self.data.train
         self._batches = iter(self.stream)
-        model = builders.build_model(config, self.spec, device=torch.device("meta"))
-        self.flop_model = model  # the unsharded module answers FLOP questions
+        self.dims = builders.build_parallel_dims(config, env)
+        self.meshes = self.dims.build_meshes(env.device.type)
+        # NOTE: FLOPs are read off a second, unsharded meta copy: parallelising changes the model in place
+        self.flop_model = builders.build_model(config, self.spec, device=torch.device("meta"))
         self.teacher, self.teacher_flop_model = builders.build_teacher(config, self.spec, env) or (None, None)
-        self.model = builders.shard_model(config, builders.build_student(config, model), env)
+        model = builders.build_student(config, builders.build_model(config, self.spec, device=torch.device("meta")))
+        self.model = builders.parallelize_model(config, model, self.dims, self.meshes, env)
+        self.sparse_replicas = SparseReplicas(self.model, self.meshes.sparse, config.parallelism.sparse_sync_every)
         self.optimizer, self.dense_optimizer = builders.build_optimizers(config, self.model)
         self.scheduler = builders.build_lr_scheduler(config, self.dense_optimizer)
-        self.dense_params = [p for group in self.dense_optimizer.param_groups for p in group["params"]]
+        # expert-parallel experts differ across their group: their norm is summed over it when clipping
+        owned = {id(p) for m in self.model.modules() if isinstance(m, MixtureOfExperts) and self.dims.expert_enabled
+                 for p in m.experts.parameters()}
+        params = [p for group in self.dense_optimizer.param_groups for p in group["params"]]
+        self.dense_params = [p for p in params if id(p) not in owned]
+        self.expert_params = [p for p in params if id(p) in owned]
+        self.expert_group = self.meshes.expert.get_group("expert") if self.dims.expert_enabled else None
         self.task_weights = builders.task_weights(config, self.spec)
         self.step = 0
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
@@ -124,24 +140,32 @@ class Trainer:
             loss = multitask_loss(output.logits, batch.labels, self.task_weights) + output.aux_loss
         else:
             loss = next_item_loss(output.logits, batch.next_items) + output.aux_loss
-        if not torch.isfinite(loss):
-            # NOTE: checked before backward, because backward already applies the fused sparse update.
+        # the loss of the global batch: each rank's is the mean over its equal slice
+        global_loss = loss.detach().clone()
+        if self.env.world_size > 1:
+            dist.all_reduce(global_loss)
+            global_loss /= self.env.world_size
+        if not torch.isfinite(global_loss):
+            # NOTE: checked before backward, because backward already applies the fused sparse update; on the
+            # reduced loss, so that every rank stops together.
             last = self.checkpoints.latest_step()
             kept = f"the last good checkpoint is {self.checkpoints.path(last)}" if last is not None else "no checkpoint was written"
-            raise TrainingDiverged(f"loss is {loss.item()} at step {self.step + 1}; stopping, {kept}")
+            raise TrainingDiverged(f"loss is {global_loss.item()} at step {self.step + 1}; stopping, {kept}")
         loss.backward()
         clip = self.config.optimizer.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.dense_params, clip if clip is not None else math.inf)
+        grad_norm = clip_grad_norm_(self.dense_params, clip if clip is not None else math.inf, self.expert_params,
+                                    self.expert_group)
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
+        self.sparse_replicas.maybe_sync(self.step)
         self._last_batch = batch
         flops = 3.0 * sum(self.flop_model.flops(batch).values())
         if self.teacher is not None:  # the teacher runs forward only
             flops += sum(self.teacher_flop_model.flops(batch).values())
         return {
-            "loss": loss.item(),
+            "loss": global_loss.item(),
             "grad_norm": float(grad_norm),
             "lr": self.scheduler.get_last_lr()[0],
             "examples": batch.batch_size,
@@ -197,17 +221,43 @@ class Trainer:
         """Held-out metrics, identical on every rank: NE, AUC and calibration per task and surface, or, for
         next-item data, HR@K / NDCG@K / MRR for each configured protocol and seed."""
         self.model.eval()
-        result = self._evaluate_binary() if self.data.ranking is None else self._evaluate_ranking()
+        # NOTE: the dense parameters stay gathered for the whole evaluation: ranking calls model methods
+        # other than forward, which FSDP2 does not hook
+        with gathered_parameters(self.model, self.config.parallelism.reshard_after_forward):
+            result = self._evaluate_binary() if self.data.ranking is None else self._evaluate_ranking()
         self.logger.log(self.step, result, phase="eval", echo=False)
         return result
+
+    def _in_lockstep(self, items):
+        """Yield ``(item, real)`` so that every rank makes the same number of model calls (sharded tables and
+        expert parallelism communicate inside forward): a rank that runs out repeats its last item with
+        ``real`` False, whose result it discards, until every rank is done."""
+        items, last = iter(items), None
+        while True:
+            item = next(items, None)
+            more = torch.tensor(int(item is not None), device=self.env.device)
+            if self.env.world_size > 1:
+                dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not more:
+                return
+            if item is None:
+                if last is None:
+                    raise RuntimeError(f"rank {self.env.rank} has no evaluation work while others have: evaluate at "
+                                       f"least as many batches / users as there are ranks")
+                yield last, False
+            else:
+                last = item
+                yield item, True
 
     def _evaluate_binary(self) -> dict[str, float]:
         probs, labels, surfaces = [], [], []
         total = len(range(self.env.rank, self.config.data.eval_batches, self.env.world_size))
-        for batch in progress(self.data.eval_batches(), total, "eval", self._show_progress()):
+        for batch, real in progress(self._in_lockstep(self.data.eval_batches()), total, "eval", self._show_progress()):
             batch = batch.to(self.env.device)
             with self._autocast():
                 logits = self.model(batch).logits
+            if not real:
+                continue
             probs.append(torch.sigmoid(logits.float()).cpu())
             labels.append(batch.labels.cpu())
             surfaces.append(batch.surface.cpu())
@@ -253,7 +303,7 @@ class Trainer:
             catalogue = dataset.catalogue().to(self.env.device) if candidate_input == "catalogue" else None
             scores = []
             chunk = max(1, self.config.data.sequential.eval_chunk // candidates.shape[1])
-            for start in range(0, users.numel(), chunk):
+            for start, real in self._in_lockstep(range(0, users.numel(), chunk)):
                 rows = users[start : start + chunk]
                 user_ids = ranking.users[rows]
                 history = dataset.history(user_ids, ranking.history_length[rows])
@@ -268,15 +318,18 @@ class Trainer:
                 elif candidate_input == "catalogue":
                     extra["catalogue"] = catalogue
                 with self._autocast():
-                    scores.append(core.score_candidates(requests, block.to(self.env.device), **extra).float().cpu())
+                    block_scores = core.score_candidates(requests, block.to(self.env.device), **extra).float().cpu()
+                if real:
+                    scores.append(block_scores)
             return torch.cat(scores) if scores else torch.zeros(0, candidates.shape[1])
         subset = dataclasses.replace(ranking, users=ranking.users[users], history_length=ranking.history_length[users],
                                      candidates=candidates, target_index=ranking.target_index[users])
         scores = torch.empty(candidates.shape)
-        for start, batch in dataset.scoring_batches(subset, self.config.data.sequential.eval_chunk):
+        for (start, batch), real in self._in_lockstep(dataset.scoring_batches(subset, self.config.data.sequential.eval_chunk)):
             with self._autocast():
                 logits = self.model(batch.to(self.env.device)).logits
-            scores.view(-1)[start : start + batch.batch_size] = logits[:, 0].float().cpu()
+            if real:
+                scores.view(-1)[start : start + batch.batch_size] = logits[:, 0].float().cpu()
         return scores
 
     def _gather(self, local):

@@ -166,7 +166,9 @@ class LengthBalancedStream:
         return {"source": copy.deepcopy(self._state_before), "emitted": emitted, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["world_size"] != self.world_size:
-            raise ValueError(f"balanced-stream state was saved with world_size={state['world_size']}, resuming with {self.world_size}")
+        if state["world_size"] != self.world_size and state["emitted"]:
+            # a window cut into other bins cannot be continued part-way; between windows any rank count can
+            raise ValueError(f"balanced-stream state was saved by {state['world_size']} ranks part-way through a window; "
+                             f"resume it on {state['world_size']} ranks")
         self.source.load_state_dict(state["source"])
         self._state_before, self._emitted = copy.deepcopy(state["source"]), int(state["emitted"])

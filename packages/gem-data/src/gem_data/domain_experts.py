@@ -59,13 +59,17 @@ class DomainExpertModel(nn.Module):
             aux = aux + expert_aux
         for d, experts in enumerate(self.specific):
             rows = (domain == d).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
-            sub = _select_rows(x, seq, offsets, positions, rows)
+            present = rows.numel() > 0
+            # NOTE: a domain absent from this batch still runs, on one stand-in row whose result is discarded:
+            # every rank then runs the same modules and reduces the same (here zero) gradients
+            sub = _select_rows(x, seq, offsets, positions, rows if present else domain.new_zeros(1))
             for j, expert in enumerate(experts):
                 rep, expert_aux = expert(*sub)
-                outputs[rows, self.num_shared + j] = rep
-                aux = aux + expert_aux
+                if present:
+                    outputs[rows, self.num_shared + j] = rep
+                    aux = aux + expert_aux
+                else:
+                    aux = aux + 0.0 * (rep.sum() + expert_aux)
         gates = self.gate(x.flatten(1)).view(b, self.num_domains, self.experts_per_domain)
         weights = torch.softmax(gates[torch.arange(b, device=x.device), domain].float(), dim=-1).to(outputs.dtype)
         representation = (weights[:, :, None] * outputs).sum(1)

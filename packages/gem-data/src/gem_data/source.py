@@ -1,12 +1,16 @@
 """What the trainer consumes: any ``BatchSource`` (an iterable of batches with a spec and a resumable state).
 
-``ShardedStream`` is the common base of the finite-or-endless readers: it numbers *global* batches
-``0, 1, 2, ...`` and gives rank ``r`` of ``W`` the batches ``r, r + W, ...`` (the rank-level sequence
-``j = 0, 1, ...`` maps to global batch ``j * W + r``). Inside a DataLoader with ``K`` workers, worker ``w``
-produces the rank-level batches ``position + w, position + w + K, ...``; the DataLoader's round-robin
-then returns exactly the sequence a single process would, so the output, and therefore the saved
-position, does not depend on the number of workers. ``WorkerLoader`` runs the workers and counts
-delivered batches in the main process, which is the state a restarted run needs.
+``ShardedStream`` is the common base of the finite-or-endless readers. It numbers *global* batches
+``0, 1, 2, ...`` of ``world_size * batch_size`` examples and gives rank ``r`` slice ``r`` of each: rows
+``[r * batch_size, (r + 1) * batch_size)`` of global batch ``t`` at its step ``t``. The examples a step
+trains on therefore do not depend on how many ranks share them: ``W`` ranks of batch ``B`` see exactly
+what one process of batch ``W * B`` sees, which is what makes multi-rank training comparable (and
+testable) against a single process. Inside a DataLoader with ``K`` workers, worker ``w`` produces the
+steps ``position + w, position + w + K, ...``; the DataLoader's round-robin then returns exactly the
+sequence a single process would, so the output, and therefore the saved position, does not depend on the
+number of workers. ``WorkerLoader`` runs the workers and counts delivered batches in the main process,
+which is the state a restarted run needs. The position counts global batches, so a run may resume on
+another number of ranks as long as the global batch size stays the same.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gem_kunlun import Batch, FeatureSpec
+
+from gem_data.batch_ops import select_examples
 
 
 @runtime_checkable
@@ -34,38 +41,54 @@ class BatchSource(Protocol):
 
 
 class ShardedStream(IterableDataset):
-    """Base class: subclasses define ``spec`` and ``global_batch(index)`` (None past the end of the data)."""
+    """Base class: subclasses define ``spec`` and ``global_batch(index)`` (the whole global batch, None past
+    the end of the data), and may override ``rank_batch`` to read only this rank's rows."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must lie in [0, world_size), got rank={rank}, world_size={world_size}")
-        self.rank, self.world_size = rank, world_size
-        self.position = 0  # rank-level batches delivered so far
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.global_batch_size = batch_size * world_size
+        self.position = 0  # global batches (steps) delivered so far
 
     def global_batch(self, index: int) -> Batch | None:
         raise TypeError(f"{type(self).__name__} must define global_batch")
 
+    def rank_batch(self, index: int) -> Batch | None:
+        """This rank's slice of global batch ``index`` (None past the end; a short final batch is split as
+        evenly as its rows allow, so a rank may get an empty slice)."""
+        batch = self.global_batch(index)
+        if batch is None or self.world_size == 1:
+            return batch
+        rows = torch.arange(batch.batch_size).tensor_split(self.world_size)[self.rank]
+        return select_examples(batch, rows)
+
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        local = self.position + worker
+        index = self.position + worker
         while True:
-            batch = self.global_batch(local * self.world_size + self.rank)
+            batch = self.rank_batch(index)
             if batch is None:
                 return
             if info is None:
                 # NOTE: in a worker process this copy's position is meaningless; WorkerLoader counts instead.
-                self.position = local + 1
+                self.position = index + 1
             yield batch
-            local += workers
+            index += workers
 
     def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "world_size": self.world_size}
+        return {"position": self.position, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["world_size"] != self.world_size:
+        saved = state.get("global_batch_size")
+        if saved != self.global_batch_size:
             raise ValueError(
-                f"data state was saved with world_size={state['world_size']}, resuming with {self.world_size}"
+                f"the data position was saved for global batches of {saved} examples; this run's global batch is "
+                f"{self.global_batch_size} (data.batch_size {self.batch_size} x {self.world_size} ranks): keep the "
+                f"global batch size when resuming on another number of ranks"
             )
         self.position = int(state["position"])
 

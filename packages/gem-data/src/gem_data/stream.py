@@ -27,8 +27,8 @@ MAX_STREAMS = 128
 class SyntheticStream(ShardedStream):
     """An endless stream of training batches for one rank.
 
-    Rank ``r`` of ``world_size`` takes global batches ``r, r + world_size, r + 2 * world_size, ...``: no
-    two ranks see the same batch and none is skipped. ``state_dict`` holds the position, so a restarted run
+    Rank ``r`` of ``world_size`` takes slice ``r`` of every global batch (see ``ShardedStream``): no two ranks
+    see the same example and none is skipped. ``state_dict`` holds the position, so a restarted run
     continues at exactly the next batch. ``stream`` selects one of many disjoint streams of the same data set
     (same hidden ground truth, other examples): separate sources to mix, such as offline logs and a live stream.
     """
@@ -36,10 +36,10 @@ class SyntheticStream(ShardedStream):
     def __init__(
         self, generator: SyntheticGenerator, batch_size: int, rank: int = 0, world_size: int = 1, stream: int = 0
     ) -> None:
-        super().__init__(rank, world_size)
+        super().__init__(batch_size, rank, world_size)
         if not 0 <= stream < MAX_STREAMS:
             raise ValueError(f"stream must lie in [0, {MAX_STREAMS}), got {stream}")
-        self.generator, self.batch_size = generator, batch_size
+        self.generator = generator
         self.first_index = stream * BATCHES_PER_STREAM
 
     @property
@@ -47,7 +47,8 @@ class SyntheticStream(ShardedStream):
         return self.generator.spec
 
     def global_batch(self, index: int) -> Batch:
-        return self.generator.batch(self.first_index + index, self.batch_size, split="train")
+        # NOTE: a synthetic batch is one draw, so every rank draws the whole global batch and keeps its slice.
+        return self.generator.batch(self.first_index + index, self.global_batch_size, split="train")
 
 
 def eval_batches(generator: SyntheticGenerator, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1):
@@ -60,8 +61,9 @@ class TableStream(ShardedStream):
     """Batches of ``batch_size`` rows of ``table``, epoch after epoch (``num_epochs=None``: endless).
 
     The rows form one long sequence (epoch 0, then epoch 1, ...); global batch ``g`` is rows
-    ``[g * batch_size, (g + 1) * batch_size)`` of it, so every batch is full except possibly the very last
-    one of a finite stream, and batches straddle epochs rather than drop rows. With ``shuffle`` each epoch
+    ``[g * G, (g + 1) * G)`` of it (``G = world_size * batch_size``) and each rank reads only its slice, so
+    every batch is full except possibly the very last one of a finite stream, and batches straddle epochs
+    rather than drop rows. With ``shuffle`` each epoch
     visits blocks in a seeded random order and groups in a seeded random order within each block; the order
     is a pure function of ``(seed, epoch)``, which makes the position alone a complete resumable state.
     """
@@ -76,10 +78,8 @@ class TableStream(ShardedStream):
         seed: int = 0,
         num_epochs: int | None = None,
     ) -> None:
-        super().__init__(rank, world_size)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.table, self.batch_size, self.shuffle, self.seed, self.num_epochs = table, batch_size, shuffle, seed, num_epochs
+        super().__init__(batch_size, rank, world_size)
+        self.table, self.shuffle, self.seed, self.num_epochs = table, shuffle, seed, num_epochs
         self._sizes = torch.tensor(table.block_sizes(), dtype=torch.int64)
         self.rows_per_epoch = int(self._sizes.sum())
         if self.rows_per_epoch == 0:
@@ -93,13 +93,24 @@ class TableStream(ShardedStream):
         return self.table.spec
 
     def global_batch(self, index: int) -> Batch | None:
-        start = index * self.batch_size
-        end = start + self.batch_size
+        return self._slice(index, 0, 1)
+
+    def rank_batch(self, index: int) -> Batch | None:
+        return self._slice(index, self.rank, self.world_size)
+
+    def _slice(self, index: int, part: int, parts: int) -> Batch | None:
+        """Part ``part`` of ``parts`` of global batch ``index``, split as ``ShardedStream.rank_batch`` does."""
+        start, end = index * self.global_batch_size, (index + 1) * self.global_batch_size
         if self.num_epochs is not None:
             end = min(end, self.num_epochs * self.rows_per_epoch)
         if start >= end:
             return None
-        positions = torch.arange(start, end)
+        return self._rows(torch.arange(start, end).tensor_split(parts)[part])
+
+    def _rows(self, positions: torch.Tensor) -> Batch:
+        """The rows at ``positions`` of the endless shuffled row sequence (epoch 0, then epoch 1, ...)."""
+        if positions.numel() == 0:  # a rank's empty share of a short final batch
+            return self.table.take(0, positions, 0)
         epochs = positions // self.rows_per_epoch
         parts = []
         for epoch in torch.unique_consecutive(epochs).tolist():

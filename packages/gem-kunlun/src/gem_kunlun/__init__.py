@@ -5,7 +5,7 @@ from gem_kunlun.batch import Batch, EventSequence, NextItemTargets
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import EventType, FeatureSpec, SparseFeature
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads, multitask_loss
-from gem_kunlun.interformer import InterFormerConfig, InterFormerModel
+from gem_kunlun.interformer import InterFormerConfig, InterFormerLayer, InterFormerModel
 from gem_kunlun.kunlun import (
     KUNLUN_SIZES,
     EventPersonalization,
@@ -15,7 +15,7 @@ from gem_kunlun.kunlun import (
     KunlunModel,
     KunlunTrunk,
 )
-from gem_kunlun.moe import MixtureOfExperts, WukongBlock
+from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatch
 from gem_kunlun.retrieval import next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
@@ -31,6 +31,7 @@ __all__ = [
     "EventType",
     "HierarchicalSeedPooling",
     "InterFormerConfig",
+    "InterFormerLayer",
     "InterFormerModel",
     "KUNLUN_SIZES",
     "KunlunConfig",
@@ -41,6 +42,7 @@ __all__ = [
     "MixtureOfExperts",
     "ModelOutput",
     "PMA",
+    "Routing",
     "SumKronLinear",
     "WukongBlock",
     "FeatureEmbedding",
@@ -52,6 +54,7 @@ __all__ = [
     "SasrecModel",
     "SparseFeature",
     "jagged_to_padded",
+    "local_dispatch",
     "lengths_to_offsets",
     "merge_by_time",
     "multitask_loss",

@@ -10,6 +10,7 @@ from torchrec import (
     EmbeddingCollection,
     EmbeddingConfig,
     KeyedJaggedTensor,
+    KeyedTensor,
     PoolingType,
 )
 
@@ -30,6 +31,16 @@ def select_keys(kjt: KeyedJaggedTensor, keys: list[str] | tuple[str, ...]) -> Ke
     if list(keys) == present:
         return kjt
     return kjt.permute([present.index(k) for k in keys])
+
+
+def pooled_in_order(pooled: KeyedTensor, keys: list[str]) -> list[torch.Tensor]:
+    """The ``[B, D]`` pooled embedding of each of ``keys``, in that order.
+
+    NOTE: by key, never by position in ``pooled.values()``: a sharded collection returns its features
+    grouped by the rank that holds their tables, not in the order they were declared.
+    """
+    by_key = pooled.to_dict()
+    return [by_key[k] for k in keys]
 
 
 class FeatureEmbedding(nn.Module):
@@ -85,7 +96,7 @@ class FeatureEmbedding(nn.Module):
             sparse = batch.dense.new_zeros(b, 0, self.dim)
         else:
             features = select_keys(batch.sparse, [f.name for f in self.spec.sparse])
-            sparse = self.bags(features).values().view(b, len(self.spec.sparse), self.dim)
+            sparse = torch.stack(pooled_in_order(self.bags(features), [f.name for f in self.spec.sparse]), 1)
         dense = self.dense(batch.dense)
         events = {}
         for key, collection in self.events.items():
@@ -117,7 +128,7 @@ class ItemTower(nn.Module):
         self.project = nn.Linear(len(features) * dim, out_dim, device=device)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.project(self.bags(select_keys(features, self.names)).values())
+        return self.project(torch.cat(pooled_in_order(self.bags(select_keys(features, self.names)), self.names), 1))
 
     def flops(self, num_items: int) -> float:
         return 2.0 * self.project.in_features * self.project.out_features * num_items

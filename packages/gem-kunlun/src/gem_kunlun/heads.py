@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.nn import functional as F
 
 
@@ -17,6 +18,10 @@ class ModelOutput:
     logits: torch.Tensor
     aux_loss: torch.Tensor
     representation: torch.Tensor | None = None
+
+
+# NOTE: registered as a pytree so that wrappers which hook a module's output tensors (FSDP2, DDP) find them
+pytree.register_dataclass(ModelOutput)
 
 
 class MultiTaskHeads(nn.Module):

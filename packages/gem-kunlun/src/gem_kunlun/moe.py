@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -40,7 +41,7 @@ class WukongBlock(nn.Module):
         b = x.shape[0]
         # X (X^T Y): every token's interaction with rank-many projected summaries, O(n * D * rank)
         summaries = torch.einsum("bnd,nk->bdk", x, self.projection.to(x.dtype))
-        interactions = torch.einsum("bnd,bdk->bnk", x, summaries).reshape(b, -1)
+        interactions = torch.einsum("bnd,bdk->bnk", x, summaries).reshape(b, self.num_tokens * self.rank)
         fm = self.fm_mlp(self.fm_norm(interactions)).view(b, self.n_fm, self.dim)
         lc = torch.einsum("bnd,nm->bmd", x, self.compress.to(x.dtype))
         return torch.cat([fm, lc], 1)
@@ -55,9 +56,35 @@ class WukongBlock(nn.Module):
 class RoutingStats:
     """What the gate did in the last forward: assignments per expert (before and after capacity) and the loss."""
 
-    assigned: torch.Tensor  # [E] int64, top-k choices per expert
-    kept: torch.Tensor  # [E] int64, after the capacity limit
+    assigned: torch.Tensor  # [E] int64, top-k choices per expert, over the whole global batch
+    kept: torch.Tensor  # [E] int64, this rank's assignments kept after the capacity limit
     balance_loss: torch.Tensor  # scalar
+
+
+@dataclass
+class Routing:
+    """The gate's decisions for one local batch, as ``A = k * B`` assignments in slot-major order (every
+    example's first choice, then every second choice, ...): ``example [A]`` and ``expert [A]`` (int64),
+    ``weight [A]`` (float32, renormalised over the example's top-k) and ``keep [A]`` (bool, within capacity)."""
+
+    example: torch.Tensor
+    expert: torch.Tensor
+    weight: torch.Tensor
+    keep: torch.Tensor
+
+
+def local_dispatch(experts: nn.ModuleDict, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Run every expert of ``experts`` here on the kept examples routed to it; ``[B, n, D]`` gate-weighted sum.
+
+    NOTE: an expert with no example still runs (on zero rows): its parameters then get zero gradients
+    instead of none, so every rank reduces the same gradients whatever its routing.
+    """
+    out = torch.zeros_like(x)
+    for key, block in experts.items():
+        mine = routing.keep & (routing.expert == int(key))
+        rows = routing.example[mine]
+        out.index_add_(0, rows, block(x[rows]) * routing.weight[mine].to(x.dtype)[:, None, None])
+    return out
 
 
 class MixtureOfExperts(nn.Module):
@@ -66,8 +93,18 @@ class MixtureOfExperts(nn.Module):
     ``capacity_factor`` bounds each expert to ``ceil(factor * B * k / E)`` examples (<= 0: unbounded) in
     training, where it keeps the per-expert work bounded. Higher choices (top-1 before top-2) and earlier
     examples claim capacity first. In eval mode nothing is dropped: an example's output must not depend on
-    which other requests share its batch (ranking one user's candidates, serving). ``last_stats`` holds the routing
-    of the last call; ``balance_loss`` is the Switch-Transformer loss ``E * sum_e f_e * p_e``.
+    which other requests share its batch (ranking one user's candidates, serving). ``last_stats`` holds the
+    routing of the last call; ``balance_loss`` is the Switch-Transformer loss ``E * sum_e f_e * p_e``.
+
+    Two hooks let a parallel layer spread the work without this module knowing about it:
+
+    - ``capacity_group``: the process group whose ranks' local batches form one global batch (None: this
+      batch alone). Capacity, claim order (rank ``r``'s examples after those of ranks ``< r``) and the
+      expert fractions ``f_e`` then count over the global batch, at the cost of all-gathering ``k * E``
+      counts per training forward: the routing, the drops and the gradients are those of one process
+      holding the global batch.
+    - ``dispatch(experts, x, routing) -> [B, n, D]``: where experts run (default ``local_dispatch``);
+      expert parallelism keeps only its rank's experts in ``experts`` and moves examples to their owners.
     """
 
     def __init__(self, num_tokens: int, dim: int, num_experts: int, top_k: int, capacity_factor: float = 1.25,
@@ -77,12 +114,21 @@ class MixtureOfExperts(nn.Module):
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.gate = nn.Linear(num_tokens * dim, num_experts, device=device)
-        self.experts = nn.ModuleList(WukongBlock(num_tokens, dim, rank, hidden, device=device) for _ in range(num_experts))
+        # keyed by expert index: under expert parallelism a rank keeps only its own, under the same names
+        self.experts = nn.ModuleDict(
+            {str(i): WukongBlock(num_tokens, dim, rank, hidden, device=device) for i in range(num_experts)}
+        )
+        self.expert_flops = self.experts["0"].flops_per_example()
+        self.capacity_group = None
+        self.dispatch = local_dispatch
         self.last_stats: RoutingStats | None = None
 
-    def capacity(self, batch_size: int) -> int:
+    def capacity(self, batch_size):
+        """Examples each expert takes from a batch of ``batch_size`` (an int, or a device tensor: no host sync)."""
         if self.capacity_factor <= 0:
             return batch_size
+        if isinstance(batch_size, torch.Tensor):
+            return torch.ceil(self.capacity_factor * batch_size.double() * self.top_k / self.num_experts).clamp(min=1)
         return max(1, math.ceil(self.capacity_factor * batch_size * self.top_k / self.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,34 +136,48 @@ class MixtureOfExperts(nn.Module):
         probs = torch.softmax(self.gate(x.flatten(1)).float(), dim=-1)  # [B, E]
         weights, chosen = probs.topk(k, dim=-1)  # [B, k]
         weights = weights / weights.sum(-1, keepdim=True)
-        # slot-major order: every example's first choice claims capacity before any second choice
-        expert = chosen.t().reshape(-1)  # [k*B]
-        example = torch.arange(b, device=x.device).repeat(k)
-        weight = weights.t().reshape(-1)
-        order = torch.sort(expert, stable=True).indices
-        counts = torch.bincount(expert, minlength=e)
-        starts = torch.cumsum(counts, 0) - counts
-        position = torch.empty_like(order)
-        position[order] = torch.arange(order.numel(), device=x.device) - starts[expert[order]]
-        keep = position < (self.capacity(b) if self.training else b)
+        expert = chosen.t().reshape(-1)  # [k*B], slot-major
+        slot = torch.arange(k, device=x.device).repeat_interleave(b)
+        cell = slot * e + expert  # (slot, expert) of every assignment
+        cell_counts = torch.bincount(cell, minlength=k * e)
+        ahead, counts = self._claimed_ahead(cell_counts.view(k, e))
+        # position of an assignment in its expert's queue: assignments ahead of this rank's cell, then the
+        # cell's own in example order
+        order = torch.sort(cell, stable=True).indices
+        within = torch.empty_like(order)
+        within[order] = torch.arange(order.numel(), device=x.device) - (torch.cumsum(cell_counts, 0) - cell_counts)[cell[order]]
+        position = ahead.view(-1)[cell] + within
+        # every example makes exactly one first choice: slot 0's counts sum to the global batch size
+        keep = position < self.capacity(counts[0].sum()) if self.training else torch.ones_like(position, dtype=torch.bool)
 
-        out = torch.zeros_like(x)
-        kept = torch.zeros(e, dtype=torch.int64, device=x.device)
-        for index, block in enumerate(self.experts):
-            mine = keep & (expert == index)
-            rows = example[mine]
-            kept[index] = rows.numel()
-            if rows.numel():
-                out.index_add_(0, rows, block(x[rows]) * weight[mine].to(x.dtype)[:, None, None])
-        fraction = counts.float() / counts.sum()
+        routing = Routing(example=torch.arange(b, device=x.device).repeat(k), expert=expert,
+                          weight=weights.t().reshape(-1), keep=keep)
+        out = self.dispatch(self.experts, x, routing)
+        kept = torch.bincount(expert[keep], minlength=e)
+        counts = counts.sum(0)  # [E] over the global batch
+        fraction = counts.float() / counts.sum().clamp(min=1)
         balance = e * (fraction * probs.mean(0)).sum()
         self.last_stats = RoutingStats(assigned=counts.detach(), kept=kept.detach(), balance_loss=balance)
         return out
 
+    def _claimed_ahead(self, cell_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[k, E]`` assignments that claim each (slot, expert) cell's capacity before this rank's (earlier
+        slots everywhere, then the same slot on lower ranks) and ``[k, E]`` assignments per cell over the
+        global batch."""
+        group = self.capacity_group if self.training else None
+        if group is None:
+            return torch.cumsum(cell_counts, 0) - cell_counts, cell_counts
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = cell_counts.new_empty(world * cell_counts.numel())
+        dist.all_gather_into_tensor(gathered, cell_counts.reshape(-1), group=group)
+        gathered = gathered.view(world, *cell_counts.shape)
+        total = gathered.sum(0)
+        return (torch.cumsum(total, 0) - total) + gathered[:rank].sum(0), total
+
     def flops(self, batch_size: int) -> float:
         """Gate for every example plus the active experts (top-k per example, at most the capacity each)."""
         active = min(batch_size * self.top_k, self.capacity(batch_size) * self.num_experts)
-        return 2.0 * self.gate.in_features * self.num_experts * batch_size + active * self.experts[0].flops_per_example()
+        return 2.0 * self.gate.in_features * self.num_experts * batch_size + active * self.expert_flops
 
 
 def dense_moe_reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +186,8 @@ def dense_moe_reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(moe.gate(x.flatten(1)).float(), dim=-1)
     weights, chosen = probs.topk(moe.top_k, dim=-1)
     dense = torch.zeros_like(probs).scatter(1, chosen, weights / weights.sum(-1, keepdim=True))
-    outputs = torch.stack([block(x) for block in moe.experts], 1)  # [B, E, n, D]
+    outputs = torch.stack([moe.experts[str(i)](x) for i in range(moe.num_experts)], 1)  # [B, E, n, D]
     return (outputs * dense.to(x.dtype)[:, :, None, None]).sum(1)
 
 
-__all__ = ["MixtureOfExperts", "RoutingStats", "WukongBlock", "dense_moe_reference"]
+__all__ = ["MixtureOfExperts", "Routing", "RoutingStats", "WukongBlock", "dense_moe_reference", "local_dispatch"]

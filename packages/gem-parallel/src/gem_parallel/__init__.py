@@ -1,13 +1,34 @@
-"""gem-parallel: sharded embeddings with fused sparse optimizers, data-parallel dense parts, MFU accounting."""
+"""gem-parallel: every parallelism of a gem-kunlun model (dense HSDP, expert parallel, 1-D/2-D sparse), applied
+in one order by ``parallelize_kunlun``; layout-independent initialisation; gradient clipping over sharded
+parameters; MFU accounting."""
 
+from gem_parallel.collectives import COLLECTIVES, process_group_backend
+from gem_parallel.dense import DenseOptions, gathered_parameters
+from gem_parallel.expert_parallel import ExpertParallel, apply_expert_parallel
+from gem_parallel.grad_norm import clip_grad_norm_
+from gem_parallel.init import init_dense_parameters
 from gem_parallel.mfu import PEAK_TFLOPS, mfu, peak_tflops, scaling_ratio
-from gem_parallel.sparse import dense_parameters, shard_embeddings, table_names, table_placement
+from gem_parallel.parallel_dims import ParallelDims, ParallelMeshes
+from gem_parallel.parallelize import parallelize_kunlun
+from gem_parallel.sparse import SparseReplicas, dense_parameters, shard_embeddings, table_names, table_placement
 
 __all__ = [
+    "COLLECTIVES",
     "PEAK_TFLOPS",
+    "DenseOptions",
+    "ExpertParallel",
+    "ParallelDims",
+    "ParallelMeshes",
+    "SparseReplicas",
+    "apply_expert_parallel",
+    "clip_grad_norm_",
     "dense_parameters",
+    "gathered_parameters",
+    "init_dense_parameters",
     "mfu",
+    "parallelize_kunlun",
     "peak_tflops",
+    "process_group_backend",
     "scaling_ratio",
     "shard_embeddings",
     "table_names",

@@ -1,5 +1,17 @@
 """Sparse parallelism: shard a model's embedding tables with TorchRec and fuse the sparse optimizer into
-their backward pass; the dense remainder becomes data parallel."""
+their backward pass.
+
+Tables are sharded over a group of ``sparse_group`` consecutive ranks with the sharding type the config
+names (the planner is constrained to it). With several groups (2-D sparse parallelism) every group holds
+a full copy of the tables, sharded the same way inside it; each group trains its replica on its own
+examples and ``SparseReplicas.sync`` averages the replicas (weights and optimizer state) every
+``sync_every`` steps. On CUDA that is TorchRec's ``DMPCollection``; on CPU, where DMPCollection refuses
+to run, the same layout is built from a plain ``DistributedModelParallel`` over a ``ShardingEnv2D`` and
+averaged here.
+
+The dense remainder is left alone (no DDP wrapper, nothing materialised): ``gem_parallel.parallelize``
+initialises and shards it.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +20,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
-SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_column_wise", "data_parallel")
+from gem_parallel.init import init_table_rows
+
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
+# NOTE: TorchRec's CPU kernels shard pooled tables (EmbeddingBagCollection) only these ways; sequence
+# tables (EmbeddingCollection) also row-wise. Row-wise pooled sharding needs a GPU.
+CPU_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise")
 
 
 def embedding_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
 
 
-def table_names(model: nn.Module) -> list[str]:
-    names = []
+def table_configs(model: nn.Module) -> dict[str, Any]:
+    """TorchRec table configs of every (unsharded) embedding module, by table name."""
+    configs = {}
     for module in embedding_modules(model):
-        configs = module.embedding_bag_configs() if isinstance(module, EmbeddingBagCollection) else module.embedding_configs()
-        names += [c.name for c in configs]
-    return names
+        found = module.embedding_bag_configs() if isinstance(module, EmbeddingBagCollection) else module.embedding_configs()
+        configs.update({c.name: c for c in found})
+    return configs
+
+
+def table_names(model: nn.Module) -> list[str]:
+    return list(table_configs(model))
+
+
+class _NoDataParallel:
+    """A DMP data-parallel wrapper that leaves the dense part alone (FSDP2 takes it over afterwards)."""
+
+    def wrap(self, dmp, env, device) -> None:
+        return None
 
 
 def shard_embeddings(
@@ -31,37 +61,123 @@ def shard_embeddings(
     sharding_type: str = "table_wise",
     sparse_optimizer: type[torch.optim.Optimizer] | None = None,
     sparse_optimizer_kwargs: dict[str, Any] | None = None,
-    pg: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    seed: int = 0,
 ) -> nn.Module:
-    """Wrap ``model`` in TorchRec's DistributedModelParallel over the default (or given) process group.
+    """Shard every embedding table of ``model`` (built on the meta device) and return TorchRec's
+    DistributedModelParallel around it.
 
-    Every embedding table is sharded with ``sharding_type``; ``sparse_optimizer`` (TorchRec's row-wise
-    Adagrad by default) is fused into the embedding backward, so sparse gradients are never materialised.
-    Dense parameters stay with the caller's optimizer and are all-reduced as in DDP. The model may be built
-    on the meta device: DMP materialises it on ``device``.
-
-    On CPU/Gloo TorchRec shards EmbeddingBagCollections only table-wise, column-wise, table-column-wise or
-    data-parallel; row-wise needs GPUs.
+    ``mesh`` (``sparse_replica`` x ``sparse_group``) selects 2-D sparse parallelism; None shards over every
+    rank. ``sparse_optimizer`` (TorchRec's row-wise Adagrad by default) is fused into the embedding backward,
+    so sparse gradients are never materialised. Table rows are initialised from ``seed`` independently of
+    the layout (``gem_parallel.init``). Dense parameters stay on the meta device for ``parallelize``.
     """
     from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.model_parallel import DMPCollection
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingEnv2D
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     if sharding_type not in SHARDING_TYPES:
-        raise ValueError(f"sharding_type must be one of {SHARDING_TYPES}, got {sharding_type!r}")
-    pg = pg or dist.GroupMember.WORLD
+        raise ValueError(f"sparse_sharding must be one of {SHARDING_TYPES}, got {sharding_type!r}")
+    if device.type == "cpu" and sharding_type not in CPU_SHARDING_TYPES and any(
+        isinstance(m, EmbeddingBagCollection) for m in embedding_modules(model)
+    ):
+        raise ValueError(f"sparse_sharding = {sharding_type!r} needs GPUs (TorchRec's CPU kernels shard pooled tables "
+                         f"only {CPU_SHARDING_TYPES})")
+    configs = table_configs(model)
     apply_optimizer_in_backward(
         sparse_optimizer or RowWiseAdagrad,
         [p for module in embedding_modules(model) for p in module.parameters()],
         sparse_optimizer_kwargs or {"lr": 0.01},
     )
-    constraints = {name: ParameterConstraints(sharding_types=[sharding_type]) for name in table_names(model)}
+    group = mesh.get_group("sparse_group") if mesh is not None else dist.GroupMember.WORLD
+    constraints = {name: ParameterConstraints(sharding_types=[sharding_type]) for name in configs}
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device=device.type), constraints=constraints
+        topology=Topology(world_size=dist.get_world_size(group), compute_device=device.type), constraints=constraints
     )
-    plan = planner.collective_plan(model, pg=pg)
-    return DistributedModelParallel(model, device=device, plan=plan)
+    plan = planner.collective_plan(model, pg=group)
+    keep = dict(init_data_parallel=False, init_parameters=False, data_parallel_wrapper=_NoDataParallel())
+    if mesh is None:
+        sharded = DistributedModelParallel(model, device=device, plan=plan, **keep)
+    elif device.type == "cuda":
+        # NOTE: use_inter_host_allreduce puts each sharding group on consecutive ranks (inside a node) and
+        # the replicas across groups, the layout ParallelDims describes.
+        sharded = DMPCollection(model, device=device, plan=plan, world_size=dist.get_world_size(),
+                                sharding_group_size=mesh.size(1), global_pg=dist.GroupMember.WORLD,
+                                use_inter_host_allreduce=True, **keep)
+    else:
+        group_index, size = mesh.get_local_rank("sparse_replica"), mesh.size(1)
+        for module_plan in plan.plan.values():
+            for sharding in module_plan.values():
+                sharding.ranks = [r + group_index * size for r in sharding.ranks]
+        env = ShardingEnv2D(global_pg=dist.GroupMember.WORLD, sharding_pg=group, replica_pg=mesh.get_group("sparse_replica"),
+                            device_mesh=mesh, use_inter_host_allreduce=True)
+        sharded = DistributedModelParallel(model, env=env, device=device, plan=plan, **keep)
+    init_tables(sharded, configs, seed)
+    return sharded
+
+
+def init_tables(model: nn.Module, configs: dict[str, Any], seed: int) -> None:
+    """Fill this rank's shards of every table with their layout-independent initial values."""
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            table = _table_of(key, configs)
+            if table is None:
+                continue
+            config = configs[table]
+            for shard in value.local_shards():
+                rows, cols = shard.metadata.shard_offsets
+                init_table_rows(shard.tensor, rows, cols, config.embedding_dim, config.init_fn, seed, key)
+
+
+def _table_of(state_key: str, configs: dict[str, Any]) -> str | None:
+    """The table a state-dict key holds (``....embedding_bags.<table>.weight`` / ``....embeddings.<table>.weight``)."""
+    parts = state_key.split(".")
+    if len(parts) >= 3 and parts[-1] == "weight" and parts[-3] in ("embedding_bags", "embeddings") and parts[-2] in configs:
+        return parts[-2]
+    return None
+
+
+class SparseReplicas:
+    """Averages the table replicas of 2-D sparse parallelism: weights and fused optimizer state, every
+    ``sync_every`` steps (``maybe_sync(step)``); a no-op with one replica."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh | None, sync_every: int = 1) -> None:
+        self.model, self.mesh, self.sync_every = model, mesh, sync_every
+
+    def maybe_sync(self, step: int) -> bool:
+        if self.mesh is None or step % self.sync_every:
+            return False
+        if hasattr(self.model, "sync"):  # DMPCollection
+            self.model.sync()
+            return True
+        group, replicas = self.mesh.get_group("sparse_replica"), self.mesh.size(0)
+        with torch.no_grad():
+            for tensor in self._local_tensors():
+                dist.all_reduce(tensor, group=group)
+                tensor.div_(replicas)
+        return True
+
+    def _local_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards of every table and of its optimizer state (views of the live storage)."""
+        tensors = []
+        states = [self.model.state_dict(), self.model.fused_optimizer.state_dict()["state"]]
+        for state in states:
+            for value in _sharded_values(state):
+                tensors += [shard.tensor for shard in value.local_shards()]
+        return tensors
+
+
+def _sharded_values(state: dict) -> list:
+    found = []
+    for value in state.values():
+        if isinstance(value, dict):
+            found += _sharded_values(value)
+        elif hasattr(value, "local_shards"):
+            found.append(value)
+    return found
 
 
 def dense_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.nn import functional as F
 
 from gem_kunlun import ModelOutput, MultiTaskHeads
@@ -79,6 +80,9 @@ class DistillationOutput(ModelOutput):
     auxiliary_logits: torch.Tensor | None = None
     corrected_teacher_logits: torch.Tensor | None = None
     distillation_loss: torch.Tensor | None = None
+
+
+pytree.register_dataclass(DistillationOutput)  # like ModelOutput: data-parallel wrappers hook its tensors
 
 
 class DistilledStudent(nn.Module):

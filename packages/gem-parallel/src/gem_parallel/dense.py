@@ -1,0 +1,114 @@
+"""Dense parallelism: FSDP2 (HSDP on a 2-D mesh) per block and at the root, activation checkpointing and
+per-block ``torch.compile``, each an ``apply_*`` that changes the model in place.
+
+Parameters updated inside backward (the embedding tables, with their fused optimizer) are left to TorchRec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+@dataclass(frozen=True)
+class DenseOptions:
+    """How the dense part is parallelised (the trainer's ``[parallelism]`` fields of the same names).
+
+    - ``param_dtype`` / ``reduce_dtype``: FSDP2 mixed precision of the blocks (None: the parameters' own
+      float32). The root keeps float32 parameters: it holds the input projections, norms and heads, whose
+      precision calibration depends on.
+    - ``reshard_after_forward``: free each block's gathered parameters after its forward (gather again in
+      backward): less memory, one more all-gather per block.
+    - ``activation_checkpointing``: recompute each block's activations in backward instead of keeping them.
+    - ``compile``: ``torch.compile`` each block.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+
+Slot = tuple[nn.Module, str]  # where a block sits: (parent module, attribute name or ModuleList index)
+
+
+def block_at(slot: Slot) -> nn.Module:
+    parent, name = slot
+    return parent[int(name)] if isinstance(parent, (nn.ModuleList, nn.Sequential)) else getattr(parent, name)
+
+
+def apply_activation_checkpointing(slots: list[Slot]) -> None:
+    """Wrap the block at every slot in a non-reentrant checkpoint wrapper (state-dict names are unchanged)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for parent, name in slots:
+        wrapped = checkpoint_wrapper(block_at((parent, name)), preserve_rng_state=True)
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            parent[int(name)] = wrapped
+        else:
+            setattr(parent, name, wrapped)
+
+
+def apply_compile(slots: list[Slot]) -> None:
+    """``torch.compile`` the block at every slot, in place (parameters and state-dict names are unchanged)."""
+    for slot in slots:
+        block_at(slot).compile()
+
+
+def apply_fsdp(
+    root: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    options: DenseOptions,
+    ignored_params: set[nn.Parameter],
+    experts: list[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
+    world_size: int = 1,
+) -> None:
+    """FSDP2 over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP): each expert (on ``expert_mesh``), then
+    each block, then the root with everything left; ``ignored_params`` are left alone.
+
+    Expert gradients arrive summed over the expert-parallel group by the all-to-all, so their reduction
+    divides by the whole ``world_size`` rather than by the ranks of ``expert_mesh``: every parameter ends
+    up with the gradient of the mean loss over the global batch.
+    """
+    block_policy = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
+    for expert in experts:
+        fully_shard(expert, mesh=expert_mesh, mp_policy=block_policy, reshard_after_forward=options.reshard_after_forward,
+                    ignored_params=ignored_params)
+        expert.set_gradient_divide_factor(float(world_size))
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=options.reshard_after_forward,
+                    ignored_params=ignored_params)
+    # NOTE: the root's parameters are used first in forward and last in backward: resharding them after
+    # forward would only gather them again at once.
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored_params)
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class gathered_parameters:
+    """Context manager: every FSDP2 module of ``model`` keeps its parameters gathered, so that the forward
+    passes inside run without collectives (evaluation, where ranks may run different numbers of batches).
+    On exit the parameters are sharded again and blocks return to ``reshard_after_forward``."""
+
+    def __init__(self, model: nn.Module, reshard_after_forward: bool) -> None:
+        self.modules, self.reshard_after_forward = fsdp_modules(model), reshard_after_forward
+
+    def __enter__(self) -> None:
+        for module in self.modules:
+            module.unshard()
+            module.set_reshard_after_forward(False, recurse=False)
+
+    def __exit__(self, *exc) -> None:
+        for i, module in enumerate(self.modules):
+            module.reshard()
+            # the root (first in module order) never reshards after forward, see apply_fsdp
+            module.set_reshard_after_forward(self.reshard_after_forward and i > 0, recurse=False)

@@ -1,0 +1,116 @@
+"""Expert parallelism for gem-kunlun's mixture of experts: experts split over an EP group, examples moved to
+their experts' owners and back by all-to-all (with autograd), through the MoE's ``dispatch`` hook.
+
+Rank ``p`` of an EP group of ``P`` ranks owns experts ``[p * E / P, (p + 1) * E / P)`` and keeps only
+those (under their global names, so checkpoints do not depend on ``P``). One forward:
+
+1. the kept assignments, sorted by expert, are sent to the owners (``all_to_all_single``);
+2. each owner runs its experts on what it received, grouped by expert;
+3. the outputs travel back by the reverse all-to-all and are combined with the gate weights.
+
+Two ways to size the messages:
+
+- ``padded = False`` (exact): per-expert counts are exchanged first (one small all-to-all and a host
+  round trip for the split sizes), then exactly the kept rows travel. Combined with the MoE's global
+  capacity (``capacity_group``) the result equals one process holding the global batch.
+- ``padded = True`` (equal split): every rank sends each expert exactly ``capacity(local batch)`` rows,
+  zero-padded: fixed shapes, no count exchange, no host synchronisation, at the price of the padding's
+  traffic and compute. Capacity is then per rank (each rank may fill its share of an expert, no more),
+  which drops more than the global policy when the routing is uneven across ranks; in eval mode, where
+  nothing is dropped, the exact path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
+
+from gem_kunlun import MixtureOfExperts, Routing
+
+
+class ExpertParallel:
+    """The ``dispatch`` hook of one ``MixtureOfExperts`` under expert parallelism (see the module docstring)."""
+
+    def __init__(self, moe: MixtureOfExperts, group: dist.ProcessGroup, padded: bool = False) -> None:
+        self.group, self.padded = group, padded
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.num_experts, self.capacity = moe.num_experts, moe.capacity
+        if self.num_experts % self.size:
+            raise ValueError(f"expert ({self.size}) must divide the number of experts ({self.num_experts})")
+        self.per_rank = self.num_experts // self.size
+
+    def local_experts(self) -> range:
+        return range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
+
+    def __call__(self, experts: nn.ModuleDict, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        keep = routing.keep
+        order = torch.sort(routing.expert[keep], stable=True).indices
+        expert, example, weight = routing.expert[keep][order], routing.example[keep][order], routing.weight[keep][order]
+        rows = x[example].flatten(1)  # [A_kept, n * D], sorted by expert
+        if self.padded and experts.training:
+            returned = self._padded(experts, rows, expert, x.shape[0], x.shape[1:])
+        else:
+            returned = self._exact(experts, rows, expert, x.shape[1:])
+        out = torch.zeros_like(x)
+        return out.index_add_(0, example, returned.view(-1, *x.shape[1:]) * weight.to(x.dtype)[:, None, None])
+
+    def _exact(self, experts, rows, expert, token_shape) -> torch.Tensor:
+        p, e = self.size, self.num_experts
+        send_expert = torch.bincount(expert, minlength=e)  # [E], rows for each expert, in owner order
+        received_expert = torch.empty_like(send_expert)
+        dist.all_to_all_single(received_expert, send_expert, group=self.group)  # [P sources x per_rank]
+        received_expert = received_expert.view(p, self.per_rank)
+        # NOTE: the split sizes of the row all-to-all live on the host: this is the exact mode's one sync
+        send = send_expert.view(p, self.per_rank).sum(1).tolist()
+        receive = received_expert.sum(1).tolist()
+        received = _all_to_all(rows, receive, send, self.group)
+        # received rows come grouped by source, each source's by expert: regroup by expert to run each once
+        local = torch.arange(self.per_rank, device=rows.device).repeat(p)
+        owner = torch.repeat_interleave(local, received_expert.flatten(), output_size=received.shape[0])
+        by_expert = torch.sort(owner, stable=True).indices
+        outputs = self._run(experts, received[by_expert], received_expert.sum(0).tolist(), token_shape)
+        return _all_to_all(outputs[torch.argsort(by_expert)], send, receive, self.group)
+
+    def _padded(self, experts, rows, expert, batch_size, token_shape) -> torch.Tensor:
+        e, width = self.num_experts, rows.shape[1]
+        slots = int(self.capacity(batch_size))
+        counts = torch.bincount(expert, minlength=e)
+        position = torch.arange(expert.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[expert]
+        cell = expert * slots + position  # the row's slot in the [E, slots] send buffer
+        send = rows.new_zeros(e * slots, width).index_copy(0, cell, rows)
+        received = _all_to_all(send, None, None, self.group)  # [P sources x per_rank x slots]
+        # regroup [source, expert, slot] as [expert, source, slot] so each expert runs once on all its rows
+        grouped = received.view(self.size, self.per_rank, slots, width).transpose(0, 1).reshape(-1, width)
+        outputs = self._run(experts, grouped, [self.size * slots] * self.per_rank, token_shape)
+        back = outputs.view(self.per_rank, self.size, slots, width).transpose(0, 1).reshape(-1, width)
+        return _all_to_all(back, None, None, self.group)[cell]
+
+    def _run(self, experts, rows, counts, token_shape) -> torch.Tensor:
+        """This rank's experts on ``rows`` grouped by local expert (``counts`` rows each, in expert order)."""
+        chunks = rows.split(counts)
+        outputs = [experts[str(index)](chunk.view(-1, *token_shape)).flatten(1)
+                   for index, chunk in zip(self.local_experts(), chunks)]
+        return torch.cat(outputs) if outputs else rows
+
+
+def _all_to_all(tensor: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
+    """``all_to_all_single`` with autograd (the gradient travels back the reverse way)."""
+    rows = sum(output_splits) if output_splits is not None else tensor.shape[0]
+    output = tensor.new_empty(rows, *tensor.shape[1:])
+    return all_to_all_single(output, tensor, output_splits, input_splits, group=group)
+
+
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, padded: bool = False) -> list[MixtureOfExperts]:
+    """Split the experts of every ``MixtureOfExperts`` in ``model`` over ``group``: each rank keeps its own
+    experts (still on the meta device, to be materialised by ``init_dense_parameters``) and dispatches
+    through ``ExpertParallel``. Returns the MoE modules touched."""
+    moes = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+    for moe in moes:
+        hook = ExpertParallel(moe, group, padded)
+        mine = {str(i) for i in hook.local_experts()}
+        for key in [k for k in moe.experts if k not in mine]:
+            del moe.experts[key]
+        moe.dispatch = hook
+    return moes

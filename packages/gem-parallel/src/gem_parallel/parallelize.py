@@ -1,0 +1,86 @@
+"""``parallelize_kunlun``: every parallelism of a gem-kunlun model, applied in one fixed order.
+
+The order, and why:
+
+1. **Expert parallelism** (``expert`` > 1): each MoE keeps only its rank's experts and dispatches by
+   all-to-all. First, on the meta device, so that no rank ever materialises experts it does not own.
+2. **Sparse** (TorchRec): tables are sharded (1-D or 2-D) and initialised shard by shard.
+3. **Initialisation** of the dense part, the same on every rank (``gem_parallel.init``): after 1, before
+   any wrapper renames a module.
+4. **Activation checkpointing** of each block, then 5. **``torch.compile``** of each block (the compiled
+   region includes the recomputation), then 6. **FSDP2**: experts on the expert mesh, blocks, then the
+   root (HSDP when the dense mesh is 2-D). FSDP goes last because it replaces parameters by DTensor shards
+   and hooks the modules the earlier steps produced.
+7. The MoE capacity group: the whole world, so that capacity, drops and the balance loss count over the
+   global batch (per rank with padded expert parallelism, see ``gem_parallel.expert_parallel``).
+
+A block is a ``KunlunLayer`` (also inside domain-expert trunks), a ``SasrecBlock`` or an
+``InterFormerLayer``; everything else (input embedding, event encoders, summaries, heads) belongs to the
+root unit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gem_kunlun import InterFormerLayer, KunlunLayer, MixtureOfExperts, SasrecBlock
+
+from gem_parallel.dense import DenseOptions, Slot, apply_activation_checkpointing, apply_compile, apply_fsdp, block_at
+from gem_parallel.expert_parallel import apply_expert_parallel
+from gem_parallel.init import init_dense_parameters
+from gem_parallel.parallel_dims import ParallelDims, ParallelMeshes
+from gem_parallel.sparse import shard_embeddings
+
+BLOCK_TYPES = (KunlunLayer, SasrecBlock, InterFormerLayer)
+
+
+def block_slots(model: nn.Module) -> list[Slot]:
+    """Where every block of ``model`` sits, outermost first."""
+    return [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, BLOCK_TYPES)]
+
+
+def parallelize_kunlun(
+    model: nn.Module,
+    dims: ParallelDims,
+    meshes: ParallelMeshes,
+    device: torch.device,
+    *,
+    seed: int,
+    dense: DenseOptions = DenseOptions(),
+    sparse_sharding: str = "table_wise",
+    sparse_optimizer: type[torch.optim.Optimizer] | None = None,
+    sparse_optimizer_kwargs: dict[str, Any] | None = None,
+    expert_padded: bool = False,
+) -> nn.Module:
+    """Parallelise ``model`` (built on the meta device) as ``dims`` says; returns TorchRec's
+    DistributedModelParallel around it (``.module`` is the model, now FSDP2-wrapped). See the module
+    docstring for the order of the steps."""
+    moes = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+    if dims.expert_enabled:
+        for moe in moes:
+            if moe.num_experts % dims.expert:
+                raise ValueError(f"expert ({dims.expert}) must divide the number of experts of every MoE ({moe.num_experts})")
+        apply_expert_parallel(model, meshes.expert.get_group("expert"), padded=expert_padded)
+    sharded = shard_embeddings(model, device, sparse_sharding, sparse_optimizer, sparse_optimizer_kwargs,
+                               mesh=meshes.sparse, seed=seed)
+    init_dense_parameters(model, seed, device)
+    slots = block_slots(model)
+    if dense.activation_checkpointing:
+        apply_activation_checkpointing(slots)
+    if dense.compile:
+        apply_compile(slots)
+    experts = [e for moe in moes for e in moe.experts.values()] if dims.expert_enabled else []
+    expert_mesh = meshes.expert["dense_replicate", "expert_shard"] if dims.expert_enabled else None
+    # NOTE: tables are TorchRec's (updated in backward); empty parameters (a projection of zero dense
+    # features) have nothing to shard and FSDP2 cannot reduce them
+    ignored = {p for p in model.parameters() if hasattr(p, "_in_backward_optimizers") or p.numel() == 0}
+    apply_fsdp(model, [block_at(s) for s in slots], meshes.dense, dense, ignored, experts, expert_mesh, dims.world_size)
+    if dims.world_size > 1:
+        for moe in moes:
+            moe.capacity_group = None if (dims.expert_enabled and expert_padded) else dist.group.WORLD
+    return sharded
