@@ -248,6 +248,9 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
 
     from gem_trainer.config import ConfigError
 
+    o = config.optimizer
+    sparse_optimizer, sparse_kwargs = (RowWiseAdagrad, {"lr": o.sparse_lr, "eps": o.sparse_eps}) if o.sparse == "rowwise_adagrad" \
+        else (torch.optim.SGD, {"lr": o.sparse_lr})
     p, dtypes = config.parallelism, {"float32": None, "bfloat16": torch.bfloat16}
     dense = DenseOptions(param_dtype=dtypes[p.param_dtype], reduce_dtype=dtypes[p.reduce_dtype],
                          reshard_after_forward=p.reshard_after_forward,
@@ -255,9 +258,7 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
     try:
         return parallelize_kunlun(
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,
-            sparse_optimizer=RowWiseAdagrad,
-            sparse_optimizer_kwargs={"lr": config.optimizer.sparse_lr, "eps": config.optimizer.sparse_eps},
-            expert_padded=p.expert_padded,
+            sparse_optimizer=sparse_optimizer, sparse_optimizer_kwargs=sparse_kwargs, expert_padded=p.expert_padded,
         )
     except ValueError as error:
         if str(error).startswith(("expert (", "sparse_sharding")):

@@ -64,11 +64,14 @@ class CheckpointManager:
         path = self.path(step)
         if not (path / MARKER).is_file():
             raise FileNotFoundError(f"no complete checkpoint at {path}")
+        # NOTE: DCP reshards: the tensors load into whatever layout this run has, on any number of ranks
         dcp.load(distributed_state, checkpoint_id=str(path))
         rank = dist.get_rank() if dist.is_initialized() else 0
         local = path / f"local-rank{rank}.pt"
         if not local.is_file():
-            raise FileNotFoundError(f"{local} is missing: was the checkpoint written with a different number of ranks?")
+            # written by fewer ranks; the local state (step, data position in global batches, schedule, RNG)
+            # is the same on every rank
+            local = path / "local-rank0.pt"
         return torch.load(local, weights_only=False)
 
     def _prune(self) -> None:

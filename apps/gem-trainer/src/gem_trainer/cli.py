@@ -83,6 +83,9 @@ def _train(config: TrainerConfig, args, overrides) -> int:
     except TrainingDiverged as error:
         print(f"gem-trainer: {error}", file=sys.stderr)
         return 3
+    except ConfigError as error:
+        print(f"gem-trainer: config error: {error}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
         shutdown_distributed()
@@ -107,6 +110,9 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
         result = trainer.evaluate()
         if env.rank == 0:
             _print_eval(result, trainer.step, Path(config.run_dir))
+    except ConfigError as error:
+        print(f"gem-trainer: config error: {error}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
         shutdown_distributed()

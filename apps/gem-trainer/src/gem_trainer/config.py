@@ -241,6 +241,9 @@ class OptimizerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0)
+    # fused into the embedding backward: row-wise Adagrad, or plain SGD (linear in the gradient: averaged
+    # 2-D sparse replicas then equal one process exactly)
+    sparse: Literal["rowwise_adagrad", "sgd"] = "rowwise_adagrad"
     sparse_lr: float = Field(0.05, gt=0)
     sparse_eps: float = Field(1e-8, gt=0)
 

@@ -17,7 +17,7 @@ from gem_data import rank_imbalance
 from gem_kunlun import MixtureOfExperts, multitask_loss, next_item_loss
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointManager
-from gem_trainer.config import TrainerConfig
+from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluation import binary_metrics, ranking_metrics, target_ranks
 from gem_parallel import SparseReplicas, clip_grad_norm_, gathered_parameters, mfu, peak_tflops
@@ -76,6 +76,8 @@ class Trainer:
         self.dense_params = [p for p in params if id(p) not in owned]
         self.expert_params = [p for p in params if id(p) in owned]
         self.expert_group = self.meshes.expert.get_group("expert") if self.dims.expert_enabled else None
+        if env.world_size > 1:
+            self._print(f"parallelism: {env.world_size} ranks, {self.dims.describe()}")
         self.task_weights = builders.task_weights(config, self.spec)
         self.step = 0
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
@@ -90,6 +92,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "world_size": self.env.world_size,
             "data": self.stream.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
@@ -121,8 +124,13 @@ class Trainer:
         local = self.checkpoints.load(step, state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.load_state_dict(local)
-        self._print(f"resumed from {self.checkpoints.path(step)} at step {self.step}")
+        try:
+            self.load_state_dict(local)
+        except ValueError as error:
+            raise ConfigError(f"checkpoint.resume: {self.checkpoints.path(step)}: {error}, or start a new run_dir") from None
+        saved_world = local.get("world_size", self.env.world_size)
+        resharded = f" (written by {saved_world} ranks, resharded to {self.env.world_size})" if saved_world != self.env.world_size else ""
+        self._print(f"resumed from {self.checkpoints.path(step)} at step {self.step}{resharded}")
         return True
 
     # -- training ----------------------------------------------------------------------------------------------
@@ -251,7 +259,7 @@ class Trainer:
 
     def _evaluate_binary(self) -> dict[str, float]:
         probs, labels, surfaces = [], [], []
-        total = len(range(self.env.rank, self.config.data.eval_batches, self.env.world_size))
+        total = self.config.data.eval_batches
         for batch, real in progress(self._in_lockstep(self.data.eval_batches()), total, "eval", self._show_progress()):
             batch = batch.to(self.env.device)
             with self._autocast():

@@ -12,7 +12,7 @@ import torch
 
 from gem_kunlun import Batch, FeatureSpec, lengths_to_offsets
 
-from gem_data.batch_ops import concat_batches
+from gem_data.batch_ops import concat_batches, select_examples
 from gem_data.source import ShardedStream
 from gem_data.synthetic import SyntheticGenerator
 from gem_data.table import ExampleTable
@@ -52,9 +52,12 @@ class SyntheticStream(ShardedStream):
 
 
 def eval_batches(generator: SyntheticGenerator, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1):
-    """The held-out split: ``num_batches`` global batches, this rank's share of them."""
-    for index in range(rank, num_batches, world_size):
-        yield generator.batch(index, batch_size, split="eval")
+    """The held-out split: ``num_batches`` global batches of ``world_size * batch_size`` examples, this rank's
+    slice of each (the held-out examples do not depend on the number of ranks)."""
+    rows = torch.arange(batch_size * world_size).tensor_split(world_size)[rank]
+    for index in range(num_batches):
+        batch = generator.batch(index, batch_size * world_size, split="eval")
+        yield batch if world_size == 1 else select_examples(batch, rows)
 
 
 class TableStream(ShardedStream):

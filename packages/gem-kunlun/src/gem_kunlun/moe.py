@@ -98,11 +98,12 @@ class MixtureOfExperts(nn.Module):
 
     Two hooks let a parallel layer spread the work without this module knowing about it:
 
-    - ``capacity_group``: the process group whose ranks' local batches form one global batch (None: this
+    - ``batch_group``: the process group whose ranks' local batches form one global batch (None: this
       batch alone). Capacity, claim order (rank ``r``'s examples after those of ranks ``< r``) and the
       expert fractions ``f_e`` then count over the global batch, at the cost of all-gathering ``k * E``
       counts per training forward: the routing, the drops and the gradients are those of one process
-      holding the global batch.
+      holding the global batch. With ``capacity_per_rank`` only the fractions do, and each rank may fill
+      an expert with ``capacity(local batch)`` of its own examples (fixed-size expert-parallel messages).
     - ``dispatch(experts, x, routing) -> [B, n, D]``: where experts run (default ``local_dispatch``);
       expert parallelism keeps only its rank's experts in ``experts`` and moves examples to their owners.
     """
@@ -119,7 +120,8 @@ class MixtureOfExperts(nn.Module):
             {str(i): WukongBlock(num_tokens, dim, rank, hidden, device=device) for i in range(num_experts)}
         )
         self.expert_flops = self.experts["0"].flops_per_example()
-        self.capacity_group = None
+        self.batch_group = None
+        self.capacity_per_rank = False
         self.dispatch = local_dispatch
         self.last_stats: RoutingStats | None = None
 
@@ -147,8 +149,9 @@ class MixtureOfExperts(nn.Module):
         within = torch.empty_like(order)
         within[order] = torch.arange(order.numel(), device=x.device) - (torch.cumsum(cell_counts, 0) - cell_counts)[cell[order]]
         position = ahead.view(-1)[cell] + within
-        # every example makes exactly one first choice: slot 0's counts sum to the global batch size
-        keep = position < self.capacity(counts[0].sum()) if self.training else torch.ones_like(position, dtype=torch.bool)
+        # every example makes exactly one first choice: slot 0's counts sum to the (global) batch size
+        claimants = b if self.capacity_per_rank else counts[0].sum()
+        keep = position < self.capacity(claimants) if self.training else torch.ones_like(position, dtype=torch.bool)
 
         routing = Routing(example=torch.arange(b, device=x.device).repeat(k), expert=expert,
                           weight=weights.t().reshape(-1), keep=keep)
@@ -162,16 +165,19 @@ class MixtureOfExperts(nn.Module):
 
     def _claimed_ahead(self, cell_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[k, E]`` assignments that claim each (slot, expert) cell's capacity before this rank's (earlier
-        slots everywhere, then the same slot on lower ranks) and ``[k, E]`` assignments per cell over the
-        global batch."""
-        group = self.capacity_group if self.training else None
+        slots everywhere, then the same slot on lower ranks; this rank's earlier slots only with
+        ``capacity_per_rank``) and ``[k, E]`` assignments per cell over the global batch."""
+        group = self.batch_group if self.training else None
+        local_ahead = torch.cumsum(cell_counts, 0) - cell_counts
         if group is None:
-            return torch.cumsum(cell_counts, 0) - cell_counts, cell_counts
+            return local_ahead, cell_counts
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = cell_counts.new_empty(world * cell_counts.numel())
         dist.all_gather_into_tensor(gathered, cell_counts.reshape(-1), group=group)
         gathered = gathered.view(world, *cell_counts.shape)
         total = gathered.sum(0)
+        if self.capacity_per_rank:
+            return local_ahead, total
         return (torch.cumsum(total, 0) - total) + gathered[:rank].sum(0), total
 
     def flops(self, batch_size: int) -> float:

@@ -12,7 +12,7 @@ Two ways to size the messages:
 
 - ``padded = False`` (exact): per-expert counts are exchanged first (one small all-to-all and a host
   round trip for the split sizes), then exactly the kept rows travel. Combined with the MoE's global
-  capacity (``capacity_group``) the result equals one process holding the global batch.
+  capacity (``batch_group``) the result equals one process holding the global batch.
 - ``padded = True`` (equal split): every rank sends each expert exactly ``capacity(local batch)`` rows,
   zero-padded: fixed shapes, no count exchange, no host synchronisation, at the price of the padding's
   traffic and compute. Capacity is then per rank (each rank may fill its share of an expert, no more),

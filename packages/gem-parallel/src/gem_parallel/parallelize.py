@@ -11,8 +11,8 @@ The order, and why:
    region includes the recomputation), then 6. **FSDP2**: experts on the expert mesh, blocks, then the
    root (HSDP when the dense mesh is 2-D). FSDP goes last because it replaces parameters by DTensor shards
    and hooks the modules the earlier steps produced.
-7. The MoE capacity group: the whole world, so that capacity, drops and the balance loss count over the
-   global batch (per rank with padded expert parallelism, see ``gem_parallel.expert_parallel``).
+7. The MoE batch group: the whole world, so that capacity, drops and the balance loss count over the
+   global batch (capacity per rank with padded expert parallelism, see ``gem_parallel.expert_parallel``).
 
 A block is a ``KunlunLayer`` (also inside domain-expert trunks), a ``SasrecBlock`` or an
 ``InterFormerLayer``; everything else (input embedding, event encoders, summaries, heads) belongs to the
@@ -82,5 +82,6 @@ def parallelize_kunlun(
     apply_fsdp(model, [block_at(s) for s in slots], meshes.dense, dense, ignored, experts, expert_mesh, dims.world_size)
     if dims.world_size > 1:
         for moe in moes:
-            moe.capacity_group = None if (dims.expert_enabled and expert_padded) else dist.group.WORLD
+            moe.batch_group = dist.group.WORLD
+            moe.capacity_per_rank = dims.expert_enabled and expert_padded
     return sharded

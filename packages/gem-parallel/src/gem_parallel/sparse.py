@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 from gem_parallel.init import init_table_rows
@@ -75,6 +76,7 @@ def shard_embeddings(
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.model_parallel import DMPCollection
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torch.distributed.remote_device import _remote_device
     from torchrec.distributed.types import ShardingEnv2D
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -97,7 +99,8 @@ def shard_embeddings(
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=dist.get_world_size(group), compute_device=device.type), constraints=constraints
     )
-    plan = planner.collective_plan(model, pg=group)
+    # planned once for a group of ranks 0..G-1 (on rank 0, broadcast to all), then placed on each group
+    plan = planner.collective_plan(model, pg=dist.GroupMember.WORLD)
     keep = dict(init_data_parallel=False, init_parameters=False, data_parallel_wrapper=_NoDataParallel())
     if mesh is None:
         sharded = DistributedModelParallel(model, device=device, plan=plan, **keep)
@@ -108,10 +111,13 @@ def shard_embeddings(
                                 sharding_group_size=mesh.size(1), global_pg=dist.GroupMember.WORLD,
                                 use_inter_host_allreduce=True, **keep)
     else:
-        group_index, size = mesh.get_local_rank("sparse_replica"), mesh.size(1)
+        # the plan names ranks 0..G-1: move it onto this rank's group (what DMPCollection does on CUDA)
+        first = mesh.get_local_rank("sparse_replica") * mesh.size(1)
         for module_plan in plan.plan.values():
             for sharding in module_plan.values():
-                sharding.ranks = [r + group_index * size for r in sharding.ranks]
+                sharding.ranks = [r + first for r in sharding.ranks]
+                for shard in sharding.sharding_spec.shards if sharding.sharding_spec is not None else ():
+                    shard.placement = _remote_device(f"rank:{shard.placement.rank() + first}/{device.type}")
         env = ShardingEnv2D(global_pg=dist.GroupMember.WORLD, sharding_pg=group, replica_pg=mesh.get_group("sparse_replica"),
                             device_mesh=mesh, use_inter_host_allreduce=True)
         sharded = DistributedModelParallel(model, env=env, device=device, plan=plan, **keep)
@@ -127,9 +133,17 @@ def init_tables(model: nn.Module, configs: dict[str, Any], seed: int) -> None:
             if table is None:
                 continue
             config = configs[table]
-            for shard in value.local_shards():
-                rows, cols = shard.metadata.shard_offsets
-                init_table_rows(shard.tensor, rows, cols, config.embedding_dim, config.init_fn, seed, key)
+            for tensor, (rows, cols) in local_shards(value):
+                init_table_rows(tensor, rows, cols, config.embedding_dim, config.init_fn, seed, key)
+
+
+def local_shards(value) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+    """This rank's pieces of a sharded table (or table-shaped optimizer state) with their (row, column)
+    offsets: a ShardedTensor's local shards, or, under 2-D sparse parallelism, the shards a DTensor wraps."""
+    if hasattr(value, "local_shards"):
+        return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
+    local = value.to_local()
+    return [(t, tuple(offset)) for t, offset in zip(local.local_shards(), local.local_offsets())]
 
 
 def _table_of(state_key: str, configs: dict[str, Any]) -> str | None:
@@ -163,10 +177,9 @@ class SparseReplicas:
     def _local_tensors(self) -> list[torch.Tensor]:
         """This rank's shards of every table and of its optimizer state (views of the live storage)."""
         tensors = []
-        states = [self.model.state_dict(), self.model.fused_optimizer.state_dict()["state"]]
-        for state in states:
+        for state in (self.model.state_dict(), self.model.fused_optimizer.state_dict()["state"]):
             for value in _sharded_values(state):
-                tensors += [shard.tensor for shard in value.local_shards()]
+                tensors += [tensor for tensor, _ in local_shards(value)]
         return tensors
 
 
@@ -175,16 +188,19 @@ def _sharded_values(state: dict) -> list:
     for value in state.values():
         if isinstance(value, dict):
             found += _sharded_values(value)
-        elif hasattr(value, "local_shards"):
+        elif hasattr(value, "local_shards") or (isinstance(value, DTensor) and hasattr(value.to_local(), "local_shards")):
             found.append(value)
     return found
 
 
 def dense_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters not updated inside backward: those the dense optimizer owns."""
+    """Parameters not updated inside backward: those the dense optimizer owns, under their state-dict names
+    (without the wrapper that activation checkpointing inserts, so that checkpoints do not depend on it)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    return dict(in_backward_optimizer_filter(model.named_parameters(), include=False))
+    return {name.replace(_CHECKPOINT_PREFIX, ""): p
+            for name, p in in_backward_optimizer_filter(model.named_parameters(), include=False)}
 
 
 def table_placement(model: nn.Module) -> dict[str, list[int]]:
