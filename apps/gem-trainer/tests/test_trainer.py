@@ -68,7 +68,8 @@ def run_cli(*args, timeout=600):
 @pytest.mark.slow
 def test_train_learns_then_eval_plot_and_flops_work(tmp_path):
     run = tmp_path / "run"
-    done = run_cli("train", f"--run_dir={run}", "--schedule.steps=150", "--schedule.warmup_steps=10", "--metrics.log_every=50", *SMALL)
+    done = run_cli("train", f"--run_dir={run}", "--schedule.steps=150", "--schedule.warmup_steps=10", "--metrics.log_every=50",
+                   *SMALL, "--data.eval_batches=16")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "train step 150" in done.stdout and "examples_per_s" in done.stdout and "tflops" in done.stdout
     result = json.loads((run / "eval.json").read_text())
@@ -76,7 +77,7 @@ def test_train_learns_then_eval_plot_and_flops_work(tmp_path):
     assert result["conversion/all/auc"] > 0.6, result
     assert (run / "config.toml").is_file() and list((run / "tensorboard").glob("events.*")) == []
 
-    evaluated = run_cli("eval", f"--run_dir={run}", *SMALL)
+    evaluated = run_cli("eval", f"--run_dir={run}", *SMALL, "--data.eval_batches=16")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads((run / "eval.json").read_text())["click/all/auc"] == result["click/all/auc"]
 
@@ -111,7 +112,8 @@ def test_launch_runs_two_processes_through_torchrun(tmp_path):
     assert "--nproc-per-node=2" in done.stdout and "train step 20" in done.stdout
     assert (run / "checkpoints" / "step-20" / "local-rank1.pt").is_file()
     result = json.loads((run / "eval.json").read_text())
-    assert result["click/all/count"] == 4 * 64  # every eval batch counted once across the two ranks
+    # 4 global eval batches of 2 ranks x 64, every example counted once
+    assert result["click/all/count"] == 4 * 2 * 64
 
 
 @pytest.mark.slow

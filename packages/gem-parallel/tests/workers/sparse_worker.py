@@ -1,4 +1,4 @@
-"""Run by torchrun from test_sparse.py: shard a two-tower model over the ranks and train a few steps."""
+"""Run by torchrun from test_sparse.py: parallelise a small two-tower model over the ranks, train a few steps."""
 
 import json
 import sys
@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from gem_parallel import dense_parameters, shard_embeddings, table_placement
+from gem_parallel import ParallelDims, dense_parameters, parallelize_kunlun, table_placement
+from gem_parallel.sparse import local_shards
 
 FEATURES = ["a", "b", "c", "d"]
 
@@ -19,17 +20,19 @@ class Model(torch.nn.Module):
             tables=[EmbeddingBagConfig(name=f"t_{f}", embedding_dim=4, num_embeddings=50, feature_names=[f]) for f in FEATURES],
             device=torch.device("meta"),
         )
-        self.out = torch.nn.Linear(4 * len(FEATURES), 1)
+        self.out = torch.nn.Linear(4 * len(FEATURES), 1, device=torch.device("meta"))
 
     def forward(self, kjt):
-        return self.out(self.bags(kjt).values()).squeeze(1)
+        pooled = self.bags(kjt).to_dict()
+        return self.out(torch.cat([pooled[f] for f in FEATURES], 1)).squeeze(1)
 
 
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = shard_embeddings(Model(), torch.device("cpu"), "table_wise", sparse_optimizer_kwargs={"lr": 0.5})
+    dims = ParallelDims(world_size=dist.get_world_size())
+    model = parallelize_kunlun(Model(), dims, dims.build_meshes("cpu"), torch.device("cpu"), seed=0,
+                               sparse_optimizer_kwargs={"lr": 0.5})
     dense = torch.optim.SGD(list(dense_parameters(model).values()), lr=0.1)
     before = {k: v.clone() for k, v in _local_tables(model).items()}
     # every rank looks up only ids < 10, so rows >= 10 must stay untouched by the fused optimizer
@@ -48,7 +51,7 @@ def main(out_dir: str) -> None:
         "local_tables": sorted(after),
         "looked_up_rows_changed": all(not torch.equal(before[t][:10], after[t][:10]) for t in after),
         "other_rows_unchanged": all(torch.equal(before[t][10:], after[t][10:]) for t in after),
-        "dense_weight": model.module.out.weight.detach().flatten().tolist(),
+        "dense_weight": model.module.out.weight.full_tensor().flatten().tolist(),
     }
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
@@ -61,9 +64,8 @@ def _local_tables(model) -> dict[str, torch.Tensor]:
     tables = {}
     for name, tensor in model.state_dict().items():
         if name.startswith("bags."):
-            shards = tensor.local_shards() if hasattr(tensor, "local_shards") else []
-            if shards:
-                tables[name.split(".")[2]] = shards[0].tensor.detach().clone()
+            for shard, _ in local_shards(tensor):
+                tables[name.split(".")[2]] = shard.detach().clone()
     return tables
 
 

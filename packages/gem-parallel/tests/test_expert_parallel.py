@@ -1,0 +1,32 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parent / "workers" / "moe_worker.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_equals_the_mixture_on_the_global_batch(tmp_path, ranks):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
+    owned = sorted(e for r in results for e in r["exact"]["local_experts"])
+    assert owned == [0, 1, 2, 3]  # every expert on exactly one rank
+    for result in results:
+        for mode in ("exact_drops", "exact", "padded"):
+            errors = result[mode]
+            assert errors["out"] < 1e-5 and errors["input_grad"] < 1e-5, (mode, errors)
+            assert errors["gate_grad"] < 1e-4 and errors["expert_grad_max"] < 1e-4, (mode, errors)
+        # the capacity bites in the drop case, and counts over the global batch
+        assert results[0]["exact_drops"]["assigned"] == 2 * 12 * ranks
+        clip = result["clip"]
+        assert clip["norm"] == pytest.approx(clip["expected"], rel=1e-5) and clip["gate_after_clip"] < 1e-6
+    kept = sum(r["exact_drops"]["kept"] for r in results)
+    assert kept < 2 * 12 * ranks
+

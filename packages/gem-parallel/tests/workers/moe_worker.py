@@ -1,0 +1,85 @@
+"""Run by torchrun from test_expert_parallel.py: expert parallelism (exact and padded) against the same MoE on
+the global batch in one process, forward and backward; the clipped gradient norm against torch's."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from gem_kunlun import MixtureOfExperts
+from gem_parallel import apply_expert_parallel, clip_grad_norm_
+
+TOKENS, DIM, EXPERTS, TOP_K, LOCAL = 5, 6, 4, 2, 12
+
+
+def make(capacity_factor: float) -> MixtureOfExperts:
+    torch.manual_seed(0)
+    return MixtureOfExperts(TOKENS, DIM, EXPERTS, TOP_K, capacity_factor=capacity_factor, rank=3, hidden=16)
+
+
+def compare(capacity_factor: float, padded: bool) -> dict[str, float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(world * LOCAL, TOKENS, DIM, generator=torch.Generator().manual_seed(7))
+    weight = torch.randn(world * LOCAL, TOKENS, DIM, generator=torch.Generator().manual_seed(8))
+    reference = make(capacity_factor)
+    whole = x.clone().requires_grad_()
+    (reference(whole) * weight).sum().backward()
+
+    moe = make(capacity_factor)
+    apply_expert_parallel(moe, dist.group.WORLD, padded=padded)
+    moe.batch_group, moe.capacity_per_rank = dist.group.WORLD, padded
+    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    local = x[mine].clone().requires_grad_()
+    out = moe(local)
+    (out * weight[mine]).sum().backward()
+    gate_grad = moe.gate.weight.grad.clone()
+    dist.all_reduce(gate_grad)  # each rank holds its slice's share of the gate gradient
+    errors = {
+        "out": (out - reference(x)[mine]).abs().max().item(),
+        "input_grad": (local.grad - whole.grad[mine]).abs().max().item(),
+        "gate_grad": (gate_grad - reference.gate.weight.grad).abs().max().item(),
+        "kept": int(moe.last_stats.kept.sum()),
+        "assigned": int(moe.last_stats.assigned.sum()),
+    }
+    # an owner's expert gradient sums the examples every rank sent it
+    for key, expert in moe.experts.items():
+        for name, p in expert.named_parameters():
+            expected = dict(reference.experts[key].named_parameters())[name].grad
+            errors["expert_grad_max"] = max(errors.get("expert_grad_max", 0.0), (p.grad - expected).abs().max().item())
+    errors["local_experts"] = sorted(int(k) for k in moe.experts)
+    return errors
+
+
+def clipped_norm() -> dict[str, float]:
+    """Experts split over the ranks: the global norm equals torch's over every parameter of one process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = make(0.0)
+    for p in reference.parameters():
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    moe = make(0.0)
+    apply_expert_parallel(moe, dist.group.WORLD)
+    for p in moe.parameters():
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    total = clip_grad_norm_(list(moe.gate.parameters()), 0.5, list(moe.experts.parameters()), dist.group.WORLD)
+    scaled = max((a.grad - b.grad).abs().max().item() for a, b in zip(moe.gate.parameters(), reference.gate.parameters()))
+    return {"norm": float(total), "expected": float(expected), "gate_after_clip": scaled}
+
+
+def main(out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    result = {
+        "exact_drops": compare(capacity_factor=0.75, padded=False),
+        "exact": compare(capacity_factor=0.0, padded=False),
+        "padded": compare(capacity_factor=0.0, padded=True),
+        "clip": clipped_norm(),
+    }
+    with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
