@@ -481,10 +481,11 @@ def git_commit() -> str:
         return os.environ.get("GEM_COMMIT", "unknown")
 
 
-def meta(device, argv) -> dict:
+def meta(device, argv, program: str = "gem_trainer.bench") -> dict:
+    """Provenance of a benchmark run: date, command, commit, versions, device."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m gem_trainer.bench " + " ".join(argv),
+        "command": f"python -m {program} " + " ".join(argv),
         "commit": git_commit(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,

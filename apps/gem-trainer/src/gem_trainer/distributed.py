@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gem_parallel import process_group_backend
+from gem_parallel import Collectives, process_group_kwargs, resolve_collectives
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class DistributedEnv:
     local_rank: int
     device: torch.device
     local_world_size: int = 1  # ranks on this node
+    collectives: Collectives = Collectives("auto", "gloo")
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -40,21 +41,23 @@ def init_distributed(device_choice: str, collectives: str) -> DistributedEnv:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        try:
-            backend = process_group_backend(collectives, device)
-        except ValueError as error:
-            from gem_trainer.config import ConfigError
+    ranks = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        chosen = resolve_collectives(collectives, device, ranks, ranks // int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
+    except ValueError as error:
+        from gem_trainer.config import ConfigError
 
-            raise ConfigError(f"parallelism.{error}") from None
+        raise ConfigError(f"parallelism.{error}") from None
+    if not dist.is_initialized():
+        backend = chosen.backend
         if "RANK" in os.environ:
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, **process_group_kwargs(chosen, device))
         else:
             # NOTE: a private address rather than MASTER_* variables, which child processes would inherit.
             init = f"tcp://127.0.0.1:{_free_port()}"
             dist.init_process_group(backend=backend, init_method=init, rank=0, world_size=1)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    return DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, local_world_size)
+    return DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, local_world_size, chosen)
 
 
 def _free_port() -> int:

@@ -20,7 +20,7 @@ from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluation import binary_metrics, ranking_metrics, target_ranks
-from gem_parallel import SparseReplicas, clip_grad_norm_, gathered_parameters, mfu, peak_tflops
+from gem_parallel import SparseReplicas, apply_copy_engine_all_gather, clip_grad_norm_, gathered_parameters, mfu, peak_tflops
 from gem_trainer.metrics import MetricLogger, memory_gib, progress
 
 
@@ -76,8 +76,13 @@ class Trainer:
         self.dense_params = [p for p in params if id(p) not in owned]
         self.expert_params = [p for p in params if id(p) in owned]
         self.expert_group = self.meshes.expert.get_group("expert") if self.dims.expert_enabled else None
+        if env.collectives.copy_engine:
+            apply_copy_engine_all_gather(self.model, env.device)
+        elif env.collectives.fallback:
+            self._print(f"parallelism.collectives: copy_engine unavailable ({env.collectives.fallback}); using nccl")
         if env.world_size > 1:
-            self._print(f"parallelism: {env.world_size} ranks, {self.dims.describe()}")
+            self._print(f"parallelism: {env.world_size} ranks, {self.dims.describe()}, collectives "
+                        f"{'copy_engine' if env.collectives.copy_engine else env.collectives.backend}")
         self.task_weights = builders.task_weights(config, self.spec)
         self.step = 0
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)

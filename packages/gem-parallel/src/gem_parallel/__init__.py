@@ -2,7 +2,14 @@
 in one order by ``parallelize_kunlun``; layout-independent initialisation; gradient clipping over sharded
 parameters; MFU accounting."""
 
-from gem_parallel.collectives import COLLECTIVES, process_group_backend
+from gem_parallel.collectives import (
+    COLLECTIVES,
+    Collectives,
+    apply_copy_engine_all_gather,
+    process_group_backend,
+    process_group_kwargs,
+    resolve_collectives,
+)
 from gem_parallel.dense import DenseOptions, gathered_parameters
 from gem_parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from gem_parallel.grad_norm import clip_grad_norm_
@@ -14,12 +21,14 @@ from gem_parallel.sparse import SparseReplicas, dense_parameters, shard_embeddin
 
 __all__ = [
     "COLLECTIVES",
+    "Collectives",
     "PEAK_TFLOPS",
     "DenseOptions",
     "ExpertParallel",
     "ParallelDims",
     "ParallelMeshes",
     "SparseReplicas",
+    "apply_copy_engine_all_gather",
     "apply_expert_parallel",
     "clip_grad_norm_",
     "dense_parameters",
@@ -29,6 +38,8 @@ __all__ = [
     "parallelize_kunlun",
     "peak_tflops",
     "process_group_backend",
+    "process_group_kwargs",
+    "resolve_collectives",
     "scaling_ratio",
     "shard_embeddings",
     "table_names",
