@@ -141,3 +141,38 @@ def test_a_missing_teacher_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match=r"distillation.teacher_run_dir: .*nowhere/config.toml not found"):
         Trainer(config, init_distributed("cpu", "gloo"))
+
+
+def test_log_line_splits_end_to_end_mfu_into_local_mfu_and_scaling_ratio(tmp_path):
+    config = small_config(tmp_path, "--schedule.steps=2", "--schedule.warmup_steps=1", "--metrics.log_every=1",
+                          "--checkpoint.enable=false", "--metrics.peak_tflops=1.0",
+                          "--metrics.single_device_examples_per_s=1000")
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["scaling_ratio"] == pytest.approx(row["examples_per_s"] / 1000)
+        assert row["mfu_local"] * row["scaling_ratio"] == pytest.approx(row["mfu"])
+        assert row["mfu"] == pytest.approx(row["tflops"] / 1.0)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--parallelism.expert=2", r"^parallelism\.expert \(2\) must divide dense_shard \(1\)"),
+    ("--parallelism.dense_replicate=2", r"^parallelism\.dense_replicate \(2\) must divide the world size \(1\)"),
+    ("--parallelism.sparse_group=3", r"^parallelism\.sparse_group \(3\) must divide the world size \(1\)"),
+])
+def test_a_layout_that_does_not_fit_the_world_is_a_one_line_config_error(tmp_path, override, message):
+    from gem_trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as error:
+        Trainer(small_config(tmp_path, override), init_distributed("cpu", "gloo"))
+    assert "\n" not in str(error.value)
+
+
+def test_gpu_only_settings_on_cpu_are_one_line_config_errors(tmp_path):
+    from gem_trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^parallelism\.collectives = 'copy_engine' needs CUDA devices"):
+        init_distributed("cpu", "copy_engine")
+    with pytest.raises(ConfigError, match=r"^parallelism\.sparse_sharding = 'row_wise' needs GPUs"):
+        Trainer(small_config(tmp_path, "--parallelism.sparse_sharding=row_wise"), init_distributed("cpu", "gloo"))

@@ -19,7 +19,7 @@ def test_explicit_layout_and_derived_degrees():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"dense_replicate": 3}, r"dense_replicate \(3\) x dense_shard \(1\) must equal the world size \(4\)"),
+    ({"dense_replicate": 3}, r"dense_replicate \(3\) must divide the world size \(4\)"),
     ({"dense_replicate": 2, "dense_shard": 4}, r"dense_replicate \(2\) x dense_shard \(4\) must equal"),
     ({"dense_shard": 2, "expert": 4}, r"expert \(4\) must divide dense_shard \(2\)"),
     ({"sparse_group": 3}, r"sparse_group \(3\) must divide the world size \(4\)"),

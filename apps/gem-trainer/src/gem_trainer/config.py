@@ -301,6 +301,9 @@ class MetricsConfig(Section):
     tensorboard: bool = True
     progress_bar: bool = True
     peak_tflops: float | None = Field(None, gt=0)
+    # examples/s of one device at the same per-device batch: with it the log splits mfu (end to end) into
+    # mfu_local x scaling_ratio
+    single_device_examples_per_s: float | None = Field(None, gt=0)
 
 
 class EvalConfig(Section):

@@ -20,7 +20,15 @@ from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluation import binary_metrics, ranking_metrics, target_ranks
-from gem_parallel import SparseReplicas, apply_copy_engine_all_gather, clip_grad_norm_, gathered_parameters, mfu, peak_tflops
+from gem_parallel import (
+    SparseReplicas,
+    apply_copy_engine_all_gather,
+    clip_grad_norm_,
+    gathered_parameters,
+    mfu,
+    peak_tflops,
+    scaling_ratio,
+)
 from gem_trainer.metrics import MetricLogger, memory_gib, progress
 
 
@@ -205,7 +213,12 @@ class Trainer:
                     "memory_gib": memory_gib(self.env.device),
                 }
                 if self.peak is not None:
+                    # end to end: model FLOPs of all ranks over all their peaks = local MFU x scaling ratio
                     line["mfu"] = mfu(tflops, self.peak, self.env.world_size)
+                    single = cfg.metrics.single_device_examples_per_s
+                    if single is not None:
+                        line["scaling_ratio"] = scaling_ratio(line["examples_per_s"], single, self.env.world_size)
+                        line["mfu_local"] = line["mfu"] / line["scaling_ratio"]
                 line.update(self._data_metrics())
                 self.logger.log(self.step, line)
                 window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0

@@ -58,6 +58,9 @@ class ParallelDims:
             if value == 0 or value < -1:
                 raise ValueError(f"{name} must be >= 1 or -1 (automatic), got {value}")
         replicate, shard = self.dense_replicate, self.dense_shard
+        for name, value in (("dense_replicate", replicate), ("dense_shard", shard)):
+            if value != -1 and w % value:
+                raise ValueError(f"{name} ({value}) must divide the world size ({w})")
         if shard == -1:
             shard = w // replicate if replicate != -1 else _largest_divisor(w, local)
         if replicate == -1:
