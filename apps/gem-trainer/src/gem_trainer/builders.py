@@ -32,6 +32,7 @@ from gem_data import (
 from gem_kunlun import BaselineConfig, BaselineRanker, Batch, FeatureSpec, InterFormerModel, KunlunModel
 from gem_parallel import (
     DenseOptions,
+    LayoutError,
     ParallelDims,
     ParallelMeshes,
     dense_parameters,
@@ -236,7 +237,7 @@ def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelD
     try:
         return ParallelDims(world_size=env.world_size, local_world_size=env.local_world_size, dense_replicate=p.dense_replicate,
                             dense_shard=p.dense_shard, expert=p.expert, sparse_group=p.sparse_group)
-    except ValueError as error:
+    except LayoutError as error:
         raise ConfigError(f"parallelism.{error}") from None
 
 
@@ -260,10 +261,8 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,
             sparse_optimizer=sparse_optimizer, sparse_optimizer_kwargs=sparse_kwargs, expert_padded=p.expert_padded,
         )
-    except ValueError as error:
-        if str(error).startswith(("expert (", "sparse_sharding")):
-            raise ConfigError(f"parallelism.{error}") from None
-        raise
+    except LayoutError as error:
+        raise ConfigError(f"parallelism.{error}") from None
 
 
 def build_optimizers(config: TrainerConfig, model: nn.Module):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gem_parallel import Collectives, process_group_kwargs, resolve_collectives
+from gem_parallel import Collectives, LayoutError, process_group_kwargs, resolve_collectives
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def init_distributed(device_choice: str, collectives: str) -> DistributedEnv:
     ranks = int(os.environ.get("WORLD_SIZE", 1))
     try:
         chosen = resolve_collectives(collectives, device, ranks, ranks // int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
-    except ValueError as error:
+    except LayoutError as error:
         from gem_trainer.config import ConfigError
 
         raise ConfigError(f"parallelism.{error}") from None

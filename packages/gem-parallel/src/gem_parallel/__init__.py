@@ -15,7 +15,7 @@ from gem_parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from gem_parallel.grad_norm import clip_grad_norm_
 from gem_parallel.init import init_dense_parameters
 from gem_parallel.mfu import PEAK_TFLOPS, mfu, peak_tflops, scaling_ratio
-from gem_parallel.parallel_dims import ParallelDims, ParallelMeshes
+from gem_parallel.parallel_dims import LayoutError, ParallelDims, ParallelMeshes
 from gem_parallel.parallelize import parallelize_kunlun
 from gem_parallel.sparse import SparseReplicas, dense_parameters, shard_embeddings, table_names, table_placement
 
@@ -25,6 +25,7 @@ __all__ = [
     "PEAK_TFLOPS",
     "DenseOptions",
     "ExpertParallel",
+    "LayoutError",
     "ParallelDims",
     "ParallelMeshes",
     "SparseReplicas",

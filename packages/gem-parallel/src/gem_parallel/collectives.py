@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gem_parallel.parallel_dims import LayoutError
+
 try:  # FSDP2's collective protocol (a private module in torch 2.11-2.13)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 except ImportError:  # pragma: no cover - other torch versions: the protocol is duck-typed
@@ -50,11 +52,11 @@ class Collectives:
 def process_group_backend(collectives: str, device: torch.device) -> str:
     """The torch.distributed backend that carries ``collectives`` on ``device``."""
     if collectives not in COLLECTIVES:
-        raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
+        raise LayoutError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
     if collectives == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if collectives in ("nccl", "copy_engine") and device.type != "cuda":
-        raise ValueError(f"collectives = {collectives!r} needs CUDA devices; use \"gloo\" (or \"auto\") on CPU")
+        raise LayoutError(f"collectives = {collectives!r} needs CUDA devices; use \"gloo\" (or \"auto\") on CPU")
     return "gloo" if collectives == "gloo" else "nccl"
 
 

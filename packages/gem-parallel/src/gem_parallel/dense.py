@@ -19,8 +19,8 @@ class DenseOptions:
     """How the dense part is parallelised (the trainer's ``[parallelism]`` fields of the same names).
 
     - ``param_dtype`` / ``reduce_dtype``: FSDP2 mixed precision of the blocks (None: the parameters' own
-      float32). The root keeps float32 parameters: it holds the input projections, norms and heads, whose
-      precision calibration depends on.
+      float32); a block computes in ``param_dtype`` and returns float32. The root keeps float32 parameters:
+      it holds the input projections, norms and heads, whose precision calibration depends on.
     - ``reshard_after_forward``: free each block's gathered parameters after its forward (gather again in
       backward): less memory, one more all-gather per block.
     - ``activation_checkpointing``: recompute each block's activations in backward instead of keeping them.
@@ -77,7 +77,9 @@ def apply_fsdp(
     divides by the whole ``world_size`` rather than by the ranks of ``expert_mesh``: every parameter ends
     up with the gradient of the mean loss over the global batch.
     """
-    block_policy = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
+    # NOTE: blocks hand float32 back: the root between them (and after them) computes in float32
+    block_policy = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
+                                        output_dtype=torch.float32 if options.param_dtype is not None else None)
     for expert in experts:
         fully_shard(expert, mesh=expert_mesh, mp_policy=block_policy, reshard_after_forward=options.reshard_after_forward,
                     ignored_params=ignored_params)

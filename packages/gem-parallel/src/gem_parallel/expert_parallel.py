@@ -29,6 +29,8 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from gem_kunlun import MixtureOfExperts, Routing
 
+from gem_parallel.parallel_dims import LayoutError
+
 
 class ExpertParallel:
     """The ``dispatch`` hook of one ``MixtureOfExperts`` under expert parallelism (see the module docstring)."""
@@ -38,7 +40,7 @@ class ExpertParallel:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts, self.capacity = moe.num_experts, moe.capacity
         if self.num_experts % self.size:
-            raise ValueError(f"expert ({self.size}) must divide the number of experts ({self.num_experts})")
+            raise LayoutError(f"expert ({self.size}) must divide the number of experts ({self.num_experts})")
         self.per_rank = self.num_experts // self.size
 
     def local_experts(self) -> range:

@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
+class LayoutError(ValueError):
+    """A parallel layout that does not fit the job or the model; ``str(error)`` is one line naming the
+    field as the trainer's ``[parallelism]`` section spells it."""
+
+
 @dataclass(frozen=True)
 class ParallelMeshes:
     """The named meshes of a ``ParallelDims``: ``dense`` (``dense_replicate``, ``dense_shard``), ``expert``
@@ -51,28 +56,28 @@ class ParallelDims:
     def __post_init__(self) -> None:
         w = self.world_size
         if w < 1:
-            raise ValueError(f"world size must be >= 1, got {w}")
+            raise LayoutError(f"world size must be >= 1, got {w}")
         local = self.local_world_size or w
         for name in ("dense_replicate", "dense_shard", "sparse_group"):
             value = getattr(self, name)
             if value == 0 or value < -1:
-                raise ValueError(f"{name} must be >= 1 or -1 (automatic), got {value}")
+                raise LayoutError(f"{name} must be >= 1 or -1 (automatic), got {value}")
         replicate, shard = self.dense_replicate, self.dense_shard
         for name, value in (("dense_replicate", replicate), ("dense_shard", shard)):
             if value != -1 and w % value:
-                raise ValueError(f"{name} ({value}) must divide the world size ({w})")
+                raise LayoutError(f"{name} ({value}) must divide the world size ({w})")
         if shard == -1:
             shard = w // replicate if replicate != -1 else _largest_divisor(w, local)
         if replicate == -1:
             replicate = w // shard if w % shard == 0 else 0
         if replicate * shard != w:
-            raise ValueError(f"dense_replicate ({replicate}) x dense_shard ({shard}) must equal the world size ({w})")
+            raise LayoutError(f"dense_replicate ({replicate}) x dense_shard ({shard}) must equal the world size ({w})")
         if self.expert < 1 or shard % self.expert:
-            raise ValueError(f"expert ({self.expert}) must divide dense_shard ({shard}): expert groups sit inside a "
+            raise LayoutError(f"expert ({self.expert}) must divide dense_shard ({shard}): expert groups sit inside a "
                              f"dense shard group")
         group = w if self.sparse_group == -1 else self.sparse_group
         if w % group:
-            raise ValueError(f"sparse_group ({group}) must divide the world size ({w})")
+            raise LayoutError(f"sparse_group ({group}) must divide the world size ({w})")
         object.__setattr__(self, "local_world_size", local)
         object.__setattr__(self, "dense_replicate", replicate)
         object.__setattr__(self, "dense_shard", shard)

@@ -32,7 +32,7 @@ from gem_kunlun import InterFormerLayer, KunlunLayer, MixtureOfExperts, SasrecBl
 from gem_parallel.dense import DenseOptions, Slot, apply_activation_checkpointing, apply_compile, apply_fsdp, block_at
 from gem_parallel.expert_parallel import apply_expert_parallel
 from gem_parallel.init import init_dense_parameters
-from gem_parallel.parallel_dims import ParallelDims, ParallelMeshes
+from gem_parallel.parallel_dims import LayoutError, ParallelDims, ParallelMeshes
 from gem_parallel.sparse import shard_embeddings
 
 BLOCK_TYPES = (KunlunLayer, SasrecBlock, InterFormerLayer)
@@ -64,7 +64,7 @@ def parallelize_kunlun(
     if dims.expert_enabled:
         for moe in moes:
             if moe.num_experts % dims.expert:
-                raise ValueError(f"expert ({dims.expert}) must divide the number of experts of every MoE ({moe.num_experts})")
+                raise LayoutError(f"expert ({dims.expert}) must divide the number of experts of every MoE ({moe.num_experts})")
         apply_expert_parallel(model, meshes.expert.get_group("expert"), padded=expert_padded)
     sharded = shard_embeddings(model, device, sparse_sharding, sparse_optimizer, sparse_optimizer_kwargs,
                                mesh=meshes.sparse, seed=seed)

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 from gem_parallel.init import init_table_rows
+from gem_parallel.parallel_dims import LayoutError
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 # NOTE: TorchRec's CPU kernels shard pooled tables (EmbeddingBagCollection) only these ways; sequence
@@ -82,11 +83,11 @@ def shard_embeddings(
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     if sharding_type not in SHARDING_TYPES:
-        raise ValueError(f"sparse_sharding must be one of {SHARDING_TYPES}, got {sharding_type!r}")
+        raise LayoutError(f"sparse_sharding must be one of {SHARDING_TYPES}, got {sharding_type!r}")
     if device.type == "cpu" and sharding_type not in CPU_SHARDING_TYPES and any(
         isinstance(m, EmbeddingBagCollection) for m in embedding_modules(model)
     ):
-        raise ValueError(f"sparse_sharding = {sharding_type!r} needs GPUs (TorchRec's CPU kernels shard pooled tables "
+        raise LayoutError(f"sparse_sharding = {sharding_type!r} needs GPUs (TorchRec's CPU kernels shard pooled tables "
                          f"only {CPU_SHARDING_TYPES})")
     configs = table_configs(model)
     apply_optimizer_in_backward(
