@@ -104,7 +104,7 @@ def test_printed_config_loads_back_to_the_same_config(tmp_path):
         (["--model.name=kunlun", "--model.kunlun.two_tower=true"], r"queries = \"every\" needs a causal model"),
         (["--data.sequential.max_history=80"], r"max_history \(80\) must not exceed model.sasrec.max_seq_len \(50\)"),
         (["--data.sequential.num_negatives=0"], r"num_negatives must be >= 1 for loss = \"binary\""),
-        (["--data.source=synthetic"], r"need next-item data"),
+        (["--data.source=synthetic"], r"needs? next-item data"),
         (["--model.name=baseline", "--model.kunlun.two_tower=true"], r"two_tower applies to model.name = \"kunlun\""),
     ],
 )
@@ -114,3 +114,26 @@ def test_retrieval_objective_needs_a_model_that_can_answer_it(tmp_path, override
     assert load_config(path).data.sequential.queries == "every"
     with pytest.raises(ConfigError, match=message):
         load_config(path, overrides)
+
+
+def test_errors_name_the_override_or_the_base_file_that_set_the_value(tmp_path):
+    base = write(tmp_path / "base.toml", "[optimizer]\nlr = -1.0\n")
+    child = write(tmp_path / "child.toml", 'base = "base.toml"\n[schedule]\nsteps = 10\nwarmup_steps = 1\n')
+    with pytest.raises(ConfigError) as error:
+        load_config(child)
+    assert str(error.value).startswith(f"{base}: optimizer.lr: ")
+    with pytest.raises(ConfigError) as error:
+        load_config(child, ["--optimizer.lr=1e-3", "--schedule.steps=zero"])
+    assert str(error.value).startswith("override --schedule.steps=zero: schedule.steps: ")
+    # a value from the child file is blamed on the child
+    bad_child = write(tmp_path / "bad_child.toml", 'base = "base.toml"\n[optimizer]\nlr = 0.1\nbetas = "x"\n')
+    with pytest.raises(ConfigError) as error:
+        load_config(bad_child)
+    assert str(error.value).startswith(f"{bad_child}: optimizer.betas: ")
+
+
+def test_optional_fields_can_be_switched_off_with_none():
+    assert load_config(None, ["--optimizer.grad_clip=none"]).optimizer.grad_clip is None
+    assert load_config(None, ["--eval.every_steps=None"]).eval.every_steps is None
+    with pytest.raises(ConfigError, match="schedule.steps"):
+        load_config(None, ["--schedule.steps=none"])  # not optional: "none" is a bad value, not a switch

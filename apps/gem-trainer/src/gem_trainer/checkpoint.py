@@ -1,11 +1,20 @@
 """Checkpoints: torch.distributed.checkpoint folders ``step-N``, kept to the latest k, found again on restart.
 
-A folder counts only once it holds the ``COMPLETE`` marker, written after every rank finished writing:
-a run killed in the middle of a save resumes from the previous complete checkpoint.
+A folder counts only once it holds the ``COMPLETE`` marker, written after every rank finished writing and
+its files reached the disk (fsync). The marker is a manifest: the size and SHA-256 of every file of the
+folder. Loading verifies it first, so a checkpoint damaged afterwards (a file missing or cut short, a copy
+gone wrong) is never read: the run falls back to the newest intact one and says so in one line.
+
+Each rank's local state (step, data position, schedule, RNG) is stored with ``torch.save`` and read back
+with ``weights_only=True``: plain containers and tensors, nothing that runs code when loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -19,15 +28,19 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 MARKER = "COMPLETE"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; ``str(error)`` is one line naming the folder."""
+
+
 class CheckpointManager:
-    """Saves and restores ``{"model": ..., "optimizer": ...}`` through DCP plus per-rank local state
-    (step, data position, RNG) through ``torch.save``."""
+    """Saves and restores ``{"model": ..., "optimizer": ...}`` through DCP plus per-rank local state."""
 
     def __init__(self, folder: str | Path, keep_latest: int) -> None:
         self.folder = Path(folder)
         self.keep_latest = keep_latest
 
     def complete_steps(self) -> list[int]:
+        """Steps whose folder holds the marker (not yet verified: see ``damage``)."""
         if not self.folder.is_dir():
             return []
         steps = []
@@ -50,20 +63,60 @@ class CheckpointManager:
         if rank == 0 and path.exists():
             shutil.rmtree(path)  # an incomplete leftover of a killed run
         _barrier()
-        dcp.save(distributed_state, checkpoint_id=str(path))
-        torch.save(local_state, path / f"local-rank{rank}.pt")
-        _barrier()
+        failure = None
+        try:
+            dcp.save(distributed_state, checkpoint_id=str(path))
+            _write_synced(path / f"local-rank{rank}.pt", local_state)
+        except (OSError, RuntimeError) as error:  # a full disk surfaces as OSError, or wrapped by DCP
+            failure = error
+        if _any_rank(failure is not None):
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            previous = self.latest_step()
+            kept = f"step-{previous} is kept" if previous is not None else "no earlier checkpoint exists"
+            reason = _first_line(failure) if failure is not None else "another rank failed to write its part"
+            raise CheckpointError(f"could not write checkpoint {path} ({reason}); {kept}")
         if rank == 0:
-            (path / MARKER).write_text(f"{step}\n")
+            manifest = {name: _fingerprint(path / name) for name in sorted(os.listdir(path))}
+            _write_text_synced(path / MARKER, json.dumps({"step": step, "files": manifest}, indent=1))
             self._prune()
         _barrier()
         return path
+
+    def damage(self, step: int) -> str | None:
+        """Why checkpoint ``step`` cannot be trusted (a file missing, resized or changed), or None."""
+        path = self.path(step)
+        try:
+            manifest = json.loads((path / MARKER).read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{path / MARKER} is not a manifest"
+        for name, expected in manifest.items():
+            file = path / name
+            if not file.is_file():
+                return f"{file} is missing"
+            if file.stat().st_size != expected["size"]:
+                return f"{file} has {file.stat().st_size} bytes, {expected['size']} were written"
+            if _fingerprint(file)["sha256"] != expected["sha256"]:
+                return f"{file} changed since it was written"
+        return None
+
+    def newest_intact(self, at_most: int | None = None) -> tuple[int | None, list[str]]:
+        """The newest verified step (at most ``at_most``) and a line per damaged newer one."""
+        skipped = []
+        for step in reversed(self.complete_steps()):
+            if at_most is not None and step > at_most:
+                continue
+            problem = self.damage(step)
+            if problem is None:
+                return step, skipped
+            skipped.append(f"checkpoint {self.path(step)} is damaged ({problem}); skipping it")
+        return None, skipped
 
     def load(self, step: int, distributed_state: dict[str, Any]) -> dict[str, Any]:
         """Load in place into ``distributed_state`` (DCP fills the given tensors); return this rank's local state."""
         path = self.path(step)
         if not (path / MARKER).is_file():
-            raise FileNotFoundError(f"no complete checkpoint at {path}")
+            raise CheckpointError(f"no complete checkpoint at {path} (complete: {self.complete_steps() or 'none'})")
         # NOTE: DCP reshards: the tensors load into whatever layout this run has, on any number of ranks
         dcp.load(distributed_state, checkpoint_id=str(path))
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -72,11 +125,54 @@ class CheckpointManager:
             # written by fewer ranks; the local state (step, data position in global batches, schedule, RNG)
             # is the same on every rank
             local = path / "local-rank0.pt"
-        return torch.load(local, weights_only=False)
+        try:
+            return torch.load(local, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise CheckpointError(f"{local} holds more than plain training state; refused to load it "
+                                  f"({_first_line(error)})") from None
 
     def _prune(self) -> None:
         for step in self.complete_steps()[: -self.keep_latest]:
             shutil.rmtree(self.path(step), ignore_errors=True)
+
+
+def _fingerprint(file: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return {"size": file.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _write_synced(file: Path, state: dict[str, Any]) -> None:
+    with file.open("wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_text_synced(file: Path, text: str) -> None:
+    # NOTE: written under another name and renamed: the marker exists whole or not at all
+    temporary = file.with_name(file.name + ".tmp")
+    with temporary.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    temporary.replace(file)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:300]
+
+
+def _any_rank(flag: bool) -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.tensor(int(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value)
 
 
 def _barrier() -> None:

@@ -1,7 +1,7 @@
-"""``gem-trainer``: train, eval, config, flops, plot and launch.
+"""gem-trainer: train, eval, config, flops, plot and launch.
 
-Every subcommand takes ``--config FILE`` (the embedded default when omitted) and any number of
-``--section.field=value`` overrides.
+Every subcommand takes --config FILE (the embedded default when omitted) and any number of
+--section.field=value overrides (TOML values; "none" switches an optional field off).
 """
 
 from __future__ import annotations
@@ -15,24 +15,38 @@ from pathlib import Path
 
 from gem_trainer.config import ConfigError, TrainerConfig, dump_config, load_config
 
+OVERRIDES_HELP = ("Any --section.field=value (or --section.field value) overrides the config, e.g. --optimizer.lr=3e-4 "
+                  "--model.kunlun.d_model=64 --optimizer.grad_clip=none; `gem-trainer config` prints the result.")
+RESUME_HELP = ("A run resumes from the newest intact checkpoint under run_dir/checkpoints (a damaged one is skipped "
+               "with a warning); --checkpoint.resume=false ignores them. A run_dir that holds another model's run is "
+               "refused: use a new run_dir.")
+COMMAND_HELP = {
+    "train": "train (resuming from the newest intact checkpoint), then evaluate",
+    "eval": "evaluate the newest (or a given) checkpoint on the held-out split",
+    "config": "print the resolved config as TOML",
+    "flops": "parameters and FLOPs per model component, as a table and JSON",
+    "plot": "PNG curves of a run's metrics (run_dir/metrics.jsonl)",
+    "launch": "start `train` through torchrun (processes from parallelism.nproc_per_node)",
+}
+# exit codes of the one-line errors
+EXIT_CONFIG, EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_DATA = 2, 3, 4, 5
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gem-trainer", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="gem-trainer", description=__doc__.split("\n\n")[0], epilog=OVERRIDES_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in [
-        ("train", "train (resuming from the latest checkpoint), then evaluate"),
-        ("eval", "evaluate the latest (or a given) checkpoint on the held-out split"),
-        ("config", "print the resolved config as TOML"),
-        ("flops", "parameters and FLOPs per model component, as a table and JSON"),
-        ("plot", "PNG curves of a run's metrics"),
-        ("launch", "start `train` through torchrun (processes from parallelism.nproc_per_node)"),
-    ]:
-        sub = commands.add_parser(name, help=help_text)
+    for name, help_text in COMMAND_HELP.items():
+        epilog = f"{OVERRIDES_HELP} {RESUME_HELP}" if name in ("train", "eval", "launch") else OVERRIDES_HELP
+        sub = commands.add_parser(name, help=help_text, description=help_text, epilog=epilog)
         sub.add_argument("--config", default=None, help="TOML config file (default: the embedded default)")
+        sub.add_argument("--debug", action="store_true", help="show the full traceback of an error")
         if name == "eval":
-            sub.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-        if name in ("flops", "plot"):
-            sub.add_argument("--out", default=None, help="output file (flops: JSON) or folder (plot: PNGs)")
+            sub.add_argument("--step", type=int, default=None,
+                             help="checkpoint step (default: the newest intact one); writes eval-step-N.json")
+        if name == "flops":
+            sub.add_argument("--out", default=None, help="also write the table as JSON to this file")
+        if name == "plot":
+            sub.add_argument("--out", default=None, help="folder for the PNG files (default: run_dir)")
         if name == "launch":
             sub.add_argument("--nproc-per-node", type=int, default=None)
             sub.add_argument("--nnodes", default="1")
@@ -50,79 +64,99 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unexpected argument {item!r}; overrides look like --section.field=value")
     try:
         config = load_config(args.config, overrides)
-    except ConfigError as error:
-        print(f"gem-trainer: config error: {error}", file=sys.stderr)
-        return 2
-    return COMMANDS[args.command](config, args, overrides)
+        return COMMANDS[args.command](config, args, overrides)
+    except Exception as error:  # noqa: BLE001 - every known failure is one line; --debug shows the rest
+        kind, code = _one_line_kind(error)
+        if args.debug or kind is None:
+            raise
+        print(f"gem-trainer: {kind}: {error}", file=sys.stderr)
+        return code
+
+
+def _one_line_kind(error: Exception) -> tuple[str | None, int]:
+    """The label and exit code of an error that is reported in one line (None: an unexpected error)."""
+    from gem_data import DataError
+
+    from gem_trainer.checkpoint import CheckpointError
+    from gem_trainer.trainer import TrainingDiverged
+
+    if isinstance(error, ConfigError):
+        return "config error", EXIT_CONFIG
+    if isinstance(error, TrainingDiverged):
+        return "diverged", EXIT_DIVERGED
+    if isinstance(error, CheckpointError):
+        return "checkpoint error", EXIT_CHECKPOINT
+    if isinstance(error, (DataError, FileNotFoundError)):
+        return "data error", EXIT_DATA
+    return None, 1
 
 
 def _train(config: TrainerConfig, args, overrides) -> int:
     from gem_trainer.distributed import init_distributed, shutdown_distributed
-    from gem_trainer.trainer import Trainer, TrainingDiverged
+    from gem_trainer.run_folder import check_same_run
+    from gem_trainer.trainer import Trainer
 
+    check_same_run(config)
+    env = init_distributed(config.device, config.parallelism.collectives)
+    trainer = None
     try:
-        env = init_distributed(config.device, config.parallelism.collectives)
         trainer = Trainer(config, env)
-    except ConfigError as error:
-        print(f"gem-trainer: config error: {error}", file=sys.stderr)
-        shutdown_distributed()
-        return 2
-    if env.rank == 0:
-        Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(config.run_dir) / "config.toml").write_text(dump_config(config))
-    try:
+        if env.rank == 0:
+            Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(config.run_dir) / "config.toml").write_text(dump_config(config))
         started = time.perf_counter()
         trainer.train()
         trained = time.perf_counter()
         if config.eval.at_end:
             result = trainer.evaluate()
             # wall times of this process (a resumed run counts from its restart)
-            timing = {"train_s": trained - started, "eval_s": time.perf_counter() - trained}
+            timing = {"train_s": trained - started, "eval_s": time.perf_counter() - trained,
+                      "steps_this_run": trainer.step - trainer.first_step}
             if env.rank == 0:
-                _print_eval({**result, **timing}, trainer.step, Path(config.run_dir))
-    except TrainingDiverged as error:
-        print(f"gem-trainer: {error}", file=sys.stderr)
-        return 3
-    except ConfigError as error:
-        print(f"gem-trainer: config error: {error}", file=sys.stderr)
-        return 2
+                _print_eval({**result, **timing, **trainer.data_report()}, trainer.step, Path(config.run_dir) / "eval.json")
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         shutdown_distributed()
     return 0
 
 
 def _eval(config: TrainerConfig, args, overrides) -> int:
+    from gem_trainer.checkpoint import CheckpointManager
     from gem_trainer.distributed import init_distributed, shutdown_distributed
     from gem_trainer.trainer import Trainer
 
+    checkpoints = CheckpointManager(Path(config.run_dir) / "checkpoints", config.checkpoint.keep_latest)
+    if not checkpoints.complete_steps():
+        # NOTE: checked before anything is created: evaluating a mistyped run_dir must not leave a folder behind
+        raise ConfigError(f"run_dir: no complete checkpoint under {checkpoints.folder}")
+    env = init_distributed(config.device, config.parallelism.collectives)
+    trainer = None
     try:
-        env = init_distributed(config.device, config.parallelism.collectives)
         trainer = Trainer(config, env)
-    except ConfigError as error:
-        print(f"gem-trainer: config error: {error}", file=sys.stderr)
-        shutdown_distributed()
-        return 2
-    try:
         if not trainer.resume(args.step):
-            print(f"gem-trainer: no checkpoint under {trainer.checkpoints.folder}", file=sys.stderr)
-            return 1
+            raise ConfigError(f"run_dir: no intact checkpoint under {checkpoints.folder}")
         result = trainer.evaluate()
         if env.rank == 0:
-            _print_eval(result, trainer.step, Path(config.run_dir))
-    except ConfigError as error:
-        print(f"gem-trainer: config error: {error}", file=sys.stderr)
-        return 2
+            name = "eval.json" if args.step is None else f"eval-step-{args.step}.json"
+            _print_eval({**result, **trainer.data_report()}, trainer.step, Path(config.run_dir) / name)
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         shutdown_distributed()
     return 0
 
 
-def _print_eval(result: dict[str, float], step: int, run_dir: Path) -> None:
-    (run_dir / "eval.json").write_text(json.dumps({"step": step, **result}, indent=2) + "\n")
+def _print_eval(result: dict[str, float], step: int, out: Path) -> None:
+    out.write_text(json.dumps({"step": step, **result}, indent=2) + "\n")
     if "train_s" in result:
-        print(f"\ntrained {step} steps in {result['train_s']:.0f} s, evaluated in {result['eval_s']:.0f} s")
+        if result["steps_this_run"]:
+            print(f"\ntrained {int(result['steps_this_run'])} steps (to step {step}) in {result['train_s']:.0f} s, "
+                  f"evaluated in {result['eval_s']:.0f} s")
+        else:
+            print(f"\nalready trained to step {step} (nothing left to train); evaluated in {result['eval_s']:.0f} s")
+    if result.get("data/bad_rows"):
+        print(f"data: {int(result['data/bad_rows'])} bad rows were skipped (data.skip_bad_rows = true)")
     print(f"\nevaluation at step {step} (held-out split):")
     if any(k.endswith("/auc") for k in result):
         print(f"{'task/group':<28}{'AUC':>8}{'NE':>8}{'calib':>8}{'count':>9}")
@@ -138,7 +172,7 @@ def _print_eval(result: dict[str, float], step: int, run_dir: Path) -> None:
             users = int(result[f"{protocol}/users"])
             cells = "  ".join(f"{n} {result[f'{protocol}/{n}']:.4f}±{result[f'{protocol}/{n}/std']:.4f}" for n in names)
             print(f"{protocol} ({users} users): {cells}")
-    print(f"metrics written to {run_dir / 'eval.json'}")
+    print(f"metrics written to {out}")
 
 
 def _config(config: TrainerConfig, args, overrides) -> int:
@@ -177,6 +211,8 @@ def _launch(config: TrainerConfig, args, overrides) -> int:
     command += ["-m", "gem_trainer.cli", "train"]
     if args.config:
         command += ["--config", args.config]
+    if args.debug:
+        command.append("--debug")
     command += overrides
     print("launching:", " ".join(command), flush=True)
     os.execv(sys.executable, command)

@@ -24,6 +24,24 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _none_spelled_out(cls, data: Any) -> Any:
+        """TOML has no null: ``"none"`` switches off an optional field (``--optimizer.grad_clip=none``)."""
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, field in cls.model_fields.items() if not field.is_required() and _allows_none(field.annotation)}
+        return {k: (None if k in optional and isinstance(v, str) and v.lower() == "none" else v) for k, v in data.items()}
+
+
+def _allows_none(annotation: Any) -> bool:
+    import types
+    import typing
+
+    return annotation is type(None) or (
+        typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+    )
+
 
 class BaselineSection(Section):
     dim: int = Field(32, ge=1)
@@ -175,7 +193,12 @@ class SequentialDataConfig(Section):
     max_history: int | None = Field(50, ge=1)
     attribute_slots: int = Field(4, ge=1)
     with_user_id: bool = False
-    eval_split: Literal["valid", "test"] = "test"
+    # time split (event-time quantiles online_from, next_from): offline | online | next period; mixture sources
+    # read the offline period (shuffled) or, declared online, the online period in time order
+    time_split: tuple[float, float] | None = None
+    # leave-one-out "valid" / "test"; with a time split also "next_period" (every event after next_from) and
+    # "offline_period" (each user's held-out last offline event: forgetting)
+    eval_split: Literal["valid", "test", "next_period", "offline_period"] = "test"
     eval_protocols: tuple[Literal["sampled", "full"], ...] = ("sampled",)
     eval_negatives: int = Field(99, ge=1)
     eval_seeds: tuple[int, ...] = (0,)
@@ -188,24 +211,61 @@ class SequentialDataConfig(Section):
             raise ValueError("data.sequential.num_negatives must be >= 1 for loss = \"binary\" (0, every item, is softmax only)")
         if self.objective == "pointwise" and (self.queries != "last" or self.loss != "binary"):
             raise ValueError("data.sequential.queries and .loss apply to objective = \"retrieval\" only")
+        if self.time_split is not None and not 0 < self.time_split[0] < self.time_split[1] < 1:
+            raise ValueError(f"data.sequential.time_split must be two event-time quantiles 0 < online_from < next_from < 1, "
+                             f"got {list(self.time_split)}")
+        if self.eval_split in ("next_period", "offline_period") and self.time_split is None:
+            raise ValueError(f"data.sequential.eval_split = \"{self.eval_split}\" needs data.sequential.time_split")
+        if self.time_split is not None and self.queries == "every":
+            raise ValueError("data.sequential.time_split trains on events in time order: use queries = \"last\"")
         return self
 
 
 class MixtureSourceConfig(Section):
+    """One source of the mixture, read in place: any reader, a weight, a domain, an id space."""
+
     name: str
     weight: float = Field(1.0, gt=0)
+    # online: a near-real-time stream; a next-item source is then the online period of data.sequential.time_split,
+    # read in time order (offline next-item sources read the offline period, shuffled)
     online: bool = False
-    seed: int = 0  # each synthetic source is its own stream: same ground truth, its own examples
+    reader: Literal["synthetic", "sequence_text", "atomic", "parquet"] | None = None  # None: data.source
+    path: str | None = None  # None: data.path
+    eval_path: str | None = None  # parquet held-out file(s) (None: data.eval_path)
+    surface: int | None = Field(None, ge=0)  # domain id stamped on every example (None: the reader's own)
+    # sources naming one id space share ids (and must declare the same features); sources reading the same
+    # data (reader and path) share one by default; any other source has its own, disjoint, namespace
+    id_space: str | None = None
+    seed: int = Field(0, ge=0, lt=128)  # synthetic: which of the generator's disjoint streams (same ground truth)
 
 
 class MixtureConfig(Section):
-    """Interleave several synthetic sources by weight (zero-copy mixing); empty: one synthetic stream."""
+    """Interleave several sources by weight (zero-copy mixing); empty: one source (``data.source``)."""
 
     sources: tuple[MixtureSourceConfig, ...] = ()
     granularity: Literal["example", "batch"] = "example"
+    # online share schedule: online_share_start until ramp_start, then linear to online_share_end over ramp_steps
+    # (0: a switch, i.e. sequential fine-tuning); without online_share_end the share stays constant
     online_share_start: float | None = Field(None, ge=0, le=1)
     online_share_end: float | None = Field(None, ge=0, le=1)
+    ramp_start: int = Field(0, ge=0)
     ramp_steps: int = Field(0, ge=0)
+    eval_source: str | None = None  # whose held-out data evaluation reads (None: the first source)
+
+    @model_validator(mode="after")
+    def _schedule_needs_both_groups(self) -> "MixtureConfig":
+        if self.online_share_end is not None and self.online_share_start is None:
+            raise ValueError("data.mixture.online_share_end needs online_share_start")
+        if self.online_share_start is not None and self.sources:
+            online = [s.online for s in self.sources]
+            if all(online) or not any(online):
+                raise ValueError("data.mixture.online_share_start: an online share schedule needs online and offline sources")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.mixture.sources names must be unique, got {names}")
+        if self.eval_source is not None and self.eval_source not in names:
+            raise ValueError(f"data.mixture.eval_source names {self.eval_source!r}, not one of the sources {names}")
+        return self
 
 
 class DataConfig(Section):
@@ -218,21 +278,31 @@ class DataConfig(Section):
     skip_bad_rows: bool = False
     balance: bool = False  # length-balanced batches across ranks
     balance_window: int = Field(1, ge=1)
+    # train only on examples of these surfaces (domains): one model per domain on exactly the examples of its
+    # domain that a shared model reads (None: every surface)
+    train_surfaces: tuple[int, ...] | None = None
     synthetic: SyntheticDataConfig = SyntheticDataConfig()
     sequential: SequentialDataConfig = SequentialDataConfig()
     mixture: MixtureConfig = MixtureConfig()
 
     @model_validator(mode="after")
     def _source_needs(self) -> "DataConfig":
-        if self.source != "synthetic" and self.path is None:
-            raise ValueError(f"data.path is required for data.source = {self.source!r}")
-        if self.mixture.sources and self.source != "synthetic":
-            raise ValueError("data.mixture mixes synthetic sources; set data.source = \"synthetic\"")
-        if self.source == "parquet" and self.eval_path is None:
-            raise ValueError("data.eval_path (held-out parquet) is required for data.source = \"parquet\"")
-        names = [s.name for s in self.mixture.sources]
-        if len(set(names)) != len(names):
-            raise ValueError(f"data.mixture.sources names must be unique, got {names}")
+        sources = self.mixture.sources
+        readers = [(s.reader or self.source, s.path, s.eval_path, s.name) for s in sources] or [(self.source, None, None, None)]
+        for reader, path, eval_path, name in readers:
+            where = f"data.mixture.sources.{name}" if name is not None else "data"
+            if reader != "synthetic" and path is None and self.path is None:
+                raise ValueError(f"data.path is required for data.source = {reader!r}" if name is None
+                                 else f"{where}: reader {reader!r} needs a path (or data.path)")
+            if reader == "parquet" and eval_path is None and self.eval_path is None:
+                raise ValueError("data.eval_path (held-out parquet) is required for data.source = \"parquet\"" if name is None
+                                 else f"{where}: a parquet source needs an eval_path (or data.eval_path)")
+        for s in sources:
+            if s.online and (s.reader or self.source) in ("sequence_text", "atomic") and self.sequential.time_split is None:
+                raise ValueError(f"data.mixture.sources.{s.name}: an online next-item source is the online period of a time "
+                                 f"split, read in time order: set data.sequential.time_split")
+        if self.train_surfaces is not None and self.balance:
+            raise ValueError("data.train_surfaces gives batches of varying size, which data.balance cannot split evenly")
         return self
 
 
@@ -357,6 +427,8 @@ class TrainerConfig(Section):
         if m.kunlun.two_tower and m.name != "kunlun":
             raise ValueError(f"model.kunlun.two_tower applies to model.name = \"kunlun\", not {m.name!r}")
         if self.data.source not in ("sequence_text", "atomic"):
+            if m.name == "sasrec":
+                raise ValueError("model.name = \"sasrec\" needs next-item data (data.source = \"sequence_text\" or \"atomic\")")
             if s.objective == "retrieval" or two_tower:
                 raise ValueError("data.sequential.objective = \"retrieval\" and model.kunlun.two_tower need next-item data "
                                  "(data.source = \"sequence_text\" or \"atomic\")")
@@ -374,26 +446,47 @@ class TrainerConfig(Section):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
-    """Read ``path`` (the embedded default when None), resolve ``base`` chains, apply ``overrides``, validate."""
+    """Read ``path`` (the embedded default when None), resolve ``base`` chains, apply ``overrides``, validate.
+
+    An error names where the bad value came from: the override that set it, the base file that holds it, or
+    the file itself.
+    """
     path = Path(path) if path is not None else DEFAULT_CONFIG
-    raw = _read_with_bases(path, chain=())
+    origins: dict[tuple[str, ...], str] = {}
+    raw = _read_with_bases(path, chain=(), origins=origins)
     for item in overrides:
-        _apply_override(raw, item, path)
+        _apply_override(raw, item, origins)
     try:
         return TrainerConfig.model_validate(raw)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "<root>"
-        message = first["msg"]
+        loc = tuple(str(p) for p in first["loc"])
+        where = ".".join(loc) or "<root>"
+        message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":
             message = "unknown field"
         elif "input" in first and first["type"] not in ("missing",) and not isinstance(first["input"], dict):
             message = f"{message} (got {first['input']!r})"
         more = f" (+{error.error_count() - 1} more)" if error.error_count() > 1 else ""
-        raise ConfigError(f"{path}: {where}: {message}{more}") from None
+        source = _origin_of(origins, loc, str(path))
+        raise ConfigError(f"{source}: {where}: {message}{more}") from None
 
 
-def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+def _origin_of(origins: dict[tuple[str, ...], str], loc: tuple[str, ...], default: str) -> str:
+    """Where the value at ``loc`` came from. For a section-level error (a check across its fields), an override
+    of one of its fields is the likeliest culprit, then the one file all its fields come from."""
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in origins:
+            return origins[loc[:n]]
+    inside = [source for key, source in origins.items() if key[: len(loc)] == loc]
+    overrides = [source for source in inside if source.startswith("override ")]
+    if overrides:
+        return overrides[-1]
+    return inside[0] if inside and len(set(inside)) == 1 else default
+
+
+def _read_with_bases(path: Path, chain: tuple[Path, ...], origins: dict[tuple[str, ...], str]) -> dict[str, Any]:
+    """The merged contents of ``path`` and its bases; ``origins`` maps every value's dotted key to its file."""
     resolved = path.resolve()
     if resolved in chain:
         cycle = " -> ".join(str(p) for p in (*chain, resolved))
@@ -406,12 +499,21 @@ def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: invalid TOML: {error}") from None
     base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: base: must be a file path string (got {base!r})")
-    parent = _read_with_bases(path.parent / base, (*chain, resolved))
+    parent: dict[str, Any] = {}
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: base: must be a file path string (got {base!r})")
+        parent = _read_with_bases(path.parent / base, (*chain, resolved), origins)
+    _record(origins, data, (), str(path))
     return _merge(parent, data)
+
+
+def _record(origins: dict[tuple[str, ...], str], data: dict[str, Any], prefix: tuple[str, ...], source: str) -> None:
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            _record(origins, value, (*prefix, key), source)
+        else:
+            origins[(*prefix, key)] = source
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -424,7 +526,7 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _apply_override(raw: dict[str, Any], item: str, path: Path) -> None:
+def _apply_override(raw: dict[str, Any], item: str, origins: dict[tuple[str, ...], str]) -> None:
     text = item.removeprefix("--")
     if "=" not in text:
         raise ConfigError(f"override {item!r}: expected --section.field=value")
@@ -443,6 +545,7 @@ def _apply_override(raw: dict[str, Any], item: str, path: Path) -> None:
             raise ConfigError(f"override {item!r}: {key} is not a section")
         node = child
     node[keys[-1]] = value
+    origins[tuple(keys)] = f"override {item}"
 
 
 def dump_config(config: TrainerConfig) -> str:

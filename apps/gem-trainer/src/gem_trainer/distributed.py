@@ -26,7 +26,9 @@ def resolve_device(choice: str) -> torch.device:
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device = \"cuda\" was configured but no CUDA device is available")
+        from gem_trainer.config import ConfigError
+
+        raise ConfigError("device: \"cuda\" was configured but this machine has no CUDA device (use \"auto\" or \"cpu\")")
     return torch.device(choice)
 
 
@@ -41,6 +43,7 @@ def init_distributed(device_choice: str, collectives: str) -> DistributedEnv:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        check_fbgemm_cuda(device)
     ranks = int(os.environ.get("WORLD_SIZE", 1))
     try:
         chosen = resolve_collectives(collectives, device, ranks, ranks // int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
@@ -58,6 +61,21 @@ def init_distributed(device_choice: str, collectives: str) -> DistributedEnv:
             dist.init_process_group(backend=backend, init_method=init, rank=0, world_size=1)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, local_world_size, chosen)
+
+
+def check_fbgemm_cuda(device: torch.device, probe=None) -> None:
+    """TorchRec's GPU path runs fbgemm-gpu's CUDA kernels; the CPU build (fbgemm-gpu-cpu) has none, and the
+    first batch would fail deep inside the embedding lookup. Found here instead, in one line."""
+    import torchrec  # noqa: F401 - loads fbgemm-gpu, which registers torch.ops.fbgemm
+
+    probe = probe or (lambda: torch.ops.fbgemm.asynchronous_complete_cumsum(torch.zeros(2, dtype=torch.int64, device=device)))
+    try:
+        probe()
+    except (RuntimeError, NotImplementedError) as error:
+        from gem_trainer.config import ConfigError
+
+        raise ConfigError(f"device: fbgemm-gpu has no CUDA kernels here ({str(error).splitlines()[0][:120]}); "
+                          f"install the CUDA build of fbgemm-gpu matching torch {torch.__version__}") from None
 
 
 def _free_port() -> int:

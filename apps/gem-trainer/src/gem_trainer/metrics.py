@@ -46,6 +46,16 @@ class MetricLogger:
         if echo:
             print(format_line(phase, step, values), flush=True)
 
+    def drop_after(self, step: int) -> None:
+        """Forget the records of steps after ``step`` (a run resumed from there will log them again)."""
+        if self.rank != 0:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        self._jsonl.close()
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(f"{line}\n" for line in kept))
+        self._jsonl = open(path, "a")
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

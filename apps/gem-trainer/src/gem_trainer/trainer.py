@@ -16,7 +16,7 @@ import torch.distributed as dist
 from gem_data import rank_imbalance
 from gem_kunlun import MixtureOfExperts, multitask_loss, next_item_loss
 from gem_trainer import builders
-from gem_trainer.checkpoint import CheckpointManager
+from gem_trainer.checkpoint import CheckpointError, CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluation import binary_metrics, ranking_metrics, target_ranks
@@ -67,6 +67,7 @@ class Trainer:
         self.spec = self.data.spec
         self.stream = self.data.train
         self._batches = iter(self.stream)
+        self._check_ranking_is_possible()
         self.dims = builders.build_parallel_dims(config, env)
         self.meshes = self.dims.build_meshes(env.device.type)
         # NOTE: FLOPs are read off a second, unsharded meta copy: parallelising changes the model in place
@@ -92,11 +93,26 @@ class Trainer:
             self._print(f"parallelism: {env.world_size} ranks, {self.dims.describe()}, collectives "
                         f"{'copy_engine' if env.collectives.copy_engine else env.collectives.backend}")
         self.task_weights = builders.task_weights(config, self.spec)
-        self.step = 0
+        self.step = self.first_step = 0
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
         self.logger = MetricLogger(config.run_dir, env.rank, tensorboard=config.metrics.tensorboard)
+        skipped, examples = _skipped_rows(self.data)
+        if skipped:
+            self._print(f"data: skipped {skipped} bad rows (data.skip_bad_rows = true), e.g. {examples[0]}")
+            self.logger.log(0, {"bad_rows": float(skipped)}, phase="data", echo=False)
         self.peak = peak_tflops(env.device, config.metrics.peak_tflops)
         self.autocast_dtype = _autocast_dtype(config.precision.autocast, env.device)
+
+    def _check_ranking_is_possible(self) -> None:
+        """Sampled ranking needs ``eval_negatives`` items outside every user's sequence: checked before training
+        rather than found out after it."""
+        s, ranking = self.config.data.sequential, self.data.ranking
+        if ranking is None or "sampled" not in s.eval_protocols:
+            return
+        fewest = ranking.sampler.fewest_free_items()
+        if fewest < s.eval_negatives:
+            raise ConfigError(f"data.sequential.eval_negatives ({s.eval_negatives}) exceeds the {fewest} items some user of "
+                              f"{self.config.data.path} has not interacted with: set it to at most {fewest}")
 
     # -- state -----------------------------------------------------------------------------------------------
     def distributed_state(self) -> dict[str, Any]:
@@ -126,10 +142,21 @@ class Trainer:
         self.checkpoints.save(self.step, self.distributed_state(), self.state_dict())
 
     def resume(self, step: int | None = None) -> bool:
-        """Load checkpoint ``step`` (the latest complete one when None); False when there is none."""
-        step = self.checkpoints.latest_step() if step is None else step
+        """Load checkpoint ``step`` (None: the newest intact one, skipping damaged newer ones with a line each);
+        False when there is none. A damaged or missing ``step`` is a ``CheckpointError``."""
         if step is None:
-            return False
+            step, skipped = self.checkpoints.newest_intact()
+            for line in skipped:
+                self._print(f"warning: {line}")
+            if step is None:
+                return False
+        else:
+            if step not in self.checkpoints.complete_steps():
+                raise CheckpointError(f"no complete checkpoint at {self.checkpoints.path(step)} "
+                                      f"(complete: {self.checkpoints.complete_steps() or 'none'})")
+            problem = self.checkpoints.damage(step)
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {self.checkpoints.path(step)} is damaged ({problem})")
         # NOTE: optimizer state is created lazily on the first step; a dummy step materialises it so that DCP
         # can load into it in place. The weights it touches are overwritten by the load.
         self.optimizer.init_state()
@@ -143,6 +170,7 @@ class Trainer:
             raise ConfigError(f"checkpoint.resume: {self.checkpoints.path(step)}: {error}, or start a new run_dir") from None
         saved_world = local.get("world_size", self.env.world_size)
         resharded = f" (written by {saved_world} ranks, resharded to {self.env.world_size})" if saved_world != self.env.world_size else ""
+        self.logger.drop_after(self.step)
         self._print(f"resumed from {self.checkpoints.path(step)} at step {self.step}{resharded}")
         return True
 
@@ -197,6 +225,7 @@ class Trainer:
         cfg = self.config
         if cfg.checkpoint.enable and cfg.checkpoint.resume:
             self.resume()
+        self.first_step = self.step  # where this process started (a resumed run counts from there)
         window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
         metrics: dict[str, float] = {}
         while self.step < cfg.schedule.steps:
@@ -229,6 +258,11 @@ class Trainer:
         if cfg.checkpoint.enable and self.checkpoints.latest_step() != self.step:
             self.save_checkpoint()
         return metrics
+
+    def data_report(self) -> dict[str, float]:
+        """What the readers skipped under ``data.skip_bad_rows`` (nothing when none were skipped)."""
+        count, examples = _skipped_rows(self.data)
+        return {"data/bad_rows": float(count)} if count else {}
 
     def _data_metrics(self) -> dict[str, float]:
         """Examples read per mixed source, and sequence-token imbalance across ranks (max / mean)."""
@@ -377,6 +411,22 @@ class Trainer:
     def _print(self, message: str) -> None:
         if self.env.rank == 0:
             print(message, flush=True)
+
+
+def _skipped_rows(data) -> tuple[int, list[str]]:
+    """Bad rows skipped by every reader behind ``data`` (a corpus or a table, possibly wrapped by streams)."""
+    count, examples, seen = 0, [], set()
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(getattr(item, "bad_rows", None), int):
+            count += item.bad_rows
+            examples += list(getattr(item, "bad_row_examples", []))
+        pending += [getattr(item, name, None) for name in ("train", "ranking", "corpus", "stream", "source", "table")]
+    return count, examples
 
 
 def _autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:

@@ -88,6 +88,8 @@ class KunlunConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
         if (self.d_model // self.num_heads) % 2 and self.rote:
             raise ValueError("ROTE needs an even head dim (d_model / num_heads)")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must lie in [1, num_experts = {self.num_experts}]")
         if self.summarization not in ("pma", "hsp"):
             raise ValueError(f"summarization must be 'pma' or 'hsp', got {self.summarization!r}")
         if self.attention not in ("block", "window"):

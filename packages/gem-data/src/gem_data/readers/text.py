@@ -35,7 +35,8 @@ def read_sequence_text(
             tokens = line.split()
             if not tokens:
                 continue
-            wrong = next((t for t in tokens if not t.isdigit()), None)
+            # NOTE: isdecimal alone accepts other scripts' digits (and isdigit superscripts), which int() refuses
+            wrong = next((t for t in tokens if not (t.isascii() and t.isdecimal())), None)
             if wrong is not None:
                 bad.report(path, number, f"{wrong!r} is not a non-negative integer id")
                 continue

@@ -17,7 +17,7 @@ from gem_kunlun import lengths_to_offsets
 def vocabulary(tokens) -> list[str]:
     """Sorted distinct tokens: numerically when every token is an integer, else lexicographically."""
     distinct = set(tokens)
-    if all(t.lstrip("-").isdigit() for t in distinct):
+    if all(t.lstrip("-").isascii() and t.lstrip("-").isdecimal() for t in distinct):  # int() takes exactly these
         return sorted(distinct, key=int)
     return sorted(distinct)
 

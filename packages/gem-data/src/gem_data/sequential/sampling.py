@@ -86,6 +86,11 @@ class NegativeSampler:
             items[i] = choices[int(hash_uniform(keys[i : i + 1], salt)[0] * choices.numel())]
         return items
 
+    def fewest_free_items(self) -> int:
+        """The fewest items any user has not interacted with: the most distinct negatives every user can get."""
+        owned = torch.bincount(self.owned_keys // self.num_items)
+        return self.num_items - int(owned.max()) if owned.numel() else self.num_items
+
     def draw_distinct(self, users: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
         """``[U, count]`` distinct items per user, none in the user's sequence, uniform over the rest."""
         owned_per_user = torch.bincount(self.owned_keys // self.num_items, minlength=int(users.max()) + 1 if users.numel() else 0)

@@ -1,0 +1,152 @@
+"""What a newcomer meets: every failure is one line naming the file, line or field (``--debug`` keeps the
+traceback), nothing is dropped silently, and a run folder is never damaged by a mistaken re-run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gem_trainer.config import ConfigError
+from gem_trainer.distributed import check_fbgemm_cuda
+
+TINY = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", "--data.batch_size=16",
+        "--data.eval_batches=1", "--data.synthetic.max_events=8", "--schedule.steps=4", "--schedule.warmup_steps=1",
+        "--checkpoint.every_steps=2", "--checkpoint.keep_latest=3", "--metrics.log_every=1"]
+
+
+def cli(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gem_trainer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def one_line(done: subprocess.CompletedProcess, code: int) -> str:
+    assert done.returncode == code, done.stderr[-2000:]
+    lines = [line for line in done.stderr.strip().splitlines() if line.startswith("gem-trainer:")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    return lines[0]
+
+
+def sequence_file(folder: Path, lines: list[str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "seq.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("finished")
+    done = cli("train", f"--run_dir={run}", *TINY)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return run
+
+
+def test_another_model_in_the_same_run_dir_stops_before_touching_it(finished_run):
+    before = (finished_run / "config.toml").read_text()
+    line = one_line(cli("train", f"--run_dir={finished_run}", *TINY, "--model.kunlun.d_model=64"), 2)
+    assert "holds checkpoints of another model (model.kunlun.d_model: None -> 64)" in line and "new run_dir" in line
+    assert (finished_run / "config.toml").read_text() == before
+
+
+def test_a_finished_run_says_it_had_nothing_to_train(finished_run):
+    done = cli("train", f"--run_dir={finished_run}", *TINY)
+    assert done.returncode == 0 and "already trained to step 4 (nothing left to train)" in done.stdout
+    assert "trained 4 steps in 0 s" not in done.stdout
+
+
+def test_eval_of_a_given_step_keeps_the_final_eval_json(finished_run):
+    final = (finished_run / "eval.json").read_text()
+    done = cli("eval", f"--run_dir={finished_run}", *TINY, "--step=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((finished_run / "eval-step-2.json").read_text())["step"] == 2
+    assert (finished_run / "eval.json").read_text() == final
+
+
+def test_a_missing_checkpoint_step_and_a_missing_run_dir_are_one_line(finished_run, tmp_path):
+    line = one_line(cli("eval", f"--run_dir={finished_run}", *TINY, "--step=3"), 4)
+    assert line.startswith("gem-trainer: checkpoint error: no complete checkpoint at") and "step-3" in line
+    missing = tmp_path / "typo"
+    line = one_line(cli("eval", f"--run_dir={missing}", *TINY), 2)
+    assert "no complete checkpoint under" in line and not missing.exists()
+    # --debug keeps the traceback
+    debug = cli("eval", f"--run_dir={finished_run}", *TINY, "--step=3", "--debug")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_metrics_after_a_resume_do_not_repeat_steps(tmp_path):
+    run = tmp_path / "run"
+    assert cli("train", f"--run_dir={run}", *TINY).returncode == 0
+    # as if killed after logging step 4 but before its checkpoint: the rerun trains 3 and 4 again
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    again = cli("train", f"--run_dir={run}", *TINY)
+    assert again.returncode == 0 and "resumed from" in again.stdout and "at step 2" in again.stdout
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["phase"] == "train"]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_bad_rows_are_one_line_errors_or_counted_and_reported(tmp_path):
+    good = [f"{u} " + " ".join(str(i) for i in range(1 + u, 9 + u)) for u in range(12)]
+    path = sequence_file(tmp_path / "bad", [*good[:5], "5 3 ²3 4", *good[6:]])
+    common = ["--config", str(Path(__file__).parents[1] / "configs" / "beauty-sasrec.toml"), f"--data.path={path}",
+              *TINY, "--data.sequential.eval_negatives=3", "--data.sequential.eval_protocols=[\"sampled\"]",
+              "--data.sequential.eval_seeds=[0]"]
+    line = one_line(cli("train", f"--run_dir={tmp_path / 'r1'}", *common), 5)
+    assert line == f"gem-trainer: data error: {path}:6: '²3' is not a non-negative integer id"
+    done = cli("train", f"--run_dir={tmp_path / 'r2'}", *common, "--data.skip_bad_rows=true")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "data: skipped 1 bad rows" in done.stdout
+    assert json.loads((tmp_path / "r2" / "eval.json").read_text())["data/bad_rows"] == 1
+    logged = [json.loads(line) for line in (tmp_path / "r2" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["phase"] == "data" and r["bad_rows"] == 1 for r in logged)
+
+
+def test_too_few_items_for_the_sampled_ranking_is_found_before_training(tmp_path):
+    path = sequence_file(tmp_path / "small", [f"{u} " + " ".join(str(i) for i in range(1 + u, 9 + u)) for u in range(12)])
+    line = one_line(cli("train", f"--run_dir={tmp_path / 'r'}", "--config",
+                        str(Path(__file__).parents[1] / "configs" / "beauty-sasrec.toml"), f"--data.path={path}", *TINY), 2)
+    assert "data.sequential.eval_negatives (99) exceeds the" in line and "set it to at most" in line
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path):
+    line = one_line(cli("train", "--device=cuda", f"--run_dir={tmp_path / 'r'}"), 2)
+    assert line == 'gem-trainer: config error: device: "cuda" was configured but this machine has no CUDA device (use "auto" or "cpu")'
+
+
+@pytest.mark.parametrize("args, code, expected", [
+    (["config", "--model.kunlun.top_k=5"], 2, r"config error: override --model.kunlun.top_k=5: model.kunlun: top_k \(5\) must lie in \[1, num_experts = 4\]"),
+    (["config", "--model.name=sasrec"], 2, r"config error: .*model.name = \"sasrec\" needs next-item data"),
+    (["train", "--data.source=parquet", "--data.path=/nowhere/x.parquet", "--data.eval_path=/nowhere/y.parquet"], 5,
+     r"data error: .*/nowhere/x.parquet"),
+])
+def test_runtime_failures_are_one_line(tmp_path, args, code, expected):
+    import re
+
+    line = one_line(cli(*args, f"--run_dir={tmp_path / 'r'}"), code)
+    assert re.search(expected, line), line
+
+
+def test_a_cuda_device_without_fbgemm_cuda_kernels_is_one_line():
+    def probe():
+        raise NotImplementedError("Could not run 'fbgemm::asynchronous_complete_cumsum' with arguments from the 'CUDA' backend.\nmore")
+
+    with pytest.raises(ConfigError, match=r"^device: fbgemm-gpu has no CUDA kernels here \(Could not run .*'CUDA' backend.\); install") as error:
+        check_fbgemm_cuda(torch.device("cpu"), probe)
+    assert "\n" not in str(error.value)
+
+
+def test_help_tells_how_to_override_and_resume():
+    top = cli("--help")
+    assert "``" not in top.stdout and "--section.field=value" in top.stdout
+    train = " ".join(cli("train", "--help").stdout.split())  # argparse wraps lines
+    assert "--section.field=value" in train and "resumes from the newest intact checkpoint" in train
+    assert "--debug" in train
+    plot = cli("plot", "--help").stdout
+    assert "FLOP" not in plot and "PNG" in plot
