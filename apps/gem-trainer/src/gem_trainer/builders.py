@@ -198,6 +198,7 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
 
     from gem_trainer.checkpoint import CheckpointManager
     from gem_trainer.config import ConfigError, load_config
+    from gem_trainer.run_folder import spec_record, stored_spec
 
     folder = config.distillation.teacher_run_dir
     if folder is None:
@@ -206,7 +207,10 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     if not path.is_file():
         raise ConfigError(f"distillation.teacher_run_dir: {path} not found (is {folder} a finished run folder?)")
     teacher_config = load_config(path)
-    if build_data(teacher_config, env).spec != spec:
+    # the teacher's features come from its run folder; only a run older than spec.json reads its data again
+    recorded = stored_spec(folder)
+    same = recorded == spec_record(spec) if recorded is not None else build_data(teacher_config, env).spec == spec
+    if not same:
         raise ConfigError(f"distillation.teacher_run_dir: the teacher at {folder} was trained on other features than this run")
     checkpoints = CheckpointManager(Path(folder) / "checkpoints", keep_latest=1)
     step = checkpoints.latest_step()

@@ -93,7 +93,7 @@ def _one_line_kind(error: Exception) -> tuple[str | None, int]:
 
 def _train(config: TrainerConfig, args, overrides) -> int:
     from gem_trainer.distributed import init_distributed, shutdown_distributed
-    from gem_trainer.run_folder import check_same_run
+    from gem_trainer.run_folder import check_same_run, write_run_record
     from gem_trainer.trainer import Trainer
 
     check_same_run(config)
@@ -102,8 +102,7 @@ def _train(config: TrainerConfig, args, overrides) -> int:
     try:
         trainer = Trainer(config, env)
         if env.rank == 0:
-            Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(config.run_dir) / "config.toml").write_text(dump_config(config))
+            write_run_record(config, trainer.spec)
         started = time.perf_counter()
         trainer.train()
         trained = time.perf_counter()

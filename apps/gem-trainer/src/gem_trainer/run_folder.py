@@ -1,10 +1,16 @@
 """The run folder as a contract: a ``run_dir`` holding checkpoints belongs to one model, and a run that would
-resume from them with another model stops before touching anything."""
+resume from them with another model stops before touching anything. Beside its checkpoints a run keeps
+``config.toml`` (the resolved config) and ``spec.json`` (the features it was trained on), which lets another
+run use it as a teacher without reading its data again."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
+
+from gem_kunlun import FeatureSpec
 
 from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig, load_config
@@ -45,3 +51,24 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def write_run_record(config: TrainerConfig, spec: FeatureSpec) -> None:
+    """Write ``config.toml`` and ``spec.json`` into the run folder (rank 0, once the run has started)."""
+    from gem_trainer.config import dump_config
+
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_config(config))
+    (run_dir / "spec.json").write_text(json.dumps(spec_record(spec), indent=1) + "\n")
+
+
+def spec_record(spec: FeatureSpec) -> dict[str, Any]:
+    """``spec`` as plain JSON values (tuples as lists), comparable with a stored ``spec.json``."""
+    return json.loads(json.dumps(dataclasses.asdict(spec)))
+
+
+def stored_spec(run_dir: str | Path) -> dict[str, Any] | None:
+    """The features a run folder was trained on (None for a run written before ``spec.json`` existed)."""
+    path = Path(run_dir) / "spec.json"
+    return json.loads(path.read_text()) if path.is_file() else None
