@@ -112,11 +112,18 @@ class CheckpointManager:
             skipped.append(f"checkpoint {self.path(step)} is damaged ({problem}); skipping it")
         return None, skipped
 
+    def require(self, step: int) -> None:
+        """A ``CheckpointError`` unless checkpoint ``step`` is complete and intact."""
+        if step not in self.complete_steps():
+            raise CheckpointError(f"no complete checkpoint at {self.path(step)} (complete: {self.complete_steps() or 'none'})")
+        problem = self.damage(step)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {self.path(step)} is damaged ({problem})")
+
     def load(self, step: int, distributed_state: dict[str, Any]) -> dict[str, Any]:
-        """Load in place into ``distributed_state`` (DCP fills the given tensors); return this rank's local state."""
+        """Load checkpoint ``step`` (verified by ``newest_intact`` or ``require``) in place into
+        ``distributed_state`` (DCP fills the given tensors); return this rank's local state."""
         path = self.path(step)
-        if not (path / MARKER).is_file():
-            raise CheckpointError(f"no complete checkpoint at {path} (complete: {self.complete_steps() or 'none'})")
         # NOTE: DCP reshards: the tensors load into whatever layout this run has, on any number of ranks
         dcp.load(distributed_state, checkpoint_id=str(path))
         rank = dist.get_rank() if dist.is_initialized() else 0

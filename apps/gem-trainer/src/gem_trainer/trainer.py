@@ -16,7 +16,7 @@ import torch.distributed as dist
 from gem_data import rank_imbalance
 from gem_kunlun import MixtureOfExperts, multitask_loss, next_item_loss
 from gem_trainer import builders
-from gem_trainer.checkpoint import CheckpointError, CheckpointManager
+from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluation import binary_metrics, ranking_metrics, target_ranks
@@ -151,12 +151,7 @@ class Trainer:
             if step is None:
                 return False
         else:
-            if step not in self.checkpoints.complete_steps():
-                raise CheckpointError(f"no complete checkpoint at {self.checkpoints.path(step)} "
-                                      f"(complete: {self.checkpoints.complete_steps() or 'none'})")
-            problem = self.checkpoints.damage(step)
-            if problem is not None:
-                raise CheckpointError(f"checkpoint {self.checkpoints.path(step)} is damaged ({problem})")
+            self.checkpoints.require(step)
         # NOTE: optimizer state is created lazily on the first step; a dummy step materialises it so that DCP
         # can load into it in place. The weights it touches are overwritten by the load.
         self.optimizer.init_state()
