@@ -4,16 +4,29 @@ import math
 import pytest
 import torch
 
-from gem_data import MixedStream, MixingConfig, MixSource, SyntheticConfig, SyntheticGenerator, SyntheticStream
+from gem_data import (
+    BatchTable,
+    MixedStream,
+    MixingConfig,
+    MixSource,
+    SyntheticConfig,
+    SyntheticGenerator,
+    SyntheticStream,
+    TableStream,
+    WorkerLoader,
+    concat_batches,
+    select_examples,
+)
 from gem_data.testing import equal_batches
 
+SPEC = dict(num_ads=2000, max_events=16)
 
-def sources(batch_size=32):
-    spec = dict(num_ads=2000, max_events=16)
+
+def sources(chunk=32):
     return {
-        "feed": SyntheticStream(SyntheticGenerator(SyntheticConfig(seed=0, **spec)), batch_size),
-        "video": SyntheticStream(SyntheticGenerator(SyntheticConfig(seed=1, **spec)), 48),
-        "live": SyntheticStream(SyntheticGenerator(SyntheticConfig(seed=2, **spec)), 16),
+        "feed": SyntheticStream(SyntheticGenerator(SyntheticConfig(seed=0, **SPEC)), chunk),
+        "video": SyntheticStream(SyntheticGenerator(SyntheticConfig(seed=1, **SPEC)), 48),
+        "live": SyntheticStream(SyntheticGenerator(SyntheticConfig(seed=2, **SPEC)), 16),
     }
 
 
@@ -36,37 +49,75 @@ def test_realised_mixture_matches_the_weights_within_binomial_bounds():
 def test_sources_are_read_in_place_in_their_own_order():
     stream = MixedStream(sources(), CONFIG)
     mixed = list(itertools.islice(stream, 10))
-    from gem_data import concat_batches, select_examples
-
     feed = concat_batches([select_examples(b, (b.source == 0).nonzero().squeeze(1)) for b in mixed])
     direct = concat_batches(list(itertools.islice(iter(sources()["feed"]), math.ceil(feed.batch_size / 32))))
     assert torch.equal(feed.dense, direct.dense[: feed.batch_size])
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("granularity", ["example", "batch"])
-def test_resume_continues_the_exact_sequence(granularity):
-    config = MixingConfig(CONFIG.sources, batch_size=40, granularity=granularity, seed=3)
+def test_ranks_together_see_exactly_what_one_process_sees(world_size, granularity):
+    config = MixingConfig(CONFIG.sources, batch_size=48, granularity=granularity, online_share_start=0.1,
+                          online_share_end=0.6, ramp_steps=6, seed=3)
+    whole = MixedStream(sources(), MixingConfig(**{**config.__dict__, "batch_size": 48 * world_size}))
+    ranks = [MixedStream(sources(), config, rank=r, world_size=world_size) for r in range(world_size)]
+    for expected, *parts in itertools.islice(zip(whole, *ranks), 8):
+        assert all(p.batch_size == 48 for p in parts)
+        assert equal_batches(concat_batches(parts), expected)
+    assert all(r.counts() == whole.counts() for r in ranks)
+
+
+def test_data_workers_give_the_same_mixture():
+    plain = list(itertools.islice(MixedStream(sources(), CONFIG), 6))
+    loader = WorkerLoader(MixedStream(sources(), CONFIG), num_workers=2)
+    assert all(equal_batches(a, b) for a, b in zip(plain, itertools.islice(loader, 6)))
+    reference = MixedStream(sources(), CONFIG)
+    reference.position = 6
+    assert loader.stream.counts() == reference.counts()
+
+
+@pytest.mark.parametrize("granularity", ["example", "batch"])
+def test_resume_mid_ramp_continues_the_exact_sequence(granularity):
+    config = MixingConfig(CONFIG.sources, batch_size=40, granularity=granularity, online_share_start=0.0,
+                          online_share_end=0.9, ramp_start=3, ramp_steps=10, seed=3)
     stream = MixedStream(sources(), config)
     batches = iter(stream)
-    for _ in range(7):
+    for _ in range(7):  # inside the ramp
         next(batches)
-    state = stream.state_dict()
+    state, saved = stream.state_dict(), stream.counts()
     expected = list(itertools.islice(batches, 5))
-    resumed = MixedStream(sources(), config)
-    resumed.load_state_dict(state)
-    got = list(itertools.islice(resumed, 5))
-    assert all(equal_batches(a, b) for a, b in zip(got, expected))
-    assert resumed.counts() == stream.counts()
+    for rank, world in ((0, 1), (1, 2)):  # the same global batches resume on another number of ranks
+        resumed = MixedStream(sources(), MixingConfig(**{**config.__dict__, "batch_size": 40 // world}), rank=rank, world_size=world)
+        resumed.load_state_dict(state)
+        assert resumed.counts() == saved
+        got = list(itertools.islice(resumed, 5))
+        rows = [torch.arange(40).tensor_split(world)[rank] for _ in got]
+        assert all(equal_batches(g, select_examples(e, r)) for g, e, r in zip(got, expected, rows))
 
 
-def test_online_share_ramps_linearly():
-    config = MixingConfig(CONFIG.sources, batch_size=200, online_share_start=0.0, online_share_end=0.8, ramp_steps=10)
-    assert config.online_share(5) == pytest.approx(0.4) and config.online_share(50) == pytest.approx(0.8)
-    p = config.probabilities(5)
-    assert p.tolist() == pytest.approx([0.6 * 5 / 8, 0.6 * 3 / 8, 0.4])
-    stream = MixedStream(sources(), config)
+def test_online_share_follows_the_schedule():
+    ramp = MixingConfig(CONFIG.sources, batch_size=200, online_share_start=0.0, online_share_end=0.8, ramp_start=4, ramp_steps=10)
+    assert [ramp.online_share(t) for t in (0, 4, 9, 14, 50)] == pytest.approx([0.0, 0.0, 0.4, 0.8, 0.8])
+    assert ramp.probabilities(9).tolist() == pytest.approx([0.6 * 5 / 8, 0.6 * 3 / 8, 0.4])
+    switch = MixingConfig(CONFIG.sources, online_share_start=0.0, online_share_end=1.0, ramp_start=5)
+    assert [switch.online_share(t) for t in (4, 5)] == [0.0, 1.0]
+    constant = MixingConfig(CONFIG.sources, online_share_start=0.3)
+    assert {constant.online_share(t) for t in (0, 100, 10_000)} == {0.3}
+    stream = MixedStream(sources(), ramp)
     online = [float((b.source == 2).float().mean()) for b in itertools.islice(stream, 30)]
-    assert online[0] == 0.0 and abs(sum(online[20:]) / 10 - 0.8) < 0.05
+    assert max(online[:5]) == 0.0 and abs(sum(online[20:]) / 10 - 0.8) < 0.05
+    assert stream.shares()["live"] == pytest.approx(0.8)
+
+
+def test_a_finite_source_ends_the_mixture_on_every_rank_at_the_same_step():
+    generator = SyntheticGenerator(SyntheticConfig(**SPEC))
+    table = BatchTable(generator.batch(0, 100), generator.spec)
+    config = MixingConfig((MixSource("log", 1.0), MixSource("live", 1.0)), batch_size=20, seed=1)
+    steps = []
+    for rank in range(2):
+        finite = {"log": TableStream(table, 16, shuffle=False, num_epochs=1), "live": SyntheticStream(generator, 16)}
+        steps.append(sum(1 for _ in MixedStream(finite, config, rank=rank, world_size=2)))
+    assert steps[0] == steps[1] and 0 < steps[0] < 10
 
 
 def test_sources_must_share_a_spec_and_configs_are_checked():
@@ -76,7 +127,13 @@ def test_sources_must_share_a_spec_and_configs_are_checked():
         MixedStream(other, CONFIG)
     with pytest.raises(ValueError, match="no stream given"):
         MixedStream({"feed": sources()["feed"]}, CONFIG)
+    sharded = dict(sources())
+    sharded["feed"] = SyntheticStream(SyntheticGenerator(SyntheticConfig(**SPEC)), 16, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="whole ShardedStream"):
+        MixedStream(sharded, CONFIG)
     with pytest.raises(ValueError, match="online sources"):
         MixingConfig((MixSource("a"),), online_share_start=0.1, online_share_end=0.2)
+    with pytest.raises(ValueError, match="needs online_share_start"):
+        MixingConfig((MixSource("a"), MixSource("b", online=True)), online_share_end=0.2)
     with pytest.raises(ValueError, match="repeated"):
         MixingConfig((MixSource("a"), MixSource("a")))

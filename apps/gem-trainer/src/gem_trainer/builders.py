@@ -11,8 +11,11 @@ import torch
 from torch import nn
 
 from gem_data import (
+    AlignedRanking,
+    AlignmentError,
     BatchSource,
     DomainExpertModel,
+    FeatureAlignment,
     LengthBalancedStream,
     MixedStream,
     MixingConfig,
@@ -20,10 +23,14 @@ from gem_data import (
     NextItemConfig,
     NextItemDataset,
     ParquetTable,
+    SequenceCorpus,
+    SurfaceFilterStream,
     SyntheticConfig,
     SyntheticGenerator,
     SyntheticStream,
     TableStream,
+    TimeSplit,
+    TimeSplitDataset,
     WorkerLoader,
     eval_batches,
     read_atomic,
@@ -74,61 +81,134 @@ class DataSetup:
 
 
 def build_data(config: TrainerConfig, env: DistributedEnv) -> DataSetup:
+    from gem_trainer.config import ConfigError
+
     d = config.data
-    # with balancing every rank reads the same global batches and keeps its balanced share of them
-    rank, world, batch_size = (0, 1, d.batch_size * env.world_size) if d.balance else (env.rank, env.world_size, d.batch_size)
+    # with balancing or a surface filter every rank reads the same global batches and keeps its share of them
+    whole = d.balance or d.train_surfaces is not None
+    rank, world, batch_size = (0, 1, d.batch_size * env.world_size) if whole else (env.rank, env.world_size, d.batch_size)
     mixer = ranking = eval_fn = None
-    if d.source == "synthetic":
+    if d.mixture.sources:
+        mixer, ranking, eval_fn = _build_mixture(config, env, rank, world, batch_size)
+        train = mixer
+    elif d.source == "synthetic":
         generator = build_generator(config)
-        if d.mixture.sources:
-            m = d.mixture
-            mixer = MixedStream(
-                {s.name: SyntheticStream(generator, batch_size, rank, world, stream=s.seed) for s in m.sources},
-                MixingConfig(
-                    sources=tuple(MixSource(s.name, s.weight, s.online) for s in m.sources),
-                    batch_size=batch_size, granularity=m.granularity, online_share_start=m.online_share_start,
-                    online_share_end=m.online_share_end, ramp_steps=m.ramp_steps, seed=config.seed,
-                ),
-            )
-            train = mixer
-        else:
-            train = SyntheticStream(generator, batch_size, rank, world)
+        train = SyntheticStream(generator, batch_size, rank, world)
         eval_fn = lambda: eval_batches(generator, d.batch_size, d.eval_batches, env.rank, env.world_size)  # noqa: E731
     elif d.source in ("sequence_text", "atomic"):
         ranking = build_next_item_dataset(config)
         train = TableStream(ranking.training_table(), batch_size, rank, world, shuffle=True, seed=config.seed)
     else:
         table = ParquetTable(_files(d.path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
-        held_out = ParquetTable(_files(d.eval_path, "*.parquet"), skip_bad_rows=d.skip_bad_rows,
-                                vocab_sizes={f.name: f.num_embeddings for f in table.spec.sparse}, num_surfaces=table.spec.num_surfaces)
+        held_out = _held_out_table(config, table, d.eval_path)
         train = TableStream(table, batch_size, rank, world, shuffle=True, seed=config.seed)
         eval_fn = lambda: iter(TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False, num_epochs=1))  # noqa: E731
     if d.num_workers:
         train = WorkerLoader(train, num_workers=d.num_workers)
+    if d.train_surfaces is not None:
+        try:
+            train = SurfaceFilterStream(train, d.train_surfaces, env.rank, env.world_size)
+        except ValueError as error:
+            raise ConfigError(f"data.train_surfaces: {error}") from None
     balancer = None
     if d.balance:
         balancer = train = LengthBalancedStream(train, env.rank, env.world_size, window_batches=d.balance_window)
     return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer)
 
 
-def build_next_item_dataset(config: TrainerConfig) -> NextItemDataset:
-    """Read a sequence file (with its item attributes) or RecBole atomic files into the next-item task."""
+def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world: int, batch_size: int):
+    """The mixed training stream of ``[data.mixture]`` (every source read in place, aligned into one union
+    spec), and the held-out data of its evaluation source: ``(mixer, ranking data set, eval batches)``."""
+    from gem_trainer.config import ConfigError
+
+    d, m = config.data, config.data.mixture
+    corpora: dict[tuple[str, str], SequenceCorpus] = {}
+    streams, datasets, tables, id_spaces, generator = {}, {}, {}, {}, None
+    for s in m.sources:
+        reader, path = s.reader or d.source, s.path or d.path
+        # NOTE: sources reading the same data share its ids unless told otherwise; other sources get their own
+        id_spaces[s.name] = s.id_space if s.id_space is not None else f"<{reader}:{Path(path).resolve() if path else ''}>"
+        if reader == "synthetic":
+            generator = generator or build_generator(config)
+            # a synthetic batch is one draw: its size must not depend on the number of ranks
+            streams[s.name] = SyntheticStream(generator, d.batch_size * env.world_size, stream=s.seed)
+            continue
+        if reader in ("sequence_text", "atomic"):
+            datasets[s.name] = build_next_item_dataset(config, s, corpora)
+            table = datasets[s.name].training_table()
+        else:
+            table = tables[s.name] = ParquetTable(_files(path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
+        # an online source replays its stream in time order; offline logs are shuffled
+        streams[s.name] = TableStream(table, d.batch_size, shuffle=not s.online, seed=config.seed)
+    try:
+        alignment = FeatureAlignment({n: stream.spec for n, stream in streams.items()}, id_spaces,
+                                     {s.name: s.surface for s in m.sources})
+    except AlignmentError as error:
+        raise ConfigError(f"data.mixture.sources: {error}") from None
+    if len(alignment.spaces) > 1:
+        catalogue_model = config.model.name == "sasrec" or (config.model.name == "kunlun" and config.model.kunlun.two_tower)
+        if d.sequential.objective == "retrieval" or catalogue_model:
+            raise ConfigError(f"data.mixture.sources: retrieval and two-tower / SASRec models score against one item "
+                              f"catalogue, but the sources lie in {len(alignment.spaces)} id spaces; give them one id_space "
+                              f"or use the pointwise objective with a crossing model")
+    mixing = MixingConfig(
+        sources=tuple(MixSource(s.name, s.weight, s.online) for s in m.sources), batch_size=batch_size,
+        granularity=m.granularity, online_share_start=m.online_share_start, online_share_end=m.online_share_end,
+        ramp_start=m.ramp_start, ramp_steps=m.ramp_steps, seed=config.seed,
+    )
+    mixer = MixedStream(streams, mixing, rank, world, alignment)
+    name = m.eval_source or m.sources[0].name
+    ranking = eval_fn = None
+    if name in datasets:
+        ranking = AlignedRanking(datasets[name], alignment, name)
+    elif name in tables:
+        held_out = _held_out_table(config, tables[name], next(s for s in m.sources if s.name == name).eval_path or d.eval_path)
+        eval_fn = lambda: (alignment.align(name, b) for b in  # noqa: E731
+                           TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False, num_epochs=1))
+    else:
+        eval_fn = lambda: (alignment.align(name, b) for b in  # noqa: E731
+                           eval_batches(generator, d.batch_size, d.eval_batches, env.rank, env.world_size))
+    return mixer, ranking, eval_fn
+
+
+def _held_out_table(config: TrainerConfig, table: ParquetTable, eval_path: str) -> ParquetTable:
+    """The held-out Parquet files, read with the training table's vocabularies and surfaces."""
+    return ParquetTable(_files(eval_path, "*.parquet"), skip_bad_rows=config.data.skip_bad_rows,
+                        vocab_sizes={f.name: f.num_embeddings for f in table.spec.sparse}, num_surfaces=table.spec.num_surfaces)
+
+
+def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | None = None) -> NextItemDataset:
+    """Read a sequence file (with its item attributes) or RecBole atomic files into the next-item task: of
+    ``data`` or of mixture ``source`` (its reader and path); ``corpora`` shares files read by several sources.
+    With ``data.sequential.time_split`` the examples are one period of the split: a mixture's online source the
+    online period, an offline one the offline period, a lone source both."""
     d, s = config.data, config.data.sequential
-    path = Path(d.path)
-    if d.source == "sequence_text":
+    reader = source.reader if source is not None and source.reader else d.source
+    path = Path(source.path if source is not None and source.path else d.path)
+    key = (reader, str(path.resolve()))
+    corpus = corpora.get(key) if corpora is not None else None
+    if corpus is None:
+        corpus = _read_corpus(config, reader, path)
+        if corpora is not None:
+            corpora[key] = corpus
+    next_item = NextItemConfig(
+        num_negatives=s.num_negatives, objective=s.objective, queries=s.queries, loss=s.loss,
+        sampler=s.sampler, popularity_power=s.popularity_power,
+        max_history=s.max_history, attribute_slots=s.attribute_slots, with_user_id=s.with_user_id, seed=config.seed,
+    )
+    if s.time_split is None:
+        return NextItemDataset(corpus, next_item)
+    period = "before_next" if source is None else ("online" if source.online else "offline")
+    return TimeSplitDataset(corpus, next_item, TimeSplit(*s.time_split), period)
+
+
+def _read_corpus(config: TrainerConfig, reader: str, path: Path) -> SequenceCorpus:
+    d, s = config.data, config.data.sequential
+    if reader == "sequence_text":
         text = path if path.is_file() else _single(path, "*.txt")
         attributes = Path(s.attributes_file) if s.attributes_file else text.with_name(f"{text.stem}_item2attributes.json")
-        corpus = read_sequence_text(text, attributes if attributes.is_file() else None, skip_bad_rows=d.skip_bad_rows)
-    else:
-        corpus = read_atomic(path, skip_bad_rows=d.skip_bad_rows)
-    return NextItemDataset(
-        corpus,
-        NextItemConfig(
-            num_negatives=s.num_negatives, objective=s.objective, queries=s.queries, loss=s.loss,
-            sampler=s.sampler, popularity_power=s.popularity_power,
-            max_history=s.max_history, attribute_slots=s.attribute_slots, with_user_id=s.with_user_id, seed=config.seed,
-        ),
-    )
+        return read_sequence_text(text, attributes if attributes.is_file() else None, skip_bad_rows=d.skip_bad_rows)
+    return read_atomic(path, skip_bad_rows=d.skip_bad_rows)
 
 
 def _single(folder: Path, pattern: str) -> Path:

@@ -11,18 +11,24 @@ from gem_data.balancing import (
 from gem_data.batch_ops import concat_batches, select_examples
 from gem_data.domain_experts import DomainExpertModel
 from gem_data.errors import BadRows, DataError
+from gem_data.aligned_ranking import AlignedRanking
+from gem_data.alignment import AlignmentError, FeatureAlignment
 from gem_data.mixing import MixedStream, MixingConfig, MixSource
 from gem_data.readers.atomic import read_atomic
 from gem_data.readers.parquet import ParquetTable, write_parquet
 from gem_data.readers.text import read_sequence_text
 from gem_data.sequential.corpus import Bags, SequenceCorpus
 from gem_data.sequential.examples import NextItemConfig, NextItemDataset, NextItemTable, RankingExamples
+from gem_data.sequential.time_split import TimeSplit, TimeSplitDataset
 from gem_data.source import BatchSource, ShardedStream, WorkerLoader
 from gem_data.stream import SyntheticStream, TableStream, eval_batches
+from gem_data.surface_filter import SurfaceFilterStream
 from gem_data.synthetic import SyntheticConfig, SyntheticGenerator
 from gem_data.table import BatchTable, ExampleTable
 
 __all__ = [
+    "AlignedRanking",
+    "AlignmentError",
     "Bags",
     "BadRows",
     "BatchSource",
@@ -30,6 +36,7 @@ __all__ = [
     "DataError",
     "DomainExpertModel",
     "ExampleTable",
+    "FeatureAlignment",
     "LengthBalancedStream",
     "MixSource",
     "MixedStream",
@@ -43,8 +50,11 @@ __all__ = [
     "ShardedStream",
     "SyntheticConfig",
     "SyntheticGenerator",
+    "SurfaceFilterStream",
     "SyntheticStream",
     "TableStream",
+    "TimeSplit",
+    "TimeSplitDataset",
     "WorkerLoader",
     "concat_batches",
     "eval_batches",

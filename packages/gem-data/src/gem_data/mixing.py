@@ -1,29 +1,38 @@
 """Zero-cost cross-domain mixing: many sources read in place and interleaved by weight, never merged.
 
-Every output batch draws, for each of its ``batch_size`` examples (or, with ``granularity="batch"``, once
-for the whole batch), a source with probability ``p_i(step)``, then takes the next examples of that source's
-own stream. Sources are any ``BatchSource`` (one per surface, per objective, offline log or near-real-time
-stream); each keeps its own position, so nothing is copied or re-read.
+The mixture is a function of the *global* step, like every ``ShardedStream``: global batch ``t`` holds
+``world_size * batch_size`` examples, and for each of them (or, with ``granularity="batch"``, once for the
+whole batch) a source is drawn with probability ``p_i(t)`` from a generator seeded by ``(seed, t)``. The
+global batch holds, source after source, the next ``n_i(t)`` unread examples of each source ``i`` drawn
+``n_i(t)`` times, so it does not depend on the number of ranks; rank ``r`` keeps rows
+``[r * B, (r + 1) * B)`` of it and reads only those rows from the sources. ``W`` ranks therefore see
+exactly what one process sees.
 
-``p_i(step)``: the weights, normalised. With an online share schedule, online and offline sources are
-normalised separately and scaled by ``share(step)`` and ``1 - share(step)``; the share ramps linearly from
-``online_share_start`` to ``online_share_end`` over ``ramp_steps`` steps, then stays, so the mix can move
-from historical logs towards the live stream.
+NOTE: grouping by source (rather than interleaving in draw order) spares a gather of the whole batch. With
+several ranks a rank's slice may hold one or two sources only; the update is the mean over the global
+batch, so training is the same, and ``LengthBalancedStream`` evens out per-rank cost where sources differ.
 
-All sources must declare the same ``FeatureSpec`` (the domain lives in ``batch.surface``; the source index
-of every example is ``batch.source``). We do not map differing specs to a union, because a union would need
-label masks for tasks a source lacks, which the batch format does not carry; build sources with one spec.
+Sources are whole ``ShardedStream``s (rank 0 of 1), addressed by example: example ``e`` of a source is row
+``e % C`` of its global batch ``e // C``. Each keeps its own position, implied by the draws, and the reader
+holds one batch per source: nothing is merged or copied, memory is bounded per source.
 
-Determinism and resumption: the draws of step ``t`` come from a generator seeded by ``(seed, t)``, so the
-RNG position is the step counter. The state holds the step, per-source counts and, per source, the source's
-state from *before* its buffered batch was read plus how many of that batch's examples were used: loading
-re-reads that batch and skips them, which continues the exact sequence.
+``p_i(t)``: the weights, normalised. With an online share schedule, online and offline sources are
+normalised separately and scaled by ``share(t)`` and ``1 - share(t)``; the share stays at
+``online_share_start`` until ``ramp_start``, moves linearly to ``online_share_end`` over ``ramp_steps``
+(0: a switch, as in sequential fine-tuning) and stays there; without an end the share is constant.
+
+Sources may declare other ``FeatureSpec``s when a ``FeatureAlignment`` maps each into one union spec (shared
+id spaces where declared, otherwise disjoint ones); without one they must share a spec. ``batch.source``
+holds each example's source index, ``counts()`` the examples read per source by the whole job.
+
+Resumption: the position (global batches delivered) determines everything; the state also stores each
+source's example position so that loading does not replay the draws.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,8 +40,11 @@ import torch
 
 from gem_kunlun import Batch, FeatureSpec
 
-from gem_data.batch_ops import concat_batches, select_examples
-from gem_data.source import BatchSource, spec_difference
+from gem_data.alignment import FeatureAlignment
+from gem_data.source import ShardedStream, spec_difference
+from gem_data.stream import SyntheticStream, TableStream
+
+ANCHOR_EVERY = 256  # steps between remembered source positions (backward queries replay at most this many draws)
 
 
 @dataclass(frozen=True)
@@ -45,11 +57,12 @@ class MixSource:
 @dataclass(frozen=True)
 class MixingConfig:
     sources: tuple[MixSource, ...]
-    batch_size: int = 256
+    batch_size: int = 256  # per rank: a global batch holds world_size * batch_size examples
     granularity: Literal["example", "batch"] = "example"
     online_share_start: float | None = None  # None: the weights alone decide
-    online_share_end: float | None = None
-    ramp_steps: int = 0
+    online_share_end: float | None = None  # None: the share stays at online_share_start (constant mode)
+    ramp_start: int = 0  # steps at online_share_start before the ramp
+    ramp_steps: int = 0  # 0: switch to online_share_end at ramp_start
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -62,23 +75,27 @@ class MixingConfig:
             raise ValueError("MixingConfig.sources: weights must be >= 0 with a positive sum")
         if self.granularity not in ("example", "batch"):
             raise ValueError(f"MixingConfig.granularity must be 'example' or 'batch', got {self.granularity!r}")
-        if (self.online_share_start is None) != (self.online_share_end is None):
-            raise ValueError("MixingConfig: give both online_share_start and online_share_end, or neither")
+        if self.online_share_start is None and self.online_share_end is not None:
+            raise ValueError("MixingConfig: online_share_end needs online_share_start")
         if self.online_share_start is not None:
             for value in (self.online_share_start, self.online_share_end):
-                if not 0.0 <= value <= 1.0:
+                if value is not None and not 0.0 <= value <= 1.0:
                     raise ValueError(f"MixingConfig: online shares must lie in [0, 1], got {value}")
             for online in (True, False):
                 if sum(s.weight for s in self.sources if s.online == online) <= 0:
                     raise ValueError(f"MixingConfig: an online share schedule needs {'online' if online else 'offline'} sources with weight")
-        if self.ramp_steps < 0 or self.batch_size < 1:
-            raise ValueError("MixingConfig: ramp_steps must be >= 0 and batch_size >= 1")
+        if self.ramp_steps < 0 or self.ramp_start < 0 or self.batch_size < 1:
+            raise ValueError("MixingConfig: ramp_start and ramp_steps must be >= 0 and batch_size >= 1")
 
     def online_share(self, step: int) -> float | None:
-        if self.online_share_start is None:
+        """The scheduled share of online examples at ``step`` (None without a schedule)."""
+        start, end = self.online_share_start, self.online_share_end
+        if start is None:
             return None
-        progress = 1.0 if self.ramp_steps == 0 else min(1.0, step / self.ramp_steps)
-        return self.online_share_start + (self.online_share_end - self.online_share_start) * progress
+        if end is None or step < self.ramp_start:
+            return start
+        progress = 1.0 if self.ramp_steps == 0 else min(1.0, (step - self.ramp_start) / self.ramp_steps)
+        return start + (end - start) * progress
 
     def probabilities(self, step: int) -> torch.Tensor:
         """``[S]`` float64: the probability of each source at ``step``."""
@@ -90,122 +107,183 @@ class MixingConfig:
         return torch.where(online, share * weights / weights[online].sum(), (1 - share) * weights / weights[~online].sum())
 
 
-class MixedStream:
-    """Interleaves ``sources`` (name -> BatchSource, names as in ``config.sources``); a ``BatchSource`` itself.
+class MixedStream(ShardedStream):
+    """Interleaves ``sources`` (name -> whole ``ShardedStream``, names as in ``config.sources``) and gives
+    rank ``rank`` of ``world_size`` its slice of every global mixed batch; see the module docstring.
 
-    Yields batches of ``config.batch_size`` examples (``granularity="example"``; examples grouped by source
-    within a batch) or whole source batches (``"batch"``). Ends when a chosen source ends.
+    Ends (every rank at the same step) when a source a step draws from has no more examples.
     """
 
-    def __init__(self, sources: Mapping[str, BatchSource], config: MixingConfig) -> None:
+    def __init__(self, sources: Mapping[str, ShardedStream], config: MixingConfig, rank: int = 0, world_size: int = 1,
+                 alignment: FeatureAlignment | None = None) -> None:
+        super().__init__(config.batch_size, rank, world_size)
         missing = [s.name for s in config.sources if s.name not in sources]
         if missing:
             raise ValueError(f"MixedStream: no stream given for sources {missing}")
         self.config = config
         self.names = [s.name for s in config.sources]
         self.sources = [sources[n] for n in self.names]
-        first = self.sources[0].spec
-        for name, source in zip(self.names[1:], self.sources[1:]):
-            difference = spec_difference(first, source.spec)
-            if difference:
-                raise ValueError(f"MixedStream: source {name!r} has another FeatureSpec than {self.names[0]!r} ({difference})")
-        self.step = 0
-        self._counts = [0] * len(self.sources)
-        self._iters: list[Iterator[Batch] | None] = [None] * len(self.sources)
-        self._buffer: list[Batch | None] = [None] * len(self.sources)
-        self._offset = [0] * len(self.sources)
-        self._state_before: list[dict | None] = [None] * len(self.sources)
+        for name, source in zip(self.names, self.sources):
+            if not isinstance(source, ShardedStream) or source.world_size != 1:
+                raise ValueError(f"MixedStream: source {name!r} must be a whole ShardedStream (rank 0 of 1): the mixer "
+                                 f"slices the mixture for each rank itself")
+        if alignment is None:
+            first = self.sources[0].spec
+            for name, source in zip(self.names[1:], self.sources[1:]):
+                difference = spec_difference(first, source.spec)
+                if difference:
+                    raise ValueError(f"MixedStream: source {name!r} has another FeatureSpec than {self.names[0]!r} ({difference}); "
+                                     f"give a FeatureAlignment to mix different specs")
+            # one id space: the union is the common spec and gathering only slices
+            alignment = FeatureAlignment({n: s.spec for n, s in zip(self.names, self.sources)}, dict.fromkeys(self.names, ""))
+        elif sorted(alignment.names) != sorted(self.names):
+            raise ValueError(f"MixedStream: the alignment covers sources {alignment.names}, the mixture {self.names}")
+        self.alignment = alignment
+        # NOTE: one process reads each source's next rows step after step, so reading ahead pays; a rank of
+        # several would discard the rows read ahead, its next rows of a source lying other ranks' rows further on
+        read_ahead = self.batch_size if world_size == 1 else 0
+        self._readers = [ExampleReader(source, read_ahead) for source in self.sources]
+        self._anchors: dict[int, torch.Tensor] = {0: torch.zeros(len(self.sources), dtype=torch.int64)}
+        self._draw_cache: dict[int, torch.Tensor] = {}
 
     @property
     def spec(self) -> FeatureSpec:
-        return self.sources[0].spec
+        return self.alignment.spec
 
-    def counts(self) -> dict[str, int]:
-        """Examples delivered so far per source (name -> count)."""
-        return dict(zip(self.names, self._counts))
+    # -- the composition of a global batch ------------------------------------------------------------------
+    def draws(self, step: int) -> torch.Tensor:
+        """``[G]`` int64: the source of each example of global batch ``step``, in order."""
+        cached = self._draw_cache.get(step)
+        if cached is not None:
+            return cached
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
+        probabilities = self.config.probabilities(step)
+        if self.config.granularity == "batch":
+            chosen = torch.multinomial(probabilities, 1, generator=generator)
+            draws = chosen.expand(self.global_batch_size).clone()
+        else:
+            draws = torch.multinomial(probabilities, self.global_batch_size, replacement=True, generator=generator)
+        if len(self._draw_cache) >= 4:
+            self._draw_cache.pop(next(iter(self._draw_cache)))
+        self._draw_cache[step] = draws
+        return draws
 
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
-            probabilities = self.config.probabilities(self.step)
-            if self.config.granularity == "batch":
-                chosen = int(torch.multinomial(probabilities, 1, generator=generator))
-                batch = self._take_batch(chosen)
-                if batch is None:
-                    return
-                parts = [batch]
-            else:
-                draws = torch.multinomial(probabilities, self.config.batch_size, replacement=True, generator=generator)
-                parts = []
-                for index, count in enumerate(torch.bincount(draws, minlength=len(self.sources)).tolist()):
-                    if count:
-                        part = self._take(index, count)
-                        if part is None:
-                            return
-                        parts.append(part)
-            self.step += 1
-            yield concat_batches(parts)
+    def positions(self, step: int) -> torch.Tensor:
+        """``[S]`` int64: examples of each source read by global batches ``0 .. step - 1``."""
+        start = max(s for s in self._anchors if s <= step)
+        position = self._anchors[start].clone()
+        for t in range(start, step):
+            position += torch.bincount(self.draws(t), minlength=len(self.sources))
+            if (t + 1) % ANCHOR_EVERY == 0 or t + 1 == step:
+                self._anchors[t + 1] = position.clone()
+        # NOTE: the newest anchor makes sequential reading O(1) per step; older ones bound a backward query
+        for stale in [s for s in self._anchors if s % ANCHOR_EVERY and s != step]:
+            del self._anchors[stale]
+        return position
 
-    def _next_source_batch(self, index: int) -> bool:
-        if self._iters[index] is None:
-            self._iters[index] = iter(self.sources[index])
-        self._state_before[index] = copy.deepcopy(self.sources[index].state_dict())
-        try:
-            self._buffer[index] = next(self._iters[index])
-        except StopIteration:
-            return False
-        self._offset[index] = 0
-        return True
+    def global_batch(self, index: int) -> Batch | None:
+        return self._rows(index, 0, self.global_batch_size)
 
-    def _stamp(self, batch: Batch, index: int) -> Batch:
-        batch.source = torch.full((batch.batch_size,), index, dtype=torch.int64)
-        self._counts[index] += batch.batch_size
+    def rank_batch(self, index: int) -> Batch | None:
+        rows = torch.arange(self.global_batch_size).tensor_split(self.world_size)[self.rank]
+        return self._rows(index, int(rows[0]) if rows.numel() else 0, int(rows[-1]) + 1 if rows.numel() else 0)
+
+    def _rows(self, index: int, lo: int, hi: int) -> Batch | None:
+        """Rows ``[lo, hi)`` of global batch ``index`` (its examples grouped by source, in source order),
+        reading only those rows from the sources."""
+        start = self.positions(index)
+        total = torch.bincount(self.draws(index), minlength=len(self.sources))
+        for i, reader in enumerate(self._readers):
+            # every rank checks the whole global batch, so that all ranks end at the same step
+            if total[i] and not reader.available(int(start[i] + total[i])):
+                return None
+        segments = []
+        first_row = 0  # of source i in the global batch
+        for i, n in enumerate(total.tolist()):
+            a, b = max(lo, first_row), min(hi, first_row + n)
+            if a < b:
+                offset = int(start[i]) - first_row
+                segments += [(self.names[i], batch, x, y) for batch, x, y in self._readers[i].read(a + offset, b + offset)]
+            first_row += n
+        if not segments:
+            return None  # a rank's empty share of a global batch smaller than the number of ranks
+        batch = self.alignment.gather(segments)
+        batch.source = torch.repeat_interleave(torch.tensor([self.names.index(s[0]) for s in segments]),
+                                               torch.tensor([s[3] - s[2] for s in segments]))
         return batch
 
-    def _take_batch(self, index: int) -> Batch | None:
-        buffered = self._buffer[index]
-        if buffered is not None and self._offset[index] < buffered.batch_size:
-            rest = select_examples(buffered, torch.arange(self._offset[index], buffered.batch_size))
-            self._offset[index] = buffered.batch_size
-            return self._stamp(rest, index)
-        if not self._next_source_batch(index):
-            return None
-        self._offset[index] = self._buffer[index].batch_size
-        return self._stamp(self._buffer[index], index)
+    # -- reporting and state --------------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        """Examples read so far per source by the whole job (every rank), name -> count."""
+        return dict(zip(self.names, self.positions(self.position).tolist()))
 
-    def _take(self, index: int, count: int) -> Batch | None:
-        parts = []
-        while count:
-            buffered = self._buffer[index]
-            if buffered is None or self._offset[index] >= buffered.batch_size:
-                if not self._next_source_batch(index):
-                    return None
-                buffered = self._buffer[index]
-            n = min(count, buffered.batch_size - self._offset[index])
-            parts.append(select_examples(buffered, torch.arange(self._offset[index], self._offset[index] + n)))
-            self._offset[index] += n
-            count -= n
-        return self._stamp(concat_batches(parts), index)
+    def shares(self) -> dict[str, float]:
+        """The scheduled share of each source at the next step, name -> probability."""
+        return dict(zip(self.names, self.config.probabilities(self.position).tolist()))
 
     def state_dict(self) -> dict[str, Any]:
-        sources = []
-        for i, source in enumerate(self.sources):
-            if self._buffer[i] is None:
-                sources.append({"state": copy.deepcopy(source.state_dict()), "offset": 0, "buffered": False})
-            else:
-                sources.append({"state": copy.deepcopy(self._state_before[i]), "offset": self._offset[i], "buffered": True})
-        return {"step": self.step, "counts": self.counts(), "sources": dict(zip(self.names, sources))}
+        return {**super().state_dict(), "examples": self.counts()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if list(state["sources"]) != self.names:
-            raise ValueError(f"mixing state has sources {list(state['sources'])}, this stream has {self.names}")
-        self.step = int(state["step"])
-        self._counts = [int(state["counts"][n]) for n in self.names]
-        for i, name in enumerate(self.names):
-            saved = state["sources"][name]
-            self.sources[i].load_state_dict(saved["state"])
-            self._iters[i], self._buffer[i], self._offset[i] = None, None, 0
-            if saved["buffered"]:
-                if not self._next_source_batch(i):
-                    raise ValueError(f"mixing state: source {name!r} has no batch at its saved position")
-                self._offset[i] = int(saved["offset"])
+        if "position" not in state:
+            raise ValueError("the data state was written by the per-rank mixer of an older gem-data; it cannot be resumed")
+        if list(state["examples"]) != self.names:
+            raise ValueError(f"mixing state has sources {list(state['examples'])}, this stream has {self.names}")
+        super().load_state_dict(state)
+        self._anchors = {0: torch.zeros(len(self.sources), dtype=torch.int64)}
+        self._anchors[self.position] = torch.tensor([int(state["examples"][n]) for n in self.names])
+        self._draw_cache.clear()
+
+
+class ExampleReader:
+    """Reads example ranges of a whole ``ShardedStream``, holding one batch of it at a time.
+
+    A ``TableStream`` is read by row: exactly the rows asked for, or ``read_ahead`` rows when fewer are asked
+    (one process asks for the next rows of a source step after step, and a table read has a fixed cost worth
+    sharing over several steps). Any other stream is read a global batch at a time.
+    """
+
+    def __init__(self, stream: ShardedStream, read_ahead: int = 0) -> None:
+        self.stream, self.chunk, self.read_ahead = stream, stream.global_batch_size, read_ahead
+        self.length = known_length(stream)
+        self._start, self._batch = 0, None  # the held batch covers examples [_start, _start + its size)
+
+    def _hold_chunk(self, index: int) -> Batch | None:
+        if self._batch is None or self._start != index * self.chunk or isinstance(self.stream, TableStream):
+            self._start, self._batch = index * self.chunk, self.stream.global_batch(index)
+        return self._batch
+
+    def _hold(self, start: int, stop: int) -> None:
+        if isinstance(self.stream, TableStream):
+            # NOTE: TableStream._rows reads any row range of the endless shuffled sequence; batches would not fit here
+            stop = min(max(stop, start + self.read_ahead), self.length)
+            self._start, self._batch = start, self.stream._rows(torch.arange(start, stop))
+        else:
+            self._hold_chunk(start // self.chunk)
+
+    def available(self, stop: int) -> bool:
+        """Whether examples ``[0, stop)`` exist."""
+        if self.length is not None or stop <= 0:
+            return stop <= (self.length if self.length is not None else 0)
+        batch = self._hold_chunk((stop - 1) // self.chunk)
+        return batch is not None and batch.batch_size > (stop - 1) % self.chunk
+
+    def read(self, start: int, stop: int) -> list[tuple[Batch, int, int]]:
+        """Examples ``[start, stop)`` (which must be ``available``) as ``(batch, lo, hi)`` row ranges."""
+        segments = []
+        while start < stop:
+            if self._batch is None or not self._start <= start < self._start + self._batch.batch_size:
+                self._hold(start, stop)
+            end = min(stop, self._start + self._batch.batch_size)
+            segments.append((self._batch, start - self._start, end - self._start))
+            start = end
+        return segments
+
+
+def known_length(stream: ShardedStream) -> float | None:
+    """Examples in ``stream`` when known without reading it (``math.inf``: endless; None: found by reading)."""
+    if isinstance(stream, TableStream):
+        return math.inf if stream.num_epochs is None else stream.num_epochs * stream.rows_per_epoch
+    if isinstance(stream, SyntheticStream):
+        return math.inf
+    return None

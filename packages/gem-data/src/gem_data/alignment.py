@@ -1,0 +1,163 @@
+"""Feature alignment: sources with different ``FeatureSpec``s mapped into one union spec, batch by batch.
+
+Sources are grouped into *id spaces*. Sources of one space share ids (the same item id means the same
+item: two periods of one log, two objectives of one surface) and must declare the same features with the
+same vocabularies. Different spaces are disjoint namespaces: a feature name several spaces declare becomes
+one union feature whose id ranges are laid end to end (space 0's ids first, then space 1's, shifted by
+space 0's vocabulary), so one table holds every domain's items without two domains ever sharing a row.
+Dense features get a column block per space (zeros elsewhere). A sparse feature a source lacks is an empty
+bag; an event feature its source lacks (while having the event type) gets a padding id, the last of the
+union vocabulary, because an event feature carries exactly one id per event; an event type a source lacks
+is empty. Every source must have the same tasks: the batch format has no label masks.
+
+Nothing is copied ahead of time: ``align(name, batch)`` re-keys one batch (ids shifted, missing keys
+filled) when it is read. Surfaces (domains) may be stamped per source, which is how a domain id reaches
+the per-surface heads and the domain experts; the union's ``num_surfaces`` covers every stamp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from gem_kunlun import Batch, EventType, FeatureSpec, SparseFeature
+
+from gem_data.gathering import KeyMap, Piece, SourcePlan, gather_pieces
+from gem_data.source import spec_difference
+
+
+class AlignmentError(ValueError):
+    """Two sources cannot be mixed as declared; the message is one line naming both and the feature."""
+
+
+class FeatureAlignment:
+    """The union spec of ``specs`` (source name -> spec) and the mapping of each source's batches into it.
+
+    ``id_spaces``: source name -> space name (sources missing from it are each their own space);
+    ``surfaces``: source name -> domain id stamped on its examples (None or missing: the reader's own).
+    Raises ``AlignmentError`` when the sources cannot be aligned as declared.
+    """
+
+    def __init__(self, specs: Mapping[str, FeatureSpec], id_spaces: Mapping[str, str] | None = None,
+                 surfaces: Mapping[str, int | None] | None = None) -> None:
+        if not specs:
+            raise AlignmentError("no sources to align")
+        self.names = list(specs)
+        id_spaces, surfaces = dict(id_spaces or {}), dict(surfaces or {})
+        self.space_of = {name: id_spaces.get(name, f"{name}") for name in self.names}
+        spaces: dict[str, list[str]] = {}
+        for name in self.names:
+            spaces.setdefault(self.space_of[name], []).append(name)
+        self.spaces = spaces
+        first = self.names[0]
+        for name in self.names[1:]:
+            if specs[name].tasks != specs[first].tasks:
+                raise AlignmentError(f"sources {first!r} and {name!r} have different tasks ({list(specs[first].tasks)} vs "
+                                     f"{list(specs[name].tasks)}): the batch format has no label masks, so mixed sources need the same tasks")
+        for space, members in spaces.items():
+            for name in members[1:]:
+                difference = spec_difference(_without_surfaces(specs[members[0]]), _without_surfaces(specs[name]))
+                if difference:
+                    raise AlignmentError(f"sources {members[0]!r} and {name!r} share id space {space!r} but their features "
+                                         f"differ ({difference}); give them different id spaces to keep their ids apart")
+        self._space_specs = {space: specs[members[0]] for space, members in spaces.items()}
+        self.spec, plans = self._union(specs, surfaces)
+        self._plans = plans
+
+    # -- building the union ---------------------------------------------------------------------------------
+    def _union(self, specs: Mapping[str, FeatureSpec], surfaces: Mapping[str, int | None]):
+        space_specs = self._space_specs
+        kinds: dict[str, tuple[str, str]] = {}  # feature -> (where it lives: "sparse" or an event type, first space)
+        for space, spec in space_specs.items():
+            places = [(f.name, "sparse") for f in spec.sparse] + [(f.name, e.name) for e in spec.events for f in e.features]
+            for feature, place in places:
+                seen = kinds.setdefault(feature, (place, space))
+                if seen[0] != place:
+                    where = lambda p: "a sparse feature" if p == "sparse" else f"a feature of event type {p!r}"  # noqa: E731
+                    raise AlignmentError(f"feature {feature!r} is {where(seen[0])} in id space {seen[1]!r} but {where(place)} in "
+                                         f"id space {space!r}; rename one of them")
+        # offsets: per (feature, space), the ids of earlier spaces that declare the feature
+        vocab: dict[str, int] = {}
+        offsets: dict[tuple[str, str], int] = {}
+        for space, spec in space_specs.items():
+            for feature in [*spec.sparse, *(f for e in spec.events for f in e.features)]:
+                offsets[(feature.name, space)] = vocab.get(feature.name, 0)
+                vocab[feature.name] = vocab.get(feature.name, 0) + feature.num_embeddings
+        sparse_names = _ordered(f.name for spec in space_specs.values() for f in spec.sparse)
+        event_names = _ordered(e.name for spec in space_specs.values() for e in spec.events)
+        event_features = {
+            event: _ordered(f.name for spec in space_specs.values() for e in spec.events if e.name == event for f in e.features)
+            for event in event_names
+        }
+        # an event feature that some space with that event type lacks needs a padding id
+        padded = {
+            feature for event, features in event_features.items() for feature in features
+            if any(event in {e.name for e in spec.events} and (feature, space) not in offsets for space, spec in space_specs.items())
+        }
+        dense_offsets, num_dense = {}, 0
+        for space, spec in space_specs.items():
+            dense_offsets[space], num_dense = num_dense, num_dense + spec.num_dense
+        num_surfaces = max(
+            (surfaces[name] + 1) if surfaces.get(name) is not None else specs[name].num_surfaces for name in self.names
+        )
+        union = FeatureSpec(
+            num_dense=num_dense,
+            sparse=tuple(SparseFeature(n, vocab[n]) for n in sparse_names),
+            events=tuple(
+                EventType(event, tuple(SparseFeature(f, vocab[f] + (f in padded)) for f in features))
+                for event, features in event_features.items()
+            ),
+            tasks=specs[self.names[0]].tasks,
+            num_surfaces=num_surfaces,
+            candidate=tuple(_ordered(c for spec in space_specs.values() for c in spec.candidate)),
+        )
+        plans = {}
+        for name in self.names:
+            space = self.space_of[name]
+            spec = space_specs[space]
+            own_sparse = [f.name for f in spec.sparse]
+            sparse = KeyMap.build([own_sparse.index(n) if n in own_sparse else -1 for n in sparse_names],
+                                  [offsets.get((n, space), 0) for n in sparse_names], [-1] * len(sparse_names), len(own_sparse))
+            events: dict[str, KeyMap | None] = {}
+            own_events = {e.name: [f.name for f in e.features] for e in spec.events}
+            for event, features in event_features.items():
+                own = own_events.get(event)
+                events[event] = None if own is None else KeyMap.build(
+                    [own.index(f) if f in own else -1 for f in features], [offsets.get((f, space), 0) for f in features],
+                    [-1 if f in own else vocab[f] for f in features], len(own))
+            identity = dataclasses.replace(spec, num_surfaces=num_surfaces) == union
+            plans[name] = SourcePlan(dense_offsets[space], sparse, events, surfaces.get(name), identity)
+        self._offsets = offsets
+        return union, plans
+
+    # -- using it -------------------------------------------------------------------------------------------
+    def offset(self, name: str, feature: str) -> int:
+        """Where source ``name``'s ids of ``feature`` start in the union vocabulary."""
+        return self._offsets[(feature, self.space_of[name])]
+
+    def is_identity(self, name: str) -> bool:
+        """Whether ``name``'s batches need no re-keying (its features are the union's)."""
+        return self._plans[name].identity
+
+    def align(self, name: str, batch: Batch) -> Batch:
+        """``batch`` of source ``name`` in the union spec (a new batch; ``batch`` is left as it was)."""
+        return self.gather([(name, batch, 0, batch.batch_size)])
+
+    def gather(self, segments: list[tuple[str, Batch, int, int]]) -> Batch:
+        """One union batch of rows ``[lo, hi)`` of each ``(source name, batch, lo, hi)``, in order (see
+        ``gem_data.gathering``: slicing and re-keying in one pass)."""
+        if len(self.spaces) > 1:
+            for name, batch, _, _ in segments:
+                if batch.next_items is not None:
+                    raise AlignmentError(f"source {name!r} has retrieval targets, which score against one item catalogue: "
+                                         f"retrieval needs every source in one id space (the mixture has {list(self.spaces)})")
+        return gather_pieces([Piece(self._plans[name], batch, lo, hi) for name, batch, lo, hi in segments], self.spec)
+
+
+def _ordered(names) -> list[str]:
+    """Distinct names in order of first appearance."""
+    return list(dict.fromkeys(names))
+
+
+def _without_surfaces(spec: FeatureSpec) -> FeatureSpec:
+    return dataclasses.replace(spec, num_surfaces=1)

@@ -1,0 +1,186 @@
+"""Joining row ranges of several sources' batches into one batch of a union spec, in one pass.
+
+The mixer asks for rows ``[lo, hi)`` of a few source batches (one per source per step, two where a read
+straddles a buffered batch) and the alignment says how each source's keys map to the union's. Slicing each
+piece and then concatenating would build a KeyedJaggedTensor per piece; here every key set is built once:
+the wanted values of every piece and key are one contiguous range each (a view, not a copy), concatenated
+once in key-major order, ids shifted by their key's offset on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+from gem_kunlun import Batch, EventSequence, FeatureSpec, NextItemTargets
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """How one source's keys become a union key set: for union key ``k``, source key ``index[k]`` (-1: the
+    source lacks it) with ids shifted by ``offset[k]``; a lacking key is an empty bag, or, where ``pad[k] >= 0``,
+    one ``pad[k]`` id per event (event features carry exactly one id per event)."""
+
+    index: torch.Tensor  # [F] int64
+    offset: torch.Tensor  # [F] int64
+    pad: torch.Tensor  # [F] int64
+    identity: bool  # the source's keys are the union's, unshifted
+
+    @staticmethod
+    def build(index: list[int], offset: list[int], pad: list[int], num_source_keys: int) -> "KeyMap":
+        identity = index == list(range(num_source_keys)) and not any(offset) and all(p < 0 for p in pad)
+        return KeyMap(torch.tensor(index, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64),
+                      torch.tensor(pad, dtype=torch.int64), identity)
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """Everything needed to put one source's rows into the union batch."""
+
+    dense_offset: int  # first union dense column of the source's dense block
+    sparse: KeyMap
+    events: dict[str, KeyMap | None]  # union event type -> key map (None: the source lacks the type)
+    surface: int | None  # stamped domain id (None: keep the reader's)
+    identity: bool  # the source's spec is the union's: nothing to re-key
+
+
+@dataclass(frozen=True)
+class Piece:
+    plan: SourcePlan
+    batch: Batch
+    lo: int
+    hi: int
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+def gather_pieces(pieces: list[Piece], spec: FeatureSpec) -> Batch:
+    """One batch of ``spec`` holding the rows of every piece, in order."""
+    if len(pieces) == 1 and pieces[0].plan.identity and pieces[0].lo == 0 and pieces[0].hi == pieces[0].batch.batch_size:
+        p = pieces[0]
+        surface = p.batch.surface if p.plan.surface is None else torch.full_like(p.batch.surface, p.plan.surface)
+        return Batch(dense=p.batch.dense, sparse=p.batch.sparse, sequences=p.batch.sequences, labels=p.batch.labels,
+                     surface=surface, source=p.batch.source, next_items=p.batch.next_items)
+    sequences = {}
+    for event in spec.events:
+        parts, timestamps = [], []
+        for p in pieces:
+            keys = p.plan.events[event.name]
+            seq = p.batch.sequences.get(event.name) if keys is not None else None
+            parts.append((None if seq is None else seq.ids, keys, p))
+            if seq is not None:
+                first, last = _event_span(seq, p.lo, p.hi)
+                timestamps.append(seq.timestamps[first:last])
+        ids = _gather_kjt(parts, [f.name for f in event.features], events=True)
+        sequences[event.name] = EventSequence(ids, torch.cat(timestamps) if timestamps else torch.zeros(0))
+    return Batch(
+        dense=_gather_dense(pieces, spec.num_dense),
+        sparse=_gather_kjt([(p.batch.sparse, p.plan.sparse, p) for p in pieces], [f.name for f in spec.sparse], events=False),
+        sequences=sequences,
+        labels=torch.cat([p.batch.labels[p.lo : p.hi] for p in pieces]),
+        surface=torch.cat([p.batch.surface[p.lo : p.hi] if p.plan.surface is None
+                           else torch.full((p.rows,), p.plan.surface, dtype=torch.int64) for p in pieces]),
+        source=None if any(p.batch.source is None for p in pieces) else torch.cat([p.batch.source[p.lo : p.hi] for p in pieces]),
+        next_items=_gather_targets(pieces),
+    )
+
+
+def _gather_dense(pieces: list[Piece], num_dense: int) -> torch.Tensor:
+    if all(p.batch.dense.shape[1] == num_dense for p in pieces):
+        return torch.cat([p.batch.dense[p.lo : p.hi] for p in pieces])
+    dense = torch.zeros(sum(p.rows for p in pieces), num_dense)
+    row = 0
+    for p in pieces:
+        width = p.batch.dense.shape[1]
+        dense[row : row + p.rows, p.plan.dense_offset : p.plan.dense_offset + width] = p.batch.dense[p.lo : p.hi]
+        row += p.rows
+    return dense
+
+
+def _event_span(seq: EventSequence, lo: int, hi: int) -> tuple[int, int]:
+    lengths = seq.lengths()
+    return int(lengths[:lo].sum()), int(lengths[:hi].sum())
+
+
+def _gather_kjt(parts: list[tuple[KeyedJaggedTensor | None, KeyMap | None, Piece]], keys: list[str], events: bool) -> KeyedJaggedTensor:
+    """The union keys ``keys`` over the rows of every part: ``(source kjt or None, key map or None, piece)``."""
+    num_keys = len(keys)
+    per_part: list[list[torch.Tensor]] = []  # per part, per union key: the key's values for the part's rows
+    lengths, shifts = [], []
+    for kjt, keymap, p in parts:
+        n = p.rows
+        if kjt is None or keymap is None or not len(kjt.keys()):
+            lengths.append(torch.zeros(num_keys, n, dtype=torch.int64))
+            shifts.append(torch.zeros(num_keys, dtype=torch.int64))
+            per_part.append([_EMPTY] * num_keys)
+            continue
+        m, b = len(kjt.keys()), p.batch.batch_size
+        own = kjt.lengths().view(m, b)
+        per_key = own.sum(1)
+        first = torch.cumsum(per_key, 0) - per_key + own[:, : p.lo].sum(1)  # where each key's wanted values start
+        wanted = own[:, p.lo : p.hi]
+        if keymap.identity:
+            part_lengths, stops = wanted, first + wanted.sum(1)
+            bounds = zip(first.tolist(), stops.tolist())
+            values = kjt.values()
+            per_part.append([values[a:z] for a, z in bounds])
+            lengths.append(part_lengths)
+            shifts.append(keymap.offset)
+            continue
+        present, padded = keymap.index >= 0, keymap.pad >= 0
+        source_key = keymap.index.clamp(min=0)
+        part_lengths = torch.where(present[:, None], wanted[source_key], 0)
+        if events and bool(padded.any()):
+            part_lengths = torch.where(padded[:, None], wanted[0][None, :], part_lengths)
+        totals = part_lengths.sum(1).tolist()
+        starts = first[source_key].tolist()
+        values = kjt.values()
+        cut = []
+        for k, (is_present, is_padded) in enumerate(zip(present.tolist(), padded.tolist())):
+            if is_present:
+                cut.append(values[starts[k] : starts[k] + totals[k]])
+            elif is_padded and events:
+                cut.append(torch.zeros(totals[k], dtype=torch.int64))  # the padding id is added with the shifts
+            else:
+                cut.append(_EMPTY)
+        per_part.append(cut)
+        lengths.append(part_lengths)
+        shifts.append(torch.where(padded, keymap.pad, keymap.offset))
+    # key-major order: key 0 of every part, then key 1 of every part, ...
+    pieces = [per_part[i][k] for k in range(num_keys) for i in range(len(parts))]
+    values = torch.cat(pieces) if pieces else _EMPTY
+    shifts_km = torch.stack(shifts, 1).reshape(-1)
+    if bool(shifts_km.any()):
+        totals_km = torch.tensor([t.numel() for t in pieces], dtype=torch.int64)
+        values = values + torch.repeat_interleave(shifts_km, totals_km, output_size=values.numel())
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=torch.cat(lengths, 1).reshape(-1))
+
+
+_EMPTY = torch.zeros(0, dtype=torch.int64)
+
+
+def _gather_targets(pieces: list[Piece]) -> NextItemTargets | None:
+    """The retrieval targets of the pieces' rows (one query per row, or one per history event), concatenated."""
+    targets = [p.batch.next_items for p in pieces]
+    if all(t is None for t in targets):
+        return None
+    first = targets[0]
+    if any(t is None or t.every != first.every or t.loss != first.loss or (t.negatives is None) != (first.negatives is None)
+           for t in targets):
+        raise ValueError("the mixed sources produce different kinds of examples (retrieval targets in some, not in others, "
+                         "or of another kind): every source needs the same objective")
+    positives, negatives = [], []
+    for p, t in zip(pieces, targets):
+        lo, hi = p.lo, p.hi
+        if t.every:
+            (seq,) = p.batch.sequences.values()
+            lo, hi = _event_span(seq, lo, hi)
+        positives.append(t.positives[lo:hi])
+        if t.negatives is not None:
+            negatives.append(t.negatives[lo:hi])
+    return NextItemTargets(every=first.every, positives=torch.cat(positives),
+                           negatives=torch.cat(negatives) if negatives else None, loss=first.loss, catalogue=first.catalogue)

@@ -1,0 +1,123 @@
+"""A time split of a timestamped corpus: train on an offline period and an online stream, evaluate after them.
+
+Two cut-offs, given as quantiles of the corpus' event times, divide it into three periods::
+
+    offline [first event, online_from)   online [online_from, next_from)   next [next_from, last event]
+
+A training example is an event with at least one earlier event of its user (history = the user's events
+before it, target = the event), assigned to the period of its target's time:
+
+- ``offline``: the offline log, read shuffled; each user's last offline event is held out of it;
+- ``online``: the near-real-time stream, read in time order (target time, then file order), as it arrived;
+- ``before_next``: both, shuffled (joint training on everything before the next period).
+
+Evaluation ranks the target among candidates, as ``NextItemDataset.ranking_examples`` does, on two splits:
+``next_period``, every event of the next period (what the model serves after training; a user may have
+several rows, each with the history before that event), and ``offline_period``, the held-out last offline
+event of each user (how much of the offline period is remembered: forgetting). Histories hold every earlier
+event whatever its period, since at serving time they are known inputs, not training targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from gem_data.sequential.corpus import SequenceCorpus
+from gem_data.sequential.examples import NextItemConfig, NextItemDataset, RankingExamples
+from gem_data.sequential.sampling import NegativeSampler, salt_of
+
+Period = Literal["offline", "online", "before_next"]
+PERIODS = ("offline", "online", "before_next")
+SPLITS = ("next_period", "offline_period")
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    online_from: float  # quantile of event times where the online period starts
+    next_from: float  # quantile where the next (evaluation) period starts
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.online_from < self.next_from < 1.0:
+            raise ValueError(f"a time split needs 0 < online_from < next_from < 1, got {self.online_from}, {self.next_from}")
+
+    def cutoffs(self, corpus: SequenceCorpus) -> tuple[float, float]:
+        """The two cut-off times (seconds, as ``corpus.timestamps``)."""
+        quantiles = torch.quantile(corpus.timestamps.double(), torch.tensor([self.online_from, self.next_from], dtype=torch.float64))
+        return float(quantiles[0]), float(quantiles[1])
+
+
+class TimeSplitDataset(NextItemDataset):
+    """The next-item task over one training ``period`` of ``split``; ranking adds the two time-split splits.
+
+    Its training table reads the period's examples in their order: shuffle it for ``offline`` and
+    ``before_next``; read ``online`` unshuffled to replay the stream in time order.
+    """
+
+    def __init__(self, corpus: SequenceCorpus, config: NextItemConfig, split: TimeSplit, period: Period) -> None:
+        if period not in PERIODS:
+            raise ValueError(f"period must be one of {PERIODS}, got {period!r}")
+        if config.objective == "retrieval" and config.queries == "every":
+            raise ValueError("a time split trains on events in time order: use queries = \"last\" (one query per event)")
+        super().__init__(corpus, config)
+        self.split, self.period = split, period
+        self.online_from_time, self.next_from_time = split.cutoffs(corpus)
+        times = corpus.timestamps
+        users = torch.repeat_interleave(torch.arange(corpus.num_users), corpus.lengths())
+        position = torch.arange(times.numel()) - corpus.offsets[users]  # k: the event's index in its user's sequence
+        offline = times < self.online_from_time
+        online = ~offline & (times < self.next_from_time)
+        # each user's last offline event (with a history) is held out: the forgetting split
+        last_offline = torch.full((corpus.num_users,), -1, dtype=torch.int64)
+        last_offline.scatter_reduce_(0, users[offline], torch.arange(times.numel())[offline], reduce="amax")
+        held_out = torch.zeros_like(offline)
+        held_out[last_offline[last_offline >= 0]] = True
+        held_out &= position >= 1
+        trainable = (position >= 1) & ~held_out
+        chosen = {"offline": offline, "online": online, "before_next": offline | online}[period] & trainable
+        events = chosen.nonzero().squeeze(1)
+        if period == "online":
+            events = events[torch.sort(times[events], stable=True).indices]  # time order; ties keep file order
+        self.example_user, self.example_k = users[events], position[events]
+        self.held_out_events = held_out.nonzero().squeeze(1)
+        self.next_events = ((times >= self.next_from_time) & (position >= 1)).nonzero().squeeze(1)
+        self._users, self._position = users, position
+        # popularity negatives follow what this period trains on
+        self.train_counts = torch.bincount(corpus.items[events], minlength=corpus.num_items)
+        if config.sampler == "popularity":
+            self.sampler = NegativeSampler(corpus.num_items, self.owned_keys, "popularity", self.train_counts, config.popularity_power)
+
+    def ranking_examples(self, split: str = "next_period", protocol: str = "sampled", num_negatives: int = 99,
+                         seed: int = 0) -> RankingExamples:
+        """``next_period`` / ``offline_period`` ranking inputs (see the module docstring); ``valid`` / ``test``
+        are the leave-one-out splits of ``NextItemDataset``."""
+        if split in ("valid", "test"):
+            return super().ranking_examples(split, protocol, num_negatives, seed)
+        if split not in SPLITS or protocol not in ("sampled", "full"):
+            raise ValueError(f"split must be one of {SPLITS + ('valid', 'test')} and protocol 'sampled' or 'full', got {split!r}, {protocol!r}")
+        events = self.next_events if split == "next_period" else self.held_out_events
+        users, history_length = self._users[events], self._position[events]
+        target = self.corpus.items[events]
+        if protocol == "full":
+            candidates = torch.arange(self.corpus.num_items).expand(users.numel(), -1)
+            target_index = target
+        else:
+            # NOTE: the same construction as NextItemDataset.ranking_examples: distinct negatives outside the
+            # user's sequence, the target at a seeded random column so that ties cannot favour it
+            generator = torch.Generator().manual_seed(salt_of(seed, 2 if split == "next_period" else 3))
+            negatives = self.sampler.draw_distinct(users, num_negatives, generator)
+            target_index = torch.randint(num_negatives + 1, (users.numel(),), generator=generator)
+            columns = torch.arange(num_negatives + 1)[None, :]
+            source = (columns - (columns > target_index[:, None]).long()).clamp(max=num_negatives - 1)
+            candidates = torch.where(columns == target_index[:, None], target[:, None], negatives.gather(1, source.clamp(min=0)))
+        return RankingExamples(split, protocol, users, self.history(users, history_length), history_length, candidates, target_index)
+
+    def describe(self) -> dict[str, float]:
+        """Sizes of the split, for reports: cut-off times (days since the first event) and event counts."""
+        return {
+            "online_from_day": self.online_from_time / 86400, "next_from_day": self.next_from_time / 86400,
+            "training_examples": float(self.example_user.numel()), "next_period_events": float(self.next_events.numel()),
+            "offline_held_out": float(self.held_out_events.numel()),
+        }

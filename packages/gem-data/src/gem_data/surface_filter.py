@@ -1,0 +1,54 @@
+"""Only some surfaces (domains) of a stream: what a one-model-per-domain baseline trains on.
+
+A model of domain ``d`` trained on the examples of ``d`` that a shared model reads, in the same order and
+with the same number of steps, does exactly the shared model's per-domain share of the work: the models of
+all domains together cost what the shared one costs. That is the comparison this filter makes possible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from gem_kunlun import Batch, FeatureSpec
+
+from gem_data.batch_ops import select_examples
+from gem_data.source import BatchSource
+
+
+class SurfaceFilterStream:
+    """The examples of ``surfaces`` from every global batch of ``global_source``; rank ``rank`` of
+    ``world_size`` gets part ``rank`` of them (sizes differ by at most one); a ``BatchSource``.
+
+    Every rank reads the whole global batch (built with ``rank=0, world_size=1``), so the kept examples of a
+    step do not depend on the number of ranks. Batches vary in size with the domain's share of each global
+    batch; a global batch with fewer kept examples than ranks is skipped, so that no rank gets none.
+    """
+
+    def __init__(self, global_source: BatchSource, surfaces: tuple[int, ...], rank: int = 0, world_size: int = 1) -> None:
+        if not surfaces:
+            raise ValueError("SurfaceFilterStream needs at least one surface to keep")
+        unknown = [s for s in surfaces if not 0 <= s < global_source.spec.num_surfaces]
+        if unknown:
+            raise ValueError(f"surfaces {unknown} lie outside the data's [0, {global_source.spec.num_surfaces})")
+        self.source, self.rank, self.world_size = global_source, rank, world_size
+        self.surfaces = torch.tensor(sorted(set(surfaces)), dtype=torch.int64)
+
+    @property
+    def spec(self) -> FeatureSpec:
+        return self.source.spec
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in self.source:
+            kept = torch.isin(batch.surface, self.surfaces).nonzero().squeeze(1)
+            if kept.numel() < self.world_size:
+                continue
+            yield select_examples(batch, kept.tensor_split(self.world_size)[self.rank])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state)

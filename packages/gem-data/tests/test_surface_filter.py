@@ -1,0 +1,34 @@
+"""One domain of a stream: the examples a per-domain model trains on."""
+
+import itertools
+
+import torch
+
+from gem_data import SurfaceFilterStream, SyntheticConfig, SyntheticGenerator, SyntheticStream, concat_batches, select_examples
+from gem_data.testing import equal_batches
+
+
+def test_keeps_exactly_the_domains_examples_on_any_number_of_ranks():
+    generator = SyntheticGenerator(SyntheticConfig(num_ads=2000, max_events=16))
+    whole = list(itertools.islice(SyntheticStream(generator, 64), 5))
+    one = list(itertools.islice(SurfaceFilterStream(SyntheticStream(generator, 64), (1,)), 5))
+    for batch, kept in zip(whole, one):
+        assert equal_batches(kept, select_examples(batch, (batch.surface == 1).nonzero().squeeze(1)))
+    ranks = [SurfaceFilterStream(SyntheticStream(generator, 64), (1,), rank, 2) for rank in range(2)]
+    for expected, *parts in itertools.islice(zip(one, *ranks), 5):
+        assert equal_batches(concat_batches(parts), expected)
+
+
+def test_resumes_from_the_inner_position():
+    generator = SyntheticGenerator(SyntheticConfig(num_ads=2000, max_events=16))
+    stream = SurfaceFilterStream(SyntheticStream(generator, 32), (0, 2))
+    batches = iter(stream)
+    for _ in range(3):
+        next(batches)
+    state = stream.state_dict()
+    expected = next(batches)
+    resumed = SurfaceFilterStream(SyntheticStream(generator, 32), (0, 2))
+    resumed.load_state_dict(state)
+    got = next(iter(resumed))
+    assert equal_batches(got, expected) and set(got.surface.tolist()) <= {0, 2}
+    assert torch.isin(got.surface, torch.tensor([0, 2])).all()

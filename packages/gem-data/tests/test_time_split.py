@@ -1,0 +1,113 @@
+"""The time split: offline / online / next periods, the online stream in time order, the two evaluation splits."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from gem_data import (
+    MixedStream,
+    MixingConfig,
+    MixSource,
+    NextItemConfig,
+    TableStream,
+    TimeSplit,
+    TimeSplitDataset,
+    concat_batches,
+    read_atomic,
+    select_examples,
+)
+from gem_data.testing import find_repo_root, shared_data_dir
+
+DATA = shared_data_dir(find_repo_root(Path(__file__)))
+SPLIT = TimeSplit(0.6, 0.85)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """40 users rating items at interleaved times (user u's k-th rating at time 1000 * k + 7 * u)."""
+    folder = tmp_path_factory.mktemp("toy") / "toy"
+    folder.mkdir()
+    rows = [f"{u}\t{1 + (u * 5 + 3 * k) % 60}\t{1000 * k + 7 * u}" for u in range(1, 41) for k in range(2 + u % 9)]
+    (folder / "toy.inter").write_text("user_id:token\titem_id:token\ttimestamp:float\n" + "\n".join(reversed(rows)) + "\n")
+    return read_atomic(folder)
+
+
+def dataset(corpus, period, **config):
+    return TimeSplitDataset(corpus, NextItemConfig(num_negatives=0, **config), SPLIT, period)
+
+
+def target_times(data):
+    return data.corpus.timestamps[data.corpus.offsets[data.example_user] + data.example_k]
+
+
+def test_periods_split_events_by_target_time_and_hold_out_the_last_offline_event(corpus):
+    offline, online, both = dataset(corpus, "offline"), dataset(corpus, "online"), dataset(corpus, "before_next")
+    t1, t2 = offline.online_from_time, offline.next_from_time
+    assert 0 < t1 < t2
+    assert bool((target_times(offline) < t1).all()) and bool(((target_times(online) >= t1) & (target_times(online) < t2)).all())
+    assert bool((offline.example_k >= 1).all()) and bool((online.example_k >= 1).all())
+    assert both.num_training_examples == offline.num_training_examples + online.num_training_examples
+    times, users = corpus.timestamps, torch.repeat_interleave(torch.arange(corpus.num_users), corpus.lengths())
+    for event in offline.held_out_events.tolist():
+        user = int(users[event])
+        later_offline = (users == user) & (times < t1) & (torch.arange(times.numel()) > event)
+        assert not bool(later_offline.any())  # each user's last offline event
+    trained = set(zip(offline.example_user.tolist(), offline.example_k.tolist()))
+    held = set(zip(users[offline.held_out_events].tolist(), (offline.held_out_events - corpus.offsets[users[offline.held_out_events]]).tolist()))
+    assert trained.isdisjoint(held) and held
+
+
+def test_the_online_stream_is_read_in_time_order(corpus):
+    online = dataset(corpus, "online")
+    assert bool((target_times(online)[1:] >= target_times(online)[:-1]).all())
+    batch = next(iter(TableStream(online.training_table(), online.num_training_examples, shuffle=False, num_epochs=1)))
+    expected = corpus.items[corpus.offsets[online.example_user] + online.example_k]
+    assert torch.equal(batch.sparse["item_id"].values(), expected)
+    # mixed with the offline log, the online examples keep their order
+    sources = {"offline": TableStream(dataset(corpus, "offline").training_table(), 8),
+               "online": TableStream(online.training_table(), 8, shuffle=False)}
+    mixed = MixedStream(sources, MixingConfig((MixSource("offline"), MixSource("online", online=True)), batch_size=8,
+                                              online_share_start=0.2, online_share_end=0.8, ramp_steps=5))
+    batches = list(itertools.islice(mixed, 6))
+    read = concat_batches([select_examples(b, (b.source == 1).nonzero().squeeze(1)) for b in batches])
+    assert torch.equal(read.sparse["item_id"].values(), expected[: read.batch_size])
+
+
+def test_next_period_ranks_every_later_event_from_the_history_before_it(corpus):
+    data = dataset(corpus, "offline")
+    ranking = data.ranking_examples("next_period", "sampled", num_negatives=5, seed=1)
+    times = corpus.timestamps[corpus.offsets[ranking.users] + ranking.history_length]
+    assert bool((times >= data.next_from_time).all()) and bool((ranking.history_length >= 1).all())
+    assert ranking.num_users == data.next_events.numel() > 0
+    assert torch.equal(ranking.targets(), corpus.items[corpus.offsets[ranking.users] + ranking.history_length])
+    others = ranking.candidates[torch.arange(ranking.num_users)[:, None], torch.arange(6)[None, :]]
+    negatives = others[torch.arange(6)[None, :] != ranking.target_index[:, None]].view(-1, 5)
+    assert not bool(data.sampler.is_owned(ranking.users[:, None], negatives).any())
+    again = data.ranking_examples("next_period", "sampled", num_negatives=5, seed=1)
+    assert torch.equal(again.candidates, ranking.candidates)
+    forgetting = data.ranking_examples("offline_period", "full")
+    users = torch.repeat_interleave(torch.arange(corpus.num_users), corpus.lengths())
+    assert torch.equal(forgetting.users, users[data.held_out_events])
+    assert forgetting.candidates.shape == (forgetting.num_users, corpus.num_items)
+
+
+def test_a_time_split_is_checked():
+    with pytest.raises(ValueError, match="0 < online_from < next_from < 1"):
+        TimeSplit(0.9, 0.5)
+
+
+def test_movielens_time_split(tmp_path):
+    path = DATA / "ml-100k"
+    if not (path / "ml-100k.inter").is_file():
+        pytest.skip(f"shared real data not found at {path} (expected ../shared/data beside the repository)")
+    corpus = read_atomic(path)
+    split = TimeSplit(0.7, 0.9)
+    online = TimeSplitDataset(corpus, NextItemConfig(num_negatives=1), split, "online")
+    offline = TimeSplitDataset(corpus, NextItemConfig(num_negatives=1), split, "offline")
+    described = online.describe()
+    assert 130 < described["online_from_day"] < described["next_from_day"] < 215
+    assert 9_000 < described["next_period_events"] <= 10_000 and 600 < described["offline_held_out"] <= corpus.num_users
+    assert 19_000 < online.num_training_examples <= 20_000 and 65_000 < offline.num_training_examples < 70_000
+    assert bool((target_times(online)[1:] >= target_times(online)[:-1]).all())
