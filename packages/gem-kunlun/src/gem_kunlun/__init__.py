@@ -5,16 +5,9 @@ from gem_kunlun.batch import Batch, EventSequence, NextItemTargets
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import EventType, FeatureSpec, SparseFeature
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads, multitask_loss
+from gem_kunlun.event_personalization import EventPersonalization
 from gem_kunlun.interformer import InterFormerConfig, InterFormerLayer, InterFormerModel
-from gem_kunlun.kunlun import (
-    KUNLUN_SIZES,
-    EventPersonalization,
-    KunlunConfig,
-    KunlunEncoder,
-    KunlunLayer,
-    KunlunModel,
-    KunlunTrunk,
-)
+from gem_kunlun.kunlun import KUNLUN_SIZES, KunlunConfig, KunlunEncoder, KunlunLayer, KunlunModel, KunlunTrunk
 from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatch
 from gem_kunlun.retrieval import next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel

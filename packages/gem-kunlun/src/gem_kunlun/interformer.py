@@ -22,8 +22,10 @@ from torch import nn
 from gem_kunlun.batch import Batch
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
-from gem_kunlun.kunlun import KunlunConfig, KunlunEncoder, LocalAttention, PersonalizedFFN
+from gem_kunlun.kunlun import KunlunConfig, KunlunEncoder
+from gem_kunlun.local_attention import LocalAttention
 from gem_kunlun.norm import LayerNorm
+from gem_kunlun.pffn import PersonalizedFFN
 from gem_kunlun.summarization import PMA
 
 

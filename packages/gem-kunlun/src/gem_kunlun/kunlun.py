@@ -15,6 +15,10 @@ history ``S [T, D]``:
 the heads. CompSkip switches sequence components off per layer: a skipped component
 passes its input on unchanged. Before the layers, each event type may get its own width, heads, window and
 depth (event-level personalization), then all types are projected to ``D`` and merged in time order.
+
+Each component has its own module: ``pffn`` (PersonalizedFFN), ``local_attention`` (LocalAttention),
+``compskip`` (the skip schedule), ``event_personalization`` (EventPersonalization, EventEncoder),
+``summarization`` (PMA, HSP), ``moe`` (the Wukong experts), ``rote``; this one assembles them.
 """
 
 from __future__ import annotations
@@ -27,29 +31,20 @@ from torch import nn
 from torch.nn import functional as F
 from torchrec import KeyedJaggedTensor
 
-from gem_kernels import block_attention, gdpa, jagged_flash_attention
 from gem_kunlun.batch import Batch
+from gem_kunlun.compskip import check_skip_schedule, skipped_components
 from gem_kunlun.embedding import FeatureEmbedding, ItemTower
+from gem_kunlun.event_personalization import EventEncoder, EventPersonalization
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
+from gem_kunlun.local_attention import LocalAttention
 from gem_kunlun.moe import MixtureOfExperts
 from gem_kunlun.norm import LayerNorm
+from gem_kunlun.pffn import PersonalizedFFN
 from gem_kunlun.retrieval import retrieval_logits, scored_item_ids
-from gem_kunlun.rote import apply_rotary, time_gap_positions
+from gem_kunlun.rote import time_gap_positions
 from gem_kunlun.sequence import keep_latest, merge_by_time
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling
-
-SEQUENCE_COMPONENTS = ("summary", "pffn", "attention")
-
-
-@dataclass(frozen=True)
-class EventPersonalization:
-    """How one event type is encoded before the merge."""
-
-    width: int | None = None  # embedding width of its ids (None: the model width)
-    num_layers: int = 0  # self-attention layers over this type's events alone
-    num_heads: int = 2
-    window: int = 32  # each event sees events within this many positions in those layers
 
 
 @dataclass(frozen=True)
@@ -98,17 +93,10 @@ class KunlunConfig:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
         if self.recent_tokens < 0:
             raise ValueError(f"recent_tokens must be >= 0, got {self.recent_tokens}")
-        if len(self.skip) > self.num_layers:
-            raise ValueError(f"skip lists {len(self.skip)} layers but the model has {self.num_layers}")
-        for i, components in enumerate(self.skip):
-            unknown = set(components) - set(SEQUENCE_COMPONENTS)
-            if unknown:
-                raise ValueError(f"skip[{i}] names unknown components {sorted(unknown)}; known: {SEQUENCE_COMPONENTS}")
-        if self.skip and "summary" in self.skip[0]:
-            raise ValueError("skip[0] cannot switch off 'summary': the first layer has no earlier summary to pass on")
+        check_skip_schedule(self.skip, self.num_layers)
 
     def skipped(self, layer: int) -> set[str]:
-        return set(self.skip[layer]) if layer < len(self.skip) else set()
+        return skipped_components(self.skip, layer)
 
 
 KUNLUN_SIZES = {
@@ -123,79 +111,6 @@ KUNLUN_SIZES = {
                           num_experts=16, expert_rank=32, expert_hidden=2048, hidden=(2048, 512),
                           max_seq_len=8192, window_blocks=8),
 }
-
-
-class LocalAttention(nn.Module):
-    """Pre-norm self-attention over a jagged sequence restricted to nearby events (blocks or a window)."""
-
-    def __init__(self, dim: int, num_heads: int, mode: str, block_size: int, window_blocks: int, window: int,
-                 rote: bool, kernel: str, device=None) -> None:
-        super().__init__()
-        self.dim, self.num_heads, self.mode = dim, num_heads, mode
-        self.block_size, self.window_blocks, self.window, self.rote, self.kernel = block_size, window_blocks, window, rote, kernel
-        self.norm = LayerNorm(dim, kernel=kernel, device=device)
-        self.qkv = nn.Linear(dim, 3 * dim, device=device)
-        self.out = nn.Linear(dim, dim, device=device)
-
-    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
-        h, d = self.num_heads, self.dim // self.num_heads
-        q, k, v = self.qkv(self.norm(seq)).view(-1, 3, h, d).unbind(1)
-        if self.rote:
-            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
-        if self.mode == "block":
-            o = block_attention(q, k, v, offsets, block_size=self.block_size, window_blocks=self.window_blocks,
-                                max_seq_len=max_len, kernel=self.kernel, validate=False)
-        else:
-            o = jagged_flash_attention(q, k, v, offsets, max_len, window=self.window, kernel=self.kernel, validate=False)
-        return seq + self.out(o.reshape(-1, self.dim))
-
-    def visible_pairs(self, lengths: torch.Tensor) -> float:
-        """Query-key pairs the attention computes over real tokens."""
-        if lengths.numel() == 0 or int(lengths.max()) == 0:
-            return 0.0
-        i = torch.arange(int(lengths.max()), device=lengths.device)[None, :]
-        n = lengths[:, None]
-        if self.mode == "block":
-            block = i // self.block_size
-            hi = torch.minimum((block + 1) * self.block_size, n)
-            lo = ((block - self.window_blocks + 1) * self.block_size).clamp(min=0)
-        else:
-            hi = torch.minimum(i + self.window + 1, n)
-            lo = (i - self.window).clamp(min=0)
-        return float(((hi - lo) * (i < n)).sum())
-
-    def flops(self, lengths: torch.Tensor) -> float:
-        tokens = float(lengths.sum())
-        return 2.0 * self.dim * 4 * self.dim * tokens + 4.0 * self.dim * self.visible_pairs(lengths)
-
-
-class PersonalizedFFN(nn.Module):
-    """pFFN: ``S += W_o GDPA(q = W_q S, k/v = per-head projections of the example's X_sum)``.
-
-    With a pointwise activation this is a per-example two-layer FFN whose hidden units are the summary
-    tokens: the non-sequence side parameterises how every event of the history is transformed.
-    """
-
-    def __init__(self, dim: int, num_heads: int, num_tokens: int, activation: str, kernel: str, device=None) -> None:
-        super().__init__()
-        self.dim, self.num_heads, self.num_tokens, self.activation, self.kernel = dim, num_heads, num_tokens, activation, kernel
-        self.norm = LayerNorm(dim, kernel=kernel, device=device)
-        self.q = nn.Linear(dim, dim, device=device)
-        self.kv = nn.Linear(dim, 2 * dim, device=device)
-        self.out = nn.Linear(dim, dim, device=device)
-
-    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, x_sum: torch.Tensor, max_len: int) -> torch.Tensor:
-        h, d, b = self.num_heads, self.dim // self.num_heads, x_sum.shape[0]
-        q = self.q(self.norm(seq)).view(-1, h, d)
-        k, v = self.kv(x_sum).reshape(-1, 2, h, d).unbind(1)  # [B * n, H, d]
-        kv_offsets = torch.arange(0, (b + 1) * self.num_tokens, self.num_tokens, device=seq.device)
-        o = gdpa(q, k, v, offsets, kv_offsets, activation=self.activation, max_seq_len_q=max_len,
-                 max_seq_len_kv=self.num_tokens, kernel=self.kernel, validate=False)
-        return seq + self.out(o.reshape(-1, self.dim))
-
-    def flops(self, tokens: float, batch_size: int) -> float:
-        return (2.0 * self.dim * 2 * self.dim * tokens + 2.0 * self.dim * 2 * self.dim * self.num_tokens * batch_size
-                + 4.0 * self.num_tokens * self.dim * tokens)
 
 
 class KunlunLayer(nn.Module):
@@ -256,35 +171,6 @@ class KunlunLayer(nn.Module):
         if self.attention is not None:
             table["attention"] = self.attention.flops(lengths)
         return table
-
-
-class EventEncoder(nn.Module):
-    """Event-level personalization: a few windowed self-attention + FFN layers over one event type alone,
-    at that type's own width, then a projection to the model width."""
-
-    def __init__(self, width: int, dim: int, p: EventPersonalization, rote: bool, kernel: str, device=None) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(
-            LocalAttention(width, p.num_heads, "window", 64, 1, p.window, rote, kernel, device=device) for _ in range(p.num_layers)
-        )
-        self.ffn_norms = nn.ModuleList(LayerNorm(width, kernel=kernel, device=device) for _ in range(p.num_layers))
-        self.ffns = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, 2 * width, device=device), nn.GELU(), nn.Linear(2 * width, width, device=device))
-            for _ in range(p.num_layers)
-        )
-        self.project = nn.Linear(width, dim, device=device) if width != dim else nn.Identity()
-        self.width = width
-
-    def forward(self, events, offsets, positions, max_len):
-        for attention, norm, ffn in zip(self.layers, self.ffn_norms, self.ffns):
-            events = attention(events, offsets, positions, max_len)
-            events = events + ffn(norm(events))
-        return self.project(events)
-
-    def flops(self, lengths: torch.Tensor, dim: int) -> float:
-        tokens = float(lengths.sum())
-        per_layer = sum(a.flops(lengths) for a in self.layers) + len(self.ffns) * 2.0 * (2 * self.width * self.width * 2) * tokens
-        return per_layer + (2.0 * self.width * dim * tokens if self.width != dim else 0.0)
 
 
 class KunlunEncoder(nn.Module):

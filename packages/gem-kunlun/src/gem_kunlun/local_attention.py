@@ -1,0 +1,59 @@
+"""Local self-attention over a jagged history: BlockAttention or a sliding window, with ROTE positions.
+
+Recent events matter most and histories are long, so each event attends only to its neighbourhood: its own
+block and a few blocks before it (``mode="block"``, cost linear in the length), or the events within
+``window`` positions (``mode="window"``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gem_kernels import block_attention, jagged_flash_attention
+from gem_kunlun.norm import LayerNorm
+from gem_kunlun.rote import apply_rotary
+
+
+class LocalAttention(nn.Module):
+    """Pre-norm self-attention over a jagged sequence restricted to nearby events (blocks or a window)."""
+
+    def __init__(self, dim: int, num_heads: int, mode: str, block_size: int, window_blocks: int, window: int,
+                 rote: bool, kernel: str, device=None) -> None:
+        super().__init__()
+        self.dim, self.num_heads, self.mode = dim, num_heads, mode
+        self.block_size, self.window_blocks, self.window, self.rote, self.kernel = block_size, window_blocks, window, rote, kernel
+        self.norm = LayerNorm(dim, kernel=kernel, device=device)
+        self.qkv = nn.Linear(dim, 3 * dim, device=device)
+        self.out = nn.Linear(dim, dim, device=device)
+
+    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+        h, d = self.num_heads, self.dim // self.num_heads
+        q, k, v = self.qkv(self.norm(seq)).view(-1, 3, h, d).unbind(1)
+        if self.rote:
+            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+        if self.mode == "block":
+            o = block_attention(q, k, v, offsets, block_size=self.block_size, window_blocks=self.window_blocks,
+                                max_seq_len=max_len, kernel=self.kernel, validate=False)
+        else:
+            o = jagged_flash_attention(q, k, v, offsets, max_len, window=self.window, kernel=self.kernel, validate=False)
+        return seq + self.out(o.reshape(-1, self.dim))
+
+    def visible_pairs(self, lengths: torch.Tensor) -> float:
+        """Query-key pairs the attention computes over real tokens."""
+        if lengths.numel() == 0 or int(lengths.max()) == 0:
+            return 0.0
+        i = torch.arange(int(lengths.max()), device=lengths.device)[None, :]
+        n = lengths[:, None]
+        if self.mode == "block":
+            block = i // self.block_size
+            hi = torch.minimum((block + 1) * self.block_size, n)
+            lo = ((block - self.window_blocks + 1) * self.block_size).clamp(min=0)
+        else:
+            hi = torch.minimum(i + self.window + 1, n)
+            lo = (i - self.window).clamp(min=0)
+        return float(((hi - lo) * (i < n)).sum())
+
+    def flops(self, lengths: torch.Tensor) -> float:
+        tokens = float(lengths.sum())
+        return 2.0 * self.dim * 4 * self.dim * tokens + 4.0 * self.dim * self.visible_pairs(lengths)
