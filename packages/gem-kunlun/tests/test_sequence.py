@@ -2,7 +2,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gem_kunlun import jagged_to_padded, lengths_to_offsets, merge_by_time
+from gem_kunlun import jagged_slices, jagged_to_padded, lengths_to_offsets, merge_by_time
 
 
 def merge_reference(values, lengths, timestamps):
@@ -60,3 +60,13 @@ def test_jagged_to_padded_keeps_latest_events():
     assert padded[0, :3, 0].tolist() == [0.0, 1.0, 2.0]
     assert padded[2, :, 0].tolist() == [6.0, 7.0, 8.0, 9.0]  # the last 4 of 7 events
     assert float(padded[1].abs().sum()) == 0.0
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(slices=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 4)), min_size=0, max_size=6))
+def test_jagged_slices_take_each_run_of_rows_in_order(slices):
+    starts = torch.tensor([s for s, _ in slices], dtype=torch.int64)
+    lengths = torch.tensor([n for _, n in slices], dtype=torch.int64)
+    index, offsets = jagged_slices(starts, lengths)
+    assert torch.equal(index, torch.tensor([s + i for s, n in slices for i in range(n)], dtype=torch.int64))
+    assert torch.equal(offsets, lengths_to_offsets(lengths))

@@ -12,7 +12,7 @@ from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatc
 from gem_kunlun.retrieval import next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
-from gem_kunlun.sequence import jagged_to_padded, lengths_to_offsets, merge_by_time
+from gem_kunlun.sequence import jagged_slices, jagged_to_padded, lengths_to_offsets, merge_by_time, segment_ids
 
 __all__ = [
     "BaselineConfig",
@@ -46,6 +46,7 @@ __all__ = [
     "SasrecConfig",
     "SasrecModel",
     "SparseFeature",
+    "jagged_slices",
     "jagged_to_padded",
     "local_dispatch",
     "lengths_to_offsets",
@@ -54,4 +55,5 @@ __all__ = [
     "next_item_loss",
     "retrieval_logits",
     "scored_item_ids",
+    "segment_ids",
 ]

@@ -13,18 +13,14 @@ from __future__ import annotations
 import torch
 
 from gem_kunlun.batch import Batch
-from gem_kunlun.sequence import lengths_to_offsets
+from gem_kunlun.sequence import jagged_slices
 
 
 def repeat_jagged(offsets: torch.Tensor, times: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Index ``[T']`` into a jagged tensor's rows and new offsets ``[B * times + 1]`` that repeat each of its
     ``B`` sequences ``times`` times in a row (sequence 0 ``times`` times, then sequence 1, ...)."""
     lengths = (offsets[1:] - offsets[:-1]).repeat_interleave(times)
-    new_offsets = lengths_to_offsets(lengths)
-    starts = offsets[:-1].repeat_interleave(times)
-    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
-    within = torch.arange(int(new_offsets[-1]), device=offsets.device) - new_offsets[:-1][example]
-    return starts[example] + within, new_offsets
+    return jagged_slices(offsets[:-1].repeat_interleave(times), lengths)
 
 
 @torch.no_grad()

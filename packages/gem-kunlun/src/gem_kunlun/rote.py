@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from gem_kernels.jagged import segment_ids
+
 
 def time_gap_positions(timestamps: torch.Tensor, offsets: torch.Tensor, unit_seconds: float = 60.0) -> torch.Tensor:
     """``log(1 + gap / unit)`` per event, the gap measured back from the example's latest event; ``[T]`` float32."""
     lengths = offsets[1:] - offsets[:-1]
-    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=timestamps.device), lengths)
+    example = segment_ids(lengths)
     latest = torch.full((lengths.numel(),), float("-inf"), device=timestamps.device, dtype=timestamps.dtype)
     latest = latest.scatter_reduce(0, example, timestamps, "amax", include_self=True)
     gap = (latest[example] - timestamps).clamp(min=0).float()

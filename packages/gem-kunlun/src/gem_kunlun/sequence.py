@@ -1,8 +1,11 @@
-"""Jagged sequence plumbing: merging event types in time order (OneSeq) and padding for dense math."""
+"""Jagged sequence plumbing: merging event types in time order (OneSeq), truncating, slicing, padding for dense
+math. ``segment_ids`` (which sequence owns each row) comes from gem-kernels, the lowest package that needs it."""
 
 from __future__ import annotations
 
 import torch
+
+from gem_kernels.jagged import segment_ids
 
 
 def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -21,10 +24,7 @@ def merge_by_time(
     merged event. Ties in time keep the order of the inputs. Runs as two stable sorts, no loop over examples.
     """
     device = values[0].device
-    batch_size = lengths[0].numel()
-    example = torch.cat(
-        [torch.repeat_interleave(torch.arange(batch_size, device=device), n) for n in lengths]
-    )
+    example = torch.cat([segment_ids(n) for n in lengths])
     event_type = torch.cat([torch.full((v.shape[0],), i, dtype=torch.int64, device=device) for i, v in enumerate(values)])
     time = torch.cat(timestamps)
     # NOTE: sort by time first, then stably by example: events end up grouped per example, in time order.
@@ -57,9 +57,18 @@ def keep_latest(offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torc
 
     Returns ``(index [T'], offsets [B+1])`` so that ``values[index]`` is the truncated jagged tensor.
     """
-    lengths = offsets[1:] - offsets[:-1]
-    kept = lengths.clamp(max=max_len)
-    new_offsets = lengths_to_offsets(kept)
-    example = torch.repeat_interleave(torch.arange(kept.numel(), device=offsets.device), kept)
-    within = torch.arange(int(new_offsets[-1]), device=offsets.device) - new_offsets[:-1][example]
-    return offsets[1:][example] - kept[example] + within, new_offsets
+    kept = (offsets[1:] - offsets[:-1]).clamp(max=max_len)
+    return jagged_slices(offsets[1:] - kept, kept)
+
+
+def jagged_slices(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a jagged tensor that make sequence ``b`` of a new one from ``lengths[b]`` rows starting at row
+    ``starts[b]`` (``starts``, ``lengths``: ``[B]``), and the new offsets.
+
+    Returns ``(index [T'], offsets [B+1])`` so that ``values[index]`` is the new jagged tensor.
+    """
+    new_offsets = lengths_to_offsets(lengths)
+    total = int(new_offsets[-1])
+    example = segment_ids(lengths, total)
+    within = torch.arange(total, device=lengths.device) - new_offsets[:-1][example]
+    return starts[example] + within, new_offsets

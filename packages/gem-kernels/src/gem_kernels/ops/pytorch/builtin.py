@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from gem_kernels.jagged import segment_ids
 from gem_kernels.ops.pytorch.pt_activations import pt_pointwise
 from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
 
@@ -41,9 +42,7 @@ def _flex_attention(device: torch.device):
 def block_key_ranges(offsets: torch.Tensor, total: int, block_size: int, window_blocks: int):
     """Per packed token ``t < total``: the half-open range ``[lo, hi)`` of packed key rows it sees under
     BlockAttention (its block and the ``window_blocks - 1`` blocks before it, within its own sequence)."""
-    lengths = offsets[1:] - offsets[:-1]
-    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
-                                      output_size=total)
+    example = segment_ids(offsets[1:] - offsets[:-1], total)
     start, end = offsets[:-1][example], offsets[1:][example]
     block = (torch.arange(total, device=offsets.device) - start) // block_size
     lo = start + ((block - window_blocks + 1).clamp(min=0) * block_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from gem_kernels.jagged import segment_ids
 from gem_kernels.ops.pytorch.pt_activations import pt_pointwise
 
 _MASKED = -1.0e30  # finite, so a fully masked row gives a uniform (then zeroed) softmax instead of NaN
@@ -27,7 +28,7 @@ def _to_padded(values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
 
 def _from_padded(padded: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:
     tok = torch.arange(total, device=padded.device)
-    b = torch.searchsorted(offsets, tok, right=True) - 1
+    b = segment_ids(offsets[1:] - offsets[:-1], total)
     return padded[b, tok - offsets[b]]
 
 
