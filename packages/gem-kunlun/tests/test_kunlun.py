@@ -100,6 +100,14 @@ def test_event_personalization_changes_widths_and_flops():
         KunlunModel(SPEC, dataclasses.replace(TINY, events={"click": EventPersonalization()}))
 
 
+def test_unknown_event_names_are_reported_under_the_field_that_set_them():
+    from gem_kunlun.event_personalization import check_event_names
+
+    check_event_names(["buy"], SPEC)
+    with pytest.raises(ValueError, match=r"^model\.kunlun\.events names unknown event types \['click'\]; the data has"):
+        check_event_names(["buy", "click"], SPEC, field="model.kunlun.events")
+
+
 def test_attention_flops_count_real_pairs_only():
     model = build()
     attention = model.layers[0].attention  # blocks of 4, window of 2 blocks

@@ -7,11 +7,13 @@ projected to the model width so that all types can be merged into one sequence (
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from gem_kunlun.features import FeatureSpec
 from gem_kunlun.local_attention import LocalAttention
 from gem_kunlun.norm import LayerNorm
 
@@ -24,6 +26,14 @@ class EventPersonalization:
     num_layers: int = 0  # self-attention layers over this type's events alone
     num_heads: int = 2
     window: int = 32  # each event sees events within this many positions in those layers
+
+
+def check_event_names(names: Iterable[str], spec: FeatureSpec, field: str = "events") -> None:
+    """Raise ``ValueError`` when ``names`` (the keys of a personalization table set by ``field``) include an
+    event type the data does not have: a misspelt name would otherwise leave its type silently unpersonalized."""
+    unknown = sorted(set(names) - {e.name for e in spec.events})
+    if unknown:
+        raise ValueError(f"{field} names unknown event types {unknown}; the data has {[e.name for e in spec.events]}")
 
 
 class EventEncoder(nn.Module):

@@ -34,7 +34,7 @@ from torchrec import KeyedJaggedTensor
 from gem_kunlun.batch import Batch
 from gem_kunlun.compskip import check_skip_schedule, skipped_components
 from gem_kunlun.embedding import FeatureEmbedding, ItemTower
-from gem_kunlun.event_personalization import EventEncoder, EventPersonalization
+from gem_kunlun.event_personalization import EventEncoder, EventPersonalization, check_event_names
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
 from gem_kunlun.local_attention import LocalAttention
@@ -182,15 +182,13 @@ class KunlunEncoder(nn.Module):
     def __init__(self, spec: FeatureSpec, config: KunlunConfig, device: torch.device | None = None) -> None:
         super().__init__()
         c, d = config, config.d_model
-        unknown = sorted(set(c.events) - {e.name for e in spec.events})
-        if unknown:
-            raise ValueError(f"events names unknown event types {unknown}; the data has {[e.name for e in spec.events]}")
+        check_event_names(c.events, spec)
         self.spec, self.config = spec, config
-        widths = {e.name: (c.events.get(e.name) or EventPersonalization()).width or d for e in spec.events}
+        personal = {e.name: c.events.get(e.name) or EventPersonalization() for e in spec.events}
+        widths = {name: p.width or d for name, p in personal.items()}
         self.embedding = FeatureEmbedding(spec, d, event_dims=widths, device=device)
         self.event_encoders = nn.ModuleDict(
-            {name: EventEncoder(widths[name], d, c.events.get(name) or EventPersonalization(), c.rote, c.kernel, device=device)
-             for name in widths}
+            {name: EventEncoder(widths[name], d, p, c.rote, c.kernel, device=device) for name, p in personal.items()}
         )
         self.event_type = nn.Embedding(len(spec.events), d, device=device)
         self.num_tokens = len(spec.sparse) + 1
