@@ -118,6 +118,64 @@ def _segments(first_lo, last_hi, full_lo, full_hi, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _key_tiles(m0, q_len, k_len, Wl, Wr, BS, KB, MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The key tiles of the query tile starting at m0, as ``_segments`` splits them."""
+    m1 = tl.minimum(m0 + BLOCK_M, q_len)
+    first_lo, full_hi = _key_range(m0, Wl, Wr, BS, KB, MASK_KIND)
+    full_lo, last_hi = _key_range(m1 - 1, Wl, Wr, BS, KB, MASK_KIND)
+    return _segments(first_lo, last_hi + 1, full_lo, full_hi + 1, k_len, BLOCK_N)
+
+
+@triton.jit
+def _visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND: tl.constexpr):
+    """[BLOCK_M, BLOCK_N]: key offs_n[j] lies in its sequence (kmask) and is visible to query offs_m[i]."""
+    lo, hi = _key_range(offs_m, Wl, Wr, BS, KB, MASK_KIND)
+    return (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]) & kmask[None, :]
+
+
+@triton.jit
+def _load_rows(base, rows, stride_t, offs_d, mask, MASKED: tl.constexpr):
+    """The [rows, BLOCK_D] tile of one head (``base`` points at its row 0), zeros where ``mask`` is off;
+    MASKED=False loads tiles known to lie inside the sequence without a mask."""
+    ptrs = base + rows[:, None] * stride_t + offs_d[None, :]
+    if MASKED:
+        x = tl.load(ptrs, mask=mask[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _load_cols(base, rows, stride_t, offs_d, mask, MASKED: tl.constexpr):
+    """``_load_rows`` transposed: the [BLOCK_D, rows] tile, the operand of a product with rows as columns."""
+    ptrs = base + rows[None, :] * stride_t + offs_d[:, None]
+    if MASKED:
+        x = tl.load(ptrs, mask=mask[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_rows(base, rows, stride_t, offs_d, x, mask):
+    tl.store(base + rows[:, None] * stride_t + offs_d[None, :], x, mask=mask[:, None])
+
+
+@triton.jit
+def _load_softmax_stats(LSE_base, DELTA_base, rows, stride_lt, mask, MASKED: tl.constexpr):
+    """A softmax head's log-sum-exp and ``delta = rowsum(dO * O)`` for ``rows``; rows outside the sequence get
+    an LSE so large that ``exp2(s - lse)`` is 0 for them."""
+    if MASKED:
+        lse = tl.load(LSE_base + rows * stride_lt, mask=mask, other=1.0e30)
+        delta = tl.load(DELTA_base + rows * stride_lt, mask=mask, other=0.0)
+    else:
+        lse = tl.load(LSE_base + rows * stride_lt)
+        delta = tl.load(DELTA_base + rows * stride_lt)
+    return lse, delta
+
+
+@triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, start, end, k_len,
     qk_scale, Wl, Wr, BS, KB,
@@ -126,19 +184,12 @@ def _fwd_tiles(
 ):
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kt_ptrs = K_base + offs_n[None, :] * stride_kt + offs_d[:, None]
-        v_ptrs = V_base + offs_n[:, None] * stride_vt + offs_d[None, :]
-        if MASKED:
-            kmask = offs_n < k_len
-            kt = tl.load(kt_ptrs, mask=kmask[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
-            v = tl.load(v_ptrs)
+        kmask = offs_n < k_len
+        kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)
+        v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, MASKED)
         s = tl.dot(q, kt, input_precision=PREC)
         if MASKED:
-            lo, hi = _key_range(offs_m, Wl, Wr, BS, KB, MASK_KIND)
-            allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]) & kmask[None, :]
+            allowed = _visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND)
         if ACT == 0:
             s = s * qk_scale
             if MASKED:
@@ -158,7 +209,9 @@ def _fwd_tiles(
 
 
 @triton.jit
-def _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr):
+def _q_rows(Q_OFF, b, NQ, Q_JAGGED: tl.constexpr):
+    """Example b's queries: first row in Q, count, first row of its outputs. Broadcast queries (PMA) are the
+    NQ rows of Q, shared, with outputs of their own per example."""
     if Q_JAGGED:
         q_start = tl.load(Q_OFF + b)
         q_len = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
@@ -167,12 +220,25 @@ def _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED: tl.constexpr, HAS_KV_IDX
         q_start = tl.full([], 0, tl.int64)
         q_len = NQ
         o_start = b.to(tl.int64) * NQ
+    return q_start, q_len, o_start
+
+
+@triton.jit
+def _kv_rows(KV_OFF, r):
+    """Kv sequence r: first row in K / V and count."""
+    k_start = tl.load(KV_OFF + r)
+    k_len = (tl.load(KV_OFF + r + 1) - k_start).to(tl.int32)
+    return k_start, k_len
+
+
+@triton.jit
+def _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr):
+    q_start, q_len, o_start = _q_rows(Q_OFF, b, NQ, Q_JAGGED)
     if HAS_KV_IDX:
         r = tl.load(KV_IDX + b)
     else:
         r = b
-    k_start = tl.load(KV_OFF + r)
-    k_len = (tl.load(KV_OFF + r + 1) - k_start).to(tl.int32)
+    k_start, k_len = _kv_rows(KV_OFF, r)
     return q_start, q_len, o_start, k_start, k_len
 
 
@@ -194,14 +260,10 @@ def attn_fwd_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         qmask = offs_m < q_len
-        q = tl.load(Q + h * stride_qh + (q_start + offs_m)[:, None] * stride_qt + offs_d[None, :],
-                    mask=qmask[:, None], other=0.0)
+        q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
         K_base = K + h * stride_kh + k_start * stride_kt
         V_base = V + h * stride_vh + k_start * stride_vt
-        m1 = tl.minimum(m0 + BLOCK_M, q_len)
-        first_lo, full_hi = _key_range(m0, Wl, Wr, BS, KB, MASK_KIND)
-        full_lo, last_hi = _key_range(m1 - 1, Wl, Wr, BS, KB, MASK_KIND)
-        lo_al, fs, fe, hi = _segments(first_lo, last_hi + 1, full_lo, full_hi + 1, k_len, BLOCK_N)
+        lo_al, fs, fe, hi = _key_tiles(m0, q_len, k_len, Wl, Wr, BS, KB, MASK_KIND, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -224,8 +286,7 @@ def attn_fwd_kernel(
             tl.store(LSE + (o_start + offs_m) * stride_lt + h, lse, mask=qmask)
         else:
             out = acc * out_scale
-        tl.store(O + h * stride_oh + (o_start + offs_m)[:, None] * stride_ot + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=qmask[:, None])
+        _store_rows(O + h * stride_oh, o_start + offs_m, stride_ot, offs_d, out.to(O.dtype.element_ty), qmask)
 
 
 @triton.jit
@@ -237,15 +298,9 @@ def _bwd_kv_tiles(
 ):
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        q_ptrs = Q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
-        do_ptrs = DO_base + offs_m[:, None] * stride_dot + offs_d[None, :]
-        if MASKED:
-            qmask = offs_m < q_len
-            q = tl.load(q_ptrs, mask=qmask[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=qmask[:, None], other=0.0)
-        else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
+        qmask = offs_m < q_len
+        q = _load_rows(Q_base, offs_m, stride_qt, offs_d, qmask, MASKED)
+        do = _load_rows(DO_base, offs_m, stride_dot, offs_d, qmask, MASKED)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         if MASKED:
@@ -253,12 +308,7 @@ def _bwd_kv_tiles(
             allowed = ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] <= hi[None, :])
                        & qmask[None, :] & (offs_n < k_len)[:, None])
         if ACT == 0:
-            if MASKED:
-                lse = tl.load(LSE_base + offs_m * stride_lt, mask=qmask, other=1.0e30)
-                delta = tl.load(DELTA_base + offs_m * stride_lt, mask=qmask, other=0.0)
-            else:
-                lse = tl.load(LSE_base + offs_m * stride_lt)
-                delta = tl.load(DELTA_base + offs_m * stride_lt)
+            lse, delta = _load_softmax_stats(LSE_base, DELTA_base, offs_m, stride_lt, qmask, MASKED)
             p_t = tl.exp2(s_t * qk_scale - lse[None, :])
             if MASKED:
                 p_t = tl.where(allowed, p_t, 0.0)
@@ -286,17 +336,14 @@ def attn_bwd_dkdv_kernel(
     pid_n = tl.program_id(0)
     r = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
-    k_start = tl.load(KV_OFF + r)
-    k_len = (tl.load(KV_OFF + r + 1) - k_start).to(tl.int32)
+    k_start, k_len = _kv_rows(KV_OFF, r)
     n0 = pid_n * BLOCK_N
     if n0 < k_len:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         kmask = offs_n < k_len
-        k = tl.load(K + h * stride_kh + (k_start + offs_n)[:, None] * stride_kt + offs_d[None, :],
-                    mask=kmask[:, None], other=0.0)
-        v = tl.load(V + h * stride_vh + (k_start + offs_n)[:, None] * stride_vt + offs_d[None, :],
-                    mask=kmask[:, None], other=0.0)
+        k = _load_rows(K + h * stride_kh, k_start + offs_n, stride_kt, offs_d, kmask, True)
+        v = _load_rows(V + h * stride_vh, k_start + offs_n, stride_vt, offs_d, kmask, True)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         n1 = tl.minimum(n0 + BLOCK_N, k_len)
@@ -315,14 +362,7 @@ def attn_bwd_dkdv_kernel(
                 b = tl.load(CAND_IDS + c)
             else:
                 b = c
-            if Q_JAGGED:
-                q_start = tl.load(Q_OFF + b)
-                q_len = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
-                o_start = q_start
-            else:
-                q_start = tl.full([], 0, tl.int64)
-                q_len = NQ
-                o_start = b.to(tl.int64) * NQ
+            q_start, q_len, o_start = _q_rows(Q_OFF, b, NQ, Q_JAGGED)
             lo_al, fs, fe, hi = _segments(first_lo, last_hi + 1, full_lo, full_hi + 1, q_len, BLOCK_M)
             Q_base = Q + h * stride_qh + q_start * stride_qt
             DO_base = DO + h * stride_doh + o_start * stride_dot
@@ -337,10 +377,10 @@ def attn_bwd_dkdv_kernel(
             dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot,
                                    stride_lt, offs_n, offs_d, fe, hi, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
                                    ACT, MASK_KIND, True, PREC, BLOCK_M)
-        tl.store(DK + h * stride_dkh + (k_start + offs_n)[:, None] * stride_dkt + offs_d[None, :],
-                 (dk * dk_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
-        tl.store(DV + h * stride_dvh + (k_start + offs_n)[:, None] * stride_dvt + offs_d[None, :],
-                 (dv * dv_scale).to(DV.dtype.element_ty), mask=kmask[:, None])
+        _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, (dk * dk_scale).to(DK.dtype.element_ty),
+                    kmask)
+        _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d, (dv * dv_scale).to(DV.dtype.element_ty),
+                    kmask)
 
 
 @triton.jit
@@ -352,20 +392,13 @@ def _bwd_q_tiles(
 ):
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k_ptrs = K_base + offs_n[:, None] * stride_kt + offs_d[None, :]
-        vt_ptrs = V_base + offs_n[None, :] * stride_vt + offs_d[:, None]
-        if MASKED:
-            kmask = offs_n < k_len
-            k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0)
-            vt = tl.load(vt_ptrs, mask=kmask[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            vt = tl.load(vt_ptrs)
+        kmask = offs_n < k_len
+        k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)
+        vt = _load_cols(V_base, offs_n, stride_vt, offs_d, kmask, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, vt, input_precision=PREC)
         if MASKED:
-            lo, hi = _key_range(offs_m, Wl, Wr, BS, KB, MASK_KIND)
-            allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]) & kmask[None, :]
+            allowed = _visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND)
         if ACT == 0:
             p = tl.exp2(s * qk_scale - lse[:, None])
             if MASKED:
@@ -397,22 +430,16 @@ def attn_bwd_dq_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         qmask = offs_m < q_len
-        q = tl.load(Q + h * stride_qh + (q_start + offs_m)[:, None] * stride_qt + offs_d[None, :],
-                    mask=qmask[:, None], other=0.0)
-        do = tl.load(DO + h * stride_doh + (o_start + offs_m)[:, None] * stride_dot + offs_d[None, :],
-                     mask=qmask[:, None], other=0.0)
+        q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
+        do = _load_rows(DO + h * stride_doh, o_start + offs_m, stride_dot, offs_d, qmask, True)
         if ACT == 0:
-            lse = tl.load(LSE + (o_start + offs_m) * stride_lt + h, mask=qmask, other=1.0e30)
-            delta = tl.load(DELTA + (o_start + offs_m) * stride_lt + h, mask=qmask, other=0.0)
+            lse, delta = _load_softmax_stats(LSE + h, DELTA + h, o_start + offs_m, stride_lt, qmask, True)
         else:
             lse = tl.zeros([BLOCK_M], dtype=tl.float32)
             delta = lse
         K_base = K + h * stride_kh + k_start * stride_kt
         V_base = V + h * stride_vh + k_start * stride_vt
-        m1 = tl.minimum(m0 + BLOCK_M, q_len)
-        first_lo, full_hi = _key_range(m0, Wl, Wr, BS, KB, MASK_KIND)
-        full_lo, last_hi = _key_range(m1 - 1, Wl, Wr, BS, KB, MASK_KIND)
-        lo_al, fs, fe, hi = _segments(first_lo, last_hi + 1, full_lo, full_hi + 1, k_len, BLOCK_N)
+        lo_al, fs, fe, hi = _key_tiles(m0, q_len, k_len, Wl, Wr, BS, KB, MASK_KIND, BLOCK_M, BLOCK_N)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, lo_al, fs,
                           k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
@@ -420,5 +447,5 @@ def attn_bwd_dq_kernel(
                           k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, False, PREC, BLOCK_N)
         dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
                           k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
-        tl.store(DQ + h * stride_dqh + (o_start + offs_m)[:, None] * stride_dqt + offs_d[None, :],
-                 (dq * dq_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
+        _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, (dq * dq_scale).to(DQ.dtype.element_ty),
+                    qmask)
