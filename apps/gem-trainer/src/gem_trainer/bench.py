@@ -32,8 +32,6 @@ import datetime
 import gc
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -46,6 +44,7 @@ from torch import nn
 from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, KunlunModel, SparseFeature, multitask_loss
 from gem_kunlun.norm import LayerNorm
 from gem_trainer.config import load_config
+from gem_trainer.provenance import git_commit
 
 PEAK_TFLOPS = 989.0  # H100 / H200 dense bf16 datasheet peak: the MFU denominator
 VARIANTS = {"gem": "auto", "plain": "builtin"}
@@ -470,16 +469,6 @@ def check_model_agreement(config, args, device) -> dict:
 
 
 # --- provenance ---------------------------------------------------------------------------------------------------
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GEM_COMMIT", "unknown")
-
 
 def meta(device, argv, program: str = "gem_trainer.bench") -> dict:
     """Provenance of a benchmark run: date, command, commit, versions, device."""

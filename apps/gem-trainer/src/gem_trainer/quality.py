@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from gem_trainer.report import git_commit
+from gem_trainer.provenance import git_commit
 
 # S3-Rec (CIKM 2020) tables for this exact data, as quoted in ../shared/data/README.md
 PUBLISHED_BEAUTY = {

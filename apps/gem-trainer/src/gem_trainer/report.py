@@ -10,21 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 from gem_trainer.config import load_config
-
-
-def git_commit(root: Path) -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return commit + ("+dirty" if dirty else "")
+from gem_trainer.provenance import git_commit
 
 
 def collect(runs: dict[str, Path]) -> list[dict]:

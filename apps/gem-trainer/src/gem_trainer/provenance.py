@@ -1,0 +1,20 @@
+"""Where a result came from: the commit of the code that produced it, for the tables and benchmarks to record."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+def git_commit(root: Path | None = None) -> str:
+    """The HEAD commit of the checkout at ``root`` (None: the working directory), with ``+dirty`` when files
+    differ from it (untracked ones included: a new module changes the code as much as an edit). Outside a
+    checkout (a copied tree on a remote machine) ``$GEM_COMMIT`` if set, else ``unknown``."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("GEM_COMMIT", "unknown")
+    return head + ("+dirty" if dirty else "")
