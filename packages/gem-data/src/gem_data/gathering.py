@@ -4,7 +4,7 @@ The mixer asks for rows ``[lo, hi)`` of a few source batches (one per source per
 straddles a buffered batch) and the alignment says how each source's keys map to the union's. Slicing each
 piece and then concatenating would build a KeyedJaggedTensor per piece; here every key set is built once:
 the wanted values of every piece and key are one contiguous range each (a view, not a copy), concatenated
-once in key-major order, ids shifted by their key's offset on the way.
+once in key-major order (only keys whose ids shift are copied before that).
 """
 
 from __future__ import annotations
@@ -110,54 +110,43 @@ def _gather_kjt(parts: list[tuple[KeyedJaggedTensor | None, KeyMap | None, Piece
     """The union keys ``keys`` over the rows of every part: ``(source kjt or None, key map or None, piece)``."""
     num_keys = len(keys)
     per_part: list[list[torch.Tensor]] = []  # per part, per union key: the key's values for the part's rows
-    lengths, shifts = [], []
+    lengths = []
     for kjt, keymap, p in parts:
         n = p.rows
         if kjt is None or keymap is None or not len(kjt.keys()):
             lengths.append(torch.zeros(num_keys, n, dtype=torch.int64))
-            shifts.append(torch.zeros(num_keys, dtype=torch.int64))
             per_part.append([_EMPTY] * num_keys)
             continue
         m, b = len(kjt.keys()), p.batch.batch_size
-        own = kjt.lengths().view(m, b)
-        per_key = own.sum(1)
-        first = torch.cumsum(per_key, 0) - per_key + own[:, : p.lo].sum(1)  # where each key's wanted values start
-        wanted = own[:, p.lo : p.hi]
-        if keymap.identity:
-            part_lengths, stops = wanted, first + wanted.sum(1)
-            bounds = zip(first.tolist(), stops.tolist())
-            values = kjt.values()
-            per_part.append([values[a:z] for a, z in bounds])
-            lengths.append(part_lengths)
-            shifts.append(keymap.offset)
-            continue
-        present, padded = keymap.index >= 0, keymap.pad >= 0
-        source_key = keymap.index.clamp(min=0)
-        part_lengths = torch.where(present[:, None], wanted[source_key], 0)
-        if events and bool(padded.any()):
-            part_lengths = torch.where(padded[:, None], wanted[0][None, :], part_lengths)
-        totals = part_lengths.sum(1).tolist()
-        starts = first[source_key].tolist()
+        # NOTE: the KeyedJaggedTensor's offsets (kept once computed) locate key k's values of rows [lo, hi) directly
+        offsets, rows_of_key = kjt.offsets(), torch.arange(0, m * b, b)
+        first = offsets[rows_of_key + p.lo].tolist()
+        totals = [z - a for a, z in zip(first, offsets[rows_of_key + p.hi].tolist())]
+        wanted = kjt.lengths().view(m, b)[:, p.lo : p.hi]
         values = kjt.values()
-        cut = []
-        for k, (is_present, is_padded) in enumerate(zip(present.tolist(), padded.tolist())):
-            if is_present:
-                cut.append(values[starts[k] : starts[k] + totals[k]])
-            elif is_padded and events:
-                cut.append(torch.zeros(totals[k], dtype=torch.int64))  # the padding id is added with the shifts
+        if keymap.identity:
+            per_part.append([values[first[k] : first[k] + totals[k]] for k in range(m)])
+            lengths.append(wanted)
+            continue
+        cut, rows = [], []
+        events_total = totals[0] if m else 0
+        for index, offset, pad in zip(keymap.index.tolist(), keymap.offset.tolist(), keymap.pad.tolist()):
+            if index >= 0:
+                v = values[first[index] : first[index] + totals[index]]
+                cut.append(v + offset if offset else v)  # NOTE: only shifted keys are copied here; the rest once, by cat
+                rows.append(wanted[index])
+            elif pad >= 0 and events:
+                cut.append(torch.full((events_total,), pad, dtype=torch.int64))  # one padding id per event
+                rows.append(wanted[0])
             else:
                 cut.append(_EMPTY)
+                rows.append(torch.zeros(n, dtype=torch.int64))
         per_part.append(cut)
-        lengths.append(part_lengths)
-        shifts.append(torch.where(padded, keymap.pad, keymap.offset))
+        lengths.append(torch.stack(rows) if rows else torch.zeros(0, n, dtype=torch.int64))
     # key-major order: key 0 of every part, then key 1 of every part, ...
     pieces = [per_part[i][k] for k in range(num_keys) for i in range(len(parts))]
-    values = torch.cat(pieces) if pieces else _EMPTY
-    shifts_km = torch.stack(shifts, 1).reshape(-1)
-    if bool(shifts_km.any()):
-        totals_km = torch.tensor([t.numel() for t in pieces], dtype=torch.int64)
-        values = values + torch.repeat_interleave(shifts_km, totals_km, output_size=values.numel())
-    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=torch.cat(lengths, 1).reshape(-1))
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(pieces) if pieces else _EMPTY,
+                                               lengths=torch.cat(lengths, 1).reshape(-1))
 
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)

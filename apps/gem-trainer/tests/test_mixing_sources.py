@@ -1,0 +1,146 @@
+"""Mixing real readers from the trainer's config: the time split's offline log and online stream, two real domains
+at once, exact resume mid-ramp, the ranks' view of the mixture, and one-line errors for misaligned sources."""
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from gem_data import concat_batches, select_examples
+from gem_data.testing import equal_batches, find_repo_root, shared_data_dir
+from gem_trainer import builders
+from gem_trainer.config import ConfigError, load_config
+from gem_trainer.distributed import init_distributed
+from gem_trainer.trainer import Trainer
+
+DATA = shared_data_dir(find_repo_root(Path(__file__)))
+ML, BEAUTY = DATA / "ml-100k", DATA / "beauty"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SMALL = ["--data.batch_size=32", "--metrics.tensorboard=false", "--metrics.progress_bar=false", "--device=cpu",
+         "--schedule.steps=6", "--schedule.warmup_steps=1", "--schedule.decay=constant", "--metrics.log_every=1",
+         "--checkpoint.enable=false", "--data.sequential.eval_users=64", "--deterministic=true"]
+TIME_SPLIT = [f"--config={CONFIGS / 'mixing-ml100k-time.toml'}", f"--data.path={ML}",
+              "--data.mixture.ramp_steps=6", "--data.mixture.online_share_end=0.8"]
+DOMAINS = [f"--config={CONFIGS / 'mixing-domains.toml'}", f"--data.path={BEAUTY}", "--data.sequential.eval_users=32",
+           '--data.mixture.sources=[{name = "beauty", surface = 0}, '
+           f'{{name = "movielens", reader = "atomic", path = "{ML}", surface = 1}}]']
+
+
+def needs(*folders):
+    for folder in folders:
+        if not folder.is_dir():
+            pytest.skip(f"shared real data not found at {folder} (expected ../shared/data beside the repository)")
+
+
+def config_for(tmp_path, *extra):
+    """The config file named by ``--config=`` in ``extra`` (the embedded default without one), made small."""
+    files = [e.removeprefix("--config=") for e in extra if e.startswith("--config=")]
+    overrides = [e for e in extra if not e.startswith("--config=")]
+    return load_config(files[0] if files else None, [f"--run_dir={tmp_path}", *SMALL, *overrides])
+
+
+def trainer_for(tmp_path, *extra):
+    return Trainer(config_for(tmp_path, *extra), init_distributed("cpu", "gloo"))
+
+
+def test_time_split_trains_on_the_offline_log_and_the_online_stream_and_evaluates_after_it(tmp_path):
+    needs(ML)
+    trainer = trainer_for(tmp_path, *TIME_SPLIT)
+    losses = [trainer.train_step()["loss"] for _ in range(6)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    counts = trainer._data_metrics()
+    assert counts["source_offline"] + counts["source_online"] == 6 * 32 and counts["source_online"] > 0
+    assert set(trainer._last_batch.source.tolist()) <= {0, 1}
+    result = trainer.evaluate()  # the next period
+    assert result["sampled/users"] == 64 and 0.0 <= result["sampled/hr@10"] <= 1.0
+    forgetting = trainer_for(tmp_path / "f", *TIME_SPLIT, "--data.sequential.eval_split=offline_period")
+    assert forgetting.data.ranking.ranking_examples("offline_period", "sampled", 99, 0).num_users > 600
+
+
+def test_the_online_stream_reaches_the_model_in_time_order(tmp_path):
+    needs(ML)
+    data = builders.build_data(config_for(tmp_path, *TIME_SPLIT, "--data.mixture.online_share_start=0.5"),
+                               init_distributed("cpu", "gloo"))
+    online = data.mixer.sources[1].table.dataset
+    expected = online.corpus.items[online.corpus.offsets[online.example_user] + online.example_k]
+    batches = list(itertools.islice(data.train, 8))
+    read = concat_batches([select_examples(b, (b.source == 1).nonzero().squeeze(1)) for b in batches])
+    assert torch.equal(read.sparse["item_id"].values(), expected[: read.batch_size])
+
+
+def test_two_real_domains_mix_as_two_surfaces_and_evaluate_per_domain(tmp_path):
+    needs(ML, BEAUTY)
+    trainer = trainer_for(tmp_path, *DOMAINS, "--model.kunlun.num_layers=1")
+    spec = trainer.spec
+    assert spec.num_surfaces == 2
+    vocab = {f.name: f.num_embeddings for f in spec.sparse}
+    assert vocab["item_id"] == 12_101 + 1_682  # disjoint namespaces, laid end to end
+    for _ in range(2):
+        assert torch.isfinite(torch.tensor(trainer.train_step()["loss"]))
+    batch = trainer._last_batch
+    assert torch.equal(batch.surface, batch.source)  # the domain id is the source's surface
+    movies = batch.sparse["item_id"].values()[(batch.source == 1).repeat_interleave(batch.sparse["item_id"].lengths())]
+    assert bool((movies >= 12_101).all())
+    for domain in ("beauty", "movielens"):
+        trainer.data.ranking = builders.build_data(
+            config_for(tmp_path / domain, *DOMAINS, f"--data.mixture.eval_source={domain}"), trainer.env).ranking
+        result = trainer.evaluate()
+        assert result["sampled/users"] == 32, domain
+
+
+def test_resume_mid_ramp_continues_exactly(tmp_path):
+    needs(ML)
+    args = [*TIME_SPLIT, "--checkpoint.enable=true", "--checkpoint.every_steps=100"]
+    straight = trainer_for(tmp_path / "straight", *args)
+    expected = [straight.train_step()["loss"] for _ in range(6)]
+    first = trainer_for(tmp_path / "stopped", *args)
+    got = [first.train_step()["loss"] for _ in range(3)]
+    first.save_checkpoint()
+    second = trainer_for(tmp_path / "stopped", *args)
+    assert second.resume() and second.step == 3
+    got += [second.train_step()["loss"] for _ in range(3)]
+    assert got == expected
+    assert second.data.mixer.counts() == straight.data.mixer.counts()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_rank_reads_its_slice_of_the_one_process_mixture(tmp_path, world_size):
+    needs(ML)
+    config = config_for(tmp_path, *TIME_SPLIT, "--data.batch_size=24")
+    env = init_distributed("cpu", "gloo")
+    whole = builders.build_data(config.model_copy(update={"data": config.data.model_copy(update={"batch_size": 24 * world_size})}), env)
+    ranks = [builders.build_data(config, dataclasses.replace(env, rank=r, world_size=world_size)) for r in range(world_size)]
+    for expected, *parts in itertools.islice(zip(whole.train, *(r.train for r in ranks)), 4):
+        assert equal_batches(concat_batches(parts), expected)
+
+
+def test_misaligned_sources_are_rejected_in_one_line(tmp_path):
+    needs(ML, BEAUTY)
+    env = init_distributed("cpu", "gloo")
+    shared = config_for(tmp_path, *DOMAINS, '--data.mixture.sources=[{name = "beauty", id_space = "items"}, '
+                        f'{{name = "movielens", reader = "atomic", path = "{ML}", id_space = "items"}}]')
+    with pytest.raises(ConfigError, match="sources 'beauty' and 'movielens' share id space 'items' but their features differ") as error:
+        builders.build_data(shared, env)
+    assert "\n" not in str(error.value)
+    synthetic = config_for(tmp_path, *DOMAINS, '--data.mixture.sources=[{name = "beauty"}, {name = "ads", reader = "synthetic"}]')
+    with pytest.raises(ConfigError, match="different tasks"):
+        builders.build_data(synthetic, env)
+    retrieval = config_for(tmp_path, *DOMAINS, "--model.name=sasrec", '--data.sequential.objective="retrieval"')
+    with pytest.raises(ConfigError, match="one item catalogue"):
+        builders.build_data(retrieval, env)
+
+
+def test_mixture_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="data.mixture.sources.live: an online next-item source is the online period"):
+        load_config(None, ["--data.source=atomic", "--data.path=x", '--data.mixture.sources=[{name = "log"}, {name = "live", online = true}]'])
+    with pytest.raises(ConfigError, match="data.mixture.eval_source names 'nope'"):
+        load_config(None, ['--data.mixture.sources=[{name = "a"}]', "--data.mixture.eval_source=nope"])
+    with pytest.raises(ConfigError, match="needs online and offline sources"):
+        load_config(None, ['--data.mixture.sources=[{name = "a"}]', "--data.mixture.online_share_start=0.5"])
+    with pytest.raises(ConfigError, match="needs data.sequential.time_split"):
+        load_config(None, ["--data.source=atomic", "--data.path=x", "--data.sequential.eval_split=next_period"])
+    constant = load_config(None, ['--data.mixture.sources=[{name = "a"}, {name = "b", online = true, seed = 1}]',
+                                  "--data.mixture.online_share_start=0.25"])
+    assert constant.data.mixture.online_share_end is None
