@@ -142,7 +142,7 @@ class BenchBatches:
 def apply_compiled_rotary(device: torch.device) -> str:
     """Compile ROTE (a dozen fp32 elementwise ops over q and k) into fused kernels, for both variants alike: it
     is plain PyTorch either way, and eagerly it moves several times q's bytes per layer. Returns what ran."""
-    import gem_kunlun.kunlun as kunlun_module
+    import gem_kunlun.local_attention as local_attention_module
     from gem_kunlun.rote import apply_rotary
 
     if device.type != "cuda":
@@ -155,7 +155,7 @@ def apply_compiled_rotary(device: torch.device) -> str:
         compiled(x, pos).sum().backward()
     except Exception as e:  # keep the eager function: the benchmark still runs
         return f"eager (compile failed: {type(e).__name__}: {str(e)[:200]})"
-    kunlun_module.apply_rotary = compiled
+    local_attention_module.apply_rotary = compiled  # where LocalAttention looks it up
     return "torch.compile"
 
 
