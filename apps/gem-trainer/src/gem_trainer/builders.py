@@ -37,6 +37,7 @@ from gem_data import (
     read_sequence_text,
 )
 from gem_kunlun import BaselineConfig, BaselineRanker, Batch, FeatureSpec, InterFormerModel, KunlunModel
+from gem_kunlun.event_personalization import check_event_names
 from gem_parallel import (
     DenseOptions,
     LayoutError,
@@ -233,9 +234,7 @@ def build_model(config: TrainerConfig, spec: FeatureSpec, device: torch.device |
     m = config.model
     if m.name == "kunlun":
         model_config = m.kunlun.build()
-        unknown = sorted(set(model_config.events) - {e.name for e in spec.events})
-        if unknown:
-            raise ValueError(f"model.kunlun.events names unknown event types {unknown}; the data has {[e.name for e in spec.events]}")
+        check_event_names(model_config.events, spec, field="model.kunlun.events")
         return KunlunModel(spec, model_config, device=device)
     if m.name == "interformer":
         return InterFormerModel(spec, m.interformer.build(), device=device)
