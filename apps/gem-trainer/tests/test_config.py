@@ -137,3 +137,17 @@ def test_optional_fields_can_be_switched_off_with_none():
     assert load_config(None, ["--eval.every_steps=None"]).eval.every_steps is None
     with pytest.raises(ConfigError, match="schedule.steps"):
         load_config(None, ["--schedule.steps=none"])  # not optional: "none" is a bad value, not a switch
+
+
+def test_every_model_name_has_a_builder_and_every_model_field_a_section_field():
+    import dataclasses
+    import typing
+
+    from gem_kunlun import KunlunConfig, SasrecConfig
+    from gem_trainer.builders import MODELS
+    from gem_trainer.config import ModelConfig
+
+    assert set(MODELS) == set(typing.get_args(ModelConfig.model_fields["name"].annotation))
+    # sections are generated from the model dataclasses: nothing to keep in step by hand
+    assert {f.name for f in dataclasses.fields(KunlunConfig)} | {"size"} == set(ModelConfig.model_fields["kunlun"].annotation.model_fields)
+    assert {f.name for f in dataclasses.fields(SasrecConfig)} == set(ModelConfig.model_fields["sasrec"].annotation.model_fields)

@@ -36,7 +36,7 @@ from gem_data import (
     read_atomic,
     read_sequence_text,
 )
-from gem_kunlun import BaselineConfig, BaselineRanker, Batch, FeatureSpec, InterFormerModel, KunlunModel
+from gem_kunlun import BaselineRanker, Batch, FeatureSpec, InterFormerModel, KunlunModel, SasrecModel
 from gem_kunlun.event_personalization import check_event_names
 from gem_parallel import (
     DenseOptions,
@@ -229,34 +229,26 @@ def _files(path: str, pattern: str) -> list[Path]:
     return files
 
 
-def build_model(config: TrainerConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:
-    """The unsharded model; built on ``device`` (use the meta device to build without allocating)."""
-    m = config.model
-    if m.name == "kunlun":
-        model_config = m.kunlun.build()
-        check_event_names(model_config.events, spec, field="model.kunlun.events")
-        return KunlunModel(spec, model_config, device=device)
-    if m.name == "interformer":
-        return InterFormerModel(spec, m.interformer.build(), device=device)
-    if m.name == "domain_experts":
-        e = m.domain_experts
-        return DomainExpertModel(spec, m.kunlun.build(), e.num_shared, e.num_specific, device=device)
-    if m.name == "sasrec":
-        from gem_kunlun import SasrecConfig, SasrecModel
+def _kunlun(m, spec: FeatureSpec, device) -> nn.Module:
+    model_config = m.kunlun.build()
+    check_event_names(model_config.events, spec, field="model.kunlun.events")
+    return KunlunModel(spec, model_config, device=device)
 
-        r = m.sasrec
-        return SasrecModel(
-            spec,
-            SasrecConfig(dim=r.dim, num_blocks=r.num_blocks, num_heads=r.num_heads, dropout=r.dropout,
-                         max_seq_len=r.max_seq_len, init_std=r.init_std),
-            device=device,
-        )
-    b = m.baseline
-    return BaselineRanker(
-        spec,
-        BaselineConfig(dim=b.dim, num_seeds=b.num_seeds, num_heads=b.num_heads, hidden=b.hidden, max_seq_len=b.max_seq_len),
-        device=device,
-    )
+
+# model.name -> its builder (the model section -> the unsharded model): one entry per model family
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "kunlun": _kunlun,
+    "interformer": lambda m, spec, device: InterFormerModel(spec, m.interformer.build(), device=device),
+    "domain_experts": lambda m, spec, device: DomainExpertModel(spec, m.kunlun.build(), m.domain_experts.num_shared,
+                                                                m.domain_experts.num_specific, device=device),
+    "sasrec": lambda m, spec, device: SasrecModel(spec, m.sasrec.build(), device=device),
+    "baseline": lambda m, spec, device: BaselineRanker(spec, m.baseline.build(), device=device),
+}
+
+
+def build_model(config: TrainerConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:
+    """The unsharded model of ``config.model.name``; built on ``device`` (the meta device: no allocation)."""
+    return MODELS[config.model.name](config.model, spec, device)
 
 
 def build_student(config: TrainerConfig, model: nn.Module) -> nn.Module:

@@ -8,11 +8,16 @@ Every error is one line naming the file and the dotted path of the bad field.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from gem_kunlun import KUNLUN_SIZES, BaselineConfig, InterFormerConfig, KunlunConfig, SasrecConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 
@@ -35,82 +40,78 @@ class Section(BaseModel):
 
 
 def _allows_none(annotation: Any) -> bool:
-    import types
-    import typing
-
     return annotation is type(None) or (
         typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
     )
 
 
-class BaselineSection(Section):
-    dim: int = Field(32, ge=1)
-    num_seeds: int = Field(2, ge=1)
-    num_heads: int = Field(2, ge=1)
-    hidden: tuple[int, ...] = (128, 64)
-    max_seq_len: int = Field(256, ge=1)
+class ConfigSection(Section):
+    """A section generated from a gem-kunlun config dataclass by ``section_of``: ``build()`` returns the dataclass."""
+
+    config_type: ClassVar[type]
+    preset: ClassVar[dict[str, Any] | None] = None
 
     @model_validator(mode="after")
-    def _heads_divide_dim(self) -> "BaselineSection":
-        if self.dim % self.num_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
-        return self
-
-
-class EventSection(Section):
-    width: int | None = Field(None, ge=2)
-    num_layers: int = Field(0, ge=0)
-    num_heads: int = Field(2, ge=1)
-    window: int = Field(32, ge=0)
-
-
-class KunlunSection(Section):
-    """A size preset plus any field of ``gem_kunlun.KunlunConfig`` to override it (unset: the preset's)."""
-
-    size: Literal["tiny", "small", "base", "large"] = "tiny"
-    d_model: int | None = Field(None, ge=2)
-    num_layers: int | None = Field(None, ge=1)
-    num_heads: int | None = Field(None, ge=1)
-    num_summary_tokens: int | None = Field(None, ge=1)
-    num_seeds: int | None = Field(None, ge=1)
-    summarization: Literal["pma", "hsp"] | None = None
-    hsp_expansion: int | None = Field(None, ge=1)
-    hsp_rank: int | None = Field(None, ge=1)
-    num_experts: int | None = Field(None, ge=1)
-    top_k: int | None = Field(None, ge=1)
-    capacity_factor: float | None = None
-    expert_rank: int | None = Field(None, ge=1)
-    expert_hidden: int | None = Field(None, ge=1)
-    balance_loss_weight: float | None = Field(None, ge=0)
-    pffn_activation: Literal["gelu", "gelu_tanh", "gelu_taylor6", "silu", "relu", "relu2", "identity", "softmax"] | None = None
-    attention: Literal["block", "window"] | None = None
-    block_size: int | None = Field(None, ge=1)
-    window_blocks: int | None = Field(None, ge=1)
-    window: int | None = Field(None, ge=0)
-    rote: bool | None = None
-    skip: tuple[tuple[str, ...], ...] | None = None
-    events: dict[str, EventSection] = {}
-    hidden: tuple[int, ...] | None = None
-    max_seq_len: int | None = Field(None, ge=1)
-    kernel: Literal["auto", "triton", "pytorch", "builtin"] | None = None
-    recent_tokens: int | None = Field(None, ge=0)
-    dropout: float | None = Field(None, ge=0, lt=1)
-    two_tower: bool | None = None  # score by dot product with an item tower over the data's candidate features
-
-    @model_validator(mode="after")
-    def _builds(self) -> "KunlunSection":
+    def _checked(self) -> "ConfigSection":
         self.build()  # the model's own checks (heads divide width, known CompSkip components, ...)
         return self
 
     def build(self):
-        """The ``gem_kunlun.KunlunConfig`` this section describes."""
-        import dataclasses
+        values = {k: _built(v) for k, v in dict(self).items() if k != "size" and v is not None}
+        if self.preset is None:
+            return self.config_type(**values)
+        return dataclasses.replace(self.preset[self.size], **values)
 
-        from gem_kunlun import KUNLUN_SIZES, EventPersonalization
 
-        fields = {k: v for k, v in self.model_dump().items() if v is not None and k not in ("size", "events")}
-        fields["events"] = {name: EventPersonalization(**e.model_dump()) for name, e in self.events.items()}
-        return dataclasses.replace(KUNLUN_SIZES[self.size], **fields)
+def section_of(config_type: type, preset: dict[str, Any] | None = None) -> type[ConfigSection]:
+    """The config section of a gem-kunlun config dataclass, generated from its fields, so that every model
+    field is declared once, in its model's package: types from the dataclass, checks in its
+    ``__post_init__`` (run at validation). With ``preset`` (name -> instance) the section gains a ``size``
+    field choosing the preset, and every other field defaults to "the preset's" (None)."""
+    hints = typing.get_type_hints(config_type)
+    fields: dict[str, Any] = {}
+    if preset is not None:
+        fields["size"] = (Literal[tuple(preset)], next(iter(preset)))
+    for f in dataclasses.fields(config_type):
+        annotation = _section_types(hints[f.name])
+        if preset is not None:
+            mapping = typing.get_origin(annotation) is dict
+            fields[f.name] = (annotation, {}) if mapping else (annotation | None, None)
+        else:
+            fields[f.name] = (annotation, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    section = create_model(f"{config_type.__name__}Section", __base__=ConfigSection,
+                           __doc__=f"``{config_type.__module__}.{config_type.__name__}``", **fields)
+    section.config_type, section.preset = config_type, preset
+    return section
+
+
+def _section_types(annotation: Any) -> Any:
+    """``annotation`` with every config dataclass inside it replaced by its generated section."""
+    if dataclasses.is_dataclass(annotation):
+        return section_of(annotation)
+    args = typing.get_args(annotation)
+    if not args:
+        return annotation
+    origin = typing.get_origin(annotation)
+    mapped = tuple(_section_types(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[mapped]
+    return origin[mapped]
+
+
+def _built(value: Any) -> Any:
+    """A section value as its dataclass (sections inside dicts too)."""
+    if isinstance(value, ConfigSection):
+        return value.build()
+    if isinstance(value, dict):
+        return {k: _built(v) for k, v in value.items()}
+    return value
+
+
+BaselineSection = section_of(BaselineConfig)
+KunlunSection = section_of(KunlunConfig, preset=KUNLUN_SIZES)
+SasrecSection = section_of(SasrecConfig)
+InterFormerSection = section_of(InterFormerConfig)
 
 
 class DomainExpertsSection(Section):
@@ -118,47 +119,6 @@ class DomainExpertsSection(Section):
 
     num_shared: int = Field(2, ge=0)
     num_specific: int = Field(1, ge=0)
-
-
-class SasrecSection(Section):
-    """``gem_kunlun.SasrecConfig``: the SASRec baseline of the next-item task (item ids only)."""
-
-    dim: int = Field(64, ge=1)
-    num_blocks: int = Field(2, ge=1)
-    num_heads: int = Field(2, ge=1)
-    dropout: float = Field(0.2, ge=0, lt=1)
-    max_seq_len: int = Field(50, ge=1)
-    init_std: float = Field(0.02, gt=0)
-
-    @model_validator(mode="after")
-    def _heads_divide_dim(self) -> "SasrecSection":
-        if self.dim % self.num_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
-        return self
-
-
-class InterFormerSection(Section):
-    """``gem_kunlun.InterFormerConfig``: the InterFormer-style baseline (DCN interaction, pFFN + MHA, PMA summaries)."""
-
-    d_model: int = Field(32, ge=2)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(2, ge=1)
-    num_seeds: int = Field(2, ge=1)
-    cross_layers: int = Field(2, ge=1)
-    pffn_activation: Literal["gelu", "gelu_tanh", "gelu_taylor6", "silu", "relu", "relu2", "identity", "softmax"] = "gelu"
-    hidden: tuple[int, ...] = (128,)
-    max_seq_len: int = Field(64, ge=1)
-    kernel: Literal["auto", "triton", "pytorch", "builtin"] = "auto"
-
-    @model_validator(mode="after")
-    def _builds(self) -> "InterFormerSection":
-        self.build()
-        return self
-
-    def build(self):
-        from gem_kunlun import InterFormerConfig
-
-        return InterFormerConfig(**self.model_dump())
 
 
 class ModelConfig(Section):

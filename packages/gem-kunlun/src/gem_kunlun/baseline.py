@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gem_kunlun.batch import Batch
+from gem_kunlun.config_checks import check_at_least
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
@@ -29,10 +30,11 @@ class BaselineConfig:
     max_seq_len: int = 256
 
     def __post_init__(self) -> None:
+        check_at_least(self, {"dim": 1, "num_seeds": 1, "num_heads": 1, "max_seq_len": 1})
         if self.dim % self.num_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
-        if self.num_seeds < 1 or self.max_seq_len < 1 or not self.hidden:
-            raise ValueError("num_seeds and max_seq_len must be >= 1 and hidden must list at least one width")
+        if not self.hidden:
+            raise ValueError("hidden must list at least one width")
 
 
 class SeedPooling(nn.Module):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gem_kunlun.config_checks import check_at_least
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.local_attention import LocalAttention
 from gem_kunlun.norm import LayerNorm
@@ -26,6 +27,9 @@ class EventPersonalization:
     num_layers: int = 0  # self-attention layers over this type's events alone
     num_heads: int = 2
     window: int = 32  # each event sees events within this many positions in those layers
+
+    def __post_init__(self) -> None:
+        check_at_least(self, {"width": 2, "num_layers": 0, "num_heads": 1, "window": 0})
 
 
 def check_event_names(names: Iterable[str], spec: FeatureSpec, field: str = "events") -> None:

@@ -33,6 +33,7 @@ from torchrec import KeyedJaggedTensor
 
 from gem_kunlun.batch import Batch
 from gem_kunlun.compskip import check_skip_schedule, skipped_components
+from gem_kunlun.config_checks import check_activation_and_kernel, check_at_least
 from gem_kunlun.embedding import FeatureEmbedding, ItemTower
 from gem_kunlun.event_personalization import EventEncoder, EventPersonalization, check_event_names
 from gem_kunlun.features import FeatureSpec
@@ -79,6 +80,11 @@ class KunlunConfig:
     two_tower: bool = False  # see KunlunModel
 
     def __post_init__(self) -> None:
+        check_at_least(self, {"d_model": 2, "num_layers": 1, "num_heads": 1, "num_summary_tokens": 1, "num_seeds": 1,
+                              "hsp_expansion": 1, "hsp_rank": 1, "num_experts": 1, "expert_rank": 1, "expert_hidden": 1,
+                              "balance_loss_weight": 0, "block_size": 1, "window_blocks": 1, "window": 0, "max_seq_len": 1,
+                              "recent_tokens": 0})
+        check_activation_and_kernel(self)
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
         if (self.d_model // self.num_heads) % 2 and self.rote:
@@ -91,8 +97,6 @@ class KunlunConfig:
             raise ValueError(f"attention must be 'block' or 'window', got {self.attention!r}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
-        if self.recent_tokens < 0:
-            raise ValueError(f"recent_tokens must be >= 0, got {self.recent_tokens}")
         check_skip_schedule(self.skip, self.num_layers)
 
     def skipped(self, layer: int) -> set[str]:

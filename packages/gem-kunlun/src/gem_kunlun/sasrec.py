@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 from gem_kunlun.batch import Batch
+from gem_kunlun.config_checks import check_at_least
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput
 from gem_kunlun.retrieval import retrieval_logits, scored_item_ids
@@ -42,6 +43,9 @@ class SasrecConfig:
     init_std: float = 0.02  # item embeddings start as N(0, init_std); TorchRec's default (1/sqrt(rows)) is far smaller
 
     def __post_init__(self) -> None:
+        check_at_least(self, {"dim": 1, "num_blocks": 1, "num_heads": 1, "max_seq_len": 1, "rows_per_group": 1})
+        if self.init_std <= 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
         if self.dim % self.num_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if not 0 <= self.dropout < 1:
