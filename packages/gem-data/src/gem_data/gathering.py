@@ -9,6 +9,7 @@ once in key-major order (only keys whose ids shift are copied before that).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +103,9 @@ def _gather_dense(pieces: list[Piece], num_dense: int) -> torch.Tensor:
 
 
 def _event_span(seq: EventSequence, lo: int, hi: int) -> tuple[int, int]:
-    lengths = seq.lengths()
-    return int(lengths[:lo].sum()), int(lengths[:hi].sum())
+    """The events of rows ``[lo, hi)``: the first key's offsets (every key of an event type has the same lengths)."""
+    bounds = seq.ids.offsets()[[lo, hi]].tolist()
+    return bounds[0], bounds[1]
 
 
 def _gather_kjt(parts: list[tuple[KeyedJaggedTensor | None, KeyMap | None, Piece]], keys: list[str], events: bool) -> KeyedJaggedTensor:
@@ -145,8 +147,11 @@ def _gather_kjt(parts: list[tuple[KeyedJaggedTensor | None, KeyMap | None, Piece
         lengths.append(torch.stack(rows) if rows else torch.zeros(0, n, dtype=torch.int64))
     # key-major order: key 0 of every part, then key 1 of every part, ...
     pieces = [per_part[i][k] for k in range(num_keys) for i in range(len(parts))]
-    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(pieces) if pieces else _EMPTY,
-                                               lengths=torch.cat(lengths, 1).reshape(-1))
+    per_key = [sum(per_part[i][k].numel() for i in range(len(parts))) for k in range(num_keys)]
+    # NOTE: the per-key sizes are known here; handing them over spares the constructor a pass over the lengths
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(pieces) if pieces else _EMPTY, lengths=torch.cat(lengths, 1).reshape(-1),
+                             stride=sum(p.rows for _, _, p in parts), length_per_key=per_key,
+                             offset_per_key=[0, *itertools.accumulate(per_key)])
 
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)

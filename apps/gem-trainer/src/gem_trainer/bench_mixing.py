@@ -1,0 +1,311 @@
+"""Cross-domain data mixing, measured on the CPU: ``benchmarks/results/mixing.json``.
+
+    python -m gem_trainer.bench_mixing --out benchmarks/results/mixing.json [--sections time_split domains
+        synthetic reader_cost] [--seeds 0 1 2] [--data ../shared/data] [--work /tmp/bench-mixing]
+
+Every training run goes through the trainer (``Trainer.train``, its one train step, its checkpoints) from a
+committed config plus overrides, and every metric through ``Trainer.evaluate`` on a trainer resumed from the
+run's last checkpoint, so the numbers are what ``gem-trainer train`` / ``eval`` give.
+
+- ``time_split`` (``configs/mixing-ml100k-time.toml``, MovieLens-100K): offline-only, offline then online
+  (sequential fine-tuning: the online share switches from 0 to 1 at ``switch``) and the ramp (the share grows
+  linearly over the run), same steps; next-period and offline-period (forgetting) HR@10 / NDCG@10 and the
+  loss spike at the switch (per-step training loss: highest 5-step mean of the 20 steps after the switch minus
+  the mean of the 20 before).
+- ``domains`` (``configs/mixing-domains.toml``, Beauty + MovieLens-100K) and ``synthetic``
+  (``configs/mixing-synthetic.toml``, the generator's three surfaces): one shared model, domain experts and one
+  model per domain at the same compute (see the configs); per-domain metrics.
+- ``reader_cost``: examples/s per core of mixed streams and of each of their sources alone (one thread).
+
+A section given in ``--sections`` replaces that section of ``--out`` and keeps the others; each section
+carries its own provenance (machine, torch, commit, date, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gem_trainer.config import load_config
+from gem_trainer.report import git_commit
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ROOT = Path(__file__).resolve().parents[4]
+SECTIONS = ("time_split", "domains", "synthetic", "reader_cost")
+SPIKE_WINDOW, SPIKE_SMOOTH = 20, 5
+
+
+# -- running the trainer ---------------------------------------------------------------------------------------
+
+def train(config_file: Path, overrides: list[str], run_dir: Path) -> float:
+    """Train ``config_file`` + ``overrides`` into ``run_dir`` (from scratch); returns the wall time."""
+    from gem_trainer.distributed import init_distributed
+    from gem_trainer.trainer import Trainer
+
+    config = load_config(config_file, [*overrides, f"--run_dir={run_dir}", "--checkpoint.resume=false"])
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(config, init_distributed("cpu", "gloo"))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    return time.perf_counter() - started
+
+
+def evaluate(config_file: Path, overrides: list[str], run_dir: Path) -> dict[str, float]:
+    """``Trainer.evaluate`` of ``run_dir``'s last checkpoint under ``config_file`` + ``overrides`` (another
+    evaluation split or source than the one it trained with)."""
+    from gem_trainer.distributed import init_distributed
+    from gem_trainer.trainer import Trainer
+
+    config = load_config(config_file, [*overrides, f"--run_dir={run_dir}"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(config, init_distributed("cpu", "gloo"))
+        try:
+            if not trainer.resume():
+                raise RuntimeError(f"no checkpoint under {run_dir}")
+            return trainer.evaluate()
+        finally:
+            trainer.close()
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """The training loss of every logged step of a run (``metrics.jsonl``)."""
+    losses = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["phase"] == "train":
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def loss_spike(losses: dict[int, float], switch: int) -> dict[str, float]:
+    """How the training loss moves at ``switch``: the mean of the ``SPIKE_WINDOW`` steps before it, the highest
+    ``SPIKE_SMOOTH``-step mean of the ``SPIKE_WINDOW`` steps after it, and their difference."""
+    before = [losses[s] for s in range(switch - SPIKE_WINDOW + 1, switch + 1)]
+    after = [losses[s] for s in range(switch + 1, switch + SPIKE_WINDOW + 1)]
+    smoothed = [statistics.fmean(after[i : i + SPIKE_SMOOTH]) for i in range(len(after) - SPIKE_SMOOTH + 1)]
+    return {"before": statistics.fmean(before), "after_max": max(smoothed), "spike": max(smoothed) - statistics.fmean(before)}
+
+
+def ranking_row(result: dict[str, float]) -> dict[str, float]:
+    return {"hr@10": result["sampled/hr@10"], "ndcg@10": result["sampled/ndcg@10"], "users": result["sampled/users"]}
+
+
+def mean_std(rows: list[dict], key: str) -> dict[str, float]:
+    values = [r[key] for r in rows]
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
+
+
+# -- sections --------------------------------------------------------------------------------------------------
+
+TIME_SPLIT_STEPS, TIME_SPLIT_SWITCH = 900, 600
+SCHEDULES = {
+    "offline_only": ["--data.mixture.online_share_start=0.0", "--data.mixture.online_share_end=none"],
+    "sequential": ["--data.mixture.online_share_start=0.0", "--data.mixture.online_share_end=1.0",
+                   f"--data.mixture.ramp_start={TIME_SPLIT_SWITCH}", "--data.mixture.ramp_steps=0"],
+    "ramp": [],  # the config's own schedule
+}
+
+
+def time_split(seeds: list[int], data: Path, work: Path) -> dict:
+    config = CONFIGS / "mixing-ml100k-time.toml"
+    common = [f"--data.path={data / 'ml-100k'}", f"--schedule.steps={TIME_SPLIT_STEPS}", "--metrics.log_every=1",
+              f"--checkpoint.every_steps={TIME_SPLIT_STEPS}"]
+    rows = []
+    for seed in seeds:
+        for name, schedule in SCHEDULES.items():
+            run_dir = work / "time_split" / f"{name}-seed{seed}"
+            overrides = [*common, *schedule, f"--seed={seed}"]
+            wall = train(config, overrides, run_dir)
+            row = {"schedule": name, "seed": seed, "train_s": round(wall, 1)}
+            for split in ("next_period", "offline_period"):
+                row[split] = ranking_row(evaluate(config, [*overrides, f"--data.sequential.eval_split={split}"], run_dir))
+            row["switch"] = loss_spike(train_losses(run_dir), TIME_SPLIT_SWITCH)
+            final = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+            row["examples_read"] = {k.removeprefix("source_"): v for k, v in final.items() if k.startswith("source_")}
+            rows.append(row)
+            print(f"time_split {name:<13} seed {seed}: next hr@10 {row['next_period']['hr@10']:.4f} ndcg@10 "
+                  f"{row['next_period']['ndcg@10']:.4f} | offline hr@10 {row['offline_period']['hr@10']:.4f} ndcg@10 "
+                  f"{row['offline_period']['ndcg@10']:.4f} | spike {row['switch']['spike']:+.4f}", flush=True)
+    summary = {}
+    for name in SCHEDULES:
+        mine = [r for r in rows if r["schedule"] == name]
+        summary[name] = {
+            f"{split}/{metric}": mean_std([r[split] for r in mine], metric)
+            for split in ("next_period", "offline_period") for metric in ("hr@10", "ndcg@10")
+        }
+        summary[name]["switch/spike"] = mean_std([r["switch"] for r in mine], "spike")
+    ramp, sequential = summary["ramp"], summary["sequential"]
+    targets = {
+        "ramp_not_worse_than_sequential_on_next_period": all(
+            ramp[f"next_period/{m}"]["mean"] >= sequential[f"next_period/{m}"]["mean"] for m in ("hr@10", "ndcg@10")),
+        "ramp_forgets_less_than_sequential": all(
+            ramp[f"offline_period/{m}"]["mean"] > sequential[f"offline_period/{m}"]["mean"] for m in ("hr@10", "ndcg@10")),
+    }
+    return {"config": str(config.relative_to(ROOT)), "steps": TIME_SPLIT_STEPS, "switch_step": TIME_SPLIT_SWITCH,
+            "schedules": SCHEDULES, "rows": rows, "summary": summary, "targets": targets}
+
+
+def domain_arms(num_domains: int) -> dict[str, list[list[str]]]:
+    """Arm -> one override list per model it trains: shared (two shared experts), domain experts (one shared + one
+    per domain) and one model per domain (each on its domain's examples of the same stream)."""
+    return {
+        "shared": [[]],
+        "domain_experts": [["--model.domain_experts.num_shared=1", "--model.domain_experts.num_specific=1"]],
+        "per_domain": [[f"--data.train_surfaces=[{d}]"] for d in range(num_domains)],
+    }
+
+
+def domains(seeds: list[int], data: Path, work: Path) -> dict:
+    config = CONFIGS / "mixing-domains.toml"
+    names = ("beauty", "movielens")
+    sources = ('--data.mixture.sources=[{name = "beauty", surface = 0}, '
+               f'{{name = "movielens", reader = "atomic", path = "{data / "ml-100k"}", surface = 1}}]')
+    common = [f"--data.path={data / 'beauty'}", sources]
+    rows = []
+    for seed in seeds:
+        for arm, models in domain_arms(len(names)).items():
+            wall = 0.0
+            for model_index, model in enumerate(models):
+                run_dir = work / "domains" / f"{arm}-{model_index}-seed{seed}"
+                overrides = [*common, *model, f"--seed={seed}"]
+                wall += train(config, overrides, run_dir)
+                evaluated = names if len(models) == 1 else (names[model_index],)
+                for domain in evaluated:
+                    result = evaluate(config, [*overrides, f"--data.mixture.eval_source={domain}"], run_dir)
+                    rows.append({"arm": arm, "seed": seed, "domain": domain, **ranking_row(result)})
+            for row in rows[-len(names):]:
+                row["train_s"] = round(wall, 1)
+            print(f"domains {arm:<15} seed {seed}: " + "  ".join(
+                f"{r['domain']} hr@10 {r['hr@10']:.4f} ndcg@10 {r['ndcg@10']:.4f}" for r in rows[-len(names):]), flush=True)
+    summary = {arm: {domain: {m: mean_std([r for r in rows if r["arm"] == arm and r["domain"] == domain], m)
+                              for m in ("hr@10", "ndcg@10")} for domain in names} for arm in domain_arms(2)}
+    return {"config": str(config.relative_to(ROOT)), "arms": domain_arms(len(names)), "rows": rows, "summary": summary}
+
+
+def synthetic(seeds: list[int], work: Path) -> dict:
+    config = CONFIGS / "mixing-synthetic.toml"
+    num_surfaces = load_config(config).data.synthetic.num_surfaces
+    rows = []
+    for seed in seeds:
+        for arm, models in domain_arms(num_surfaces).items():
+            for model_index, model in enumerate(models):
+                run_dir = work / "synthetic" / f"{arm}-{model_index}-seed{seed}"
+                overrides = [*model, f"--seed={seed}"]
+                wall = train(config, overrides, run_dir)
+                result = evaluate(config, overrides, run_dir)
+                surfaces = range(num_surfaces) if len(models) == 1 else (model_index,)
+                for surface in surfaces:
+                    row = {"arm": arm, "seed": seed, "surface": surface, "train_s": round(wall, 1)}
+                    for task in ("click", "conversion"):
+                        row.update({f"{task}/{m}": result[f"{task}/surface_{surface}/{m}"] for m in ("ne", "auc")})
+                    rows.append(row)
+        print(f"synthetic seed {seed}: " + "  ".join(
+            f"{r['arm']}/s{r['surface']} click ne {r['click/ne']:.4f}" for r in rows if r["seed"] == seed), flush=True)
+    metrics = ("click/ne", "click/auc", "conversion/ne", "conversion/auc")
+    summary = {arm: {f"surface_{s}": {m: mean_std([r for r in rows if r["arm"] == arm and r["surface"] == s], m) for m in metrics}
+                     for s in range(num_surfaces)} for arm in domain_arms(num_surfaces)}
+    return {"config": str(config.relative_to(ROOT)), "arms": domain_arms(num_surfaces), "rows": rows, "summary": summary}
+
+
+def reader_cost(data: Path, seconds: float) -> dict:
+    """Examples/s per core of each mixed stream against each of its sources alone (one thread each)."""
+    from gem_data import (FeatureAlignment, MixedStream, MixingConfig, MixSource, NextItemConfig, NextItemDataset,
+                          SyntheticConfig, SyntheticGenerator, SyntheticStream, TableStream, TimeSplit, TimeSplitDataset,
+                          read_atomic, read_sequence_text)
+    from gem_data.bench import measure
+
+    torch.set_num_threads(1)
+    batch = 256
+    pointwise = NextItemConfig(num_negatives=1, max_history=50)
+    movielens = read_atomic(data / "ml-100k")
+    beauty = read_sequence_text(data / "beauty" / "Beauty.txt", data / "beauty" / "Beauty_item2attributes.json")
+    split = TimeSplit(0.7, 0.9)
+    offline = TimeSplitDataset(movielens, pointwise, split, "offline")
+    online = TimeSplitDataset(movielens, pointwise, split, "online")
+    beauty_set, movies_set = NextItemDataset(beauty, pointwise), NextItemDataset(movielens, pointwise)
+    generators = [SyntheticGenerator(SyntheticConfig(seed=s)) for s in range(2)]
+    # name -> (source -> stream maker, weights, online sources, schedule, stamped surfaces or None: one spec)
+    mixes = {
+        "ml100k offline+online (time split, one id space, ramp 0.2->0.8)": (
+            {"offline": lambda: TableStream(offline.training_table(), batch),
+             "online": lambda: TableStream(online.training_table(), batch, shuffle=False)},
+            {}, {"online"}, dict(online_share_start=0.2, online_share_end=0.8, ramp_steps=200), None),
+        "beauty+ml100k (two domains, disjoint id spaces, 1:1)": (
+            {"beauty": lambda: TableStream(beauty_set.training_table(), batch),
+             "movielens": lambda: TableStream(movies_set.training_table(), batch)},
+            {}, set(), {}, {"beauty": 0, "movielens": 1}),
+        "synthetic+synthetic (two generators, one spec, 3:1)": (
+            {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)},
+            {"feed": 3.0}, set(), {}, None),
+    }
+    rows = []
+    for name, (makers, weights, online_names, schedule, surfaces) in mixes.items():
+        alone = {source: measure(source, make(), seconds, batch)["examples_per_s_per_core"] for source, make in makers.items()}
+        config = MixingConfig(tuple(MixSource(s, weights.get(s, 1.0), s in online_names) for s in makers), batch_size=batch, **schedule)
+        streams = {s: make() for s, make in makers.items()}
+        alignment = None if surfaces is None else FeatureAlignment({s: x.spec for s, x in streams.items()}, surfaces=surfaces)
+        mixed = measure(name, MixedStream(streams, config, alignment=alignment), seconds, batch)["examples_per_s_per_core"]
+        slowest = min(alone.values())
+        rows.append({"mix": name, "alone_examples_per_s_per_core": alone, "mixed_examples_per_s_per_core": mixed,
+                     "mixed_over_slowest": round(mixed / slowest, 3), "target_met": mixed >= 0.9 * slowest})
+        print(f"reader_cost {name}: mixed {mixed:,.0f}/s, alone {alone}, mixed/slowest {mixed / slowest:.3f}", flush=True)
+    return {"batch_size": batch, "seconds_per_measure": seconds, "target": "mixed >= 0.9 x slowest source alone", "rows": rows}
+
+
+# -- output ----------------------------------------------------------------------------------------------------
+
+def provenance(argv: list[str]) -> dict:
+    return {
+        "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__, "python": platform.python_version(), "commit": git_commit(ROOT),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m gem_trainer.bench_mixing " + " ".join(argv),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m gem_trainer.bench_mixing", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench-mixing"), help="folder for the run folders")
+    parser.add_argument("--seconds", type=float, default=3.0, help="reader_cost: measuring time per stream")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    for section in args.sections:
+        started = time.perf_counter()
+        if section == "time_split":
+            result = time_split(args.seeds, args.data, args.work)
+        elif section == "domains":
+            result = domains(args.seeds, args.data, args.work)
+        elif section == "synthetic":
+            result = synthetic(args.seeds, args.work)
+        else:
+            result = reader_cost(args.data, args.seconds)
+        results[section] = {"meta": {**provenance(argv), "wall_s": round(time.perf_counter() - started, 1)}, **result}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
