@@ -290,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
     for section in args.sections:
         started = time.perf_counter()
         if section == "time_split":
@@ -301,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             result = synthetic(args.seeds, args.work)
         else:
             result = reader_cost(args.data, args.seconds)
+        # NOTE: read just before writing, so that sections run by concurrent invocations all land in the file
+        results = json.loads(args.out.read_text()) if args.out.is_file() else {}
         results[section] = {"meta": {**provenance(argv), "wall_s": round(time.perf_counter() - started, 1)}, **result}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
