@@ -90,6 +90,27 @@ def test_two_real_domains_mix_as_two_surfaces_and_evaluate_per_domain(tmp_path):
         assert result["sampled/users"] == 32, domain
 
 
+def test_parquet_and_synthetic_sources_mix_in_one_declared_id_space(tmp_path):
+    from gem_data import SyntheticConfig, SyntheticGenerator, write_parquet
+
+    generator = SyntheticGenerator(SyntheticConfig())  # the trainer's default synthetic data set, seed 0
+    write_parquet((generator.batch(i, 64, split="eval") for i in range(2)), generator.spec, tmp_path / "log.parquet")
+    sources = (f'--data.mixture.sources=[{{name = "log", reader = "parquet", path = "{tmp_path / "log.parquet"}", '
+               f'eval_path = "{tmp_path / "log.parquet"}", id_space = "ads"}}, {{name = "live", reader = "synthetic", '
+               f'id_space = "ads", online = true}}]')
+    trainer = trainer_for(tmp_path / "run", sources, "--data.mixture.online_share_start=0.3", "--data.eval_batches=2")
+    assert trainer.spec == generator.spec  # one id space: the union is the common spec
+    for _ in range(2):
+        assert torch.isfinite(torch.tensor(trainer.train_step()["loss"]))
+    assert trainer.evaluate()["click/all/count"] == 128  # the parquet source's held-out file
+    live = trainer_for(tmp_path / "live", sources, "--data.mixture.online_share_start=0.3", "--data.eval_batches=2",
+                       "--data.mixture.eval_source=live")
+    assert live.evaluate()["click/all/count"] == 2 * 32  # the generator's held-out split
+    disjoint = config_for(tmp_path / "d", sources.replace('id_space = "ads", ', "").replace(', id_space = "ads"', ""))
+    spec = builders.build_data(disjoint, init_distributed("cpu", "gloo")).spec
+    assert {f.name: f.num_embeddings for f in spec.sparse}["ad_id"] == 2 * generator.config.num_ads
+
+
 def test_resume_mid_ramp_continues_exactly(tmp_path):
     needs(ML)
     args = [*TIME_SPLIT, "--checkpoint.enable=true", "--checkpoint.every_steps=100"]

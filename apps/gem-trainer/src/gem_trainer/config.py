@@ -249,14 +249,15 @@ class DataConfig(Section):
     def _source_needs(self) -> "DataConfig":
         sources = self.mixture.sources
         readers = [(s.reader or self.source, s.path, s.eval_path, s.name) for s in sources] or [(self.source, None, None, None)]
+        evaluated = self.mixture.eval_source or (sources[0].name if sources else None)
         for reader, path, eval_path, name in readers:
             where = f"data.mixture.sources.{name}" if name is not None else "data"
             if reader != "synthetic" and path is None and self.path is None:
                 raise ValueError(f"data.path is required for data.source = {reader!r}" if name is None
                                  else f"{where}: reader {reader!r} needs a path (or data.path)")
-            if reader == "parquet" and eval_path is None and self.eval_path is None:
+            if reader == "parquet" and name == evaluated and eval_path is None and self.eval_path is None:
                 raise ValueError("data.eval_path (held-out parquet) is required for data.source = \"parquet\"" if name is None
-                                 else f"{where}: a parquet source needs an eval_path (or data.eval_path)")
+                                 else f"{where}: the evaluated parquet source needs an eval_path (or data.eval_path)")
         for s in sources:
             if s.online and (s.reader or self.source) in ("sequence_text", "atomic") and self.sequential.time_split is None:
                 raise ValueError(f"data.mixture.sources.{s.name}: an online next-item source is the online period of a time "
