@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gem_kunlun import CandidateInput, CandidateScorer
 from gem_parallel import gathered_parameters
 from gem_trainer.config import load_config
 from gem_trainer.distributed import init_distributed
@@ -31,13 +32,13 @@ def short_trainer(tmp_path, config_name, *extra):
 def assert_fast_path_matches_one_row_per_candidate(trainer, num_users=50):
     """The user-once ranking path scores exactly what the model says on one (user, candidate) row at a time."""
     core = getattr(trainer.model, "module", trainer.model)
-    assert core.candidate_input is not None  # the path under test is taken
+    assert isinstance(core, CandidateScorer)  # the path under test is taken
     dataset = trainer.data.ranking
     ranking = dataset.ranking_examples("test", "sampled", 99, seed=0)
     users = torch.arange(0, ranking.num_users, ranking.num_users // num_users)[:num_users]
     trainer.model.eval()
     with gathered_parameters(trainer.model, reshard_after_forward=True):  # as evaluate() runs it
-        fast = trainer._score(dataset, ranking, users)
+        fast = trainer.evaluator().score(dataset, ranking, users, trainer.config.data.sequential.eval_chunk)
     subset = dataclasses.replace(ranking, users=ranking.users[users], history_length=ranking.history_length[users],
                                  candidates=ranking.candidates[users], target_index=ranking.target_index[users])
     slow = torch.empty(fast.shape)
@@ -84,7 +85,7 @@ def test_kunlun_two_tower_trains_on_beauty_with_item_attributes_and_ranks_throug
     assert {"item_id", "item_attributes", "history_item_id", "history_attributes_0"} <= names
     assert trainer.spec.candidate == ("item_id", "item_attributes")
     core = getattr(trainer.model, "module", trainer.model)
-    assert core.config.two_tower and core.candidate_input == "catalogue"
+    assert core.config.two_tower and core.candidate_input is CandidateInput.CATALOGUE
     trainer.train()
     result = trainer.evaluate()
     assert result["sampled/users"] == result["full/users"] == 40 and 0 <= result["sampled/ndcg@10"] <= 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import random
 import time
@@ -19,7 +18,7 @@ from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
-from gem_trainer.evaluation import binary_metrics, ranking_metrics, target_ranks
+from gem_trainer.evaluators import Evaluator
 from gem_parallel import (
     SparseReplicas,
     apply_copy_engine_all_gather,
@@ -29,7 +28,7 @@ from gem_parallel import (
     peak_tflops,
     scaling_ratio,
 )
-from gem_trainer.metrics import MetricLogger, memory_gib, progress
+from gem_trainer.metrics import MetricLogger, memory_gib
 
 
 # NOTE: FSDP2 warns whenever a wrapped block returns a view, in case the caller then changes it in place (which
@@ -278,122 +277,18 @@ class Trainer:
         self.model.eval()
         # NOTE: the dense parameters stay gathered for the whole evaluation: ranking calls model methods
         # other than forward, which FSDP2 does not hook
+        evaluator = self.evaluator()
         with gathered_parameters(self.model, self.config.parallelism.reshard_after_forward):
-            result = self._evaluate_binary() if self.data.ranking is None else self._evaluate_ranking()
+            if self.data.ranking is None:
+                result = evaluator.binary(self.data.eval_batches(), self.spec, total=self.config.data.eval_batches)
+            else:
+                result = evaluator.ranking(self.data.ranking, self.config.data.sequential, self.config.seed)
         self.logger.log(self.step, result, phase="eval", echo=False)
         return result
 
-    def _in_lockstep(self, items):
-        """Yield ``(item, real)`` so that every rank makes the same number of model calls (sharded tables and
-        expert parallelism communicate inside forward): a rank that runs out repeats its last item with
-        ``real`` False, whose result it discards, until every rank is done."""
-        items, last = iter(items), None
-        while True:
-            item = next(items, None)
-            more = torch.tensor(int(item is not None), device=self.env.device)
-            if self.env.world_size > 1:
-                dist.all_reduce(more, op=dist.ReduceOp.MAX)
-            if not more:
-                return
-            if item is None:
-                if last is None:
-                    raise RuntimeError(f"rank {self.env.rank} has no evaluation work while others have: evaluate at "
-                                       f"least as many batches / users as there are ranks")
-                yield last, False
-            else:
-                last = item
-                yield item, True
-
-    def _evaluate_binary(self) -> dict[str, float]:
-        probs, labels, surfaces = [], [], []
-        total = self.config.data.eval_batches
-        for batch, real in progress(self._in_lockstep(self.data.eval_batches()), total, "eval", self._show_progress()):
-            batch = batch.to(self.env.device)
-            with self._autocast():
-                logits = self.model(batch).logits
-            if not real:
-                continue
-            probs.append(torch.sigmoid(logits.float()).cpu())
-            labels.append(batch.labels.cpu())
-            surfaces.append(batch.surface.cpu())
-        p, y, s = (torch.cat(g) for g in zip(*self._gather((torch.cat(probs), torch.cat(labels), torch.cat(surfaces)))))
-        return binary_metrics(p, y, s, self.spec.tasks, self.spec.num_surfaces)
-
-    def _evaluate_ranking(self) -> dict[str, float]:
-        s, dataset = self.config.data.sequential, self.data.ranking
-        result: dict[str, float] = {}
-        for protocol in s.eval_protocols:
-            ks = (1, 5, 10) if protocol == "sampled" else (5, 10, 20)
-            per_seed = []
-            for seed in s.eval_seeds if protocol == "sampled" else s.eval_seeds[:1]:
-                ranking = dataset.ranking_examples(s.eval_split, protocol, s.eval_negatives, seed)
-                users = torch.arange(ranking.num_users)
-                if s.eval_users is not None and s.eval_users < ranking.num_users:
-                    # the same fixed subset for every protocol and seed
-                    chosen = torch.randperm(ranking.num_users, generator=torch.Generator().manual_seed(self.config.seed))
-                    users = chosen[: s.eval_users].sort().values
-                mine = users[self.env.rank :: self.env.world_size]
-                ranks = target_ranks(self._score(dataset, ranking, mine), ranking.target_index[mine])
-                ranks = torch.cat(self._gather(ranks))
-                metrics = ranking_metrics(ranks, ks)
-                per_seed.append(metrics)
-                result.update({f"{protocol}/seed{seed}/{k}": v for k, v in metrics.items()})
-            for key in per_seed[0]:
-                values = torch.tensor([m[key] for m in per_seed], dtype=torch.float64)
-                result[f"{protocol}/{key}"] = float(values.mean())
-                result[f"{protocol}/{key}/std"] = float(values.std(unbiased=False))
-            result[f"{protocol}/users"] = float(ranks.numel())
-        return result
-
-    def _score(self, dataset, ranking, users: torch.Tensor) -> torch.Tensor:
-        """Scores ``[len(users), C]`` of each user's candidates: through the model's ``score_candidates`` (the
-        user side computed once per user) when it has one, else one row per (user, candidate)."""
-        core = getattr(self.model, "module", self.model)
-        candidates = ranking.candidates[users]
-        # what a model's score_candidates reads of the candidates besides their ids: "ids" (nothing),
-        # "features" (each candidate's own features, which only the data set knows; their histories stay
-        # empty) or "catalogue" (every item's features once, for an item tower)
-        candidate_input = getattr(core, "candidate_input", None)
-        if candidate_input is not None:
-            catalogue = dataset.catalogue().to(self.env.device) if candidate_input == "catalogue" else None
-            scores = []
-            chunk = max(1, self.config.data.sequential.eval_chunk // candidates.shape[1])
-            for start, real in self._in_lockstep(range(0, users.numel(), chunk)):
-                rows = users[start : start + chunk]
-                user_ids = ranking.users[rows]
-                history = dataset.history(user_ids, ranking.history_length[rows])
-                requests = dataset.assemble(user_ids, history, ranking.targets()[rows], torch.ones(rows.numel())).to(self.env.device)
-                block = candidates[start : start + chunk]
-                extra = {}
-                if candidate_input == "features":
-                    owners = user_ids.repeat_interleave(block.shape[1])
-                    extra["candidate_features"] = dataset.assemble(
-                        owners, dataset.history(owners, torch.zeros_like(owners)), block.reshape(-1), torch.zeros(owners.numel())
-                    ).to(self.env.device)
-                elif candidate_input == "catalogue":
-                    extra["catalogue"] = catalogue
-                with self._autocast():
-                    block_scores = core.score_candidates(requests, block.to(self.env.device), **extra).float().cpu()
-                if real:
-                    scores.append(block_scores)
-            return torch.cat(scores) if scores else torch.zeros(0, candidates.shape[1])
-        subset = dataclasses.replace(ranking, users=ranking.users[users], history_length=ranking.history_length[users],
-                                     candidates=candidates, target_index=ranking.target_index[users])
-        scores = torch.empty(candidates.shape)
-        for (start, batch), real in self._in_lockstep(dataset.scoring_batches(subset, self.config.data.sequential.eval_chunk)):
-            with self._autocast():
-                logits = self.model(batch.to(self.env.device)).logits
-            if real:
-                scores.view(-1)[start : start + batch.batch_size] = logits[:, 0].float().cpu()
-        return scores
-
-    def _gather(self, local):
-        gathered = [None] * self.env.world_size
-        dist.all_gather_object(gathered, local)
-        return gathered
-
-    def _show_progress(self) -> bool:
-        return self.config.metrics.progress_bar and self.env.rank == 0
+    def evaluator(self) -> Evaluator:
+        """The evaluation loops over this trainer's model (call with the parameters gathered, as ``evaluate``)."""
+        return Evaluator(self.model, self.env, self._autocast, self.config.metrics.progress_bar and self.env.rank == 0)
 
     def close(self) -> None:
         self.logger.close()

@@ -2,6 +2,7 @@
 
 from gem_kunlun.baseline import BaselineConfig, BaselineRanker, SeedPooling
 from gem_kunlun.batch import Batch, EventSequence, NextItemTargets
+from gem_kunlun.candidates import CandidateInput, CandidateScorer
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import EventType, FeatureSpec, SparseFeature
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads, multitask_loss
@@ -18,6 +19,8 @@ __all__ = [
     "BaselineConfig",
     "BaselineRanker",
     "Batch",
+    "CandidateInput",
+    "CandidateScorer",
     "NextItemTargets",
     "EventSequence",
     "EventPersonalization",

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 from torchrec import KeyedJaggedTensor
 
 from gem_kunlun.batch import Batch
+from gem_kunlun.candidates import CandidateInput
 from gem_kunlun.compskip import check_skip_schedule, skipped_components
 from gem_kunlun.config_checks import check_activation_and_kernel, check_at_least
 from gem_kunlun.embedding import FeatureEmbedding, ItemTower
@@ -332,10 +333,10 @@ class KunlunModel(nn.Module):
             self.query = nn.Linear(self.representation_dim, self.representation_dim, device=device)
             self.item_tower = ItemTower(tuple(candidate[n] for n in spec.candidate), config.d_model,
                                         self.representation_dim, device=device)
-            self.candidate_input = "catalogue"  # what score_candidates reads (see the trainer's ranking evaluation)
+            self.candidate_input = CandidateInput.CATALOGUE
         else:
             self.heads = MultiTaskHeads(self.representation_dim, len(spec.tasks), spec.num_surfaces, device=device)
-            self.candidate_input = "features"
+            self.candidate_input = CandidateInput.FEATURES
 
     @property
     def layers(self) -> nn.ModuleList:

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 from gem_kunlun.batch import Batch
+from gem_kunlun.candidates import CandidateInput
 from gem_kunlun.config_checks import check_at_least
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput
@@ -97,7 +98,7 @@ class SasrecModel(nn.Module):
         if len(spec.tasks) != 1:
             raise ValueError(f"SASRec scores one next-item task, the data has {list(spec.tasks)}")
         self.spec, self.config, self.num_items = spec, config, num_items
-        self.candidate_input = "ids"  # score_candidates reads nothing of a candidate but its id
+        self.candidate_input = CandidateInput.IDS
         self.items = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(
