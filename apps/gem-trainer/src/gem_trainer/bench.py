@@ -41,12 +41,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, KunlunModel, SparseFeature, multitask_loss
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, KunlunModel, SparseFeature
 from gem_kunlun.norm import LayerNorm
+from gem_parallel import PEAK_TFLOPS as PEAK_TABLE
 from gem_trainer.config import load_config
 from gem_trainer.provenance import git_commit
+from gem_trainer.step import autocast, autocast_dtype, training_loss
 
-PEAK_TFLOPS = 989.0  # H100 / H200 dense bf16 datasheet peak: the MFU denominator
+PEAK_TFLOPS = PEAK_TABLE["H200"]  # the H100 / H200 dense bf16 datasheet peak: the MFU denominator
 VARIANTS = {"gem": "auto", "plain": "builtin"}
 
 
@@ -186,17 +188,16 @@ def build_optimizers(model: nn.Module, config, device: torch.device):
             torch.optim.SGD(sparse, lr=o.sparse_lr))
 
 
-def autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def bench_autocast(device: torch.device):
+    """bf16 on CUDA (the trainer's ``precision.autocast = "auto"``), none on CPU."""
+    return autocast(device, autocast_dtype("auto", device))
 
 
 def train_step(model, optimizers, batch: Batch, task_weights: torch.Tensor, device) -> torch.Tensor:
-    with autocast(device):
+    with bench_autocast(device):
         out = model(batch)
     with torch.profiler.record_function("gem::loss"):
-        loss = multitask_loss(out.logits, batch.labels, task_weights) + out.aux_loss
+        loss = training_loss(out, batch, task_weights)
     loss.backward()
     with torch.profiler.record_function("gem::optimizer"):
         for opt in optimizers:
@@ -462,7 +463,7 @@ def check_model_agreement(config, args, device) -> dict:
     logits = {}
     for name, kernel in VARIANTS.items():
         model = build_variant(config, spec, kernel, device, config.seed)
-        with torch.no_grad(), autocast(device):
+        with torch.no_grad(), bench_autocast(device):
             logits[name] = model(batch).logits.float()
         del model
     return {"batch_size": 8, "logits_rel_err_plain_vs_gem": round(rel_err(logits["gem"], logits["plain"]), 5)}

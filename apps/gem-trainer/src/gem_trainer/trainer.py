@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import time
@@ -13,12 +12,13 @@ import torch
 import torch.distributed as dist
 
 from gem_data import rank_imbalance
-from gem_kunlun import MixtureOfExperts, multitask_loss, next_item_loss
+from gem_kunlun import MixtureOfExperts
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluators import Evaluator
+from gem_trainer.step import autocast, autocast_dtype, training_loss
 from gem_parallel import (
     SparseReplicas,
     apply_copy_engine_all_gather,
@@ -100,7 +100,7 @@ class Trainer:
             self._print(f"data: skipped {skipped} bad rows (data.skip_bad_rows = true), e.g. {examples[0]}")
             self.logger.log(0, {"bad_rows": float(skipped)}, phase="data", echo=False)
         self.peak = peak_tflops(env.device, config.metrics.peak_tflops)
-        self.autocast_dtype = _autocast_dtype(config.precision.autocast, env.device)
+        self.autocast_dtype = autocast_dtype(config.precision.autocast, env.device)
 
     def _check_ranking_is_possible(self) -> None:
         """Sampled ranking needs ``eval_negatives`` items outside every user's sequence: checked before training
@@ -179,10 +179,7 @@ class Trainer:
                 with torch.no_grad():
                     teacher_logits = self.teacher(batch).logits.float()
                 output = self.model(batch, teacher_logits)
-        if batch.next_items is None:
-            loss = multitask_loss(output.logits, batch.labels, self.task_weights) + output.aux_loss
-        else:
-            loss = next_item_loss(output.logits, batch.next_items) + output.aux_loss
+        loss = training_loss(output, batch, self.task_weights)
         # the loss of the global batch: each rank's is the mean over its equal slice
         global_loss = loss.detach().clone()
         if self.env.world_size > 1:
@@ -294,9 +291,7 @@ class Trainer:
         self.logger.close()
 
     def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.env.device.type, dtype=self.autocast_dtype)
+        return autocast(self.env.device, self.autocast_dtype)
 
     def _print(self, message: str) -> None:
         if self.env.rank == 0:
@@ -317,11 +312,3 @@ def _skipped_rows(data) -> tuple[int, list[str]]:
             examples += list(getattr(item, "bad_row_examples", []))
         pending += [getattr(item, name, None) for name in ("train", "ranking", "corpus", "stream", "source", "table")]
     return count, examples
-
-
-def _autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast where the device runs it fast (CUDA with bf16); the loss and heads stay float32."""
-    if choice == "off" or (choice == "auto" and (device.type != "cuda" or not torch.cuda.is_bf16_supported())):
-        return None
-    return torch.bfloat16
-
