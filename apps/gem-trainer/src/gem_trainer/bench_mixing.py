@@ -156,7 +156,25 @@ def time_split(seeds: list[int], data: Path, work: Path) -> dict:
             ramp[f"offline_period/{m}"]["mean"] > sequential[f"offline_period/{m}"]["mean"] for m in ("hr@10", "ndcg@10")),
     }
     return {"config": str(config.relative_to(ROOT)), "steps": TIME_SPLIT_STEPS, "switch_step": TIME_SPLIT_SWITCH,
-            "schedules": SCHEDULES, "rows": rows, "summary": summary, "targets": targets}
+            "split": describe_split(config, [*common]), "schedules": SCHEDULES, "rows": rows, "summary": summary,
+            "targets": targets}
+
+
+def describe_split(config_file: Path, overrides: list[str]) -> dict[str, float]:
+    """The time split's cut-offs and sizes (``TimeSplitDataset.describe``) under the benchmark's config."""
+    from gem_data import NextItemConfig, TimeSplit, TimeSplitDataset, read_atomic
+
+    config = load_config(config_file, overrides)
+    split = TimeSplit(*config.data.sequential.time_split)
+    corpus = read_atomic(config.data.path)
+    sizes = {period: TimeSplitDataset(corpus, NextItemConfig(), split, period).describe() for period in ("offline", "online")}
+    offline = sizes["offline"].pop("training_examples")
+    return {**sizes["offline"], "offline_training_examples": offline, "online_training_examples": sizes["online"]["training_examples"]}
+
+
+SAME_COMPUTE = ("every arm runs two Kunlun-tiny trunks per example over the same steps and stream: shared = two shared "
+                "experts; domain_experts = one shared + the example's domain's own; per_domain = one two-expert model per "
+                "domain trained on exactly its domain's examples of that stream (together the shared model's examples)")
 
 
 def domain_arms(num_domains: int) -> dict[str, list[list[str]]]:
@@ -193,7 +211,8 @@ def domains(seeds: list[int], data: Path, work: Path) -> dict:
                 f"{r['domain']} hr@10 {r['hr@10']:.4f} ndcg@10 {r['ndcg@10']:.4f}" for r in rows[-len(names):]), flush=True)
     summary = {arm: {domain: {m: mean_std([r for r in rows if r["arm"] == arm and r["domain"] == domain], m)
                               for m in ("hr@10", "ndcg@10")} for domain in names} for arm in domain_arms(2)}
-    return {"config": str(config.relative_to(ROOT)), "arms": domain_arms(len(names)), "rows": rows, "summary": summary}
+    return {"config": str(config.relative_to(ROOT)), "arms": domain_arms(len(names)), "same_compute": SAME_COMPUTE,
+            "rows": rows, "summary": summary}
 
 
 def synthetic(seeds: list[int], work: Path) -> dict:
@@ -218,7 +237,8 @@ def synthetic(seeds: list[int], work: Path) -> dict:
     metrics = ("click/ne", "click/auc", "conversion/ne", "conversion/auc")
     summary = {arm: {f"surface_{s}": {m: mean_std([r for r in rows if r["arm"] == arm and r["surface"] == s], m) for m in metrics}
                      for s in range(num_surfaces)} for arm in domain_arms(num_surfaces)}
-    return {"config": str(config.relative_to(ROOT)), "arms": domain_arms(num_surfaces), "rows": rows, "summary": summary}
+    return {"config": str(config.relative_to(ROOT)), "arms": domain_arms(num_surfaces), "same_compute": SAME_COMPUTE,
+            "rows": rows, "summary": summary}
 
 
 def reader_cost(data: Path, seconds: float) -> dict:
@@ -251,6 +271,9 @@ def reader_cost(data: Path, seconds: float) -> dict:
         "synthetic+synthetic (two generators, one spec, 3:1)": (
             {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)},
             {"feed": 3.0}, set(), {}, None),
+        "synthetic+synthetic (3:1, whole batches: granularity batch)": (
+            {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)},
+            {"feed": 3.0}, set(), {"granularity": "batch"}, None),
     }
     rows = []
     for name, (makers, weights, online_names, schedule, surfaces) in mixes.items():
@@ -291,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     for section in args.sections:
-        started = time.perf_counter()
+        started, meta = time.perf_counter(), provenance(argv)  # the commit of the code this section runs
         if section == "time_split":
             result = time_split(args.seeds, args.data, args.work)
         elif section == "domains":
@@ -302,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             result = reader_cost(args.data, args.seconds)
         # NOTE: read just before writing, so that sections run by concurrent invocations all land in the file
         results = json.loads(args.out.read_text()) if args.out.is_file() else {}
-        results[section] = {"meta": {**provenance(argv), "wall_s": round(time.perf_counter() - started, 1)}, **result}
+        results[section] = {"meta": {**meta, "wall_s": round(time.perf_counter() - started, 1)}, **result}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0

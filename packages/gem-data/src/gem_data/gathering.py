@@ -121,9 +121,9 @@ def _gather_kjt(parts: list[tuple[KeyedJaggedTensor | None, KeyMap | None, Piece
             continue
         m, b = len(kjt.keys()), p.batch.batch_size
         # NOTE: the KeyedJaggedTensor's offsets (kept once computed) locate key k's values of rows [lo, hi) directly
-        offsets, rows_of_key = kjt.offsets(), torch.arange(0, m * b, b)
-        first = offsets[rows_of_key + p.lo].tolist()
-        totals = [z - a for a, z in zip(first, offsets[rows_of_key + p.hi].tolist())]
+        bounds = kjt.offsets().view(-1)[: m * b + 1]
+        first = bounds[p.lo : m * b : b].tolist()
+        totals = [z - a for a, z in zip(first, bounds[p.hi :: b].tolist())]
         wanted = kjt.lengths().view(m, b)[:, p.lo : p.hi]
         values = kjt.values()
         if keymap.identity:

@@ -99,12 +99,15 @@ class MixingConfig:
 
     def probabilities(self, step: int) -> torch.Tensor:
         """``[S]`` float64: the probability of each source at ``step``."""
-        weights = torch.tensor([s.weight for s in self.sources], dtype=torch.float64)
+        weights = [s.weight for s in self.sources]
         share = self.online_share(step)
         if share is None:
-            return weights / weights.sum()
-        online = torch.tensor([s.online for s in self.sources])
-        return torch.where(online, share * weights / weights[online].sum(), (1 - share) * weights / weights[~online].sum())
+            total = sum(weights)
+            return torch.tensor([w / total for w in weights], dtype=torch.float64)
+        online = sum(w for w, s in zip(weights, self.sources) if s.online)
+        offline = sum(weights) - online
+        return torch.tensor([share * w / online if s.online else (1 - share) * w / offline
+                             for w, s in zip(weights, self.sources)], dtype=torch.float64)
 
 
 class MixedStream(ShardedStream):
@@ -143,42 +146,47 @@ class MixedStream(ShardedStream):
         # several would discard the rows read ahead, its next rows of a source lying other ranks' rows further on
         read_ahead = self.batch_size if world_size == 1 else 0
         self._readers = [ExampleReader(source, read_ahead) for source in self.sources]
-        self._anchors: dict[int, torch.Tensor] = {0: torch.zeros(len(self.sources), dtype=torch.int64)}
-        self._draw_cache: dict[int, torch.Tensor] = {}
+        self._anchors: dict[int, tuple[int, ...]] = {0: (0,) * len(self.sources)}  # step -> source positions
+        self._latest = 0  # the newest anchor that is not a multiple of ANCHOR_EVERY
+        self._composition: dict[int, tuple[int, ...]] = {}
 
     @property
     def spec(self) -> FeatureSpec:
         return self.alignment.spec
 
     # -- the composition of a global batch ------------------------------------------------------------------
-    def draws(self, step: int) -> torch.Tensor:
-        """``[G]`` int64: the source of each example of global batch ``step``, in order."""
-        cached = self._draw_cache.get(step)
+    def composition(self, step: int) -> tuple[int, ...]:
+        """Examples of each source in global batch ``step`` (the draws of ``(seed, step)``, counted)."""
+        cached = self._composition.get(step)
         if cached is not None:
             return cached
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
         probabilities = self.config.probabilities(step)
         if self.config.granularity == "batch":
-            chosen = torch.multinomial(probabilities, 1, generator=generator)
-            draws = chosen.expand(self.global_batch_size).clone()
+            counts = [0] * len(self.sources)
+            counts[int(torch.multinomial(probabilities, 1, generator=generator))] = self.global_batch_size
         else:
             draws = torch.multinomial(probabilities, self.global_batch_size, replacement=True, generator=generator)
-        if len(self._draw_cache) >= 4:
-            self._draw_cache.pop(next(iter(self._draw_cache)))
-        self._draw_cache[step] = draws
-        return draws
+            counts = torch.bincount(draws, minlength=len(self.sources)).tolist()
+        if len(self._composition) >= 4:
+            self._composition.pop(next(iter(self._composition)))
+        self._composition[step] = tuple(counts)
+        return self._composition[step]
 
-    def positions(self, step: int) -> torch.Tensor:
-        """``[S]`` int64: examples of each source read by global batches ``0 .. step - 1``."""
+    def positions(self, step: int) -> tuple[int, ...]:
+        """Examples of each source read by global batches ``0 .. step - 1``."""
         start = max(s for s in self._anchors if s <= step)
-        position = self._anchors[start].clone()
+        position = self._anchors[start]
         for t in range(start, step):
-            position += torch.bincount(self.draws(t), minlength=len(self.sources))
-            if (t + 1) % ANCHOR_EVERY == 0 or t + 1 == step:
-                self._anchors[t + 1] = position.clone()
-        # NOTE: the newest anchor makes sequential reading O(1) per step; older ones bound a backward query
-        for stale in [s for s in self._anchors if s % ANCHOR_EVERY and s != step]:
-            del self._anchors[stale]
+            position = tuple(p + n for p, n in zip(position, self.composition(t)))
+            if (t + 1) % ANCHOR_EVERY == 0:
+                self._anchors[t + 1] = position
+        # NOTE: the newest position makes sequential reading O(1) per step; anchors every ANCHOR_EVERY steps bound
+        # the replay of a backward query (the draws are a pure function of the step, so replay is exact)
+        if step % ANCHOR_EVERY and step != self._latest:
+            if self._latest % ANCHOR_EVERY:
+                del self._anchors[self._latest]
+            self._anchors[step], self._latest = position, step
         return position
 
     def global_batch(self, index: int) -> Batch | None:
@@ -191,31 +199,31 @@ class MixedStream(ShardedStream):
     def _rows(self, index: int, lo: int, hi: int) -> Batch | None:
         """Rows ``[lo, hi)`` of global batch ``index`` (its examples grouped by source, in source order),
         reading only those rows from the sources."""
-        start = self.positions(index)
-        total = torch.bincount(self.draws(index), minlength=len(self.sources))
-        for i, reader in enumerate(self._readers):
+        start, total = self.positions(index), self.composition(index)
+        for reader, first, n in zip(self._readers, start, total):
             # every rank checks the whole global batch, so that all ranks end at the same step
-            if total[i] and not reader.available(int(start[i] + total[i])):
+            if n and not reader.available(first + n):
                 return None
-        segments = []
+        segments, sources = [], []
         first_row = 0  # of source i in the global batch
-        for i, n in enumerate(total.tolist()):
+        for i, n in enumerate(total):
             a, b = max(lo, first_row), min(hi, first_row + n)
             if a < b:
-                offset = int(start[i]) - first_row
-                segments += [(self.names[i], batch, x, y) for batch, x, y in self._readers[i].read(a + offset, b + offset)]
+                offset = start[i] - first_row
+                for batch, x, y in self._readers[i].read(a + offset, b + offset):
+                    segments.append((self.names[i], batch, x, y))
+                    sources.append(torch.full((y - x,), i, dtype=torch.int64))
             first_row += n
         if not segments:
             return None  # a rank's empty share of a global batch smaller than the number of ranks
         batch = self.alignment.gather(segments)
-        batch.source = torch.repeat_interleave(torch.tensor([self.names.index(s[0]) for s in segments]),
-                                               torch.tensor([s[3] - s[2] for s in segments]))
+        batch.source = torch.cat(sources) if len(sources) > 1 else sources[0]
         return batch
 
     # -- reporting and state --------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         """Examples read so far per source by the whole job (every rank), name -> count."""
-        return dict(zip(self.names, self.positions(self.position).tolist()))
+        return dict(zip(self.names, self.positions(self.position)))
 
     def shares(self) -> dict[str, float]:
         """The scheduled share of each source at the next step, name -> probability."""
@@ -230,9 +238,11 @@ class MixedStream(ShardedStream):
         if list(state["examples"]) != self.names:
             raise ValueError(f"mixing state has sources {list(state['examples'])}, this stream has {self.names}")
         super().load_state_dict(state)
-        self._anchors = {0: torch.zeros(len(self.sources), dtype=torch.int64)}
-        self._anchors[self.position] = torch.tensor([int(state["examples"][n]) for n in self.names])
-        self._draw_cache.clear()
+        self._anchors, self._latest = {0: (0,) * len(self.sources)}, 0
+        if self.position:
+            self._anchors[self.position] = tuple(int(state["examples"][n]) for n in self.names)
+            self._latest = self.position
+        self._composition.clear()
 
 
 class ExampleReader:
