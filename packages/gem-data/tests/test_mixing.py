@@ -9,6 +9,7 @@ from gem_data import (
     MixedStream,
     MixingConfig,
     MixSource,
+    ShardedStream,
     SyntheticConfig,
     SyntheticGenerator,
     SyntheticStream,
@@ -137,3 +138,29 @@ def test_sources_must_share_a_spec_and_configs_are_checked():
         MixingConfig((MixSource("a"), MixSource("b", online=True)), online_share_end=0.2)
     with pytest.raises(ValueError, match="repeated"):
         MixingConfig((MixSource("a"), MixSource("a")))
+
+
+class ShortStream(ShardedStream):
+    """A stream the mixer cannot size without reading: three global batches of a synthetic generator."""
+
+    def __init__(self, generator, batch_size):
+        super().__init__(batch_size)
+        self.generator = generator
+
+    @property
+    def spec(self):
+        return self.generator.spec
+
+    def global_batch(self, index):
+        return self.generator.batch(index, self.global_batch_size) if index < 3 else None
+
+
+def test_a_source_of_unknown_length_is_probed_and_ends_the_mixture_on_every_rank():
+    generator = SyntheticGenerator(SyntheticConfig(**SPEC))
+    config = MixingConfig((MixSource("short", 1.0), MixSource("live", 1.0)), batch_size=10, seed=2)
+    steps = [sum(1 for _ in MixedStream({"short": ShortStream(generator, 16), "live": SyntheticStream(generator, 16)},
+                                        config, rank=rank, world_size=2)) for rank in range(2)]
+    whole = MixedStream({"short": ShortStream(generator, 16), "live": SyntheticStream(generator, 16)},
+                        MixingConfig(config.sources, batch_size=20, seed=2))
+    assert steps[0] == steps[1] == sum(1 for _ in whole) > 0
+    assert whole.counts()["short"] <= 48

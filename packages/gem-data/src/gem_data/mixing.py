@@ -259,7 +259,7 @@ class ExampleReader:
         self._start, self._batch = 0, None  # the held batch covers examples [_start, _start + its size)
 
     def _hold_chunk(self, index: int) -> Batch | None:
-        if self._batch is None or self._start != index * self.chunk or isinstance(self.stream, TableStream):
+        if self._batch is None or self._start != index * self.chunk:
             self._start, self._batch = index * self.chunk, self.stream.global_batch(index)
         return self._batch
 
@@ -273,8 +273,10 @@ class ExampleReader:
 
     def available(self, stop: int) -> bool:
         """Whether examples ``[0, stop)`` exist."""
-        if self.length is not None or stop <= 0:
-            return stop <= (self.length if self.length is not None else 0)
+        if stop <= 0:
+            return True
+        if self.length is not None:
+            return stop <= self.length
         batch = self._hold_chunk((stop - 1) // self.chunk)
         return batch is not None and batch.batch_size > (stop - 1) % self.chunk
 
