@@ -81,14 +81,14 @@ def evaluate(config_file: Path, overrides: list[str], run_dir: Path) -> dict[str
             trainer.close()
 
 
-def train_losses(run_dir: Path) -> dict[int, float]:
-    """The training loss of every logged step of a run (``metrics.jsonl``)."""
-    losses = {}
+def train_records(run_dir: Path) -> dict[int, dict]:
+    """The training log line of every logged step of a run (``metrics.jsonl``), by step."""
+    records = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if record["phase"] == "train":
-            losses[record["step"]] = record["loss"]
-    return losses
+            records[record["step"]] = record
+    return records
 
 
 def loss_spike(losses: dict[int, float], switch: int) -> dict[str, float]:
@@ -133,9 +133,11 @@ def time_split(seeds: list[int], data: Path, work: Path) -> dict:
             row = {"schedule": name, "seed": seed, "train_s": round(wall, 1)}
             for split in ("next_period", "offline_period"):
                 row[split] = ranking_row(evaluate(config, [*overrides, f"--data.sequential.eval_split={split}"], run_dir))
-            row["switch"] = loss_spike(train_losses(run_dir), TIME_SPLIT_SWITCH)
-            final = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-            row["examples_read"] = {k.removeprefix("source_"): v for k, v in final.items() if k.startswith("source_")}
+            records = train_records(run_dir)
+            row["switch"] = loss_spike({step: r["loss"] for step, r in records.items()}, TIME_SPLIT_SWITCH)
+            # examples read per source, as the log line counts them: at the switch and at the end
+            row["examples_read"] = {f"step_{step}": {k.removeprefix("source_"): v for k, v in records[step].items()
+                                                     if k.startswith("source_")} for step in (TIME_SPLIT_SWITCH, TIME_SPLIT_STEPS)}
             rows.append(row)
             print(f"time_split {name:<13} seed {seed}: next hr@10 {row['next_period']['hr@10']:.4f} ndcg@10 "
                   f"{row['next_period']['ndcg@10']:.4f} | offline hr@10 {row['offline_period']['hr@10']:.4f} ndcg@10 "
