@@ -56,4 +56,19 @@ def test_tools_hatch_works_on_an_externally_managed_python(tmp_path, venv_module
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("Hatch, version")
-    assert (repo / ".hatch-env" / "bin" / "hatch").exists() == venv_module
+    assert (repo / ".hatch-env" / "ready").exists() == venv_module
+
+
+@pytest.mark.slow
+def test_tools_hatch_rebuilds_a_private_environment_whose_install_was_cut_short(tmp_path):
+    repo, env = fake_checkout(tmp_path)
+    # what an interrupted first run leaves: a hatch entry point whose dependencies never arrived
+    broken = repo / ".hatch-env" / "bin" / "hatch"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("#!/usr/bin/env bash\necho \"ModuleNotFoundError: No module named 'click'\" >&2; exit 1\n")
+    broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
+    done = subprocess.run([str(repo / "tools" / "hatch"), "--version"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("Hatch, version")
+    assert (repo / ".hatch-env" / "ready").exists()
