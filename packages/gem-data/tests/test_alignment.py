@@ -142,3 +142,23 @@ def test_batch_table_sources_of_one_spec_need_no_alignment():
                         MixingConfig((MixSource("a"), MixSource("b")), batch_size=16))
     assert mixed.spec == generator.spec and mixed.alignment.is_identity("a")
     next(iter(mixed)).validate(generator.spec)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gathering_random_row_ranges_of_one_spec_equals_selecting_then_concatenating(seed):
+    from gem_data import concat_batches, select_examples
+
+    generators = [SyntheticGenerator(SyntheticConfig(seed=s)) for s in (seed, seed + 10)]
+    batches = {"feed": generators[0].batch(0, 40, split="train"), "video": generators[1].batch(3, 40, split="train")}
+    alignment = FeatureAlignment({"feed": generators[0].spec, "video": generators[1].spec}, dict.fromkeys(batches, ""))
+    draw = torch.Generator().manual_seed(seed)
+    segments = []
+    for _ in range(5):
+        name = ("feed", "video")[int(torch.randint(2, (1,), generator=draw))]
+        lo = int(torch.randint(40, (1,), generator=draw))
+        hi = lo + 1 + int(torch.randint(40 - lo, (1,), generator=draw))
+        segments.append((name, batches[name], lo, hi))
+    expected = concat_batches([select_examples(b, torch.arange(lo, hi)) for _, b, lo, hi in segments])
+    gathered = alignment.gather(segments)
+    gathered.validate(alignment.spec)
+    assert equal_batches(gathered, expected)

@@ -15,7 +15,8 @@ run's last checkpoint, so the numbers are what ``gem-trainer train`` / ``eval`` 
 - ``domains`` (``configs/mixing-domains.toml``, Beauty + MovieLens-100K) and ``synthetic``
   (``configs/mixing-synthetic.toml``, the generator's three surfaces): one shared model, domain experts and one
   model per domain at the same compute (see the configs); per-domain metrics.
-- ``reader_cost``: examples/s per core of mixed streams and of each of their sources alone (one thread).
+- ``reader_cost``: examples/s per core of mixed streams and of each of their sources alone (one thread), at
+  several batch sizes (the gathering of a mixed batch is a fixed per-batch cost; reading is per example).
 
 A section given in ``--sections`` replaces that section of ``--out`` and keeps the others; each section
 carries its own provenance (machine, torch, commit, date, command).
@@ -243,15 +244,14 @@ def synthetic(seeds: list[int], work: Path) -> dict:
             "rows": rows, "summary": summary}
 
 
-def reader_cost(data: Path, seconds: float) -> dict:
-    """Examples/s per core of each mixed stream against each of its sources alone (one thread each)."""
+def reader_cost(data: Path, seconds: float, batch_sizes: list[int]) -> dict:
+    """Examples/s per core of each mixed stream against each of its sources alone (one thread each), per batch size."""
     from gem_data import (FeatureAlignment, MixedStream, MixingConfig, MixSource, NextItemConfig, NextItemDataset,
                           SyntheticConfig, SyntheticGenerator, SyntheticStream, TableStream, TimeSplit, TimeSplitDataset,
                           read_atomic, read_sequence_text)
     from gem_data.bench import measure
 
     torch.set_num_threads(1)
-    batch = 256
     pointwise = NextItemConfig(num_negatives=1, max_history=50)
     movielens = read_atomic(data / "ml-100k")
     beauty = read_sequence_text(data / "beauty" / "Beauty.txt", data / "beauty" / "Beauty_item2attributes.json")
@@ -259,36 +259,37 @@ def reader_cost(data: Path, seconds: float) -> dict:
     offline = TimeSplitDataset(movielens, pointwise, split, "offline")
     online = TimeSplitDataset(movielens, pointwise, split, "online")
     beauty_set, movies_set = NextItemDataset(beauty, pointwise), NextItemDataset(movielens, pointwise)
-    generators = [SyntheticGenerator(SyntheticConfig(seed=s)) for s in range(2)]
-    # name -> (source -> stream maker, weights, online sources, schedule, stamped surfaces or None: one spec)
-    mixes = {
-        "ml100k offline+online (time split, one id space, ramp 0.2->0.8)": (
-            {"offline": lambda: TableStream(offline.training_table(), batch),
-             "online": lambda: TableStream(online.training_table(), batch, shuffle=False)},
-            {}, {"online"}, dict(online_share_start=0.2, online_share_end=0.8, ramp_steps=200), None),
-        "beauty+ml100k (two domains, disjoint id spaces, 1:1)": (
-            {"beauty": lambda: TableStream(beauty_set.training_table(), batch),
-             "movielens": lambda: TableStream(movies_set.training_table(), batch)},
-            {}, set(), {}, {"beauty": 0, "movielens": 1}),
-        "synthetic+synthetic (two generators, one spec, 3:1)": (
-            {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)},
-            {"feed": 3.0}, set(), {}, None),
-        "synthetic+synthetic (3:1, whole batches: granularity batch)": (
-            {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)},
-            {"feed": 3.0}, set(), {"granularity": "batch"}, None),
-    }
     rows = []
-    for name, (makers, weights, online_names, schedule, surfaces) in mixes.items():
-        alone = {source: measure(source, make(), seconds, batch)["examples_per_s_per_core"] for source, make in makers.items()}
-        config = MixingConfig(tuple(MixSource(s, weights.get(s, 1.0), s in online_names) for s in makers), batch_size=batch, **schedule)
-        streams = {s: make() for s, make in makers.items()}
-        alignment = None if surfaces is None else FeatureAlignment({s: x.spec for s, x in streams.items()}, surfaces=surfaces)
-        mixed = measure(name, MixedStream(streams, config, alignment=alignment), seconds, batch)["examples_per_s_per_core"]
-        slowest = min(alone.values())
-        rows.append({"mix": name, "alone_examples_per_s_per_core": alone, "mixed_examples_per_s_per_core": mixed,
-                     "mixed_over_slowest": round(mixed / slowest, 3), "target_met": mixed >= 0.9 * slowest})
-        print(f"reader_cost {name}: mixed {mixed:,.0f}/s, alone {alone}, mixed/slowest {mixed / slowest:.3f}", flush=True)
-    return {"batch_size": batch, "seconds_per_measure": seconds, "target": "mixed >= 0.9 x slowest source alone", "rows": rows}
+    for batch in batch_sizes:
+        generators = [SyntheticGenerator(SyntheticConfig(seed=s)) for s in range(2)]
+        # name -> (source -> stream maker, weights, online sources, schedule, stamped surfaces or None: one spec)
+        mixes = {
+            "ml100k offline+online (time split, one id space, ramp 0.2->0.8)": (
+                {"offline": lambda: TableStream(offline.training_table(), batch),
+                 "online": lambda: TableStream(online.training_table(), batch, shuffle=False)},
+                {}, {"online"}, dict(online_share_start=0.2, online_share_end=0.8, ramp_steps=200), None),
+            "beauty+ml100k (two domains, disjoint id spaces, 1:1)": (
+                {"beauty": lambda: TableStream(beauty_set.training_table(), batch),
+                 "movielens": lambda: TableStream(movies_set.training_table(), batch)},
+                {}, set(), {}, {"beauty": 0, "movielens": 1}),
+            "synthetic+synthetic (two generators, one spec, 3:1)": (
+                {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)},
+                {"feed": 3.0}, set(), {}, None),
+            "synthetic+synthetic (3:1, whole batches: granularity batch)": (
+                {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)},
+                {"feed": 3.0}, set(), {"granularity": "batch"}, None),
+        }
+        for name, (makers, weights, online_names, schedule, surfaces) in mixes.items():
+            alone = {source: measure(source, make(), seconds, batch)["examples_per_s_per_core"] for source, make in makers.items()}
+            config = MixingConfig(tuple(MixSource(s, weights.get(s, 1.0), s in online_names) for s in makers), batch_size=batch, **schedule)
+            streams = {s: make() for s, make in makers.items()}
+            alignment = None if surfaces is None else FeatureAlignment({s: x.spec for s, x in streams.items()}, surfaces=surfaces)
+            mixed = measure(name, MixedStream(streams, config, alignment=alignment), seconds, batch)["examples_per_s_per_core"]
+            slowest = min(alone.values())
+            rows.append({"mix": name, "batch_size": batch, "alone_examples_per_s_per_core": alone, "mixed_examples_per_s_per_core": mixed,
+                         "mixed_over_slowest": round(mixed / slowest, 3), "target_met": mixed >= 0.9 * slowest})
+            print(f"reader_cost {name}, batch {batch}: mixed {mixed:,.0f}/s, alone {alone}, mixed/slowest {mixed / slowest:.3f}", flush=True)
+    return {"seconds_per_measure": seconds, "target": "mixed >= 0.9 x slowest source alone", "rows": rows}
 
 
 # -- output ----------------------------------------------------------------------------------------------------
@@ -312,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-mixing"), help="folder for the run folders")
     parser.add_argument("--seconds", type=float, default=3.0, help="reader_cost: measuring time per stream")
+    parser.add_argument("--reader-batch-sizes", nargs="+", type=int, default=[128, 256, 1024],
+                        help="reader_cost: batch sizes (the mixing configs train with 128 per rank)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -324,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "synthetic":
             result = synthetic(args.seeds, args.work)
         else:
-            result = reader_cost(args.data, args.seconds)
+            result = reader_cost(args.data, args.seconds, args.reader_batch_sizes)
         # NOTE: read just before writing, so that sections run by concurrent invocations all land in the file
         results = json.loads(args.out.read_text()) if args.out.is_file() else {}
         results[section] = {"meta": {**meta, "wall_s": round(time.perf_counter() - started, 1)}, **result}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
@@ -24,16 +25,15 @@ class KeyMap:
     source lacks it) with ids shifted by ``offset[k]``; a lacking key is an empty bag, or, where ``pad[k] >= 0``,
     one ``pad[k]`` id per event (event features carry exactly one id per event)."""
 
-    index: torch.Tensor  # [F] int64
-    offset: torch.Tensor  # [F] int64
-    pad: torch.Tensor  # [F] int64
+    index: tuple[int, ...]
+    offset: tuple[int, ...]
+    pad: tuple[int, ...]
     identity: bool  # the source's keys are the union's, unshifted
 
     @staticmethod
     def build(index: list[int], offset: list[int], pad: list[int], num_source_keys: int) -> "KeyMap":
         identity = index == list(range(num_source_keys)) and not any(offset) and all(p < 0 for p in pad)
-        return KeyMap(torch.tensor(index, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64),
-                      torch.tensor(pad, dtype=torch.int64), identity)
+        return KeyMap(tuple(index), tuple(offset), tuple(pad), identity)
 
 
 @dataclass(frozen=True)
@@ -75,24 +75,30 @@ def gather_pieces(pieces: list[Piece], spec: FeatureSpec) -> Batch:
             parts.append((None if seq is None else seq.ids, keys, p))
             if seq is not None:
                 first, last = _event_span(seq, p.lo, p.hi)
-                timestamps.append(seq.timestamps[first:last])
+                timestamps.append(seq.timestamps.numpy()[first:last])
         ids = _gather_kjt(parts, [f.name for f in event.features], events=True)
-        sequences[event.name] = EventSequence(ids, torch.cat(timestamps) if timestamps else torch.zeros(0))
+        sequences[event.name] = EventSequence(ids, _cat(timestamps) if timestamps else torch.zeros(0))
     return Batch(
         dense=_gather_dense(pieces, spec.num_dense),
         sparse=_gather_kjt([(p.batch.sparse, p.plan.sparse, p) for p in pieces], [f.name for f in spec.sparse], events=False),
         sequences=sequences,
-        labels=torch.cat([p.batch.labels[p.lo : p.hi] for p in pieces]),
-        surface=torch.cat([p.batch.surface[p.lo : p.hi] if p.plan.surface is None
-                           else torch.full((p.rows,), p.plan.surface, dtype=torch.int64) for p in pieces]),
-        source=None if any(p.batch.source is None for p in pieces) else torch.cat([p.batch.source[p.lo : p.hi] for p in pieces]),
+        labels=_cat([p.batch.labels.numpy()[p.lo : p.hi] for p in pieces]),
+        surface=_cat([p.batch.surface.numpy()[p.lo : p.hi] if p.plan.surface is None
+                      else np.full(p.rows, p.plan.surface, dtype=np.int64) for p in pieces]),
+        source=None if any(p.batch.source is None for p in pieces) else _cat([p.batch.source.numpy()[p.lo : p.hi] for p in pieces]),
         next_items=_gather_targets(pieces),
     )
 
 
+# NOTE: slicing and joining happen on NumPy views of the (CPU) tensors: a batch is a few dozen small row ranges,
+# where a tensor slice costs several times a NumPy one, and the joined arrays become tensors without a copy.
+def _cat(arrays: list[np.ndarray], axis: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(arrays, axis=axis))
+
+
 def _gather_dense(pieces: list[Piece], num_dense: int) -> torch.Tensor:
     if all(p.batch.dense.shape[1] == num_dense for p in pieces):
-        return torch.cat([p.batch.dense[p.lo : p.hi] for p in pieces])
+        return _cat([p.batch.dense.numpy()[p.lo : p.hi] for p in pieces])
     dense = torch.zeros(sum(p.rows for p in pieces), num_dense)
     row = 0
     for p in pieces:
@@ -104,57 +110,57 @@ def _gather_dense(pieces: list[Piece], num_dense: int) -> torch.Tensor:
 
 def _event_span(seq: EventSequence, lo: int, hi: int) -> tuple[int, int]:
     """The events of rows ``[lo, hi)``: the first key's offsets (every key of an event type has the same lengths)."""
-    bounds = seq.ids.offsets()[[lo, hi]].tolist()
-    return bounds[0], bounds[1]
+    offsets = seq.ids.offsets().numpy()
+    return int(offsets[lo]), int(offsets[hi])
 
 
 def _gather_kjt(parts: list[tuple[KeyedJaggedTensor | None, KeyMap | None, Piece]], keys: list[str], events: bool) -> KeyedJaggedTensor:
     """The union keys ``keys`` over the rows of every part: ``(source kjt or None, key map or None, piece)``."""
     num_keys = len(keys)
-    per_part: list[list[torch.Tensor]] = []  # per part, per union key: the key's values for the part's rows
+    per_part: list[list[np.ndarray]] = []  # per part, per union key: the key's values for the part's rows
     lengths = []
     for kjt, keymap, p in parts:
         n = p.rows
         if kjt is None or keymap is None or not len(kjt.keys()):
-            lengths.append(torch.zeros(num_keys, n, dtype=torch.int64))
+            lengths.append(np.zeros((num_keys, n), dtype=np.int64))
             per_part.append([_EMPTY] * num_keys)
             continue
         m, b = len(kjt.keys()), p.batch.batch_size
         # NOTE: the KeyedJaggedTensor's offsets (kept once computed) locate key k's values of rows [lo, hi) directly
-        bounds = kjt.offsets().view(-1)[: m * b + 1]
+        bounds = kjt.offsets().numpy()
         first = bounds[p.lo : m * b : b].tolist()
-        totals = [z - a for a, z in zip(first, bounds[p.hi :: b].tolist())]
-        wanted = kjt.lengths().view(m, b)[:, p.lo : p.hi]
-        values = kjt.values()
+        last = bounds[p.hi : m * b + 1 : b].tolist()
+        wanted = kjt.lengths().numpy().reshape(m, b)[:, p.lo : p.hi]
+        values = kjt.values().numpy()
         if keymap.identity:
-            per_part.append([values[first[k] : first[k] + totals[k]] for k in range(m)])
+            per_part.append([values[a:z] for a, z in zip(first, last)])
             lengths.append(wanted)
             continue
         cut, rows = [], []
-        events_total = totals[0] if m else 0
-        for index, offset, pad in zip(keymap.index.tolist(), keymap.offset.tolist(), keymap.pad.tolist()):
+        events_total = last[0] - first[0] if m else 0
+        for index, offset, pad in zip(keymap.index, keymap.offset, keymap.pad):
             if index >= 0:
-                v = values[first[index] : first[index] + totals[index]]
+                v = values[first[index] : last[index]]
                 cut.append(v + offset if offset else v)  # NOTE: only shifted keys are copied here; the rest once, by cat
                 rows.append(wanted[index])
             elif pad >= 0 and events:
-                cut.append(torch.full((events_total,), pad, dtype=torch.int64))  # one padding id per event
+                cut.append(np.full(events_total, pad, dtype=np.int64))  # one padding id per event
                 rows.append(wanted[0])
             else:
                 cut.append(_EMPTY)
-                rows.append(torch.zeros(n, dtype=torch.int64))
+                rows.append(np.zeros(n, dtype=np.int64))
         per_part.append(cut)
-        lengths.append(torch.stack(rows) if rows else torch.zeros(0, n, dtype=torch.int64))
+        lengths.append(np.stack(rows) if rows else np.zeros((0, n), dtype=np.int64))
     # key-major order: key 0 of every part, then key 1 of every part, ...
     pieces = [per_part[i][k] for k in range(num_keys) for i in range(len(parts))]
-    per_key = [sum(per_part[i][k].numel() for i in range(len(parts))) for k in range(num_keys)]
+    per_key = [sum(len(per_part[i][k]) for i in range(len(parts))) for k in range(num_keys)]
     # NOTE: the per-key sizes are known here; handing them over spares the constructor a pass over the lengths
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(pieces) if pieces else _EMPTY, lengths=torch.cat(lengths, 1).reshape(-1),
-                             stride=sum(p.rows for _, _, p in parts), length_per_key=per_key,
-                             offset_per_key=[0, *itertools.accumulate(per_key)])
+    return KeyedJaggedTensor(keys=keys, values=_cat(pieces) if pieces else torch.from_numpy(_EMPTY),
+                             lengths=_cat(lengths, axis=1).reshape(-1), stride=sum(p.rows for _, _, p in parts),
+                             length_per_key=per_key, offset_per_key=[0, *itertools.accumulate(per_key)])
 
 
-_EMPTY = torch.zeros(0, dtype=torch.int64)
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def _gather_targets(pieces: list[Piece]) -> NextItemTargets | None:

@@ -193,8 +193,10 @@ class MixedStream(ShardedStream):
         return self._rows(index, 0, self.global_batch_size)
 
     def rank_batch(self, index: int) -> Batch | None:
-        rows = torch.arange(self.global_batch_size).tensor_split(self.world_size)[self.rank]
-        return self._rows(index, int(rows[0]) if rows.numel() else 0, int(rows[-1]) + 1 if rows.numel() else 0)
+        # rank r's rows as torch.tensor_split(rows, world_size)[r] lays them out: the first (n mod W) ranks one more
+        share, extra = divmod(self.global_batch_size, self.world_size)
+        lo = self.rank * share + min(self.rank, extra)
+        return self._rows(index, lo, lo + share + (self.rank < extra))
 
     def _rows(self, index: int, lo: int, hi: int) -> Batch | None:
         """Rows ``[lo, hi)`` of global batch ``index`` (its examples grouped by source, in source order),
@@ -204,7 +206,7 @@ class MixedStream(ShardedStream):
             # every rank checks the whole global batch, so that all ranks end at the same step
             if n and not reader.available(first + n):
                 return None
-        segments, sources = [], []
+        segments, sources, rows = [], [], []
         first_row = 0  # of source i in the global batch
         for i, n in enumerate(total):
             a, b = max(lo, first_row), min(hi, first_row + n)
@@ -212,12 +214,13 @@ class MixedStream(ShardedStream):
                 offset = start[i] - first_row
                 for batch, x, y in self._readers[i].read(a + offset, b + offset):
                     segments.append((self.names[i], batch, x, y))
-                    sources.append(torch.full((y - x,), i, dtype=torch.int64))
+                sources.append(i)
+                rows.append(b - a)
             first_row += n
         if not segments:
             return None  # a rank's empty share of a global batch smaller than the number of ranks
         batch = self.alignment.gather(segments)
-        batch.source = torch.cat(sources) if len(sources) > 1 else sources[0]
+        batch.source = torch.tensor(sources).repeat_interleave(torch.tensor(rows))
         return batch
 
     # -- reporting and state --------------------------------------------------------------------------------
