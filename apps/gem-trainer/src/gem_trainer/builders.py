@@ -49,7 +49,7 @@ from gem_parallel import (
     shard_embeddings,
 )
 from gem_trainer.config import TrainerConfig
-from gem_transfer import DistilledStudent
+from gem_transfer import DistilledStudent, SoftLabelError, SoftLabelStore
 from gem_trainer.distributed import DistributedEnv
 
 
@@ -254,7 +254,7 @@ def build_model(config: TrainerConfig, spec: FeatureSpec, device: torch.device |
 def build_student(config: TrainerConfig, model: nn.Module) -> nn.Module:
     """With a teacher configured, wrap ``model`` with the auxiliary head and student adapter of distillation."""
     d = config.distillation
-    if d.teacher_run_dir is None:
+    if d.teacher_run_dir is None and d.soft_labels is None:
         return model
     return DistilledStudent(
         model, model.representation_dim, len(model.spec.tasks), model.spec.num_surfaces,
@@ -295,6 +295,31 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     dcp.load(state, checkpoint_id=str(checkpoints.path(step)))
     teacher.load_state_dict(state["model"])
     return teacher.eval(), unsharded  # frozen: it only ever runs under no_grad
+
+
+def build_soft_labels(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) -> SoftLabelStore | None:
+    """The store of offline distillation (None unless ``distillation.soft_labels``), checked against this run:
+    the same features, global batch size and at least ``schedule.steps`` steps."""
+    from gem_trainer.config import ConfigError
+    from gem_trainer.run_folder import spec_record
+
+    folder = config.distillation.soft_labels
+    if folder is None:
+        return None
+    try:
+        store = SoftLabelStore(folder)
+    except SoftLabelError as error:
+        raise ConfigError(f"distillation.soft_labels: {error}") from None
+    meta, global_batch = store.meta, config.data.batch_size * env.world_size
+    if meta.get("spec") != spec_record(spec):
+        raise ConfigError(f"distillation.soft_labels: {folder} was written for other features than this run's data")
+    if meta.get("global_batch_size") != global_batch:
+        raise ConfigError(f"distillation.soft_labels: {folder} was written with global batches of {meta.get('global_batch_size')} "
+                          f"examples, this run reads {global_batch} (data.batch_size x ranks)")
+    if store.steps < config.schedule.steps:
+        raise ConfigError(f"distillation.soft_labels: {folder} holds {store.steps} steps, schedule.steps is "
+                          f"{config.schedule.steps}: run posttrain with this config")
+    return store
 
 
 def task_weights(config: TrainerConfig, spec: FeatureSpec) -> torch.Tensor:

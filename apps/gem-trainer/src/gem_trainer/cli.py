@@ -1,4 +1,4 @@
-"""gem-trainer: train, eval, config, flops, plot and launch.
+"""gem-trainer: train, eval, config, flops, plot, launch, and posttrain / distill for offline distillation.
 
 Every subcommand takes --config FILE (the embedded default when omitted) and any number of
 --section.field=value overrides (TOML values; "none" switches an optional field off).
@@ -26,7 +26,10 @@ COMMAND_HELP = {
     "config": "print the resolved config as TOML",
     "flops": "parameters and FLOPs per model component, as a table and JSON",
     "plot": "PNG curves of a run's metrics (run_dir/metrics.jsonl)",
-    "launch": "start `train` through torchrun (processes from parallelism.nproc_per_node)",
+    "launch": "start `train` (or --command distill / posttrain) through torchrun (processes from parallelism.nproc_per_node)",
+    "posttrain": "run the teacher (distillation.teacher_run_dir) once over the training stream and write its logits "
+                 "to distillation.soft_labels",
+    "distill": "train the student on true labels plus the teacher's logits stored at distillation.soft_labels, then evaluate",
 }
 # exit codes of the one-line errors
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_DATA = 2, 3, 4, 5
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gem-trainer", description=__doc__.split("\n\n")[0], epilog=OVERRIDES_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMAND_HELP.items():
-        epilog = f"{OVERRIDES_HELP} {RESUME_HELP}" if name in ("train", "eval", "launch") else OVERRIDES_HELP
+        epilog = f"{OVERRIDES_HELP} {RESUME_HELP}" if name in ("train", "eval", "launch", "distill") else OVERRIDES_HELP
         sub = commands.add_parser(name, help=help_text, description=help_text, epilog=epilog)
         sub.add_argument("--config", default=None, help="TOML config file (default: the embedded default)")
         sub.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--nnodes", default="1")
             sub.add_argument("--node-rank", type=int, default=None)
             sub.add_argument("--rdzv-endpoint", default=None, help="host:port of node 0 for multi-node runs")
+            sub.add_argument("--command", dest="launched", choices=("train", "distill", "posttrain"), default="train",
+                             help="the subcommand every process runs (default: train)")
     args, rest = parser.parse_known_args(argv)
     overrides = []
     for item in rest:
@@ -79,6 +84,7 @@ def _one_line_kind(error: Exception) -> tuple[str | None, int]:
 
     from gem_trainer.checkpoint import CheckpointError
     from gem_trainer.trainer import TrainingDiverged
+    from gem_transfer import SoftLabelError
 
     if isinstance(error, ConfigError):
         return "config error", EXIT_CONFIG
@@ -86,7 +92,7 @@ def _one_line_kind(error: Exception) -> tuple[str | None, int]:
         return "diverged", EXIT_DIVERGED
     if isinstance(error, CheckpointError):
         return "checkpoint error", EXIT_CHECKPOINT
-    if isinstance(error, (DataError, FileNotFoundError)):
+    if isinstance(error, (DataError, FileNotFoundError, SoftLabelError)):
         return "data error", EXIT_DATA
     return None, 1
 
@@ -116,6 +122,29 @@ def _train(config: TrainerConfig, args, overrides) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+        shutdown_distributed()
+    return 0
+
+
+def _distill(config: TrainerConfig, args, overrides) -> int:
+    if config.distillation.soft_labels is None:
+        raise ConfigError("distill needs distillation.soft_labels (a store written by `gem-trainer posttrain`); "
+                          "`train` with distillation.teacher_run_dir distils online instead")
+    return _train(config, args, overrides)
+
+
+def _posttrain(config: TrainerConfig, args, overrides) -> int:
+    from gem_trainer.distributed import init_distributed, shutdown_distributed
+    from gem_trainer.posttrain import posttrain
+
+    env = init_distributed(config.device, config.parallelism.collectives)
+    try:
+        started = time.perf_counter()
+        written = posttrain(config, env)
+        if env.rank == 0:
+            print(f"wrote the teacher's logits (checkpoint step {written['teacher_step']}) for {written['rows']} examples "
+                  f"of {written['steps']} steps to {written['folder']} in {time.perf_counter() - started:.0f} s")
+    finally:
         shutdown_distributed()
     return 0
 
@@ -207,7 +236,7 @@ def _launch(config: TrainerConfig, args, overrides) -> int:
             command.append(f"--node-rank={args.node_rank}")
     else:
         command.append("--standalone")
-    command += ["-m", "gem_trainer.cli", "train"]
+    command += ["-m", "gem_trainer.cli", args.launched]
     if args.config:
         command += ["--config", args.config]
     if args.debug:
@@ -218,7 +247,8 @@ def _launch(config: TrainerConfig, args, overrides) -> int:
     return 0  # not reached
 
 
-COMMANDS = {"train": _train, "eval": _eval, "config": _config, "flops": _flops, "plot": _plot, "launch": _launch}
+COMMANDS = {"train": _train, "eval": _eval, "config": _config, "flops": _flops, "plot": _plot, "launch": _launch,
+            "posttrain": _posttrain, "distill": _distill}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -343,9 +343,14 @@ class EvalConfig(Section):
 
 
 class DistillationConfig(Section):
-    """Train this model as a student of a finished run (the teacher): its ``config.toml`` and latest checkpoint."""
+    """Train this model as a student of a finished run (the teacher): its ``config.toml`` and latest checkpoint.
+
+    Online, the teacher runs inside every student step. Offline, ``gem-trainer posttrain`` runs it once over
+    this config's training stream and writes its logits to ``soft_labels`` (a folder); ``train`` / ``distill``
+    with ``soft_labels`` set then read them from there and never load the teacher."""
 
     teacher_run_dir: str | None = None
+    soft_labels: str | None = None
     weight: float = Field(1.0, ge=0)
     temperature: float = Field(1.0, gt=0)
     adapter: bool = True
@@ -402,7 +407,8 @@ class TrainerConfig(Section):
         if s.queries == "every" and (s.max_history is None or s.max_history > m.sasrec.max_seq_len):
             raise ValueError(f"data.sequential.max_history ({s.max_history}) must not exceed model.sasrec.max_seq_len "
                              f"({m.sasrec.max_seq_len}) with queries = \"every\"")
-        if s.objective == "retrieval" and self.distillation.teacher_run_dir is not None:
+        distilling = self.distillation.teacher_run_dir is not None or self.distillation.soft_labels is not None
+        if s.objective == "retrieval" and distilling:
             raise ValueError("distillation distils pointwise logits; set data.sequential.objective = \"pointwise\"")
 
 

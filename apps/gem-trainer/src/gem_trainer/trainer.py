@@ -19,6 +19,7 @@ from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluators import Evaluator
 from gem_trainer.step import autocast, autocast_dtype, training_loss
+from gem_transfer import example_fingerprints
 from gem_parallel import (
     SparseReplicas,
     apply_copy_engine_all_gather,
@@ -71,7 +72,10 @@ class Trainer:
         self.meshes = self.dims.build_meshes(env.device.type)
         # NOTE: FLOPs are read off a second, unsharded meta copy: parallelising changes the model in place
         self.flop_model = builders.build_model(config, self.spec, device=torch.device("meta"))
-        self.teacher, self.teacher_flop_model = builders.build_teacher(config, self.spec, env) or (None, None)
+        # offline distillation reads the teacher's stored logits; online, the teacher runs in every step
+        self.soft_labels = builders.build_soft_labels(config, self.spec, env)
+        teacher = None if self.soft_labels is not None else builders.build_teacher(config, self.spec, env)
+        self.teacher, self.teacher_flop_model = teacher or (None, None)
         model = builders.build_student(config, builders.build_model(config, self.spec, device=torch.device("meta")))
         self.model = builders.parallelize_model(config, model, self.dims, self.meshes, env)
         self.sparse_replicas = SparseReplicas(self.model, self.meshes.sparse, config.parallelism.sparse_sync_every)
@@ -170,15 +174,21 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        batch = next(self._batches).to(self.env.device)
+        batch = next(self._batches)
+        stored = None
+        if self.soft_labels is not None:  # global batch `step`'s rows, found by example
+            stored = self.soft_labels.lookup(self.step, example_fingerprints(batch)).to(self.env.device)
+        batch = batch.to(self.env.device)
         self.model.train()
         with self._autocast():
-            if self.teacher is None:
-                output = self.model(batch)
-            else:
+            if self.teacher is not None:
                 with torch.no_grad():
                     teacher_logits = self.teacher(batch).logits.float()
                 output = self.model(batch, teacher_logits)
+            elif stored is not None:
+                output = self.model(batch, stored)
+            else:
+                output = self.model(batch)
         loss = training_loss(output, batch, self.task_weights)
         # the loss of the global batch: each rank's is the mean over its equal slice
         global_loss = loss.detach().clone()

@@ -1,0 +1,139 @@
+"""Offline distillation: `posttrain` writes the teacher's logits once, `distill` trains on them without the teacher.
+
+The stored path must train the student exactly as the online path (the teacher inside every step) does."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gem_trainer.config import ConfigError, load_config
+from gem_trainer.distributed import init_distributed
+from gem_trainer.posttrain import posttrain
+from gem_trainer.run_folder import write_run_record
+from gem_trainer.trainer import Trainer
+from gem_transfer import SoftLabelError
+
+SMALL = ["--data.batch_size=32", "--data.eval_batches=2", "--metrics.tensorboard=false", "--device=cpu",
+         "--schedule.warmup_steps=2", "--metrics.progress_bar=false"]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A finished (briefly trained) baseline run to distil from."""
+    run = tmp_path_factory.mktemp("teacher")
+    config = load_config(None, [f"--run_dir={run}", "--model.name=baseline", "--schedule.steps=20", *SMALL])
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    write_run_record(config, trainer.spec)
+    trainer.train()
+    trainer.close()
+    return run
+
+
+def student_config(run_dir, *extra):
+    return load_config(None, [f"--run_dir={run_dir}", f"--schedule.steps={STEPS}", *SMALL, *extra])
+
+
+def losses(config, steps=STEPS) -> list[float]:
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    try:
+        return [trainer.train_step()["loss"] for _ in range(steps)]
+    finally:
+        trainer.close()
+
+
+def test_stored_soft_labels_train_the_student_exactly_as_the_online_teacher(teacher, tmp_path):
+    labels = tmp_path / "labels"
+    written = posttrain(student_config(tmp_path / "pass", f"--distillation.teacher_run_dir={teacher}",
+                                       f"--distillation.soft_labels={labels}"), init_distributed("cpu", "gloo"))
+    assert written == {"folder": str(labels), "steps": STEPS, "rows": STEPS * 32, "teacher_step": 20}
+    online = losses(student_config(tmp_path / "online", f"--distillation.teacher_run_dir={teacher}"))
+    offline_config = student_config(tmp_path / "offline", f"--distillation.soft_labels={labels}")
+    trainer = Trainer(offline_config, init_distributed("cpu", "gloo"))
+    assert trainer.teacher is None and trainer.soft_labels is not None  # the teacher is never loaded
+    trainer.close()
+    offline = losses(offline_config)
+    assert offline == pytest.approx(online, rel=1e-6, abs=1e-7)
+    plain = losses(student_config(tmp_path / "plain"))
+    assert plain != pytest.approx(online, rel=1e-3)  # the stored labels do reach the loss
+
+
+def test_a_store_that_does_not_fit_the_run_is_refused_in_one_line(teacher, tmp_path):
+    labels = tmp_path / "labels"
+    posttrain(student_config(tmp_path / "pass", f"--distillation.teacher_run_dir={teacher}", f"--distillation.soft_labels={labels}",
+                             "--schedule.steps=4"), init_distributed("cpu", "gloo"))
+    env = init_distributed("cpu", "gloo")
+    with pytest.raises(ConfigError, match=r"distillation.soft_labels: .*labels holds 4 steps, schedule.steps is 8"):
+        Trainer(student_config(tmp_path / "a", f"--distillation.soft_labels={labels}"), env)
+    with pytest.raises(ConfigError, match=r"global batches of 32 examples, this run reads 16"):
+        Trainer(student_config(tmp_path / "b", f"--distillation.soft_labels={labels}", "--schedule.steps=4",
+                               "--data.batch_size=16"), env)
+    with pytest.raises(ConfigError, match=r"written for other features"):
+        Trainer(student_config(tmp_path / "c", f"--distillation.soft_labels={labels}", "--schedule.steps=4",
+                               "--data.synthetic.num_dense=3"), env)
+    with pytest.raises(ConfigError, match=r"incomplete soft-label store"):
+        (tmp_path / "broken").mkdir()
+        Trainer(student_config(tmp_path / "d", f"--distillation.soft_labels={tmp_path / 'broken'}"), env)
+    # the same features but other examples (another seed draws other data): found at the first step
+    trainer = Trainer(student_config(tmp_path / "e", f"--distillation.soft_labels={labels}", "--schedule.steps=4",
+                                     "--seed=7"), env)
+    with pytest.raises(SoftLabelError, match=r"32 of step 0's 32 examples have no stored labels"):
+        trainer.train_step()
+    trainer.close()
+    with pytest.raises(ConfigError, match=r"labels already exists"):
+        posttrain(student_config(tmp_path / "pass", f"--distillation.teacher_run_dir={teacher}",
+                                 f"--distillation.soft_labels={labels}"), env)
+
+
+@pytest.mark.slow
+def test_posttrain_and_distill_from_the_command_line(teacher, tmp_path):
+    labels, student = tmp_path / "labels", tmp_path / "student"
+    common = [f"--schedule.steps={STEPS}", *SMALL]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "gem_trainer.cli", *args], capture_output=True, text=True, timeout=600)
+
+    done = cli("distill", f"--run_dir={student}", *common)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "distill needs distillation.soft_labels" in done.stderr
+    done = cli("posttrain", f"--run_dir={tmp_path / 'pass'}", f"--distillation.teacher_run_dir={teacher}",
+               f"--distillation.soft_labels={labels}", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"for {STEPS * 32} examples of {STEPS} steps to {labels}" in done.stdout
+    done = cli("distill", f"--run_dir={student}", f"--distillation.soft_labels={labels}", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((student / "eval.json").read_text())
+    assert result["step"] == STEPS and 0.0 < result["click/all/auc"] < 1.0
+
+
+@pytest.mark.slow
+def test_two_ranks_write_and_read_the_store_as_one_process(teacher, tmp_path):
+    """posttrain on 2 Gloo ranks stores what 1 process stores; distill on 2 ranks trains as 1 process does."""
+    import os
+
+    from gem_transfer import SoftLabelStore
+
+    def run(ranks, command, run_dir, *extra):
+        launcher = ["launch", "--nproc-per-node", str(ranks), "--command", command] if ranks > 1 else [command]
+        done = subprocess.run([sys.executable, "-m", "gem_trainer.cli", *launcher, f"--run_dir={run_dir}",
+                               f"--schedule.steps={STEPS}", *SMALL, f"--data.batch_size={32 // ranks}", "--metrics.log_every=1",
+                               *extra], capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+    one, two = tmp_path / "labels-1", tmp_path / "labels-2"
+    run(1, "posttrain", tmp_path / "p1", f"--distillation.teacher_run_dir={teacher}", f"--distillation.soft_labels={one}")
+    run(2, "posttrain", tmp_path / "p2", f"--distillation.teacher_run_dir={teacher}", f"--distillation.soft_labels={two}")
+    import pyarrow.parquet as pq
+
+    tables = [pq.read_table(folder / "part-00000.parquet").to_pydict() for folder in (one, two)]
+    rows = [sorted(zip(t["step"], t["fingerprint"], t["logits"])) for t in tables]
+    assert len(rows[0]) == STEPS * 32 and [r[:2] for r in rows[0]] == [r[:2] for r in rows[1]]
+    assert all(a[2] == pytest.approx(b[2], rel=1e-5, abs=1e-6) for a, b in zip(rows[0], rows[1]))
+    assert SoftLabelStore(two).meta["global_batch_size"] == 32
+
+    run(1, "distill", tmp_path / "s1", f"--distillation.soft_labels={one}")
+    run(2, "distill", tmp_path / "s2", f"--distillation.soft_labels={one}")
+    logged = [[json.loads(line)["loss"] for line in (tmp_path / s / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["phase"] == "train"] for s in ("s1", "s2")]
+    assert len(logged[0]) == STEPS and logged[1] == pytest.approx(logged[0], rel=1e-5, abs=1e-6)

@@ -1,0 +1,216 @@
+"""Offline distillation's store: a teacher's logits for every example of a training stream, in Parquet.
+
+A finished teacher runs once over the student's training stream (``gem-trainer posttrain``) and its logits
+are written per global batch (``step``), each row keyed by a fingerprint of its example. The student then
+trains on true labels plus these stored labels (``gem-trainer distill``) without loading the teacher: the
+teacher's cost is paid once, not in every student step of every student.
+
+Rows are looked up by step and fingerprint, not by position, so any layout of a global batch over ranks
+(slices, length balancing, mixing) finds its labels; an example the store does not hold for that step is
+an error that names the step (the data, its order or the batch size changed since the store was written).
+
+Layout of a store folder: ``part-00000.parquet`` ... (columns ``step`` int64, ``fingerprint`` int64,
+``logits`` fixed-size list of float32, one list item per task; each part holds whole steps, in order) and
+``meta.json``, written last, which lists the parts with their step ranges and row counts. A folder without
+``meta.json`` is incomplete. The writer fills a temporary sibling folder and renames it into place, so a
+pass cut short leaves no store that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torchrec import KeyedJaggedTensor
+
+from gem_kunlun import Batch, segment_ids
+
+FORMAT = 1
+META = "meta.json"
+
+
+class SoftLabelError(ValueError):
+    """A soft-label store is missing, incomplete, damaged or written for other examples; one line naming it."""
+
+
+# -- example fingerprints ----------------------------------------------------------------------------------
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_M1, _M2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_K_VALUE, _K_POSITION, _K_FIELD = _signed(0x9E3779B97F4A7C15), _signed(0xC2B2AE3D27D4EB4F), _signed(0x165667B19E3779F9)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping arithmetic): nearby inputs give unrelated outputs."""
+    x = x ^ (x >> 30)
+    x = x * _M1
+    x = x ^ (x >> 27)
+    x = x * _M2
+    return x ^ (x >> 31)
+
+
+def _fold_jagged(h: torch.Tensor, kjt: KeyedJaggedTensor, field: int) -> int:
+    """Adds every key's bag (ids in order, and its length) of each row into ``h``; returns the next field number."""
+    b, keys = h.numel(), len(kjt.keys())
+    if not keys:
+        return field
+    values, lengths = kjt.values().long(), kjt.lengths().long()
+    owner = segment_ids(lengths, values.numel())  # key-major bags: bag s is key s // b of row s % b
+    position = torch.arange(values.numel()) - kjt.offsets()[owner]
+    key = torch.div(owner, b, rounding_mode="floor")
+    h.index_add_(0, owner % b, _mix(values * _K_VALUE + position * _K_POSITION + (key + field) * _K_FIELD))
+    per_key = torch.arange(field, field + keys).unsqueeze(1)
+    h += _mix(lengths.view(keys, b) * _K_VALUE + per_key * _K_FIELD + 1).sum(0)
+    return field + keys
+
+
+def _fold_rows(h: torch.Tensor, bits: torch.Tensor, field: int) -> int:
+    """Adds each row of ``bits`` ``[B, C]`` (integers: float bit patterns) into ``h``, column by column."""
+    columns = torch.arange(field, field + bits.shape[1])
+    h += _mix(bits.long() * _K_VALUE + columns * _K_FIELD).sum(1)
+    return field + bits.shape[1]
+
+
+def example_fingerprints(batch: Batch) -> torch.Tensor:
+    """``[B]`` int64: a 64-bit hash of each example (its dense values, ids, events and their timestamps,
+    labels and surface), the same wherever the example sits in a batch. CPU tensors."""
+    h = torch.zeros(batch.batch_size, dtype=torch.int64)
+    field = _fold_rows(h, batch.dense.float().contiguous().view(torch.int32), 0)
+    field = _fold_rows(h, batch.labels.float().contiguous().view(torch.int32), field)
+    field = _fold_rows(h, batch.surface.long().view(-1, 1), field)
+    field = _fold_jagged(h, batch.sparse, field)
+    for name in sorted(batch.sequences):
+        sequence = batch.sequences[name]
+        field = _fold_jagged(h, sequence.ids, field)
+        stamps = sequence.timestamps.double().contiguous().view(torch.int64)
+        if stamps.numel():
+            lengths = sequence.ids.lengths()[: batch.batch_size].long()  # every key of an event type has these
+            owner = segment_ids(lengths, stamps.numel())
+            h.index_add_(0, owner, _mix(stamps * _K_VALUE + torch.tensor(field) * _K_FIELD))
+        field += 1
+    return h
+
+
+# -- writing -----------------------------------------------------------------------------------------------
+
+class SoftLabelWriter:
+    """Appends the teacher's logits of whole steps, in step order; ``close`` publishes the store.
+
+    ``meta``: what the store was written for (teacher, features, batch size), kept in ``meta.json``.
+    ``steps_per_part``: steps per Parquet file (a reader holds one part in memory at a time).
+    """
+
+    def __init__(self, folder: str | Path, num_tasks: int, meta: dict[str, Any], steps_per_part: int = 256) -> None:
+        self.folder = Path(folder)
+        if self.folder.exists():
+            raise SoftLabelError(f"{self.folder} already exists: remove it or write the soft labels to another folder")
+        self.staging = self.folder.with_name(f"{self.folder.name}.partial-{os.getpid()}")
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(parents=True)
+        self.num_tasks, self.meta, self.steps_per_part = num_tasks, meta, steps_per_part
+        self.parts: list[dict[str, Any]] = []
+        self._pending: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._last_step = -1
+
+    def append(self, step: int, fingerprints: torch.Tensor, logits: torch.Tensor) -> None:
+        """Every example of global batch ``step``: ``fingerprints [N]`` and ``logits [N, num_tasks]``."""
+        if step <= self._last_step:
+            raise ValueError(f"steps are appended in increasing order: {step} after {self._last_step}")
+        if logits.shape != (fingerprints.numel(), self.num_tasks):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {fingerprints.numel()} examples x {self.num_tasks} tasks")
+        self._pending.append((step, fingerprints.numpy().astype(np.int64), logits.float().numpy()))
+        self._last_step = step
+        if len(self._pending) >= self.steps_per_part:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        steps = np.concatenate([np.full(len(f), s, dtype=np.int64) for s, f, _ in self._pending])
+        fingerprints = np.concatenate([f for _, f, _ in self._pending])
+        logits = np.concatenate([x for _, _, x in self._pending]).reshape(-1)
+        table = pa.table({"step": steps, "fingerprint": fingerprints,
+                          "logits": pa.FixedSizeListArray.from_arrays(pa.array(logits, pa.float32()), self.num_tasks)})
+        name = f"part-{len(self.parts):05d}.parquet"
+        pq.write_table(table, self.staging / name)
+        self.parts.append({"file": name, "first_step": self._pending[0][0], "last_step": self._pending[-1][0],
+                           "rows": len(steps)})
+        self._pending = []
+
+    def close(self) -> Path:
+        """Writes the last part and ``meta.json`` and moves the store into place; returns its folder."""
+        self._flush()
+        meta = {"format": FORMAT, "num_tasks": self.num_tasks, "steps": self._last_step + 1,
+                "rows": sum(p["rows"] for p in self.parts), "parts": self.parts, **self.meta}
+        (self.staging / META).write_text(json.dumps(meta, indent=1) + "\n")
+        self.staging.rename(self.folder)
+        return self.folder
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+# -- reading -----------------------------------------------------------------------------------------------
+
+class SoftLabelStore:
+    """The stored logits of a store folder, looked up per step by example fingerprint."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        meta_path = self.folder / META
+        if not self.folder.is_dir():
+            raise SoftLabelError(f"{self.folder}: no soft-label store there (write one with `gem-trainer posttrain`)")
+        if not meta_path.is_file():
+            raise SoftLabelError(f"{self.folder}: incomplete soft-label store (no {META}): write it again with `gem-trainer posttrain`")
+        try:
+            self.meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as error:
+            raise SoftLabelError(f"{meta_path}: not valid JSON ({error})") from None
+        if self.meta.get("format") != FORMAT:
+            raise SoftLabelError(f"{meta_path}: store format {self.meta.get('format')!r}, this gem-transfer reads {FORMAT}")
+        self.num_tasks, self.steps = int(self.meta["num_tasks"]), int(self.meta["steps"])
+        self._first_steps = [p["first_step"] for p in self.meta["parts"]]
+        self._held: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # part index, steps, fingerprints, logits
+
+    def _part(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        index = int(np.searchsorted(self._first_steps, step, side="right")) - 1
+        if self._held is None or self._held[0] != index:
+            part = self.meta["parts"][index]
+            path = self.folder / part["file"]
+            try:
+                table = pq.read_table(path)
+                steps = table["step"].to_numpy()
+                fingerprints = table["fingerprint"].to_numpy()
+                logits = table["logits"].combine_chunks().flatten().to_numpy().reshape(-1, self.num_tasks)
+            except (OSError, pa.ArrowException, KeyError, ValueError) as error:
+                raise SoftLabelError(f"{path}: unreadable soft-label part ({error})") from None
+            if len(steps) != part["rows"]:
+                raise SoftLabelError(f"{path}: {len(steps)} rows where {META} records {part['rows']}")
+            self._held = (index, steps, fingerprints, logits)
+        return self._held[1:]
+
+    def lookup(self, step: int, fingerprints: torch.Tensor) -> torch.Tensor:
+        """``[N, num_tasks]`` float32: the teacher's logits of the examples ``fingerprints [N]`` of global batch ``step``."""
+        if not 0 <= step < self.steps:
+            raise SoftLabelError(f"{self.folder}: holds steps 0..{self.steps - 1}, asked for step {step}")
+        steps, stored, logits = self._part(step)
+        lo, hi = np.searchsorted(steps, step, side="left"), np.searchsorted(steps, step, side="right")
+        order = np.argsort(stored[lo:hi], kind="stable")
+        ranked = stored[lo:hi][order]
+        wanted = fingerprints.numpy()
+        found = np.minimum(np.searchsorted(ranked, wanted), max(len(ranked) - 1, 0))
+        if len(ranked) == 0 or not np.array_equal(ranked[found], wanted):
+            missing = int((ranked[found] != wanted).sum()) if len(ranked) else len(wanted)
+            raise SoftLabelError(f"{self.folder}: {missing} of step {step}'s {len(wanted)} examples have no stored labels "
+                                 f"(the data, its order or the batch size changed since the store was written)")
+        return torch.from_numpy(logits[lo:hi][order[found]].copy())

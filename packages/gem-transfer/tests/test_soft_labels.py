@@ -1,0 +1,92 @@
+"""The soft-label store of offline distillation: fingerprints, writing once, lookup in any row order, bad stores."""
+
+import json
+
+import pytest
+import torch
+
+from gem_data import SyntheticConfig, SyntheticGenerator, select_examples
+from gem_transfer import SoftLabelError, SoftLabelStore, SoftLabelWriter, example_fingerprints
+
+
+def batches(seed: int = 0, steps: int = 5, size: int = 24):
+    generator = SyntheticGenerator(SyntheticConfig(seed=seed, num_surfaces=2))
+    return [generator.batch(step, size, split="train") for step in range(steps)]
+
+
+def teacher_logits(batch) -> torch.Tensor:
+    """Any deterministic function of the example stands in for a teacher."""
+    return torch.stack([batch.dense.sum(1), batch.labels.sum(1) - batch.dense[:, 0]], 1)[:, : batch.labels.shape[1]]
+
+
+def write_store(folder, data, steps_per_part=2):
+    writer = SoftLabelWriter(folder, data[0].labels.shape[1], {"teacher": {"run_dir": "t"}}, steps_per_part=steps_per_part)
+    for step, batch in enumerate(data):
+        writer.append(step, example_fingerprints(batch), teacher_logits(batch))
+    return writer.close()
+
+
+def test_fingerprints_follow_the_example_not_its_place_and_tell_examples_apart():
+    batch = batches()[0]
+    prints = example_fingerprints(batch)
+    assert prints.unique().numel() == batch.batch_size
+    order = torch.randperm(batch.batch_size, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(example_fingerprints(select_examples(batch, order)), prints[order])
+    assert torch.equal(example_fingerprints(select_examples(batch, torch.arange(3, 9))), prints[3:9])
+    changed = select_examples(batch, torch.arange(batch.batch_size))
+    changed.labels[4, 0] = 1 - changed.labels[4, 0]
+    differs = example_fingerprints(changed) != prints
+    assert differs.tolist() == [i == 4 for i in range(batch.batch_size)]
+
+
+def test_each_step_is_written_once_and_looked_up_in_any_row_order(tmp_path):
+    data = batches()
+    folder = write_store(tmp_path / "labels", data)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["steps"] == 5 and meta["rows"] == 5 * 24 and [p["first_step"] for p in meta["parts"]] == [0, 2, 4]
+    assert not list(tmp_path.glob("*.partial-*"))
+    store = SoftLabelStore(folder)
+    for step in (3, 0, 4, 1):  # out of order: parts are swapped in as needed
+        batch = data[step]
+        rows = torch.randperm(batch.batch_size, generator=torch.Generator().manual_seed(step))[:10]
+        part = select_examples(batch, rows)
+        assert torch.equal(store.lookup(step, example_fingerprints(part)), teacher_logits(part))
+
+
+def test_examples_a_store_does_not_hold_are_one_line_errors(tmp_path):
+    data = batches()
+    store = SoftLabelStore(write_store(tmp_path / "labels", data))
+    other = batches(seed=1)[2]
+    with pytest.raises(SoftLabelError, match=r"24 of step 2's 24 examples have no stored labels"):
+        store.lookup(2, example_fingerprints(other))
+    with pytest.raises(SoftLabelError, match=r"the data, its order"):
+        store.lookup(2, example_fingerprints(data[3]))  # right examples, wrong step
+    with pytest.raises(SoftLabelError, match=r"holds steps 0\.\.4, asked for step 5"):
+        store.lookup(5, example_fingerprints(data[0]))
+
+
+def test_incomplete_missing_and_damaged_stores_are_named(tmp_path):
+    with pytest.raises(SoftLabelError, match="no soft-label store there"):
+        SoftLabelStore(tmp_path / "nothing")
+    folder = write_store(tmp_path / "labels", batches())
+    with pytest.raises(SoftLabelError, match="already exists"):
+        SoftLabelWriter(folder, 2, {})
+    (folder / "part-00001.parquet").write_bytes(b"not parquet at all")
+    store = SoftLabelStore(folder)
+    with pytest.raises(SoftLabelError, match=r"part-00001\.parquet: unreadable soft-label part"):
+        store.lookup(2, example_fingerprints(batches()[2]))
+    (folder / "meta.json").unlink()
+    with pytest.raises(SoftLabelError, match="incomplete soft-label store"):
+        SoftLabelStore(folder)
+
+
+def test_a_pass_cut_short_leaves_no_store(tmp_path):
+    data = batches(steps=3)
+    writer = SoftLabelWriter(tmp_path / "labels", 2, {})
+    writer.append(0, example_fingerprints(data[0]), teacher_logits(data[0]))
+    writer.abort()
+    assert not (tmp_path / "labels").exists() and not list(tmp_path.iterdir())
+    writer = SoftLabelWriter(tmp_path / "labels", 2, {})
+    with pytest.raises(ValueError, match="increasing order"):
+        writer.append(1, example_fingerprints(data[1]), teacher_logits(data[1]))
+        writer.append(1, example_fingerprints(data[1]), teacher_logits(data[1]))
