@@ -137,3 +137,39 @@ def test_two_ranks_write_and_read_the_store_as_one_process(teacher, tmp_path):
     logged = [[json.loads(line)["loss"] for line in (tmp_path / s / "metrics.jsonl").read_text().splitlines()
                if json.loads(line)["phase"] == "train"] for s in ("s1", "s2")]
     assert len(logged[0]) == STEPS and logged[1] == pytest.approx(logged[0], rel=1e-5, abs=1e-6)
+
+
+def sequence_file(folder):
+    """A small next-item corpus (users with 5 to 12 items out of 60)."""
+    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k + k * k) % 60) for k in range(5 + u % 8)) for u in range(1, 81)]
+    path = folder / "corpus.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("queries", ["every", "last"])
+def test_retrieval_students_distil_each_querys_candidates_offline_as_online(tmp_path, queries):
+    """SASRec teacher and student on next-item retrieval: the stored path (several queries per example with
+    queries = every) trains exactly as the online teacher, and the stored labels change the training."""
+    data = [f"--data.path={sequence_file(tmp_path)}", "--data.source=sequence_text", "--model.name=sasrec",
+            "--data.sequential.objective=retrieval", f"--data.sequential.queries={queries}", "--data.sequential.num_negatives=3",
+            "--data.sequential.max_history=12", "--model.sasrec.max_seq_len=12", "--model.sasrec.dim=16",
+            "--data.sequential.eval_protocols=[\"sampled\"]", "--data.sequential.eval_negatives=20"]
+    env = init_distributed("cpu", "gloo")
+    teacher = tmp_path / "teacher"
+    config = load_config(None, [f"--run_dir={teacher}", "--schedule.steps=10", *SMALL, *data])
+    trainer = Trainer(config, env)
+    write_run_record(config, trainer.spec)
+    trainer.train()
+    trainer.close()
+    labels = tmp_path / "labels"
+    posttrain(student_config(tmp_path / "pass", f"--distillation.teacher_run_dir={teacher}", f"--distillation.soft_labels={labels}",
+                             *data), env)
+    online = losses(student_config(tmp_path / "online", f"--distillation.teacher_run_dir={teacher}", *data))
+    offline = losses(student_config(tmp_path / "offline", f"--distillation.soft_labels={labels}", *data))
+    plain = losses(student_config(tmp_path / "plain", *data))
+    assert offline == pytest.approx(online, rel=1e-6, abs=1e-7)
+    assert plain != pytest.approx(online, rel=1e-3)
+    with pytest.raises(ConfigError, match="num_negatives >= 1"):
+        student_config(tmp_path / "full", f"--distillation.soft_labels={labels}", *data, "--data.sequential.num_negatives=0",
+                       "--data.sequential.loss=softmax")

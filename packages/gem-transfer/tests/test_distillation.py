@@ -88,3 +88,34 @@ def test_distillation_moves_the_auxiliary_head_towards_the_teacher():
             loss.backward()
             optimizer.step()
     assert gap() < 0.5 * before
+
+
+def test_listwise_loss_is_zero_at_the_teachers_distribution_and_ignores_a_shift_per_query():
+    from gem_transfer import listwise_soft_label_loss
+
+    teacher = torch.randn(16, 5)
+    assert listwise_soft_label_loss(teacher.clone(), teacher).item() == pytest.approx(0.0, abs=1e-6)
+    assert listwise_soft_label_loss(teacher + torch.randn(16, 1), teacher).item() == pytest.approx(0.0, abs=1e-5)
+    assert listwise_soft_label_loss(teacher.flip(1), teacher).item() > 0.01
+    with pytest.raises(ValueError, match="same shape"):
+        listwise_soft_label_loss(teacher[:, :3], teacher)
+
+
+def test_listwise_adapter_learns_the_sharpness_a_stale_teacher_lacks():
+    from gem_transfer import ListwiseAdapter
+
+    torch.manual_seed(0)
+    adapter = ListwiseAdapter()
+    teacher = torch.randn(4096, 8)
+    assert torch.equal(adapter(teacher), teacher)
+    # the true next item follows softmax(3 x teacher): the teacher is right about the order, too flat about it
+    positive = torch.multinomial(torch.softmax(3 * teacher, 1), 1).squeeze(1)
+    columns = torch.arange(8).expand(4096, -1)
+    order = torch.where(columns == 0, positive[:, None], torch.where(columns <= positive[:, None], columns - 1, columns))
+    teacher = teacher.gather(1, order)  # column 0 holds the item that came next, as in retrieval batches
+    optimizer = torch.optim.Adam(adapter.parameters(), lr=0.05)
+    for _ in range(300):
+        optimizer.zero_grad()
+        adapter.fit_loss(teacher).backward()
+        optimizer.step()
+    assert adapter.log_scale.exp().item() == pytest.approx(3.0, rel=0.15)

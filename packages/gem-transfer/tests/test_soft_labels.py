@@ -20,7 +20,7 @@ def teacher_logits(batch) -> torch.Tensor:
 
 
 def write_store(folder, data, steps_per_part=2):
-    writer = SoftLabelWriter(folder, data[0].labels.shape[1], {"teacher": {"run_dir": "t"}}, steps_per_part=steps_per_part)
+    writer = SoftLabelWriter(folder, {"teacher": {"run_dir": "t"}}, steps_per_part=steps_per_part)
     for step, batch in enumerate(data):
         writer.append(step, example_fingerprints(batch), teacher_logits(batch))
     return writer.close()
@@ -70,7 +70,7 @@ def test_incomplete_missing_and_damaged_stores_are_named(tmp_path):
         SoftLabelStore(tmp_path / "nothing")
     folder = write_store(tmp_path / "labels", batches())
     with pytest.raises(SoftLabelError, match="already exists"):
-        SoftLabelWriter(folder, 2, {})
+        SoftLabelWriter(folder, {})
     (folder / "part-00001.parquet").write_bytes(b"not parquet at all")
     store = SoftLabelStore(folder)
     with pytest.raises(SoftLabelError, match=r"part-00001\.parquet: unreadable soft-label part"):
@@ -82,11 +82,11 @@ def test_incomplete_missing_and_damaged_stores_are_named(tmp_path):
 
 def test_a_pass_cut_short_leaves_no_store(tmp_path):
     data = batches(steps=3)
-    writer = SoftLabelWriter(tmp_path / "labels", 2, {})
+    writer = SoftLabelWriter(tmp_path / "labels", {})
     writer.append(0, example_fingerprints(data[0]), teacher_logits(data[0]))
     writer.abort()
     assert not (tmp_path / "labels").exists() and not list(tmp_path.iterdir())
-    writer = SoftLabelWriter(tmp_path / "labels", 2, {})
+    writer = SoftLabelWriter(tmp_path / "labels", {})
     with pytest.raises(ValueError, match="increasing order"):
         writer.append(1, example_fingerprints(data[1]), teacher_logits(data[1]))
         writer.append(1, example_fingerprints(data[1]), teacher_logits(data[1]))

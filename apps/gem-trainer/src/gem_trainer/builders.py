@@ -256,9 +256,10 @@ def build_student(config: TrainerConfig, model: nn.Module) -> nn.Module:
     d = config.distillation
     if d.teacher_run_dir is None and d.soft_labels is None:
         return model
+    retrieval = config.data.source in ("sequence_text", "atomic") and config.data.sequential.objective == "retrieval"
     return DistilledStudent(
-        model, model.representation_dim, len(model.spec.tasks), model.spec.num_surfaces,
-        weight=d.weight, temperature=d.temperature, adapter=d.adapter, device=next(model.parameters()).device,
+        model, model.representation_dim, len(model.spec.tasks), model.spec.num_surfaces, weight=d.weight,
+        temperature=d.temperature, adapter=d.adapter, retrieval=retrieval, device=next(model.parameters()).device,
     )
 
 

@@ -408,8 +408,8 @@ class TrainerConfig(Section):
             raise ValueError(f"data.sequential.max_history ({s.max_history}) must not exceed model.sasrec.max_seq_len "
                              f"({m.sasrec.max_seq_len}) with queries = \"every\"")
         distilling = self.distillation.teacher_run_dir is not None or self.distillation.soft_labels is not None
-        if s.objective == "retrieval" and distilling:
-            raise ValueError("distillation distils pointwise logits; set data.sequential.objective = \"pointwise\"")
+        if s.objective == "retrieval" and distilling and s.num_negatives < 1:
+            raise ValueError("distillation of retrieval scores sampled candidates: set data.sequential.num_negatives >= 1")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:

@@ -20,7 +20,7 @@ from gem_trainer.distributed import DistributedEnv
 from gem_trainer.metrics import progress
 from gem_trainer.run_folder import spec_record
 from gem_trainer.step import autocast, autocast_dtype
-from gem_transfer import SoftLabelWriter, example_fingerprints
+from gem_transfer import SoftLabelWriter, example_fingerprints, queries_per_example
 
 
 def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
@@ -38,7 +38,7 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
     meta = {"teacher": {"run_dir": str(d.teacher_run_dir), "step": teacher_step}, "spec": spec_record(data.spec),
             "global_batch_size": global_batch, "seed": config.seed, "data_source": config.data.source,
             "data_path": config.data.path}
-    writer = SoftLabelWriter(d.soft_labels, len(data.spec.tasks), meta) if env.rank == 0 else None
+    writer = SoftLabelWriter(d.soft_labels, meta) if env.rank == 0 else None
     precision = autocast_dtype(config.precision.autocast, env.device)
     batches = iter(data.train)
     steps = rows = 0
@@ -48,16 +48,15 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
             batch = next(batches, None)
             if batch is None:
                 break  # the stream ended (a finite source): the store holds the steps it had
-            fingerprints = example_fingerprints(batch)
+            fingerprints, queries = example_fingerprints(batch), queries_per_example(batch)
             with torch.no_grad(), autocast(env.device, precision):
                 logits = teacher(batch.to(env.device)).logits.float().cpu()
             if env.world_size > 1:
                 gathered: list = [None] * env.world_size
-                dist.all_gather_object(gathered, (fingerprints, logits))
-                fingerprints = torch.cat([f for f, _ in gathered])
-                logits = torch.cat([x for _, x in gathered])
+                dist.all_gather_object(gathered, (fingerprints, logits, queries))
+                fingerprints, logits, queries = (torch.cat(parts) for parts in zip(*gathered))
             if writer is not None:
-                writer.append(step, fingerprints, logits)
+                writer.append(step, fingerprints, logits, queries)
             steps, rows = step + 1, rows + fingerprints.numel()
         folder = writer.close() if writer is not None else Path(d.soft_labels)
         if env.world_size > 1:

@@ -74,7 +74,10 @@ class Trainer:
         self.flop_model = builders.build_model(config, self.spec, device=torch.device("meta"))
         # offline distillation reads the teacher's stored logits; online, the teacher runs in every step
         self.soft_labels = builders.build_soft_labels(config, self.spec, env)
-        teacher = None if self.soft_labels is not None else builders.build_teacher(config, self.spec, env)
+        # NOTE: loading the teacher leaves the random state alone, so the student draws the same dropout masks
+        # whether its teacher runs online or was stored
+        with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []):
+            teacher = None if self.soft_labels is not None else builders.build_teacher(config, self.spec, env)
         self.teacher, self.teacher_flop_model = teacher or (None, None)
         model = builders.build_student(config, builders.build_model(config, self.spec, device=torch.device("meta")))
         self.model = builders.parallelize_model(config, model, self.dims, self.meshes, env)

@@ -13,11 +13,15 @@ from torch.nn import functional as F
 @dataclass
 class ModelOutput:
     """What every model returns: ``logits [B, num_tasks]``, an auxiliary loss to add to the task loss (the MoE
-    load-balancing term; zero for models without one) and the ``representation [B, R]`` its heads read."""
+    load-balancing term; zero for models without one) and the ``representation [B, R]`` its heads read.
+
+    Retrieval (``batch.next_items`` set): ``logits`` are ``retrieval_logits(representation, item_vectors,
+    targets)``: the queries and the vectors of the scored items, which an auxiliary head can score again."""
 
     logits: torch.Tensor
     aux_loss: torch.Tensor
     representation: torch.Tensor | None = None
+    item_vectors: torch.Tensor | None = None
 
 
 # NOTE: registered as a pytree so that wrappers which hook a module's output tensors (FSDP2, DDP) find them

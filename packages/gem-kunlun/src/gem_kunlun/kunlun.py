@@ -360,7 +360,8 @@ class KunlunModel(nn.Module):
         vectors = self.item_tower(targets.catalogue)
         if targets.negatives is not None:
             vectors = vectors[scored_item_ids(targets, vectors.shape[0])]
-        return ModelOutput(logits=retrieval_logits(query, vectors, targets), aux_loss=aux, representation=query)
+        return ModelOutput(logits=retrieval_logits(query, vectors, targets), aux_loss=aux, representation=query,
+                           item_vectors=vectors)
 
     def score_candidates(self, requests: Batch, candidates: torch.Tensor, candidate_features: Batch | None = None,
                          catalogue: KeyedJaggedTensor | None = None) -> torch.Tensor:

@@ -216,7 +216,8 @@ class SasrecModel(nn.Module):
             raise ValueError(f"batch.next_items has {targets.num_queries} positives for {queries.shape[0]} queries "
                              f"({'every history event' if targets.every else 'one per example'})")
         logits = retrieval_logits(queries, item_vectors, targets)
-        return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=queries)
+        return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=queries,
+                           item_vectors=item_vectors)
 
     def score_candidates(self, requests: Batch, candidates: torch.Tensor) -> torch.Tensor:
         """One request row per user (its candidate feature is ignored) and ``candidates [U, C]`` item ids ->

@@ -11,6 +11,11 @@ Three pieces, after ExFM (arXiv 2502.17494):
   distillation target.
 - The **soft-label loss**: binary cross-entropy between the student's auxiliary logits and the corrected
   teacher probabilities, at a temperature.
+
+Retrieval students (``batch.next_items`` set) distil listwise: each query's scores over its candidates (the
+positive and the sampled negatives, the same for teacher and student) become a softmax, and the student's
+auxiliary query head is trained on the teacher's distribution (``listwise_soft_label_loss``); the adapter is
+then a learned sharpness of the teacher's scores (``ListwiseAdapter``), fitted on which candidate came next.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.nn import functional as F
 
-from gem_kunlun import ModelOutput, MultiTaskHeads
+from gem_kunlun import ModelOutput, MultiTaskHeads, retrieval_logits
 
 
 def soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -41,6 +46,51 @@ def soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     # subtract the targets' own entropy so that a perfect match scores 0
     entropy = F.binary_cross_entropy(targets, targets)
     return (loss - entropy) * temperature**2
+
+
+def listwise_soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over queries of the cross-entropy of softmax(student / T) against softmax(teacher / T) over each
+    row's candidates, minus the teacher distribution's entropy (zero at a match, up to a shift per row), x T^2;
+    float32."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} must have the same shape")
+    teacher = F.log_softmax(teacher_logits.float() / temperature, -1)
+    student = F.log_softmax(student_logits.float() / temperature, -1)
+    return (teacher.exp() * (teacher - student)).sum(-1).mean() * temperature**2
+
+
+class ListwiseAdapter(nn.Module):
+    """Corrects a stale teacher's candidate scores by a learned sharpness, ``corrected = scale * teacher``
+    (starting at 1: the identity), fitted by the softmax cross-entropy of the true next item (column 0)."""
+
+    def __init__(self, device=None) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.zeros(1, device=device))  # 1-D: FSDP2 shards no scalars
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.log_scale)
+
+    def forward(self, teacher_logits: torch.Tensor) -> torch.Tensor:
+        return self.log_scale.exp() * teacher_logits.float()
+
+    def fit_loss(self, teacher_logits: torch.Tensor) -> torch.Tensor:
+        corrected = self(teacher_logits.detach())
+        return F.cross_entropy(corrected, torch.zeros(corrected.shape[0], dtype=torch.long, device=corrected.device))
+
+
+class QueryMap(nn.Linear):
+    """The auxiliary head of a retrieval student: a linear map of its queries, starting at the identity (its
+    first auxiliary scores are the serving scores)."""
+
+    def __init__(self, dim: int, device=None) -> None:
+        super().__init__(dim, dim, device=device)
+
+    def reset_parameters(self) -> None:
+        nn.init.eye_(self.weight)
+        nn.init.zeros_(self.bias)
 
 
 class StudentAdapter(nn.Module):
@@ -93,28 +143,59 @@ class DistilledStudent(nn.Module):
     inside the forward pass (so data-parallel wrappers see every parameter used there) and adds them to
     ``aux_loss``: ``weight`` x soft-label loss of the auxiliary head against the corrected teacher, plus the
     adapter's fit on ``batch.labels``. Without teacher logits it is the plain student (serving, evaluation).
+
+    ``retrieval``: the student scores next-item candidates; the auxiliary head is then a query map (starting
+    at the identity) whose queries score the student's own item vectors, and the teacher's logits are its
+    scores of the same candidates (``[queries, 1 + negatives]``).
     """
 
     def __init__(self, student: nn.Module, representation_dim: int, num_tasks: int, num_surfaces: int,
-                 weight: float = 1.0, temperature: float = 1.0, adapter: bool = True, device=None) -> None:
+                 weight: float = 1.0, temperature: float = 1.0, adapter: bool = True, retrieval: bool = False,
+                 device=None) -> None:
         super().__init__()
-        self.student = student
-        self.auxiliary_head = MultiTaskHeads(representation_dim, num_tasks, num_surfaces, device=device)
-        self.adapter = StudentAdapter(num_tasks, num_surfaces, device=device) if adapter else None
+        self.student, self.retrieval = student, retrieval
+        if retrieval:
+            self.auxiliary_head = QueryMap(representation_dim, device=device)
+            self.adapter = ListwiseAdapter(device=device) if adapter else None
+        else:
+            self.auxiliary_head = MultiTaskHeads(representation_dim, num_tasks, num_surfaces, device=device)
+            self.adapter = StudentAdapter(num_tasks, num_surfaces, device=device) if adapter else None
         self.weight, self.temperature = weight, temperature
 
     def forward(self, batch, teacher_logits: torch.Tensor | None = None) -> DistillationOutput:
         out = self.student(batch)
         if out.representation is None:
             raise ValueError(f"{type(self.student).__name__} returns no representation for an auxiliary head")
-        auxiliary = self.auxiliary_head(out.representation, batch.surface)
+        targets = batch.next_items
+        if self.retrieval != (targets is not None):
+            raise ValueError(f"this student was built for {'retrieval' if self.retrieval else 'pointwise'} batches")
+        if self.retrieval:
+            if out.item_vectors is None:
+                raise ValueError(f"{type(self.student).__name__} returns no item vectors for an auxiliary retrieval head")
+            auxiliary = retrieval_logits(self.auxiliary_head(out.representation), out.item_vectors, targets)
+        else:
+            auxiliary = self.auxiliary_head(out.representation, batch.surface)
+        plain = dict(logits=out.logits, representation=out.representation, item_vectors=out.item_vectors,
+                     auxiliary_logits=auxiliary)
         if teacher_logits is None:
-            return DistillationOutput(out.logits, out.aux_loss, out.representation, auxiliary)
+            return DistillationOutput(aux_loss=out.aux_loss, **plain)
+        if teacher_logits.shape != auxiliary.shape:
+            raise ValueError(f"teacher logits {tuple(teacher_logits.shape)} do not match the student's "
+                             f"{tuple(auxiliary.shape)} (the same candidates, queries and tasks)")
         teacher_logits = teacher_logits.detach().float()
         corrected = teacher_logits
         loss = out.aux_loss.new_zeros(())
-        if self.adapter is not None:
-            corrected = self.adapter(teacher_logits, batch.surface)
-            loss = loss + self.adapter.fit_loss(teacher_logits, batch.surface, batch.labels)
-        loss = loss + self.weight * soft_label_loss(auxiliary, corrected.detach(), self.temperature)
-        return DistillationOutput(out.logits, out.aux_loss + loss, out.representation, auxiliary, corrected, loss)
+        if self.retrieval:
+            if targets.negatives is None:
+                raise ValueError("retrieval distillation scores sampled candidates: batches need negatives")
+            if self.adapter is not None:
+                corrected = self.adapter(teacher_logits)
+                loss = loss + self.adapter.fit_loss(teacher_logits)
+            loss = loss + self.weight * listwise_soft_label_loss(auxiliary, corrected.detach(), self.temperature)
+        else:
+            if self.adapter is not None:
+                corrected = self.adapter(teacher_logits, batch.surface)
+                loss = loss + self.adapter.fit_loss(teacher_logits, batch.surface, batch.labels)
+            loss = loss + self.weight * soft_label_loss(auxiliary, corrected.detach(), self.temperature)
+        return DistillationOutput(aux_loss=out.aux_loss + loss, corrected_teacher_logits=corrected, distillation_loss=loss,
+                                  **plain)

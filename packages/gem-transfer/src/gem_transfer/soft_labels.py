@@ -9,8 +9,12 @@ Rows are looked up by step and fingerprint, not by position, so any layout of a 
 (slices, length balancing, mixing) finds its labels; an example the store does not hold for that step is
 an error that names the step (the data, its order or the batch size changed since the store was written).
 
+An example holds one query (pointwise: one logit per task) or several (retrieval with a query per history
+event), each with ``width`` logits (retrieval: the positive and the sampled negatives); its row stores them
+all, so the lookup of a batch returns one row of logits per query, in the batch's query order.
+
 Layout of a store folder: ``part-00000.parquet`` ... (columns ``step`` int64, ``fingerprint`` int64,
-``logits`` fixed-size list of float32, one list item per task; each part holds whole steps, in order) and
+``logits`` list of float32, queries x ``width`` values; each part holds whole steps, in order) and
 ``meta.json``, written last, which lists the parts with their step ranges and row counts. A folder without
 ``meta.json`` is incomplete. The writer fills a temporary sibling folder and renames it into place, so a
 pass cut short leaves no store that looks complete.
@@ -81,9 +85,36 @@ def _fold_rows(h: torch.Tensor, bits: torch.Tensor, field: int) -> int:
     return field + bits.shape[1]
 
 
+def queries_per_example(batch: Batch) -> torch.Tensor:
+    """``[B]`` int64: the queries each example contributes to a model's output rows (retrieval with a query
+    per history event: its events; otherwise one)."""
+    targets = batch.next_items
+    if targets is None or not targets.every:
+        return torch.ones(batch.batch_size, dtype=torch.int64)
+    (history,) = batch.sequences.values()
+    return history.lengths().long()
+
+
+def _fold_targets(h: torch.Tensor, batch: Batch, field: int) -> int:
+    """Adds each query's positive and sampled negatives (retrieval) into its example's hash."""
+    targets = batch.next_items
+    if targets is None:
+        return field
+    queries = queries_per_example(batch)
+    owner = segment_ids(queries, targets.positives.numel())
+    position = torch.arange(owner.numel()) - (torch.cumsum(queries, 0) - queries)[owner]
+    scored = targets.positives.long().view(-1, 1)
+    if targets.negatives is not None:
+        scored = torch.cat([scored, targets.negatives.long()], 1)
+    columns = torch.arange(scored.shape[1]) * _K_POSITION
+    per_query = _mix(scored * _K_VALUE + columns + torch.tensor(field) * _K_FIELD).sum(1)
+    h.index_add_(0, owner, _mix(per_query + position * _K_POSITION))
+    return field + 1
+
+
 def example_fingerprints(batch: Batch) -> torch.Tensor:
     """``[B]`` int64: a 64-bit hash of each example (its dense values, ids, events and their timestamps,
-    labels and surface), the same wherever the example sits in a batch. CPU tensors."""
+    labels, surface and retrieval candidates), the same wherever the example sits in a batch. CPU tensors."""
     h = torch.zeros(batch.batch_size, dtype=torch.int64)
     field = _fold_rows(h, batch.dense.float().contiguous().view(torch.int32), 0)
     field = _fold_rows(h, batch.labels.float().contiguous().view(torch.int32), field)
@@ -98,6 +129,7 @@ def example_fingerprints(batch: Batch) -> torch.Tensor:
             owner = segment_ids(lengths, stamps.numel())
             h.index_add_(0, owner, _mix(stamps * _K_VALUE + torch.tensor(field) * _K_FIELD))
         field += 1
+    _fold_targets(h, batch, field)
     return h
 
 
@@ -110,25 +142,29 @@ class SoftLabelWriter:
     ``steps_per_part``: steps per Parquet file (a reader holds one part in memory at a time).
     """
 
-    def __init__(self, folder: str | Path, num_tasks: int, meta: dict[str, Any], steps_per_part: int = 256) -> None:
+    def __init__(self, folder: str | Path, meta: dict[str, Any], steps_per_part: int = 256) -> None:
         self.folder = Path(folder)
         if self.folder.exists():
             raise SoftLabelError(f"{self.folder} already exists: remove it or write the soft labels to another folder")
         self.staging = self.folder.with_name(f"{self.folder.name}.partial-{os.getpid()}")
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True)
-        self.num_tasks, self.meta, self.steps_per_part = num_tasks, meta, steps_per_part
+        self.meta, self.steps_per_part = meta, steps_per_part
+        self.width: int | None = None
         self.parts: list[dict[str, Any]] = []
-        self._pending: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._pending: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
         self._last_step = -1
 
-    def append(self, step: int, fingerprints: torch.Tensor, logits: torch.Tensor) -> None:
-        """Every example of global batch ``step``: ``fingerprints [N]`` and ``logits [N, num_tasks]``."""
+    def append(self, step: int, fingerprints: torch.Tensor, logits: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+        """Every example of global batch ``step``: ``fingerprints [N]``, ``logits [Q, width]`` (each example's
+        queries in turn) and ``queries [N]`` per example (None: one each)."""
         if step <= self._last_step:
             raise ValueError(f"steps are appended in increasing order: {step} after {self._last_step}")
-        if logits.shape != (fingerprints.numel(), self.num_tasks):
-            raise ValueError(f"logits {tuple(logits.shape)} do not match {fingerprints.numel()} examples x {self.num_tasks} tasks")
-        self._pending.append((step, fingerprints.numpy().astype(np.int64), logits.float().numpy()))
+        queries = torch.ones(fingerprints.numel(), dtype=torch.int64) if queries is None else queries.long()
+        if logits.dim() != 2 or logits.shape[0] != int(queries.sum()) or (self.width not in (None, logits.shape[1])):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {int(queries.sum())} queries x {self.width or 'a'} width")
+        self.width = logits.shape[1]
+        self._pending.append((step, fingerprints.numpy().astype(np.int64), logits.float().numpy(), queries.numpy()))
         self._last_step = step
         if len(self._pending) >= self.steps_per_part:
             self._flush()
@@ -136,13 +172,14 @@ class SoftLabelWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        steps = np.concatenate([np.full(len(f), s, dtype=np.int64) for s, f, _ in self._pending])
-        fingerprints = np.concatenate([f for _, f, _ in self._pending])
-        logits = np.concatenate([x for _, _, x in self._pending]).reshape(-1)
-        table = pa.table({"step": steps, "fingerprint": fingerprints,
-                          "logits": pa.FixedSizeListArray.from_arrays(pa.array(logits, pa.float32()), self.num_tasks)})
+        steps = np.concatenate([np.full(len(f), s, dtype=np.int64) for s, f, _, _ in self._pending])
+        fingerprints = np.concatenate([f for _, f, _, _ in self._pending])
+        values = np.concatenate([x.reshape(-1) for _, _, x, _ in self._pending])
+        sizes = np.concatenate([q for _, _, _, q in self._pending]) * self.width
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+        logits = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.float32()))
         name = f"part-{len(self.parts):05d}.parquet"
-        pq.write_table(table, self.staging / name)
+        pq.write_table(pa.table({"step": steps, "fingerprint": fingerprints, "logits": logits}), self.staging / name)
         self.parts.append({"file": name, "first_step": self._pending[0][0], "last_step": self._pending[-1][0],
                            "rows": len(steps)})
         self._pending = []
@@ -150,7 +187,7 @@ class SoftLabelWriter:
     def close(self) -> Path:
         """Writes the last part and ``meta.json`` and moves the store into place; returns its folder."""
         self._flush()
-        meta = {"format": FORMAT, "num_tasks": self.num_tasks, "steps": self._last_step + 1,
+        meta = {"format": FORMAT, "width": self.width, "steps": self._last_step + 1,
                 "rows": sum(p["rows"] for p in self.parts), "parts": self.parts, **self.meta}
         (self.staging / META).write_text(json.dumps(meta, indent=1) + "\n")
         self.staging.rename(self.folder)
@@ -178,11 +215,11 @@ class SoftLabelStore:
             raise SoftLabelError(f"{meta_path}: not valid JSON ({error})") from None
         if self.meta.get("format") != FORMAT:
             raise SoftLabelError(f"{meta_path}: store format {self.meta.get('format')!r}, this gem-transfer reads {FORMAT}")
-        self.num_tasks, self.steps = int(self.meta["num_tasks"]), int(self.meta["steps"])
+        self.width, self.steps = int(self.meta["width"] or 0), int(self.meta["steps"])
         self._first_steps = [p["first_step"] for p in self.meta["parts"]]
-        self._held: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # part index, steps, fingerprints, logits
+        self._held: tuple | None = None  # part index, steps, fingerprints, value offsets, values
 
-    def _part(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _part(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         index = int(np.searchsorted(self._first_steps, step, side="right")) - 1
         if self._held is None or self._held[0] != index:
             part = self.meta["parts"][index]
@@ -191,19 +228,22 @@ class SoftLabelStore:
                 table = pq.read_table(path)
                 steps = table["step"].to_numpy()
                 fingerprints = table["fingerprint"].to_numpy()
-                logits = table["logits"].combine_chunks().flatten().to_numpy().reshape(-1, self.num_tasks)
+                logits = table["logits"].combine_chunks()
+                offsets = logits.offsets.to_numpy().astype(np.int64)
+                values = logits.values.to_numpy()
             except (OSError, pa.ArrowException, KeyError, ValueError) as error:
                 raise SoftLabelError(f"{path}: unreadable soft-label part ({error})") from None
             if len(steps) != part["rows"]:
                 raise SoftLabelError(f"{path}: {len(steps)} rows where {META} records {part['rows']}")
-            self._held = (index, steps, fingerprints, logits)
+            self._held = (index, steps, fingerprints, offsets, values)
         return self._held[1:]
 
     def lookup(self, step: int, fingerprints: torch.Tensor) -> torch.Tensor:
-        """``[N, num_tasks]`` float32: the teacher's logits of the examples ``fingerprints [N]`` of global batch ``step``."""
+        """``[Q, width]`` float32: the teacher's logits of the examples ``fingerprints [N]`` of global batch
+        ``step``, each example's queries in turn (one row each for pointwise examples)."""
         if not 0 <= step < self.steps:
             raise SoftLabelError(f"{self.folder}: holds steps 0..{self.steps - 1}, asked for step {step}")
-        steps, stored, logits = self._part(step)
+        steps, stored, offsets, values = self._part(step)
         lo, hi = np.searchsorted(steps, step, side="left"), np.searchsorted(steps, step, side="right")
         order = np.argsort(stored[lo:hi], kind="stable")
         ranked = stored[lo:hi][order]
@@ -213,4 +253,9 @@ class SoftLabelStore:
             missing = int((ranked[found] != wanted).sum()) if len(ranked) else len(wanted)
             raise SoftLabelError(f"{self.folder}: {missing} of step {step}'s {len(wanted)} examples have no stored labels "
                                  f"(the data, its order or the batch size changed since the store was written)")
-        return torch.from_numpy(logits[lo:hi][order[found]].copy())
+        rows = lo + order[found]
+        starts, sizes = offsets[rows], offsets[rows + 1] - offsets[rows]
+        # each wanted row's values, in the order asked: its start repeated over its size, plus 0, 1, ...
+        first = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+        gathered = values[first + np.arange(int(sizes.sum()))]
+        return torch.from_numpy(gathered.reshape(-1, self.width).copy())
