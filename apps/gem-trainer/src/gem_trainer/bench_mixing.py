@@ -3,9 +3,8 @@
     python -m gem_trainer.bench_mixing --out benchmarks/results/mixing.json [--sections time_split domains
         synthetic reader_cost] [--seeds 0 1 2] [--data ../shared/data] [--work /tmp/bench-mixing]
 
-Every training run goes through the trainer (``Trainer.train``, its one train step, its checkpoints) from a
-committed config plus overrides, and every metric through ``Trainer.evaluate`` on a trainer resumed from the
-run's last checkpoint, so the numbers are what ``gem-trainer train`` / ``eval`` give.
+Every run goes through the trainer from a committed config plus overrides (``gem_trainer.bench_runs``), so the
+numbers are what ``gem-trainer train`` / ``eval`` give.
 
 - ``time_split`` (``configs/mixing-ml100k-time.toml``, MovieLens-100K): offline-only, offline then online
   (sequential fine-tuning: the online share switches from 0 to 1 at ``switch``) and the ramp (the share grows
@@ -25,12 +24,8 @@ carries its own provenance (machine, torch, commit, date, command).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import io
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,48 +33,12 @@ from pathlib import Path
 
 import torch
 
+from gem_trainer.bench_runs import ROOT, evaluate, mean_std, provenance, train
 from gem_trainer.config import load_config
-from gem_trainer.report import git_commit
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-ROOT = Path(__file__).resolve().parents[4]
 SECTIONS = ("time_split", "domains", "synthetic", "reader_cost")
 SPIKE_WINDOW, SPIKE_SMOOTH = 20, 5
-
-
-# -- running the trainer ---------------------------------------------------------------------------------------
-
-def train(config_file: Path, overrides: list[str], run_dir: Path) -> float:
-    """Train ``config_file`` + ``overrides`` into ``run_dir`` (from scratch); returns the wall time."""
-    from gem_trainer.distributed import init_distributed
-    from gem_trainer.trainer import Trainer
-
-    config = load_config(config_file, [*overrides, f"--run_dir={run_dir}", "--checkpoint.resume=false"])
-    started = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer = Trainer(config, init_distributed("cpu", "gloo"))
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-    return time.perf_counter() - started
-
-
-def evaluate(config_file: Path, overrides: list[str], run_dir: Path) -> dict[str, float]:
-    """``Trainer.evaluate`` of ``run_dir``'s last checkpoint under ``config_file`` + ``overrides`` (another
-    evaluation split or source than the one it trained with)."""
-    from gem_trainer.distributed import init_distributed
-    from gem_trainer.trainer import Trainer
-
-    config = load_config(config_file, [*overrides, f"--run_dir={run_dir}"])
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer = Trainer(config, init_distributed("cpu", "gloo"))
-        try:
-            if not trainer.resume():
-                raise RuntimeError(f"no checkpoint under {run_dir}")
-            return trainer.evaluate()
-        finally:
-            trainer.close()
 
 
 def train_records(run_dir: Path) -> dict[int, dict]:
@@ -103,11 +62,6 @@ def loss_spike(losses: dict[int, float], switch: int) -> dict[str, float]:
 
 def ranking_row(result: dict[str, float]) -> dict[str, float]:
     return {"hr@10": result["sampled/hr@10"], "ndcg@10": result["sampled/ndcg@10"], "users": result["sampled/users"]}
-
-
-def mean_std(rows: list[dict], key: str) -> dict[str, float]:
-    values = [r[key] for r in rows]
-    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
 
 
 # -- sections --------------------------------------------------------------------------------------------------
@@ -294,16 +248,6 @@ def reader_cost(data: Path, seconds: float, batch_sizes: list[int]) -> dict:
 
 # -- output ----------------------------------------------------------------------------------------------------
 
-def provenance(argv: list[str]) -> dict:
-    return {
-        "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
-        "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "torch": torch.__version__, "python": platform.python_version(), "commit": git_commit(ROOT),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m gem_trainer.bench_mixing " + " ".join(argv),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m gem_trainer.bench_mixing", description=__doc__.splitlines()[0])
@@ -319,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     for section in args.sections:
-        started, meta = time.perf_counter(), provenance(argv)  # the commit of the code this section runs
+        started, meta = time.perf_counter(), provenance("gem_trainer.bench_mixing", argv)  # the commit of the code this section runs
         if section == "time_split":
             result = time_split(args.seeds, args.data, args.work)
         elif section == "domains":

@@ -1,0 +1,73 @@
+"""Running the trainer for CPU benchmarks that compare training setups (bench_mixing, bench_transfer): every run
+goes through ``Trainer.train`` from a config plus overrides and every metric through ``Trainer.evaluate`` on a
+trainer resumed from the run's last checkpoint, so the numbers are what ``gem-trainer train`` / ``eval`` give."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from gem_trainer.config import load_config
+from gem_trainer.report import git_commit
+
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def train(config_file: Path | None, overrides: list[str], run_dir: Path) -> float:
+    """Train ``config_file`` (None: the embedded default) + ``overrides`` into ``run_dir`` (from scratch); returns
+    the wall time."""
+    from gem_trainer.distributed import init_distributed
+    from gem_trainer.run_folder import write_run_record
+    from gem_trainer.trainer import Trainer
+
+    config = load_config(config_file, [*overrides, f"--run_dir={run_dir}", "--checkpoint.resume=false"])
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(config, init_distributed("cpu", "gloo"))
+        write_run_record(config, trainer.spec)  # as `gem-trainer train` does: the run can teach another
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    return time.perf_counter() - started
+
+
+def evaluate(config_file: Path | None, overrides: list[str], run_dir: Path) -> dict[str, float]:
+    """``Trainer.evaluate`` of ``run_dir``'s last checkpoint under ``config_file`` + ``overrides`` (another
+    evaluation split or source than the one it trained with)."""
+    from gem_trainer.distributed import init_distributed
+    from gem_trainer.trainer import Trainer
+
+    config = load_config(config_file, [*overrides, f"--run_dir={run_dir}"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(config, init_distributed("cpu", "gloo"))
+        try:
+            if not trainer.resume():
+                raise RuntimeError(f"no checkpoint under {run_dir}")
+            return trainer.evaluate()
+        finally:
+            trainer.close()
+
+
+def mean_std(rows: list[dict], key: str) -> dict[str, float]:
+    values = [r[key] for r in rows]
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
+
+
+def provenance(program: str, argv: list[str]) -> dict:
+    """Where and from what a benchmark section was produced."""
+    return {
+        "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__, "python": platform.python_version(), "commit": git_commit(ROOT),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": f"python -m {program} " + " ".join(argv),
+    }
