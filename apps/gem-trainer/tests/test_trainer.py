@@ -176,3 +176,23 @@ def test_gpu_only_settings_on_cpu_are_one_line_config_errors(tmp_path):
         init_distributed("cpu", "copy_engine")
     with pytest.raises(ConfigError, match=r"^parallelism\.sparse_sharding = 'row_wise' needs GPUs"):
         Trainer(small_config(tmp_path, "--parallelism.sparse_sharding=row_wise"), init_distributed("cpu", "gloo"))
+
+
+def test_mxfp8_emulation_reaches_the_flop_heavy_layers_and_keeps_the_rest_in_high_precision(tmp_path):
+    from gem_kernels import MXLinear
+
+    config = small_config(tmp_path, "--schedule.steps=4", "--schedule.warmup_steps=1", "--checkpoint.enable=false",
+                          "--precision.low_precision=mxfp8_emulated", "--precision.mx_rounding=rceil")
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    converted = trainer.low_precision_modules
+    assert any(n.endswith("attention.qkv") for n in converted) and any(n.endswith("pffn.kv") for n in converted)
+    assert any(n.endswith("fm_mlp.0") for n in converted)  # the Wukong experts' MLPs
+    assert any(".experts." in n and not n.split(".")[-1].isalpha() for n in converted)  # and their token products
+    assert not any(part in ("embedding", "heads", "gate") for n in converted for part in n.split("."))
+    mx = [m for m in trainer.model.modules() if isinstance(m, MXLinear)]
+    assert mx and all(m.recipe.rounding == "rceil" and m.recipe.grad_elem == "e5m2" for m in mx)
+    losses = [trainer.train_step()["loss"] for _ in range(4)]
+    reference = Trainer(small_config(tmp_path / "fp32", "--schedule.steps=4", "--schedule.warmup_steps=1",
+                                     "--checkpoint.enable=false"), trainer.env)
+    exact = [reference.train_step()["loss"] for _ in range(4)]
+    assert losses != exact and losses == pytest.approx(exact, rel=0.05)

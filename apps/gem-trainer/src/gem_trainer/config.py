@@ -318,6 +318,14 @@ class ParallelismConfig(Section):
 
 class PrecisionConfig(Section):
     autocast: Literal["auto", "bf16", "off"] = "auto"
+    # GEMMs in MXFP8 (emulated: the numerics of MX tensor cores, on any device; see gem_kernels.mx_linear)
+    low_precision: Literal["off", "mxfp8_emulated"] = "off"
+    mx_elem: Literal["e4m3", "e5m2"] = "e4m3"  # activations and weights
+    mx_grad_elem: Literal["e4m3", "e5m2"] = "e5m2"  # output gradients
+    mx_rounding: Literal["floor", "rceil"] = "floor"  # shared-scale rule
+    # modules whose dotted name has one of these parts stay in high precision: the embeddings, the heads and
+    # what feeds the loss, the MoE gate (routing flips on small logit changes)
+    high_precision: list[str] = ["embedding", "heads", "gate", "item_tower", "auxiliary_head", "adapter"]
 
 
 class CheckpointConfig(Section):

@@ -80,6 +80,7 @@ class Trainer:
             teacher = None if self.soft_labels is not None else builders.build_teacher(config, self.spec, env)
         self.teacher, self.teacher_flop_model = teacher or (None, None)
         model = builders.build_student(config, builders.build_model(config, self.spec, device=torch.device("meta")))
+        self.low_precision_modules = builders.apply_low_precision(config, model)
         self.model = builders.parallelize_model(config, model, self.dims, self.meshes, env)
         self.sparse_replicas = SparseReplicas(self.model, self.meshes.sparse, config.parallelism.sparse_sync_every)
         self.optimizer, self.dense_optimizer = builders.build_optimizers(config, self.model)

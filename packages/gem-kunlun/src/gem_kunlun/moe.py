@@ -18,7 +18,12 @@ from torch import nn
 
 
 class WukongBlock(nn.Module):
-    """``[B, n, D] -> [B, n, D]``: FM block (``n_fm`` tokens) beside a linear-compression block (the rest)."""
+    """``[B, n, D] -> [B, n, D]``: FM block (``n_fm`` tokens) beside a linear-compression block (the rest).
+
+    Its token products go through ``low_precision_matmul`` (``torch.matmul`` unless a low-precision recipe
+    replaces it), because they use raw parameters that a swap of ``nn.Linear`` layers would not reach."""
+
+    low_precision_matmul = torch.matmul
 
     def __init__(self, num_tokens: int, dim: int, rank: int = 8, hidden: int = 256, device=None) -> None:
         super().__init__()
@@ -40,10 +45,11 @@ class WukongBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
         # X (X^T Y): every token's interaction with rank-many projected summaries, O(n * D * rank)
-        summaries = torch.einsum("bnd,nk->bdk", x, self.projection.to(x.dtype))
-        interactions = torch.einsum("bnd,bdk->bnk", x, summaries).reshape(b, self.num_tokens * self.rank)
+        matmul = self.low_precision_matmul
+        summaries = matmul(x.transpose(1, 2), self.projection.to(x.dtype))  # [B, D, rank]
+        interactions = matmul(x, summaries).reshape(b, self.num_tokens * self.rank)
         fm = self.fm_mlp(self.fm_norm(interactions)).view(b, self.n_fm, self.dim)
-        lc = torch.einsum("bnd,nm->bmd", x, self.compress.to(x.dtype))
+        lc = matmul(self.compress.to(x.dtype).t(), x)  # [B, n_lc, D]
         return torch.cat([fm, lc], 1)
 
     def flops_per_example(self) -> float:
