@@ -21,6 +21,7 @@ from gem_kunlun import (
     ModelOutput,
     MultiTaskHeads,
     lengths_to_offsets,
+    segment_ids,
 )
 
 
@@ -101,6 +102,6 @@ def _select_rows(x, seq, offsets, positions, rows):
     """Examples ``rows`` of the encoder's output: their tokens and their jagged histories."""
     starts, lengths = offsets[rows], offsets[rows + 1] - offsets[rows]
     new_offsets = lengths_to_offsets(lengths)
-    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), lengths)
+    owner = segment_ids(lengths)
     index = starts[owner] + torch.arange(owner.numel(), device=rows.device) - new_offsets[:-1][owner]
     return x[rows], seq[index], new_offsets, positions[index]

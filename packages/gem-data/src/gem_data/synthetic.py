@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature, lengths_to_offsets
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature, lengths_to_offsets, segment_ids
 
 SPLITS = {"train": 0, "eval": 1}
 
@@ -139,7 +139,7 @@ class SyntheticGenerator:
         lengths = (c.min_events * u.pow(-1.0 / c.length_alpha)).floor().clamp(max=c.max_events).long()
         # some users have no events of a given type at all: empty sequences are common in practice
         lengths = torch.where(torch.rand(b, generator=g) < 0.15, torch.zeros_like(lengths), lengths)
-        owner = torch.repeat_interleave(torch.arange(b), lengths)
+        owner = segment_ids(lengths)
         total = owner.numel()
         own = torch.rand(total, generator=g) < c.interest_share
         event_cluster = torch.where(own, cluster[owner], torch.randint(k, (total,), generator=g))

@@ -13,7 +13,14 @@ from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatc
 from gem_kunlun.retrieval import next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
-from gem_kunlun.sequence import jagged_slices, jagged_to_padded, lengths_to_offsets, merge_by_time, segment_ids
+from gem_kunlun.sequence import (
+    jagged_slices,
+    jagged_to_padded,
+    lengths_to_offsets,
+    merge_by_time,
+    segment_ids,
+    segment_positions,
+)
 
 __all__ = [
     "BaselineConfig",
@@ -59,4 +66,5 @@ __all__ = [
     "retrieval_logits",
     "scored_item_ids",
     "segment_ids",
+    "segment_positions",
 ]

@@ -1,11 +1,12 @@
 """Jagged sequence plumbing: merging event types in time order (OneSeq), truncating, slicing, padding for dense
-math. ``segment_ids`` (which sequence owns each row) comes from gem-kernels, the lowest package that needs it."""
+math. ``segment_ids`` (which sequence owns each row) and ``segment_positions`` (each row's place in it) come from
+gem-kernels, the lowest package that needs them, and are re-exported here for the packages above."""
 
 from __future__ import annotations
 
 import torch
 
-from gem_kernels.jagged import segment_ids
+from gem_kernels.jagged import segment_ids, segment_positions  # noqa: F401 - segment_positions: re-exported
 
 
 def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gem_kunlun import lengths_to_offsets
+from gem_kunlun import lengths_to_offsets, segment_positions
 
 from gem_data.errors import BadRows, DataError
 from gem_data.sequential.corpus import Bags, SequenceCorpus, vocabulary
@@ -73,8 +73,7 @@ def read_atomic(
     if times is not None:
         timestamps = times[order] - times.min()
     else:
-        offsets = lengths_to_offsets(lengths)
-        timestamps = (torch.arange(len(kept)) - torch.repeat_interleave(offsets[:-1], lengths)).double()
+        timestamps = segment_positions(lengths, len(kept)).double()
     corpus = SequenceCorpus(
         name=name,
         user_tokens=user_tokens,

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature, segment_ids
 
 from gem_data.batch_ops import gather_jagged, select_examples
 from gem_data.errors import BadRows, DataError
@@ -211,7 +211,7 @@ class _Layout:
         def ids_column(name: str) -> tuple[torch.Tensor, torch.Tensor]:
             values, lengths, nulls = _jagged(table.column(name), torch.int64)
             flag(nulls, f"null in {name}")
-            owner = torch.repeat_interleave(torch.arange(n), lengths)
+            owner = segment_ids(lengths)
             flag(torch.zeros(n, dtype=torch.bool).index_fill_(0, owner[values < 0], True), f"negative id in {name}")
             return values.clamp(min=0), lengths
 
@@ -230,7 +230,7 @@ class _Layout:
                 flag(l != time_lengths, f"event.{event}: {feature.removeprefix(event + '_')} and timestamp differ in length")
                 values.append(v)
                 lengths.append(l)
-            owner = torch.repeat_interleave(torch.arange(n), time_lengths)
+            owner = segment_ids(time_lengths)
             same_owner = owner[1:] == owner[:-1]
             backwards = same_owner & (times[1:] < times[:-1])
             flag(torch.zeros(n, dtype=torch.bool).index_fill_(0, owner[1:][backwards], True), f"event.{event}.timestamp decreases")
@@ -300,7 +300,7 @@ def _jagged(column: pa.ChunkedArray, dtype: torch.dtype) -> tuple[torch.Tensor, 
     lengths = offsets_t[1:] - offsets_t[:-1]
     value_null = torch.from_numpy(inner.is_null().to_numpy(zero_copy_only=False).copy())
     values = torch.from_numpy(inner.fill_null(0).to_numpy(zero_copy_only=False).copy()).to(dtype)
-    owner = torch.repeat_interleave(torch.arange(n), lengths)
+    owner = segment_ids(lengths)
     null = row_null.clone().index_fill_(0, owner[value_null], True)
     lengths = torch.where(row_null, torch.zeros_like(lengths), lengths)
     if bool(row_null.any()):

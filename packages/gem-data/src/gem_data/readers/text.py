@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from gem_kunlun import lengths_to_offsets
+from gem_kunlun import lengths_to_offsets, segment_positions
 
 from gem_data.errors import BadRows, DataError
 from gem_data.sequential.corpus import Bags, SequenceCorpus, vocabulary
@@ -56,7 +56,7 @@ def read_sequence_text(
     items = torch.tensor([item_index[t] for seq in sequences for t in seq], dtype=torch.int64)
     lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.int64)
     offsets = lengths_to_offsets(lengths)
-    positions = torch.arange(items.numel(), dtype=torch.int64) - torch.repeat_interleave(offsets[:-1], lengths)
+    positions = segment_positions(lengths, items.numel())
     item_fields = {}
     if attributes_path is not None:
         item_fields["attributes"] = _read_attributes(Path(attributes_path), item_index, bad)

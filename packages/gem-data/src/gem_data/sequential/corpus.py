@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gem_kunlun import lengths_to_offsets
+from gem_kunlun import lengths_to_offsets, segment_ids
 
 
 
@@ -100,5 +100,5 @@ class SequenceCorpus:
 
     def owned_keys(self) -> torch.Tensor:
         """Sorted ``user * num_items + item`` over every event: membership tests for negative sampling."""
-        users = torch.repeat_interleave(torch.arange(self.num_users), self.lengths())
+        users = segment_ids(self.lengths())
         return torch.unique(users * self.num_items + self.items)

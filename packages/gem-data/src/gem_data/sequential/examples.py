@@ -31,7 +31,16 @@ from typing import Literal
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, NextItemTargets, SparseFeature, lengths_to_offsets
+from gem_kunlun import (
+    Batch,
+    EventSequence,
+    EventType,
+    FeatureSpec,
+    NextItemTargets,
+    SparseFeature,
+    segment_ids,
+    segment_positions,
+)
 
 from gem_data.batch_ops import gather_jagged, jagged_index
 from gem_data.sequential.corpus import SequenceCorpus
@@ -129,8 +138,8 @@ class NextItemDataset:
         lengths = corpus.lengths()
         # training prefixes: users with n >= 3 items train on items[:n-2], prefixes k = 1 .. n-3
         per_user = (lengths - 3).clamp(min=0)
-        self.example_user = torch.repeat_interleave(torch.arange(corpus.num_users), per_user)
-        self.example_k = 1 + torch.arange(self.example_user.numel()) - torch.repeat_interleave(lengths_to_offsets(per_user)[:-1], per_user)
+        self.example_user = segment_ids(per_user)
+        self.example_k = 1 + segment_positions(per_user)
         train_mask = torch.arange(corpus.items.numel()) < torch.repeat_interleave(corpus.offsets[1:] - 2, lengths)
         self.train_counts = torch.bincount(corpus.items[train_mask], minlength=corpus.num_items)
         self.owned_keys = corpus.owned_keys()

@@ -25,6 +25,8 @@ from typing import Literal
 
 import torch
 
+from gem_kunlun import segment_ids
+
 from gem_data.sequential.corpus import SequenceCorpus
 from gem_data.sequential.examples import NextItemConfig, NextItemDataset, RankingExamples
 from gem_data.sequential.sampling import NegativeSampler, salt_of
@@ -65,7 +67,7 @@ class TimeSplitDataset(NextItemDataset):
         self.split, self.period = split, period
         self.online_from_time, self.next_from_time = split.cutoffs(corpus)
         times = corpus.timestamps
-        users = torch.repeat_interleave(torch.arange(corpus.num_users), corpus.lengths())
+        users = segment_ids(corpus.lengths())
         position = torch.arange(times.numel()) - corpus.offsets[users]  # k: the event's index in its user's sequence
         offline = times < self.online_from_time
         online = ~offline & (times < self.next_from_time)
