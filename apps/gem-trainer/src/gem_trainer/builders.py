@@ -383,9 +383,12 @@ def build_optimizers(config: TrainerConfig, model: nn.Module):
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
     o = config.optimizer
+    params = dense_parameters(model)
+    # NOTE: on GPUs the fused AdamW is one kernel for all parameters instead of several per parameter; the CPU
+    # keeps the reference implementation
+    fused = {"fused": True} if params and all(p.device.type == "cuda" for p in params.values()) else {}
     dense = KeyedOptimizerWrapper(
-        dense_parameters(model),
-        lambda params: torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay),
+        params, lambda group: torch.optim.AdamW(group, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, **fused)
     )
     combined = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense)])
     return combined, dense

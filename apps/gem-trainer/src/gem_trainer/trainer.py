@@ -177,12 +177,14 @@ class Trainer:
         return True
 
     # -- training ----------------------------------------------------------------------------------------------
-    def train_step(self) -> dict[str, float]:
-        batch = next(self._batches)
+    def train_step(self) -> dict[str, float | torch.Tensor]:
+        """One step; ``grad_norm`` stays a device tensor (reading it would wait for the backward pass), the loss
+        is read anyway by the divergence check."""
+        host_batch = next(self._batches)
         stored = None
         if self.soft_labels is not None:  # global batch `step`'s rows, found by example
-            stored = self.soft_labels.lookup(self.step, example_fingerprints(batch)).to(self.env.device)
-        batch = batch.to(self.env.device)
+            stored = self.soft_labels.lookup(self.step, example_fingerprints(host_batch)).to(self.env.device)
+        batch = host_batch.to(self.env.device)
         self.model.train()
         with self._autocast():
             if self.teacher is not None:
@@ -215,12 +217,14 @@ class Trainer:
         self.step += 1
         self.sparse_replicas.maybe_sync(self.step)
         self._last_batch = batch
-        flops = 3.0 * sum(self.flop_model.flops(batch).values())
+        # NOTE: FLOPs are counted on the host copy of the batch, once the step's kernels are queued: counting
+        # reads lengths, which on the device would stall the host until the GPU caught up, every step
+        flops = 3.0 * sum(self.flop_model.flops(host_batch).values())
         if self.teacher is not None:  # the teacher runs forward only
-            flops += sum(self.teacher_flop_model.flops(batch).values())
+            flops += sum(self.teacher_flop_model.flops(host_batch).values())
         return {
             "loss": global_loss.item(),
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm.detach(),
             "lr": self.scheduler.get_last_lr()[0],
             "examples": batch.batch_size,
             "flops": flops,
@@ -241,7 +245,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 tflops = window_flops / elapsed / 1e12
                 line = {
-                    **metrics,
+                    **{k: float(v) for k, v in metrics.items()},
                     "examples_per_s": window_examples / elapsed,
                     "tflops": tflops,
                     "memory_gib": memory_gib(self.env.device),
@@ -262,7 +266,7 @@ class Trainer:
                 self.evaluate()
         if cfg.checkpoint.enable and self.checkpoints.latest_step() != self.step:
             self.save_checkpoint()
-        return metrics
+        return {k: float(v) for k, v in metrics.items()}
 
     def data_report(self) -> dict[str, float]:
         """What the readers skipped under ``data.skip_bad_rows`` (nothing when none were skipped)."""

@@ -147,7 +147,8 @@ class MixtureOfExperts(nn.Module):
         expert = chosen.t().reshape(-1)  # [k*B], slot-major
         slot = torch.arange(k, device=x.device).repeat_interleave(b)
         cell = slot * e + expert  # (slot, expert) of every assignment
-        cell_counts = torch.bincount(cell, minlength=k * e)
+        # NOTE: counts by scatter-add, not bincount: bincount reads the largest value back to size its output
+        cell_counts = torch.zeros(k * e, dtype=torch.int64, device=x.device).scatter_add_(0, cell, torch.ones_like(cell))
         ahead, counts = self._claimed_ahead(cell_counts.view(k, e))
         # position of an assignment in its expert's queue: assignments ahead of this rank's cell, then the
         # cell's own in example order
@@ -162,7 +163,7 @@ class MixtureOfExperts(nn.Module):
         routing = Routing(example=torch.arange(b, device=x.device).repeat(k), expert=expert,
                           weight=weights.t().reshape(-1), keep=keep)
         out = self.dispatch(self.experts, x, routing)
-        kept = torch.bincount(expert[keep], minlength=e)
+        kept = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, expert, keep.long())
         counts = counts.sum(0)  # [E] over the global batch
         fraction = counts.float() / counts.sum().clamp(min=1)
         balance = e * (fraction * probs.mean(0)).sum()

@@ -16,7 +16,7 @@ from gem_kernels.jagged import segment_ids
 def time_gap_positions(timestamps: torch.Tensor, offsets: torch.Tensor, unit_seconds: float = 60.0) -> torch.Tensor:
     """``log(1 + gap / unit)`` per event, the gap measured back from the example's latest event; ``[T]`` float32."""
     lengths = offsets[1:] - offsets[:-1]
-    example = segment_ids(lengths)
+    example = segment_ids(lengths, timestamps.numel())
     latest = torch.full((lengths.numel(),), float("-inf"), device=timestamps.device, dtype=timestamps.dtype)
     latest = latest.scatter_reduce(0, example, timestamps, "amax", include_self=True)
     gap = (latest[example] - timestamps).clamp(min=0).float()

@@ -25,7 +25,7 @@ def merge_by_time(
     merged event. Ties in time keep the order of the inputs. Runs as two stable sorts, no loop over examples.
     """
     device = values[0].device
-    example = torch.cat([segment_ids(n) for n in lengths])
+    example = torch.cat([segment_ids(n, v.shape[0]) for n, v in zip(lengths, values)])
     event_type = torch.cat([torch.full((v.shape[0],), i, dtype=torch.int64, device=device) for i, v in enumerate(values)])
     time = torch.cat(timestamps)
     # NOTE: sort by time first, then stably by example: events end up grouped per example, in time order.
