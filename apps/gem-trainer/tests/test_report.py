@@ -32,3 +32,27 @@ def test_a_run_without_results_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="empty/eval.json does not exist"):
         main(["--run", f"x={tmp_path / 'empty'}", "--out", str(tmp_path / "t.json")])
+
+
+def test_the_commit_of_a_result_is_dirty_for_code_changes_but_not_for_result_files(tmp_path):
+    import subprocess
+
+    from gem_trainer.provenance import git_commit
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "module.py").write_text("x = 1\n")
+    git("add", "module.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git_commit(tmp_path)
+    assert len(head) == 40 and not head.endswith("+dirty")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "out.json").write_text("{}\n")
+    assert git_commit(tmp_path) == head  # a benchmark's output beside the code
+    (tmp_path / "new_module.py").write_text("y = 2\n")
+    assert git_commit(tmp_path) == head + "+dirty"
+    (tmp_path / "new_module.py").unlink()
+    (tmp_path / "module.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "+dirty"

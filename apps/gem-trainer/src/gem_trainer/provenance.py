@@ -9,12 +9,14 @@ from pathlib import Path
 
 def git_commit(root: Path | None = None) -> str:
     """The HEAD commit of the checkout at ``root`` (None: the working directory), with ``+dirty`` when files
-    differ from it (untracked ones included: a new module changes the code as much as an edit). Outside a
-    checkout (a copied tree on a remote machine) ``$GEM_COMMIT`` if set, else ``unknown``."""
+    differ from it (untracked ones included: a new module changes the code as much as an edit), except result
+    files under ``benchmarks/results`` (a benchmark's output is not its code). Outside a checkout (a copied tree
+    on a remote machine) ``$GEM_COMMIT`` if set, else ``unknown``."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ":/", ":(exclude,top)benchmarks/results"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("GEM_COMMIT", "unknown")
     return head + ("+dirty" if dirty else "")
