@@ -26,7 +26,8 @@ import torch
 from gem_trainer.bench_runs import evaluate, mean_std, provenance, train
 
 SECTIONS = ("synthetic",)
-TEACHER_STEPS, STUDENT_STEPS = 900, 600
+# the teacher sees five times the student's data: a foundation model trained on more than its serving models
+TEACHER_STEPS, STUDENT_STEPS = 3000, 600
 STUDENT = ["--model.name=baseline"]
 ARMS = {
     "student_alone": [],
