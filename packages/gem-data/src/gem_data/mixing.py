@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from gem_kunlun import Batch, FeatureSpec
@@ -149,6 +150,7 @@ class MixedStream(ShardedStream):
         self._anchors: dict[int, tuple[int, ...]] = {0: (0,) * len(self.sources)}  # step -> source positions
         self._latest = 0  # the newest anchor that is not a multiple of ANCHOR_EVERY
         self._composition: dict[int, tuple[int, ...]] = {}
+        self._generator = torch.Generator()  # reseeded for every step's draws
 
     @property
     def spec(self) -> FeatureSpec:
@@ -160,7 +162,7 @@ class MixedStream(ShardedStream):
         cached = self._composition.get(step)
         if cached is not None:
             return cached
-        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
+        generator = self._generator.manual_seed(self.config.seed * 1_000_003 + step)
         probabilities = self.config.probabilities(step)
         if self.config.granularity == "batch":
             counts = [0] * len(self.sources)
@@ -175,7 +177,11 @@ class MixedStream(ShardedStream):
 
     def positions(self, step: int) -> tuple[int, ...]:
         """Examples of each source read by global batches ``0 .. step - 1``."""
-        start = max(s for s in self._anchors if s <= step)
+        start = step - step % ANCHOR_EVERY  # anchors hold every multiple reached so far, and 0
+        while start not in self._anchors:
+            start -= ANCHOR_EVERY
+        if start < self._latest <= step:
+            start = self._latest
         position = self._anchors[start]
         for t in range(start, step):
             position = tuple(p + n for p, n in zip(position, self.composition(t)))
@@ -220,7 +226,7 @@ class MixedStream(ShardedStream):
         if not segments:
             return None  # a rank's empty share of a global batch smaller than the number of ranks
         batch = self.alignment.gather(segments)
-        batch.source = torch.tensor(sources).repeat_interleave(torch.tensor(rows))
+        batch.source = torch.from_numpy(np.repeat(np.array(sources, dtype=np.int64), rows))
         return batch
 
     # -- reporting and state --------------------------------------------------------------------------------
