@@ -13,7 +13,6 @@ date, command).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gem_trainer.bench_runs import evaluate, mean_std, provenance, train
+from gem_trainer.bench_runs import evaluate, mean_std, provenance, train, write_section
 
 ARMS = {
     "float32": ["--precision.low_precision=off"],
@@ -68,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     started, meta = time.perf_counter(), provenance("gem_trainer.bench_lowprec", argv)
-    result = synthetic(args.seeds, args.work)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"synthetic": {"meta": {**meta, "wall_s": round(time.perf_counter() - started, 1)}, **result}},
-                                   indent=1) + "\n")
+    write_section(args.out, "synthetic", meta, started, synthetic(args.seeds, args.work))
     return 0
 
 

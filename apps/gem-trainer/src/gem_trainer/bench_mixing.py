@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from gem_trainer.bench_runs import ROOT, evaluate, mean_std, provenance, train
+from gem_trainer.bench_runs import ROOT, evaluate, mean_std, provenance, train, write_section
 from gem_trainer.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -279,11 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             result = synthetic(args.seeds, args.work)
         else:
             result = reader_cost(args.data, args.seconds, args.reader_batch_sizes)
-        # NOTE: read just before writing, so that sections run by concurrent invocations all land in the file
-        results = json.loads(args.out.read_text()) if args.out.is_file() else {}
-        results[section] = {"meta": {**meta, "wall_s": round(time.perf_counter() - started, 1)}, **result}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        write_section(args.out, section, meta, started, result)
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import json
 import os
 import platform
 import statistics
@@ -71,3 +72,13 @@ def provenance(program: str, argv: list[str]) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": f"python -m {program} " + " ".join(argv),
     }
+
+
+def write_section(out: Path, section: str, meta: dict, started: float, result: dict) -> None:
+    """Put ``result`` as ``section`` of the JSON file ``out`` (its other sections kept), with its provenance and
+    wall time since ``started``."""
+    # NOTE: read just before writing, so that sections run by concurrent invocations all land in the file
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    results[section] = {"meta": {**meta, "wall_s": round(time.perf_counter() - started, 1)}, **result}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")

@@ -15,7 +15,6 @@ evaluation for reference. Each section carries its provenance (machine, torch, c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gem_trainer.bench_runs import evaluate, mean_std, provenance, train
+from gem_trainer.bench_runs import evaluate, mean_std, provenance, train, write_section
 
 SECTIONS = ("synthetic",)
 # the teacher sees five times the student's data: a foundation model trained on more than its serving models
@@ -99,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for section in args.sections:
         started, meta = time.perf_counter(), provenance("gem_trainer.bench_transfer", argv)
         result = synthetic(args.seeds, args.work)
-        # NOTE: read just before writing, so that sections run by concurrent invocations all land in the file
-        results = json.loads(args.out.read_text()) if args.out.is_file() else {}
-        results[section] = {"meta": {**meta, "wall_s": round(time.perf_counter() - started, 1)}, **result}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        write_section(args.out, section, meta, started, result)
     return 0
 
 
