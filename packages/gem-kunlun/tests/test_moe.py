@@ -81,3 +81,27 @@ def test_balance_loss_has_a_gradient_into_the_gate():
 def test_bad_top_k_is_rejected():
     with pytest.raises(ValueError, match="top_k"):
         MixtureOfExperts(5, 6, num_experts=2, top_k=3)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.25])
+def test_experts_on_fixed_slots_compute_what_masked_gathers_do(capacity_factor):
+    """Training with a capacity runs every expert on a host-known number of rows; the same outputs and
+    gradients as gathering each expert's kept examples by mask (the reference twin)."""
+    from gem_kunlun.moe import Routing, local_dispatch
+
+    torch.manual_seed(0)
+    moe = MixtureOfExperts(num_tokens=4, dim=8, num_experts=4, top_k=2, capacity_factor=capacity_factor, hidden=16)
+    x = torch.randn(24, 4, 8, requires_grad=True)
+    seen = []
+    moe.dispatch = lambda experts, inputs, routing: seen.append(routing) or local_dispatch(experts, inputs, routing)
+    slotted = moe(x)
+    routing = seen[0]
+    assert routing.slots == min(24, moe.capacity(24))
+    if capacity_factor < 1:
+        assert int(routing.keep.sum()) < routing.keep.numel()  # the capacity drops some assignments
+    masked = local_dispatch(moe.experts, x, Routing(routing.example, routing.expert, routing.weight, routing.keep))
+    torch.testing.assert_close(slotted, masked, rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(slotted.square().sum(), [x, *moe.experts.parameters()], retain_graph=True)
+    expected = torch.autograd.grad(masked.square().sum(), [x, *moe.experts.parameters()])
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -71,26 +71,57 @@ class RoutingStats:
 class Routing:
     """The gate's decisions for one local batch, as ``A = k * B`` assignments in slot-major order (every
     example's first choice, then every second choice, ...): ``example [A]`` and ``expert [A]`` (int64),
-    ``weight [A]`` (float32, renormalised over the example's top-k) and ``keep [A]`` (bool, within capacity)."""
+    ``weight [A]`` (float32, renormalised over the example's top-k) and ``keep [A]`` (bool, within capacity).
+    ``slots``: a bound, known on the host, of the kept assignments of any one expert here (None: none known)."""
 
     example: torch.Tensor
     expert: torch.Tensor
     weight: torch.Tensor
     keep: torch.Tensor
+    slots: int | None = None
 
 
 def local_dispatch(experts: nn.ModuleDict, x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Run every expert of ``experts`` here on the kept examples routed to it; ``[B, n, D]`` gate-weighted sum.
 
-    NOTE: an expert with no example still runs (on zero rows): its parameters then get zero gradients
-    instead of none, so every rank reduces the same gradients whatever its routing.
+    With ``routing.slots`` every expert runs on exactly that many rows (its kept examples, then padding that
+    reads a zero row and adds nowhere): shapes known on the host, so nothing waits for the device. Without,
+    each expert gathers its kept examples by mask, which sizes the gather from device values.
+
+    NOTE: an expert with no example still runs (on zero or padding rows): its parameters then get zero
+    gradients instead of none, so every rank reduces the same gradients whatever its routing.
     """
+    keys = [int(k) for k in experts]
+    if routing.slots is not None and keys == list(range(keys[0], keys[0] + len(keys))):
+        return _slotted_dispatch(experts, x, routing, routing.slots, keys[0])
     out = torch.zeros_like(x)
     for key, block in experts.items():
         mine = routing.keep & (routing.expert == int(key))
         rows = routing.example[mine]
         out.index_add_(0, rows, block(x[rows]) * routing.weight[mine].to(x.dtype)[:, None, None])
     return out
+
+
+def _slotted_dispatch(experts: nn.ModuleDict, x: torch.Tensor, routing: Routing, slots: int, first: int) -> torch.Tensor:
+    """``local_dispatch`` on ``slots`` rows per expert; ``experts`` hold experts ``first, first + 1, ...``."""
+    b, num = x.shape[0], len(experts)
+    expert = routing.expert - first  # index into this module's experts
+    keep = routing.keep & (expert >= 0) & (expert < num)
+    expert = expert.clamp(0, num - 1)
+    # each kept assignment's slot: how many kept assignments of its expert come before it (by comparison, not
+    # one_hot, which reads its input's range back to check it)
+    onehot = ((expert.unsqueeze(1) == torch.arange(num, device=x.device)) & keep.unsqueeze(1)).long()
+    slot = (torch.cumsum(onehot, 0) - onehot).gather(1, expert.unsqueeze(1)).squeeze(1)
+    # kept assignments go to their (expert, slot) cell; the rest to a trash cell past the end
+    cell = torch.where(keep & (slot < slots), expert * slots + slot, torch.full_like(slot, num * slots))
+    rows = torch.full((num * slots + 1,), b, dtype=torch.int64, device=x.device).scatter(0, cell, routing.example)
+    weights = torch.zeros(num * slots + 1, device=x.device).scatter(0, cell, routing.weight.float())
+    rows, weights = rows[:-1].view(num, slots), weights[:-1].view(num, slots)
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # row b: what padding slots read
+    out = torch.zeros_like(padded)
+    for i, block in enumerate(experts.values()):
+        out.index_add_(0, rows[i], block(padded[rows[i]]) * weights[i].to(x.dtype)[:, None, None])
+    return out[:b]
 
 
 class MixtureOfExperts(nn.Module):
@@ -160,8 +191,12 @@ class MixtureOfExperts(nn.Module):
         claimants = b if self.capacity_per_rank else counts[0].sum()
         keep = position < self.capacity(claimants) if self.training else torch.ones_like(position, dtype=torch.bool)
 
+        # a host-known bound on any expert's kept assignments where capacity is counted on this batch alone: the
+        # experts then run on fixed shapes (each example picks an expert at most once: never more than b)
+        local_capacity = self.training and self.capacity_factor > 0 and (self.batch_group is None or self.capacity_per_rank)
         routing = Routing(example=torch.arange(b, device=x.device).repeat(k), expert=expert,
-                          weight=weights.t().reshape(-1), keep=keep)
+                          weight=weights.t().reshape(-1), keep=keep,
+                          slots=min(b, self.capacity(b)) if local_capacity else None)
         out = self.dispatch(self.experts, x, routing)
         kept = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, expert, keep.long())
         counts = counts.sum(0)  # [E] over the global batch
