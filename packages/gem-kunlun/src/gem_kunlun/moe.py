@@ -92,7 +92,7 @@ def local_dispatch(experts: nn.ModuleDict, x: torch.Tensor, routing: Routing) ->
     gradients instead of none, so every rank reduces the same gradients whatever its routing.
     """
     keys = [int(k) for k in experts]
-    if routing.slots is not None and keys == list(range(keys[0], keys[0] + len(keys))):
+    if routing.slots is not None and keys and keys == list(range(keys[0], keys[0] + len(keys))):
         return _slotted_dispatch(experts, x, routing, routing.slots, keys[0])
     out = torch.zeros_like(x)
     for key, block in experts.items():
