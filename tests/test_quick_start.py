@@ -25,6 +25,10 @@ exec {python} "$@"
 """
 
 
+INSTALL_CHOICES = {"PIP_BREAK_SYSTEM_PACKAGES", "PIP_NO_DEPS", "PIP_NO_BUILD_ISOLATION", "PIP_USER", "PIP_TARGET",
+                   "PIP_PREFIX", "PIP_REQUIRE_VIRTUALENV"}
+
+
 def fake_checkout(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     (tmp_path / "repo" / "tools").mkdir(parents=True)
     shutil.copy(ROOT / "tools" / "hatch", tmp_path / "repo" / "tools" / "hatch")
@@ -34,8 +38,9 @@ def fake_checkout(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     python.write_text(FAKE_PYTHON.format(python=BASE_PYTHON))
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path / "home"), "LANG": "C.UTF-8"}
-    # where this machine finds packages (indexes, certificates), nothing that would lift the refusal
-    env.update({k: v for k, v in os.environ.items() if k.startswith(("PIP_", "SSL_")) and k != "PIP_BREAK_SYSTEM_PACKAGES"})
+    # where this machine finds packages (indexes, certificates), nothing that would lift the refusal or change
+    # what an install does (the hatch environment running these tests sets PIP_NO_DEPS for its own installs)
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("PIP_", "SSL_")) and k not in INSTALL_CHOICES})
     return tmp_path / "repo", env
 
 
@@ -62,6 +67,7 @@ def test_tools_hatch_works_on_an_externally_managed_python(tmp_path, venv_module
 @pytest.mark.slow
 def test_tools_hatch_rebuilds_a_private_environment_whose_install_was_cut_short(tmp_path):
     repo, env = fake_checkout(tmp_path)
+    env["PIP_NO_DEPS"] = "1"  # as inside another hatch environment: tools/hatch still installs hatch's dependencies
     # what an interrupted first run leaves: a hatch entry point whose dependencies never arrived
     broken = repo / ".hatch-env" / "bin" / "hatch"
     broken.parent.mkdir(parents=True)
