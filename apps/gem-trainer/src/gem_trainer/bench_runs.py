@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from gem_trainer.config import load_config
-from gem_trainer.report import git_commit
+from gem_trainer.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parents[4]
 

@@ -32,7 +32,8 @@ class MXRecipe:
     block: int = BLOCK
 
     def __post_init__(self) -> None:
-        element_format(self.elem), element_format(self.grad_elem)
+        for name in (self.elem, self.grad_elem):
+            element_format(name)  # an unknown format is a ValueError naming it
         if self.rounding not in ("floor", "rceil"):
             raise ValueError(f"MXRecipe.rounding must be 'floor' or 'rceil', got {self.rounding!r}")
         if self.block < 1:

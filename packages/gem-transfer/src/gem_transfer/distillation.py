@@ -30,17 +30,21 @@ from torch.nn import functional as F
 from gem_kunlun import ModelOutput, MultiTaskHeads, retrieval_logits
 
 
+def _check_pair(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} must have the same shape")
+
+
 def soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Mean over examples and tasks of BCE(sigmoid(student / T), sigmoid(teacher / T)) * T^2, in float32.
 
     Zero exactly when the student's logits equal the teacher's; the T^2 keeps gradient sizes comparable
     across temperatures.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} must have the same shape")
+    _check_pair(student_logits, teacher_logits, temperature)
     targets = torch.sigmoid(teacher_logits.float() / temperature)
     loss = F.binary_cross_entropy_with_logits(student_logits.float() / temperature, targets)
     # subtract the targets' own entropy so that a perfect match scores 0
@@ -52,11 +56,7 @@ def listwise_soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch
     """Mean over queries of the cross-entropy of softmax(student / T) against softmax(teacher / T) over each
     row's candidates, minus the teacher distribution's entropy (zero at a match, up to a shift per row), x T^2;
     float32."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} must have the same shape")
+    _check_pair(student_logits, teacher_logits, temperature)
     teacher = F.log_softmax(teacher_logits.float() / temperature, -1)
     student = F.log_softmax(student_logits.float() / temperature, -1)
     return (teacher.exp() * (teacher - student)).sum(-1).mean() * temperature**2
