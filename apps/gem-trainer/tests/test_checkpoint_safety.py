@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from gem_trainer.checkpoint import MARKER, CheckpointError, CheckpointManager, _fingerprint
 from gem_trainer.config import load_config

@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 import torch
 
+from gem_kernels import rotary
 from gem_kunlun import (
     KUNLUN_SIZES,
     EventPersonalization,
@@ -12,7 +13,7 @@ from gem_kunlun import (
     SumKronLinear,
     multitask_loss,
 )
-from gem_kunlun.rote import apply_rotary, time_gap_positions
+from gem_kunlun.rote import ROTE_BASE, time_gap_positions
 from gem_kunlun.sequence import lengths_to_offsets
 from gem_kunlun.testing import SPEC, overfit, random_batch, select_example
 
@@ -119,9 +120,12 @@ def test_attention_flops_count_real_pairs_only():
 
 def test_rote_depends_on_time_differences_only():
     q, k = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
-    score = lambda pq, pk: (apply_rotary(q, torch.tensor([pq])) * apply_rotary(k, torch.tensor([pk]))).sum(-1)
+
+    def score(pq, pk):
+        return (rotary(q, q, torch.tensor([pq]), ROTE_BASE)[0] * rotary(k, k, torch.tensor([pk]), ROTE_BASE)[0]).sum(-1)
+
     torch.testing.assert_close(score(1.0, 3.5), score(4.0, 6.5))
-    torch.testing.assert_close(apply_rotary(q, torch.tensor([2.0])).norm(dim=-1), q.norm(dim=-1))
+    torch.testing.assert_close(rotary(q, k, torch.tensor([2.0]), ROTE_BASE)[0].norm(dim=-1), q.norm(dim=-1))
     positions = time_gap_positions(torch.tensor([0.0, 60.0, 120.0, 5.0]), torch.tensor([0, 3, 4]))
     torch.testing.assert_close(positions, torch.log1p(torch.tensor([2.0, 1.0, 0.0, 0.0])))
 

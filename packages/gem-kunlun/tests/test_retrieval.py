@@ -7,7 +7,6 @@ from torchrec import KeyedJaggedTensor
 
 from gem_kunlun import (
     Batch,
-    EventSequence,
     EventType,
     FeatureSpec,
     KunlunConfig,

@@ -141,26 +141,6 @@ class BenchBatches:
 
 # --- model and optimizers --------------------------------------------------------------------------------------
 
-def apply_compiled_rotary(device: torch.device) -> str:
-    """Compile ROTE (a dozen fp32 elementwise ops over q and k) into fused kernels, for both variants alike: it
-    is plain PyTorch either way, and eagerly it moves several times q's bytes per layer. Returns what ran."""
-    import gem_kunlun.local_attention as local_attention_module
-    from gem_kunlun.rote import apply_rotary
-
-    if device.type != "cuda":
-        return "eager"
-    compiled = torch.compile(apply_rotary, dynamic=True)
-    try:
-        x = torch.randn(1000, 4, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
-        pos = torch.rand(1000, device=device) * 10
-        torch.testing.assert_close(compiled(x, pos).float(), apply_rotary(x, pos).float(), rtol=2e-2, atol=2e-2)
-        compiled(x, pos).sum().backward()
-    except Exception as e:  # keep the eager function: the benchmark still runs
-        return f"eager (compile failed: {type(e).__name__}: {str(e)[:200]})"
-    local_attention_module.apply_rotary = compiled  # where LocalAttention looks it up
-    return "torch.compile"
-
-
 def build_variant(config, spec: FeatureSpec, kernel: str, device: torch.device, seed: int) -> KunlunModel:
     """The configured Kunlun model with every op and norm on ``kernel``; equal seeds give equal weights."""
     torch.manual_seed(seed)
@@ -404,7 +384,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_ops(device) -> list[dict]:
     """Our kernels and the builtin route against the fp32 reference on random jagged inputs (fwd and grads)."""
-    from gem_kernels import block_attention, gdpa, layer_norm
+    from gem_kernels import block_attention, gdpa, layer_norm, rotary
 
     g = torch.Generator(device="cpu").manual_seed(1)
     lengths = [700, 1, 64, 129, 0, 333, 1500]
@@ -452,6 +432,19 @@ def check_ops(device) -> list[dict]:
         checks.append({"op": "layer_norm", "kernel": kern, "out_rel_err": round(rel_err(out, ref), 5),
                        "ok": rel_err(out, ref) < 1e-2})
     del r
+    q, k = rand(T, H, D).requires_grad_(), rand(T, H, D).requires_grad_()
+    positions = torch.rand(T, generator=g).to(device) * 15
+    ref = rotary(q, k, positions, kernel="pytorch")
+    seeds = [torch.randn(T, H, D, generator=g).to(device) for _ in range(2)]
+    ref_grads = torch.autograd.grad(ref, (q, k), seeds)
+    for kern in ("auto", "builtin"):
+        xs = [x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k)]
+        out = rotary(*xs, positions, kernel=kern)
+        grads = torch.autograd.grad(out, xs, [s.bfloat16() for s in seeds])
+        row = {"op": "rotary", "kernel": kern, "out_rel_err": round(max(rel_err(a, b) for a, b in zip(out, ref)), 5),
+               "dq_rel_err": round(rel_err(grads[0], ref_grads[0]), 5), "dk_rel_err": round(rel_err(grads[1], ref_grads[1]), 5)}
+        row["ok"] = all(v < 1e-2 for key, v in row.items() if key.endswith("rel_err"))
+        checks.append(row)
     return checks
 
 
@@ -562,8 +555,8 @@ def main(argv=None) -> dict:
         "forward_flop_share": {k: round(v / forward, 4) for k, v in sorted(table.items(), key=lambda kv: -kv[1])},
         "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
         "optimizers": "fused AdamW (dense), SGD (embedding tables)",
-        "compile": "ROTE compiled in both variants, FlexAttention compiled (plain variant); the rest runs eagerly "
-                   "(jagged, data-dependent shapes)",
+        "compile": "ROTE: the Triton rotary kernel (gem), PyTorch's ops compiled (plain); FlexAttention compiled "
+                   "(plain); the rest runs eagerly (jagged, data-dependent shapes)",
         "moe": "per-expert loop in both variants",
         "warmup": args.warmup, "steps": args.steps, "profile_steps": args.profile_steps,
     }
@@ -571,8 +564,6 @@ def main(argv=None) -> dict:
         f"TFLOP/step, lengths {doc['config']['lengths']}")
     write()
 
-    doc["config"]["rote"] = apply_compiled_rotary(device)
-    log(f"ROTE: {doc['config']['rote']}")
     if not args.skip_checks and device.type == "cuda":
         try:
             doc["checks"]["ops"] = check_ops(device)

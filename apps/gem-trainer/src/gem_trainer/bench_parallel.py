@@ -13,8 +13,9 @@ Every measurement runs the trainer itself (``Trainer.train_step``) under torchru
   ``--warmup`` steps over ``--steps`` steps, model TFLOP/s, peak memory. ``scaling_ratio`` = per-GPU
   examples/s at N over 1 GPU; ``mfu_local`` is the 1-GPU MFU, ``mfu_e2e`` = achieved TFLOP/s over N peaks
   (= ``mfu_local x scaling_ratio``, FLOPs per step being equal).
-- **collectives**: ``gem_parallel.bench_collectives`` (bandwidth and GPU footprint in isolation), and the
-  NCCL kernels and peer copies one training step puts on the GPU in the FSDP and copy-engine rows.
+- **collectives**: ``gem_parallel.bench_collectives`` (bandwidth and GPU footprint in isolation).
+- every scaling row profiles one more step (``step_footprint``): its wall time, the GPU time of compute
+  kernels and of collectives (NCCL kernels, peer copies) and what is left, the GPU waiting.
 
 Writes one JSON with the provenance of ``gem_trainer.bench`` and prints a table.
 """
@@ -97,18 +98,27 @@ def _sync(device: torch.device) -> None:
 
 
 def _step_footprint(trainer, device) -> dict:
-    """NCCL kernels and peer copies of one training step: their count and GPU time."""
+    """One profiled training step: its wall time, the GPU time of compute kernels and of collectives (NCCL
+    kernels, peer copies), so that a row shows whether the GPU computes, communicates or waits."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         trainer.train_step()
         torch.cuda.synchronize(device)
-    found: dict[str, dict[str, float]] = {}
-    for event in prof.key_averages():
-        name = event.key
+    wall_ms = (time.perf_counter() - start) * 1e3
+    collectives: dict[str, dict[str, float]] = {}
+    compute_ms = 0.0
+    for event in prof.key_averages():  # CUDA activity only: kernels and copies, each once
+        name, ms = event.key, getattr(event, "device_time_total", 0.0) / 1e3
         if "nccl" in name.lower() or "Memcpy PtoP" in name:
-            found[name[:70]] = {"count": event.count, "ms": getattr(event, "device_time_total", 0.0) / 1e3}
-    return found
+            collectives[name[:70]] = {"count": event.count, "ms": ms}
+        else:
+            compute_ms += ms
+    collective_ms = sum(v["ms"] for v in collectives.values())
+    return {"step_wall_ms": wall_ms, "compute_kernels_ms": compute_ms, "collectives_ms": collective_ms,
+            "gpu_idle_ms": max(0.0, wall_ms - compute_ms - collective_ms), "collectives": collectives}
 
 
 # --- driver ------------------------------------------------------------------------------------------------------
@@ -148,7 +158,7 @@ def parity(args) -> list[dict]:
 
 def scaling(args) -> list[dict]:
     common = ["--checkpoint.enable=false", "--metrics.tensorboard=false", f"--data.num_workers={args.num_workers}"]
-    base = launch(args, 1, common, args.steps, args.warmup)
+    base = launch(args, 1, common, args.steps, args.warmup, profile=True)
     peak = 989.0
     rows = []
     if "error" in base:
@@ -157,11 +167,10 @@ def scaling(args) -> list[dict]:
     rows.append({"name": "1 GPU", "gpus": 1, "dense": "-", "expert": 1, "sparse": "table_wise", "collectives": "-",
                  "examples_per_s": base["examples_per_s"], "per_gpu_examples_per_s": base["examples_per_s"],
                  "scaling_ratio": 1.0, "mfu_local": mfu_local, "mfu_e2e": mfu_local, "tflops": base["tflops"],
-                 "peak_memory_gb": base["peak_memory_gb"]})
+                 "peak_memory_gb": base["peak_memory_gb"], "step_footprint": base["step_footprint"]})
     for name in args.layouts:
         overrides, described = LAYOUTS[name]
-        result = launch(args, args.gpus, [*common, *overrides], args.steps, args.warmup,
-                        profile=name in ("fsdp", "copy_engine"))
+        result = launch(args, args.gpus, [*common, *overrides], args.steps, args.warmup, profile=True)
         row = {"name": name, "gpus": args.gpus, **described}
         if "error" in result:
             row["error"] = result["error"]

@@ -1,7 +1,7 @@
-"""gem-kernels: jagged attention (JFA, GDPA, BlockAttention) and fused norms for recommendation models, and
+"""gem-kernels: jagged attention (JFA, GDPA, BlockAttention), fused norms and rotary embedding for recommendation models, and
 MXFP8 numerics (quantisation, an emulated MX linear for training).
 
-Every attention and norm op has an exact PyTorch reference and a Triton kernel (forward and backward);
+Every attention, norm and rotary op has an exact PyTorch reference and a Triton kernel (forward and backward);
 ``kernel="auto"`` picks Triton on CUDA and the reference elsewhere. Importing this package never touches a GPU.
 """
 
@@ -15,6 +15,7 @@ from gem_kernels.ops import (
     jagged_flash_attention,
     layer_norm,
     rms_norm,
+    rotary,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "mx_matmul",
     "mx_quantize",
     "rms_norm",
+    "rotary",
 ]

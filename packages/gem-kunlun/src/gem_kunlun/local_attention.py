@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem_kernels import block_attention, jagged_flash_attention
+from gem_kernels import block_attention, jagged_flash_attention, rotary
 from gem_kunlun.norm import LayerNorm
-from gem_kunlun.rote import apply_rotary
+from gem_kunlun.rote import ROTE_BASE
 
 
 class LocalAttention(nn.Module):
@@ -31,7 +31,7 @@ class LocalAttention(nn.Module):
         h, d = self.num_heads, self.dim // self.num_heads
         q, k, v = self.qkv(self.norm(seq)).view(-1, 3, h, d).unbind(1)
         if self.rote:
-            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+            q, k = rotary(q, k, positions, ROTE_BASE, kernel=self.kernel)
         if self.mode == "block":
             o = block_attention(q, k, v, offsets, block_size=self.block_size, window_blocks=self.window_blocks,
                                 max_seq_len=max_len, kernel=self.kernel, validate=False)
