@@ -118,6 +118,29 @@ def test_attention_flops_count_real_pairs_only():
     assert window.visible_pairs(torch.tensor([5])) == 4 + 5 + 5 + 5 + 4
 
 
+def brute_force_pairs(lengths, mode, block_size, window_blocks, window):
+    total = 0
+    for n in lengths.tolist():
+        for i in range(n):
+            for j in range(n):
+                if mode == "block":
+                    total += i // block_size - window_blocks < j // block_size <= i // block_size
+                else:
+                    total += abs(i - j) <= window
+    return total
+
+
+@pytest.mark.parametrize("mode,block_size,window_blocks,window", [
+    ("block", 4, 2, 0), ("block", 3, 1, 0), ("block", 5, 4, 0), ("window", 4, 1, 3), ("window", 4, 1, 0),
+    ("window", 4, 1, 9)])
+def test_visible_pairs_closed_form_equals_counting_every_pair(mode, block_size, window_blocks, window):
+    config = dataclasses.replace(TINY, attention=mode, block_size=block_size, window_blocks=window_blocks, window=window)
+    attention = build(config).layers[0].attention
+    lengths = torch.randint(0, 30, (12,))
+    lengths[0] = 0
+    assert attention.visible_pairs(lengths) == brute_force_pairs(lengths, mode, block_size, window_blocks, window)
+
+
 def test_rote_depends_on_time_differences_only():
     q, k = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
 

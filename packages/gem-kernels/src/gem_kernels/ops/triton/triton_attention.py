@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -83,11 +84,19 @@ def _bucket(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _head_groups(spec: AttnSpec, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+@functools.lru_cache(maxsize=None)
+def _head_groups_on(activations: tuple[str, ...], device: torch.device) -> tuple[tuple[str, torch.Tensor], ...]:
     groups: dict[str, list[int]] = {}
-    for h, a in enumerate(spec.activations):
+    for h, a in enumerate(activations):
         groups.setdefault(a, []).append(h)
-    return [(a, torch.tensor(hs, dtype=torch.int32, device=device)) for a, hs in groups.items()]
+    return tuple((a, torch.tensor(hs, dtype=torch.int32, device=device)) for a, hs in groups.items())
+
+
+def _head_groups(spec: AttnSpec, device: torch.device) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The heads of each activation as a device index tensor, made once per (activations, device): copying a
+    Python list to the GPU waits for the GPU to finish its queue, and every launch asked for them (26 host
+    synchronisations per step of the H200 benchmark's trainer)."""
+    return _head_groups_on(tuple(spec.activations), device)
 
 
 def _prec(dtype: torch.dtype) -> str:
