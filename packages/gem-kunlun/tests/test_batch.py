@@ -53,20 +53,3 @@ def test_missing_event_type_is_named():
 def test_spec_rejects_duplicate_feature_names():
     with pytest.raises(ValueError, match="unique"):
         FeatureSpec(1, (SparseFeature("a", 3),), (EventType("e", (SparseFeature("a", 3),)),), ("click",))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs a CUDA device (runs on the GPU machine)")
-def test_pinned_non_blocking_transfer_equals_the_plain_one():
-    batch = random_batch(6, seed=3)
-    plain = batch.to(torch.device("cuda"))
-    pinned = batch.pin_memory()
-    assert pinned.dense.is_pinned() and pinned.sparse.values().is_pinned()
-    assert all(s.ids.is_pinned() for s in pinned.sequences.values())
-    fast = pinned.to(torch.device("cuda"), non_blocking=True)
-    torch.cuda.synchronize()
-    for a, b in [(fast.dense, plain.dense), (fast.labels, plain.labels), (fast.surface, plain.surface),
-                 (fast.sparse.values(), plain.sparse.values()), (fast.sparse.lengths(), plain.sparse.lengths())]:
-        assert torch.equal(a, b)
-    for name, seq in plain.sequences.items():
-        assert torch.equal(fast.sequences[name].ids.values(), seq.ids.values())
-        assert torch.equal(fast.sequences[name].timestamps, seq.timestamps)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gem_data import rank_imbalance
-from gem_kunlun import Batch, MixtureOfExperts
+from gem_kunlun import MixtureOfExperts
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
@@ -184,7 +184,7 @@ class Trainer:
         stored = None
         if self.soft_labels is not None:  # global batch `step`'s rows, found by example
             stored = self.soft_labels.lookup(self.step, example_fingerprints(host_batch)).to(self.env.device)
-        batch = self._to_device(host_batch)
+        batch = host_batch.to(self.env.device)
         self.model.train()
         with self._autocast():
             if self.teacher is not None:
@@ -229,13 +229,6 @@ class Trainer:
             "examples": batch.batch_size,
             "flops": flops,
         }
-
-    def _to_device(self, host_batch: Batch) -> Batch:
-        """The batch on the training device; on a GPU through page-locked memory, queued behind the previous
-        step's kernels rather than waiting for them."""
-        if self.env.device.type != "cuda":
-            return host_batch.to(self.env.device)
-        return host_batch.pin_memory().to(self.env.device, non_blocking=True)
 
     def train(self) -> dict[str, float]:
         cfg = self.config
