@@ -5,20 +5,8 @@ from __future__ import annotations
 import torch
 
 from gem_kernels.ops import _validation as V
+from gem_kernels.ops.pytorch.builtin import compiled_on_cuda
 from gem_kernels.ops.pytorch.pt_rotary import pt_rotary
-
-_COMPILED_REFERENCE = None
-
-
-def _builtin_rotary(device: torch.device):
-    """The plain-PyTorch way: the reference's ops compiled into fused kernels on CUDA (eagerly they move several
-    times q's bytes), eager elsewhere."""
-    global _COMPILED_REFERENCE
-    if device.type != "cuda":
-        return pt_rotary
-    if _COMPILED_REFERENCE is None:
-        _COMPILED_REFERENCE = torch.compile(pt_rotary, dynamic=True)
-    return _COMPILED_REFERENCE
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, base: float = 10.0,
@@ -27,7 +15,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, base: floa
     ``positions[t] * base ** (-2i / D)``; returns ``(q_rotated, k_rotated)`` in the inputs' dtype (math in
     float32). Positions are real numbers (e.g. log time gaps), not necessarily token indices, and are treated as
     data: no gradient flows to them. q and k may be strided views with unit stride in the last dimension.
-    kernel: "triton", "pytorch", "auto" (Triton on CUDA) or "builtin" (PyTorch's ops, compiled on CUDA)."""
+    kernel: "triton", "pytorch", "auto" (Triton on CUDA) or "builtin" (the reference's ops, compiled on CUDA)."""
     V.check_kernel(kernel)
     for name, t in (("q", q), ("k", k)):
         V.check_values(name, t, 3, "[T, H, D]")
@@ -50,5 +38,6 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, base: floa
         from gem_kernels.ops.triton.triton_rotary import triton_rotary
 
         return triton_rotary(q, k, positions, float(base))
-    reference = _builtin_rotary(q.device) if kernel == "builtin" else pt_rotary
+    # builtin: the plain-PyTorch way, the reference's ops compiled into fused kernels on CUDA
+    reference = compiled_on_cuda(pt_rotary, q.device, dynamic=True) if kernel == "builtin" else pt_rotary
     return reference(q, positions, base), reference(k, positions, base)

@@ -24,19 +24,23 @@ from gem_kernels.ops.pytorch.pt_activations import pt_pointwise
 from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
 
 FLEX_TILE = 128  # FlexAttention's default tile: the block mask is described at this granularity
-_COMPILED_FLEX = None
+_COMPILED: dict = {}
+
+
+def compiled_on_cuda(fn, device: torch.device, dynamic: bool):
+    """``fn`` compiled once per process on CUDA (where PyTorch's fast path is the compiled one); ``fn`` itself
+    elsewhere."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=dynamic)
+    return _COMPILED[fn]
 
 
 def _flex_attention(device: torch.device):
-    """flex_attention compiled once on CUDA (its fast path); the eager function elsewhere."""
-    global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
-        return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+    return compiled_on_cuda(flex_attention, device, dynamic=False)
 
 
 def block_key_ranges(offsets: torch.Tensor, total: int, block_size: int, window_blocks: int):
