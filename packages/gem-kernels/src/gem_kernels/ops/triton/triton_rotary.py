@@ -2,8 +2,8 @@
 
 One program takes a tile of tokens: it computes the tile's angles, cosines and sines once (float32) and
 rotates every head of q and of k with them, reading each input once (its pair partners again, from cache) and
-writing each output once. The
-backward is the same rotation by the opposite angle (a rotation's transpose), so one kernel serves both.
+writing each output once. The backward is the same rotation by the opposite angle (a rotation's transpose), so
+one kernel serves both.
 Inputs may be strided views (q and k split from one fused projection); outputs are contiguous.
 """
 
