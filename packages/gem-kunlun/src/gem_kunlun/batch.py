@@ -41,6 +41,9 @@ class EventSequence:
             timestamps=self.timestamps.to(device, non_blocking=non_blocking),
         )
 
+    def pin_memory(self) -> "EventSequence":
+        return EventSequence(ids=self.ids.pin_memory(), timestamps=self.timestamps.pin_memory())
+
 
 @dataclass
 class NextItemTargets:
@@ -92,6 +95,16 @@ class NextItemTargets:
             catalogue=None if self.catalogue is None else self.catalogue.to(device, non_blocking=non_blocking),
         )
 
+    def pin_memory(self) -> "NextItemTargets":
+        return NextItemTargets(
+            every=self.every,
+            positives=self.positives.pin_memory(),
+            negatives=None if self.negatives is None else self.negatives.pin_memory(),
+            loss=self.loss,
+            # NOTE: the catalogue is one object shared by every batch: pinning would copy it per batch
+            catalogue=self.catalogue,
+        )
+
 
 @dataclass
 class Batch:
@@ -134,6 +147,19 @@ class Batch:
             surface=self.surface.to(device, non_blocking=non_blocking),
             source=None if self.source is None else self.source.to(device, non_blocking=non_blocking),
             next_items=None if self.next_items is None else self.next_items.to(device, non_blocking),
+        )
+
+    def pin_memory(self) -> "Batch":
+        """A copy in page-locked host memory, from which ``to(cuda, non_blocking=True)`` does not wait for the
+        GPU (torch's DataLoader calls this when asked to pin)."""
+        return Batch(
+            dense=self.dense.pin_memory(),
+            sparse=self.sparse.pin_memory(),
+            sequences={k: v.pin_memory() for k, v in self.sequences.items()},
+            labels=self.labels.pin_memory(),
+            surface=self.surface.pin_memory(),
+            source=None if self.source is None else self.source.pin_memory(),
+            next_items=None if self.next_items is None else self.next_items.pin_memory(),
         )
 
     def validate(self, spec: FeatureSpec) -> None:
