@@ -1,15 +1,16 @@
 """gem-kunlun: recommendation models over jagged GEM batches, with FLOP accounting."""
 
 from gem_kunlun.baseline import BaselineConfig, BaselineRanker, SeedPooling
-from gem_kunlun.batch import Batch, EventSequence, NextItemTargets
+from gem_kunlun.batch import Batch, EventSequence, JaggedFloats, NextItemTargets
 from gem_kunlun.candidates import CandidateInput, CandidateScorer
 from gem_kunlun.embedding import FeatureEmbedding
-from gem_kunlun.features import EventType, FeatureSpec, SparseFeature
+from gem_kunlun.features import EventType, FeatureSpec, RepresentationFeature, SparseFeature
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads, multitask_loss
 from gem_kunlun.event_personalization import EventPersonalization
 from gem_kunlun.interformer import InterFormerConfig, InterFormerLayer, InterFormerModel
 from gem_kunlun.kunlun import KUNLUN_SIZES, KunlunConfig, KunlunEncoder, KunlunLayer, KunlunModel, KunlunTrunk
 from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatch
+from gem_kunlun.representation_summary import RepresentationSummary
 from gem_kunlun.retrieval import next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
@@ -36,6 +37,7 @@ __all__ = [
     "InterFormerConfig",
     "InterFormerLayer",
     "InterFormerModel",
+    "JaggedFloats",
     "KUNLUN_SIZES",
     "KunlunConfig",
     "KunlunEncoder",
@@ -45,6 +47,8 @@ __all__ = [
     "MixtureOfExperts",
     "ModelOutput",
     "PMA",
+    "RepresentationFeature",
+    "RepresentationSummary",
     "Routing",
     "SumKronLinear",
     "WukongBlock",

@@ -1,5 +1,6 @@
 """A compact ranking model over the full GEM batch: embeddings, a time-merged event sequence summarised by
-learned seed queries (PMA), an MLP, and per-surface multi-task heads.
+learned seed queries (PMA), an MLP, and per-surface multi-task heads. Representation features (LoopFM) are
+summarised into one token each (``RepresentationSummary``) and join the MLP input.
 
 It is the reference point the Kunlun model is measured against, and it exercises every part of the input
 format: KeyedJaggedTensor ids, jagged event sequences, dense features, surfaces and tasks.
@@ -18,6 +19,7 @@ from gem_kunlun.config_checks import check_at_least
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
+from gem_kunlun.representation_summary import RepresentationSummary
 from gem_kunlun.sequence import jagged_to_padded, merge_by_time
 
 
@@ -92,7 +94,9 @@ class BaselineRanker(nn.Module):
         self.embedding = FeatureEmbedding(spec, dim, device=device)
         self.event_type = nn.Embedding(len(spec.events), dim, device=device)
         self.pool = SeedPooling(dim, config.num_seeds, config.num_heads, device=device)
-        widths = [(len(spec.sparse) + 1 + config.num_seeds) * dim, *config.hidden]
+        # LoopFM's representation sequences, if the data has them: one more MLP input token each
+        self.representations = RepresentationSummary(spec.representations, dim, device=device) if spec.representations else None
+        widths = [(len(spec.sparse) + 1 + config.num_seeds + len(spec.representations)) * dim, *config.hidden]
         self.mlp = nn.Sequential(
             *[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.ReLU())]
         )
@@ -110,7 +114,10 @@ class BaselineRanker(nn.Module):
         seq = seq + self.event_type(event_type)
         context = sparse.mean(1) + dense
         summary = self.pool(seq, offsets, self.config.max_seq_len, context)
-        x = torch.cat([sparse.flatten(1), dense, summary.flatten(1)], 1)
+        parts = [sparse.flatten(1), dense, summary.flatten(1)]
+        if self.representations is not None:
+            parts.append(self.representations(batch).flatten(1))
+        x = torch.cat(parts, 1)
         representation = self.mlp(x)
         logits = self.heads(representation, batch.surface)
         return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=representation)
@@ -122,6 +129,8 @@ class BaselineRanker(nn.Module):
         lengths = batch.num_events().clamp(max=self.config.max_seq_len)
         table = {"embedding.dense_proj": 2.0 * self.spec.num_dense * self.config.dim * b}
         table.update(self.pool.flops(lengths))
+        if self.representations is not None:
+            table.update(self.representations.flops({n: r.lengths.cpu() for n, r in batch.representations.items()}))
         table["mlp"] = sum(2.0 * m.in_features * m.out_features for m in self.mlp if isinstance(m, nn.Linear)) * b
         table["heads"] = self.heads.flops_per_example() * b
         return table

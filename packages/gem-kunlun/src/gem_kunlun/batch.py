@@ -46,6 +46,29 @@ class EventSequence:
 
 
 @dataclass
+class JaggedFloats:
+    """A float-valued jagged feature: per example a sequence of ``d``-wide vectors, oldest first.
+
+    ``values`` is ``[T, d]`` float32 (every example's vectors in batch order), ``lengths`` ``[B]`` int64
+    (vectors per example, zero allowed). LoopFM's representation sequences travel in this form.
+    """
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+
+    def offsets(self) -> torch.Tensor:
+        """``[B+1]`` int64 offsets into ``values``."""
+        return lengths_to_offsets(self.lengths)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "JaggedFloats":
+        return JaggedFloats(values=self.values.to(device, non_blocking=non_blocking),
+                            lengths=self.lengths.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "JaggedFloats":
+        return JaggedFloats(values=self.values.pin_memory(), lengths=self.lengths.pin_memory())
+
+
+@dataclass
 class NextItemTargets:
     """Retrieval training: each query of a batch scored against items, the true next item among them.
 
@@ -117,6 +140,8 @@ class Batch:
     - ``surface``: ``[B]`` int64 surface (domain) of each example.
     - ``next_items``: retrieval training targets (see ``NextItemTargets``); None for pointwise examples,
       which ``labels`` describe.
+    - ``representations``: feature name -> its float vector sequences (``JaggedFloats``), one key per
+      ``FeatureSpec.representations`` entry; empty for data without them.
     """
 
     dense: torch.Tensor
@@ -126,6 +151,7 @@ class Batch:
     surface: torch.Tensor
     source: torch.Tensor | None = field(default=None)
     next_items: NextItemTargets | None = field(default=None)
+    representations: dict[str, JaggedFloats] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -147,6 +173,7 @@ class Batch:
             surface=self.surface.to(device, non_blocking=non_blocking),
             source=None if self.source is None else self.source.to(device, non_blocking=non_blocking),
             next_items=None if self.next_items is None else self.next_items.to(device, non_blocking),
+            representations={k: v.to(device, non_blocking) for k, v in self.representations.items()},
         )
 
     def pin_memory(self) -> "Batch":
@@ -160,6 +187,7 @@ class Batch:
             surface=self.surface.pin_memory(),
             source=None if self.source is None else self.source.pin_memory(),
             next_items=None if self.next_items is None else self.next_items.pin_memory(),
+            representations={k: v.pin_memory() for k, v in self.representations.items()},
         )
 
     def validate(self, spec: FeatureSpec) -> None:
@@ -185,6 +213,26 @@ class Batch:
                 raise ValueError(f"batch.sequences[{event.name!r}]: every id feature must have one id per event")
             if seq.timestamps.shape != (int(lengths[0].sum()),):
                 raise ValueError(f"batch.sequences[{event.name!r}].timestamps must have one entry per event")
+        _check_representations(self.representations, spec, b)
+
+
+def _check_representations(representations: dict[str, JaggedFloats], spec: FeatureSpec, batch_size: int) -> None:
+    expected = [r.name for r in spec.representations]
+    if sorted(representations) != sorted(expected):
+        raise ValueError(f"batch.representations has features {sorted(representations)}, expected {sorted(expected)}")
+    for feature in spec.representations:
+        where, jagged = f"batch.representations[{feature.name!r}]", representations[feature.name]
+        values, lengths = jagged.values, jagged.lengths
+        if lengths.shape != (batch_size,) or lengths.dtype != torch.int64:
+            raise ValueError(f"{where}.lengths must be int64 of shape ({batch_size},), got {lengths.dtype} {tuple(lengths.shape)}")
+        if batch_size and int(lengths.min()) < 0:
+            raise ValueError(f"{where}.lengths has negative entries")
+        total = int(lengths.sum())
+        if values.shape != (total, feature.dim) or not values.is_floating_point():
+            raise ValueError(f"{where}.values must be float of shape ({total}, {feature.dim}) (lengths' sum x dim), "
+                             f"got {values.dtype} {tuple(values.shape)}")
+        if values.numel() and not bool(torch.isfinite(values).all()):
+            raise ValueError(f"{where}.values has NaN or infinite entries")
 
 
 def _check_kjt(where: str, kjt: KeyedJaggedTensor, features: tuple, batch_size: int) -> None:

@@ -22,6 +22,19 @@ class EventType:
 
 
 @dataclass(frozen=True)
+class RepresentationFeature:
+    """A float-valued jagged input: per example a sequence of ``dim``-wide vectors, oldest first (LoopFM: a
+    foundation model's compact representations of the user's earlier events)."""
+
+    name: str
+    dim: int
+
+    def __post_init__(self) -> None:
+        if self.dim < 1:
+            raise ValueError(f"RepresentationFeature {self.name!r}: dim must be >= 1, got {self.dim}")
+
+
+@dataclass(frozen=True)
 class FeatureSpec:
     """The full input description: non-sequence dense and sparse features, event sequences, tasks and surfaces."""
 
@@ -33,6 +46,8 @@ class FeatureSpec:
     # the sparse features that describe the candidate item (its id, its attributes): what a two-tower
     # model's item side reads and its request side leaves out
     candidate: tuple[str, ...] = ()
+    # float vector sequences per example (``Batch.representations``), read by the models that support them
+    representations: tuple[RepresentationFeature, ...] = ()
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.sparse] + [f.name for e in self.events for f in e.features]
@@ -44,5 +59,8 @@ class FeatureSpec:
         unknown = sorted(set(self.candidate) - {f.name for f in self.sparse})
         if unknown:
             raise ValueError(f"FeatureSpec.candidate names {unknown}, which are not sparse features")
+        vectors = [r.name for r in self.representations]
+        if len(set(vectors)) != len(vectors):
+            raise ValueError(f"FeatureSpec.representations names must be unique, got {vectors}")
         if self.num_surfaces < 1:
             raise ValueError(f"FeatureSpec.num_surfaces must be >= 1, got {self.num_surfaces}")

@@ -43,6 +43,7 @@ from gem_kunlun.local_attention import LocalAttention
 from gem_kunlun.moe import MixtureOfExperts
 from gem_kunlun.norm import LayerNorm
 from gem_kunlun.pffn import PersonalizedFFN
+from gem_kunlun.representation_summary import RepresentationSummary
 from gem_kunlun.retrieval import retrieval_logits, scored_item_ids
 from gem_kunlun.rote import time_gap_positions
 from gem_kunlun.sequence import keep_latest, merge_by_time
@@ -181,7 +182,8 @@ class KunlunLayer(nn.Module):
 class KunlunEncoder(nn.Module):
     """The input side: feature embedding, per-event-type encoders (personalization), the time-ordered merge.
 
-    ``forward(batch) -> (x [B, N, D] non-sequence tokens, seq [T, D], offsets [B+1], positions [T])``.
+    ``forward(batch) -> (x [B, N, D] non-sequence tokens, seq [T, D], offsets [B+1], positions [T])``; the
+    tokens are the sparse features', the dense features' and one per representation feature (LoopFM).
     """
 
     def __init__(self, spec: FeatureSpec, config: KunlunConfig, device: torch.device | None = None) -> None:
@@ -196,7 +198,9 @@ class KunlunEncoder(nn.Module):
             {name: EventEncoder(widths[name], d, p, c.rote, c.kernel, device=device) for name, p in personal.items()}
         )
         self.event_type = nn.Embedding(len(spec.events), d, device=device)
-        self.num_tokens = len(spec.sparse) + 1
+        # LoopFM's representation sequences, if the data has them: one more non-sequence token each
+        self.representations = RepresentationSummary(spec.representations, d, device=device) if spec.representations else None
+        self.num_tokens = len(spec.sparse) + 1 + len(spec.representations)
 
     def forward(self, batch: Batch):
         c, names = self.config, [e.name for e in self.spec.events]
@@ -212,7 +216,10 @@ class KunlunEncoder(nn.Module):
         merged, offsets, timestamps, event_type = merge_by_time(values, lengths, times)
         index, offsets = keep_latest(offsets, c.max_seq_len)
         seq = merged[index] + self.event_type(event_type[index])
-        x = torch.cat([sparse, dense[:, None]], 1)
+        tokens = [sparse, dense[:, None]]
+        if self.representations is not None:
+            tokens.append(self.representations(batch).to(sparse.dtype))
+        x = torch.cat(tokens, 1)
         return x, seq, offsets, time_gap_positions(timestamps[index], offsets)
 
     def merged_lengths(self, batch: Batch) -> torch.Tensor:
@@ -230,6 +237,8 @@ class KunlunEncoder(nn.Module):
             value = self.event_encoders[e.name].flops(lengths, d)
             if value:
                 table[f"events.{e.name}"] = value
+        if self.representations is not None:
+            table.update(self.representations.flops({n: r.lengths.cpu() for n, r in batch.representations.items()}))
         return table
 
     def embedding_bytes(self, batch: Batch) -> float:

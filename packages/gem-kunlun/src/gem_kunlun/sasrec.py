@@ -91,6 +91,9 @@ class SasrecModel(nn.Module):
             raise ValueError(f"SASRec needs event type {c.history!r} with feature {c.history_item!r}; the data has {list(events)}")
         if c.candidate_item not in sparse:
             raise ValueError(f"SASRec needs the candidate feature {c.candidate_item!r}; the data has {list(sparse)}")
+        if spec.representations:
+            raise ValueError(f"SASRec reads item ids only, not representation features "
+                             f"({[r.name for r in spec.representations]}): use Kunlun, InterFormer or the baseline")
         num_items = sparse[c.candidate_item].num_embeddings
         history_items = next(f for f in events[c.history].features if f.name == c.history_item).num_embeddings
         if history_items != num_items:

@@ -1,9 +1,11 @@
 """Helpers for tests of code that consumes batches: a small feature spec and random valid batches."""
 
+import dataclasses
+
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature
+from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, JaggedFloats, RepresentationFeature, SparseFeature
 
 SPEC = FeatureSpec(  # two surfaces, two tasks, one multi-id event type and one single-id type
     num_dense=3,
@@ -44,13 +46,22 @@ def random_batch(batch_size: int, seed: int = 0, max_events: int = 9, spec: Feat
             ),
             timestamps=times,
         )
-    return Batch(
+    batch = Batch(
         dense=torch.randn(batch_size, spec.num_dense, generator=g),
         sparse=KeyedJaggedTensor.from_lengths_sync(keys=[f.name for f in spec.sparse], values=sparse_values, lengths=sparse_lengths),
         sequences=sequences,
         labels=torch.randint(0, 2, (batch_size, len(spec.tasks)), generator=g).float(),
         surface=torch.randint(spec.num_surfaces, (batch_size,), generator=g),
     )
+    # drawn last, so that a spec without representation features gets the batches it always got
+    for feature in spec.representations:
+        lengths = torch.randint(0, max_events + 1, (batch_size,), generator=g)
+        batch.representations[feature.name] = JaggedFloats(torch.randn(int(lengths.sum()), feature.dim, generator=g), lengths)
+    return batch
+
+
+# SPEC with one LoopFM-style representation feature (4-wide vectors)
+SPEC_WITH_REPRESENTATIONS = dataclasses.replace(SPEC, representations=(RepresentationFeature("loopfm", 4),))
 
 
 def select_example(batch: Batch, i: int) -> Batch:
@@ -75,6 +86,8 @@ def select_example(batch: Batch, i: int) -> Batch:
         sequences=sequences,
         labels=batch.labels[i : i + 1],
         surface=batch.surface[i : i + 1],
+        representations={name: JaggedFloats(r.values[int(r.offsets()[i]) : int(r.offsets()[i + 1])], r.lengths[i : i + 1])
+                         for name, r in batch.representations.items()},
     )
 
 
