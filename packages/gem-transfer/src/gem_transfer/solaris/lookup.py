@@ -1,0 +1,106 @@
+"""Solaris's lookup: the teacher's embedding of a (user, item) pair from the cache, with a fallback when it has none.
+
+Levels, in order (``gem_transfer.solaris.report.LEVELS``); an entry counts only while fresh (``age <= ttl_s``):
+1. ``exact``: the cached entry of the pair;
+2. ``user_group``: the mean of the user's newest fresh entries for items of the same group;
+3. ``neighbours``: the mean of the fresh entries for this item of the ``neighbours`` users whose behaviour is
+   most like this user's (``UserIndex``), or, where none of them has this item, of their newest entries in the
+   same group;
+4. ``default``: the mean of every embedding written so far (``DefaultEmbedding``).
+The age of a served answer is that of the oldest entry it used (the default has none). A backend that cannot
+reach its server answers nothing (``RedisCache``), so its levels miss and the next one answers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from gem_transfer.solaris.cache import CacheBackend, CacheEntry
+from gem_transfer.solaris.neighbours import UserIndex
+from gem_transfer.solaris.report import LookupStats
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a lookup answered: ``embedding [R]``, the ``level`` that answered and the age of what it used."""
+
+    embedding: np.ndarray
+    level: str
+    age_s: float | None
+
+
+class DefaultEmbedding:
+    """The running mean of every embedding written (zeros of ``width`` before the first); thread-safe."""
+
+    def __init__(self, width: int) -> None:
+        self._sum = np.zeros(width, np.float64)
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def add(self, embeddings: np.ndarray) -> None:
+        with self._lock:
+            self._sum += np.asarray(embeddings, np.float64).sum(0)
+            self._count += len(embeddings)
+
+    def value(self) -> np.ndarray:
+        with self._lock:
+            return (self._sum / max(self._count, 1)).astype(np.float32)
+
+    def state(self) -> dict:
+        with self._lock:
+            return {"sum": self._sum.copy(), "count": self._count}
+
+    @classmethod
+    def from_state(cls, state: dict) -> DefaultEmbedding:
+        default = cls(len(state["sum"]))
+        default._sum, default._count = np.asarray(state["sum"], np.float64), int(state["count"])
+        return default
+
+
+class FallbackLookup:
+    """``lookup(user, item, group, behaviour [dim]) -> Served``; see the module docstring. Every lookup is
+    recorded in ``stats`` (level, age, latency). ``clock``: seconds since the epoch, as the entries' timestamps."""
+
+    def __init__(self, cache: CacheBackend, index: UserIndex | None, default: DefaultEmbedding, ttl_s: float,
+                 neighbours: int = 8, clock: Callable[[], float] | None = None, stats: LookupStats | None = None) -> None:
+        if ttl_s <= 0 or neighbours < 0:
+            raise ValueError(f"FallbackLookup needs ttl_s > 0 and neighbours >= 0, got {ttl_s}, {neighbours}")
+        self.cache, self.index, self.default, self.ttl_s, self.neighbours = cache, index, default, ttl_s, neighbours
+        self.clock = clock or time.time
+        self.stats = stats if stats is not None else LookupStats()
+
+    def lookup(self, user: int, item: int, group: int, behaviour: np.ndarray | None = None) -> Served:
+        started = time.perf_counter()
+        served = self._answer(int(user), int(item), int(group), behaviour, self.clock())
+        self.stats.record(served.level, served.age_s, time.perf_counter() - started)
+        return served
+
+    def _answer(self, user: int, item: int, group: int, behaviour: np.ndarray | None, now: float) -> Served:
+        oldest = now - self.ttl_s
+        (entry,) = self.cache.get([(user, item)])
+        if entry is not None and entry.timestamp >= oldest:
+            return Served(entry.embedding, "exact", now - entry.timestamp)
+        (recent,) = self.cache.recent([(user, group)])
+        fresh = [e for e in recent if e.timestamp >= oldest]
+        if fresh:
+            return self._mean(fresh, "user_group", now)
+        if self.index is not None and behaviour is not None and self.neighbours:
+            similar = self.index.query(behaviour, self.neighbours, exclude=user)
+            if similar:
+                fresh = [e for e in self.cache.get([(u, item) for u in similar]) if e is not None and e.timestamp >= oldest]
+                if not fresh:
+                    lists = self.cache.recent([(u, group) for u in similar])
+                    fresh = [e for entries in lists for e in entries if e.timestamp >= oldest]
+                if fresh:
+                    return self._mean(fresh, "neighbours", now)
+        return Served(self.default.value(), "default", None)
+
+    @staticmethod
+    def _mean(entries: list[CacheEntry], level: str, now: float) -> Served:
+        embedding = np.mean([e.embedding for e in entries], axis=0, dtype=np.float32)
+        return Served(embedding, level, now - min(e.timestamp for e in entries))

@@ -1,0 +1,287 @@
+"""Solaris: the in-process cache, the fallback order, expiry and staleness, the worker (each pair once), the keys,
+the nearest-neighbour index and the report."""
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torchrec import KeyedJaggedTensor
+
+from gem_kunlun.testing import random_batch
+from gem_transfer.solaris import (
+    LEVELS,
+    CacheEntry,
+    CacheError,
+    DefaultEmbedding,
+    FallbackLookup,
+    LookupStats,
+    MemoryCache,
+    PairKeys,
+    PrecomputeWorker,
+    UserIndex,
+    behaviour_vectors,
+    format_summary,
+    pair_keys,
+)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def entry(user, item, group, timestamp, value):
+    return CacheEntry(user, item, group, timestamp, np.full(4, value, np.float32))
+
+
+def with_shop(batch):
+    """``batch`` with a single-id ``shop`` feature (the ad's group: ad // 5) beside its ``ad``."""
+    parts = batch.sparse.to_dict()
+    ad = parts["ad"]
+    shop = KeyedJaggedTensor.from_lengths_sync(keys=["shop"], values=ad.values() // 5, lengths=ad.lengths())
+    return batch.__class__(**{**batch.__dict__, "sparse": KeyedJaggedTensor.from_jt_dict({**parts, **shop.to_dict()})})
+
+
+# -- the in-process cache -------------------------------------------------------------------------------------
+
+def test_memory_cache_answers_pairs_and_a_users_newest_entries_per_group():
+    clock = Clock()
+    cache = MemoryCache(ttl_s=100, recent=2, clock=clock)
+    cache.put([entry(1, 10, 7, clock.now - 3, 1.0), entry(1, 11, 7, clock.now - 2, 2.0), entry(1, 12, 7, clock.now - 1, 3.0),
+               entry(2, 10, 7, clock.now, 4.0)])
+    a, missing = cache.get([(1, 10), (3, 10)])
+    assert a.embedding[0] == 1.0 and a.group == 7 and missing is None
+    (newest,) = cache.recent([(1, 7)])
+    assert [e.item for e in newest] == [12, 11]  # newest first, at most `recent`
+    cache.put([entry(1, 11, 7, clock.now, 5.0)])  # a rewritten pair replaces its older embedding
+    assert [(e.item, e.embedding[0]) for e in cache.recent([(1, 7)])[0]] == [(11, 5.0), (12, 3.0)]
+    assert cache.get([(1, 11)])[0].embedding[0] == 5.0
+    assert cache.recent([(9, 9)]) == [[]]
+
+
+def test_memory_cache_forgets_expired_entries_and_survives_a_snapshot(tmp_path):
+    clock = Clock()
+    cache = MemoryCache(ttl_s=10, clock=clock)
+    cache.put([entry(1, 10, 7, clock.now, 1.0), entry(2, 10, 7, clock.now - 8, 2.0)])
+    path = cache.save(tmp_path / "cache.npz")
+    clock.now += 5
+    assert [e is None for e in cache.get([(1, 10), (2, 10)])] == [False, True]
+    assert len(cache) == 1 and [len(x) for x in cache.recent([(1, 7), (2, 7)])] == [1, 0]
+    loaded = MemoryCache.load(path, ttl_s=10, clock=Clock())
+    assert sorted((e.user, e.item, float(e.embedding[0])) for e in loaded.entries()) == [(1, 10, 1.0), (2, 10, 2.0)]
+    (tmp_path / "bad.npz").write_bytes(b"not a snapshot")
+    with pytest.raises(CacheError, match=r"bad.npz: not a Solaris cache snapshot"):
+        MemoryCache.load(tmp_path / "bad.npz", ttl_s=10)
+
+
+def test_memory_cache_serves_readers_while_a_thread_writes():
+    cache = MemoryCache(ttl_s=1e4, recent=4, clock=Clock(2000.0))
+    errors = []
+
+    def write():
+        for i in range(2000):
+            cache.put([entry(i % 50, i, i % 5, float(i), float(i))])
+
+    def read():
+        try:
+            for i in range(2000):
+                found = cache.get([(i % 50, i)])[0]
+                assert found is None or found.item == i
+                assert len(cache.recent([(i % 50, i % 5)])[0]) <= 4
+        except AssertionError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(cache) == 2000
+
+
+# -- the fallback order ------------------------------------------------------------------------------------------
+
+def setup_lookup(clock, ttl_s=100.0):
+    cache = MemoryCache(ttl_s=ttl_s, clock=clock)
+    index = UserIndex(dim=3)
+    default = DefaultEmbedding(4)
+    cache.put([entry(1, 10, 7, clock.now - 4, 1.0), entry(1, 11, 7, clock.now - 2, 3.0), entry(2, 20, 8, clock.now - 1, 5.0)])
+    index.add(np.array([1, 2]), np.array([[1.0, 0, 0], [0, 1.0, 0]]))
+    default.add(np.full((2, 4), 9.0))
+    return FallbackLookup(cache, index, default, ttl_s=ttl_s, neighbours=1, clock=clock)
+
+
+def test_lookup_falls_back_in_order_exact_user_group_neighbours_default():
+    clock = Clock()
+    lookup = setup_lookup(clock)
+    near_user_1 = np.array([0.9, 0.1, 0.0])
+    cases = [
+        ((1, 10, 7, near_user_1), "exact", 1.0, 4.0),
+        ((1, 12, 7, near_user_1), "user_group", 2.0, 4.0),  # mean of the user's two entries in group 7, age of the oldest
+        ((3, 10, 7, near_user_1), "neighbours", 1.0, 4.0),  # user 1 behaves most like user 3 and has item 10
+        ((3, 13, 7, near_user_1), "neighbours", 2.0, 4.0),  # ... has not item 13 but has group 7
+        ((3, 20, 8, near_user_1), "default", 9.0, None),  # the nearest neighbour (k = 1) has nothing of group 8
+        ((3, 10, 7, np.zeros(3)), "default", 9.0, None),  # no behaviour to compare
+    ]
+    for (user, item, group, behaviour), level, value, age in cases:
+        served = lookup.lookup(user, item, group, behaviour)
+        assert (served.level, float(served.embedding[0]), served.age_s) == (level, value, age), (user, item, group)
+    summary = lookup.stats.summary()
+    assert summary["lookups"] == 6
+    assert summary["hit_rate"] == {"exact": 1 / 6, "user_group": 1 / 6, "neighbours": 2 / 6, "default": 2 / 6}
+    assert summary["levels"]["default"]["staleness_s"]["p50"] is None  # the default has no age
+    assert summary["latency_ms"]["p99"] > 0
+    table = format_summary(summary, "test")
+    assert all(level in table for level in LEVELS)
+
+
+def test_expired_entries_are_not_served_and_staleness_is_their_age():
+    clock = Clock()
+    lookup = setup_lookup(clock, ttl_s=3.0)
+    served = lookup.lookup(1, 11, 7, None)
+    assert (served.level, served.age_s) == ("exact", 2.0)
+    # item 10 (age 4) has expired: the group's mean uses item 11 alone
+    served = lookup.lookup(1, 10, 7, None)
+    assert (served.level, float(served.embedding[0]), served.age_s) == ("user_group", 3.0, 2.0)
+    clock.now += 2.5  # now everything of user 1 has expired; user 2's entry (age 3.5) too
+    assert lookup.lookup(1, 11, 7, np.array([0.0, 1.0, 0.0])).level == "default"
+    ages = lookup.stats.summary()["staleness_s"]
+    assert ages["max"] == 2.0
+
+
+def test_default_embedding_is_the_mean_of_everything_written():
+    default = DefaultEmbedding(2)
+    assert default.value().tolist() == [0.0, 0.0]
+    default.add(np.array([[1.0, 2.0], [3.0, 4.0]]))
+    default.add(np.array([[5.0, 6.0]]))
+    assert default.value().tolist() == [3.0, 4.0]
+    assert DefaultEmbedding.from_state(default.state()).value().tolist() == [3.0, 4.0]
+
+
+# -- the nearest-neighbour index ------------------------------------------------------------------------------
+
+def test_user_index_finds_the_most_similar_users(tmp_path):
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(3000, 16)).astype(np.float32)  # more rows than its starting capacity
+    index = UserIndex(16)
+    index.add(np.arange(3000) * 7, vectors)
+    query = vectors[42] + 0.01 * rng.normal(size=16)
+    assert index.query(query, 3)[0] == 42 * 7
+    assert 42 * 7 not in index.query(query, 3, exclude=42 * 7)
+    cosine = (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)) @ (query / np.linalg.norm(query))
+    assert index.query(query, 5) == [int(u) * 7 for u in np.argsort(-cosine)[:5]]  # exact search
+    index.add(np.array([42 * 7]), -vectors[42:43])  # a user seen again: the newer behaviour replaces the older
+    assert len(index) == 3000 and 42 * 7 not in index.query(query, 3)
+    assert index.query(np.zeros(16), 3) == [] and UserIndex(16).query(query, 3) == []
+    loaded = UserIndex.load(index.save(tmp_path / "users.npz"))
+    assert loaded.query(query, 5) == index.query(query, 5)
+
+
+# -- keys ---------------------------------------------------------------------------------------------------------
+
+def test_pair_keys_share_the_user_across_candidates_of_one_request():
+    batch = with_shop(random_batch(6, seed=3))
+    keys = pair_keys(batch, "ad", "shop", behaviour_dim=32)
+    assert keys.items.tolist() == batch.sparse["ad"].values().tolist()
+    assert keys.groups.tolist() == (batch.sparse["ad"].values() // 5).tolist()
+    assert len(set(keys.users.tolist())) == 6
+    # the same request with another candidate (and another outcome) is the same user
+    parts = batch.sparse.to_dict()
+    other = KeyedJaggedTensor.from_jt_dict({**parts, **KeyedJaggedTensor.from_lengths_sync(
+        keys=["ad", "shop"], values=torch.cat([(parts["ad"].values() + 1) % 50, parts["shop"].values() * 0]),
+        lengths=torch.ones(12, dtype=torch.int64)).to_dict()})
+    again = pair_keys(batch.__class__(**{**batch.__dict__, "sparse": other, "labels": 1 - batch.labels}), "ad", "shop",
+                      behaviour_dim=32)
+    assert again.users.tolist() == keys.users.tolist() and again.items.tolist() != keys.items.tolist()
+    norms = np.linalg.norm(keys.behaviour, axis=1)
+    events = sum(s.lengths() for s in batch.sequences.values()).numpy()
+    assert np.allclose(norms[events > 0], 1.0) and np.all(norms[events == 0] == 0)
+    assert np.array_equal(behaviour_vectors(batch, 32), keys.behaviour)
+
+
+def test_pair_keys_refuse_features_that_cannot_key_a_pair():
+    batch = with_shop(random_batch(6, seed=3))
+    with pytest.raises(ValueError, match=r"no sparse feature 'shop_id' in the batch"):
+        pair_keys(batch, "ad", "shop_id")
+    with pytest.raises(ValueError, match=r"sparse feature 'tags' must hold exactly one id per row"):
+        pair_keys(batch, "tags", "shop")
+
+
+# -- the worker ------------------------------------------------------------------------------------------------
+
+class CountingCache(MemoryCache):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.written: list[tuple[int, int]] = []
+
+    def put(self, entries):
+        self.written += [(e.user, e.item) for e in entries]
+        super().put(entries)
+
+
+def teacher(batch):
+    """Any deterministic function of the row stands in for the teacher's representation."""
+    return torch.stack([batch.dense.sum(1), batch.dense[:, 0], batch.sparse["ad"].values().float()], 1)
+
+
+def test_worker_scores_and_writes_each_pair_once():
+    clock = Clock()
+    cache, index, default = CountingCache(ttl_s=100, clock=clock), UserIndex(16), DefaultEmbedding(3)
+    calls = []
+    worker = PrecomputeWorker(lambda b: calls.append(b.batch_size) or teacher(b), cache, index, default, clock, queue_size=1)
+    batches = [with_shop(random_batch(8, seed=s)) for s in (0, 1)]
+    first = pair_keys(batches[0], "ad", "shop", behaviour_dim=16)
+    assert worker.submit(batches[0], first) == 8
+    assert worker.submit(batches[0], first) == 0  # the same pairs again: nothing to score
+    keys = pair_keys(batches[1], "ad", "shop", behaviour_dim=16)
+    keys.users[:3], keys.items[:3] = first.users[:3], first.items[:3]  # three rows repeat pairs of the first batch
+    keys.users[4], keys.items[4] = keys.users[5], keys.items[5]  # and one repeats a pair of its own batch
+    assert worker.submit(batches[1], keys) == 4
+    stats = worker.close()
+    assert calls == [8, 8]
+    assert len(cache.written) == len(set(cache.written)) == 12
+    assert stats["written_pairs"] == 12 and stats["duplicate_rows"] == 12 and stats["scored_batches"] == 2
+    first_of_two = teacher(batches[1])[4].numpy()  # the pair's first row is the one written
+    assert np.allclose(cache.get([(int(keys.users[5]), int(keys.items[5]))])[0].embedding, first_of_two)
+    assert len(index) == len({u for u, _ in cache.written})
+    assert np.allclose(default.value(), np.mean([e.embedding for e in cache.entries()], 0), atol=1e-5)
+
+
+def test_a_failing_teacher_stops_the_worker_with_its_error():
+    def broken(batch):
+        raise RuntimeError("teacher exploded")
+
+    worker = PrecomputeWorker(broken, MemoryCache(ttl_s=10))
+    batch = with_shop(random_batch(4, seed=0))
+    worker.submit(batch, pair_keys(batch, "ad", "shop"))
+    with pytest.raises(RuntimeError, match="worker failed: teacher exploded"):
+        worker.close()
+
+
+def test_worker_rejects_keys_of_another_batch(caplog):
+    worker = PrecomputeWorker(teacher, MemoryCache(ttl_s=10))
+    batch = with_shop(random_batch(4, seed=0))
+    keys = pair_keys(batch, "ad", "shop")
+    with pytest.raises(ValueError, match="3 keys for a batch of 4 rows"):
+        worker.submit(batch, keys.select(np.arange(3)))
+    worker.close()
+    assert isinstance(keys, PairKeys) and not caplog.records
+
+
+def test_stats_are_recorded_from_many_threads():
+    stats = LookupStats(sample_size=100)
+    threads = [threading.Thread(target=lambda: [stats.record("exact", 1.0, 1e-4) for _ in range(1000)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    summary = stats.summary()
+    assert summary["lookups"] == 4000 and summary["hit_rate"]["exact"] == 1.0
+    assert summary["staleness_s"]["p50"] == 1.0 and logging.getLogger("gem_transfer.solaris") is not None
