@@ -70,3 +70,30 @@ def test_bad_config_and_split_are_rejected():
         SyntheticConfig(min_events=10, max_events=5)
     with pytest.raises(ValueError, match="split"):
         SyntheticGenerator().batch(0, 4, split="test")
+
+
+def test_a_user_population_gives_user_ids_and_examples_ordered_in_time():
+    from gem_data.synthetic import EVAL_AFTER_BATCHES, SECONDS_PER_BATCH
+
+    plain = SyntheticGenerator(SyntheticConfig(seed=1))
+    population = SyntheticGenerator(SyntheticConfig(seed=1, num_users=50))
+    assert [f.name for f in population.spec.sparse] == [f.name for f in plain.spec.sparse] + ["user_id"]
+    first, later, held_out = population.batch(0, 64), population.batch(3, 64), population.batch(0, 64, split="eval")
+    for batch in (first, later, held_out):
+        batch.validate(population.spec)
+        assert int(batch.sparse["user_id"].values().max()) < 50
+    # every history ends at its example's time: 1e6 + (batch + row / B) hours; held-out examples come after
+    def newest(batch):
+        return torch.stack([torch.zeros(64, dtype=torch.float64).index_reduce_(
+            0, torch.repeat_interleave(torch.arange(64), s.lengths()), s.timestamps.double(), "amax", include_self=False)
+            for s in batch.sequences.values()]).max(0).values
+    expected = 1e6 + (3 + torch.arange(64, dtype=torch.float64) / 64) * SECONDS_PER_BATCH
+    has_events = later.num_events() > 0
+    torch.testing.assert_close(newest(later)[has_events], expected[has_events].float().double())
+    assert float(newest(held_out).max()) >= 1e6 + EVAL_AFTER_BATCHES * SECONDS_PER_BATCH - 1
+    # a user's interest cluster is fixed: in every batch, a user's events lean to that user's cluster
+    for batch in (first, later, held_out):
+        purchases = batch.sequences["purchase"]
+        owner = batch.sparse["user_id"].values()[torch.repeat_interleave(torch.arange(64), purchases.lengths())]
+        ads = purchases.ids["purchase_ad_id"].values()
+        assert float((ads % 16 == population.user_cluster[owner]).float().mean()) > 0.5

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import Batch, EventSequence, NextItemTargets, lengths_to_offsets
+from gem_kunlun import Batch, EventSequence, JaggedFloats, NextItemTargets, lengths_to_offsets
 
 
 def jagged_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -52,6 +52,7 @@ def select_examples(batch: Batch, rows: torch.Tensor) -> Batch:
         surface=batch.surface[rows],
         source=None if batch.source is None else batch.source[rows],
         next_items=None if batch.next_items is None else _select_targets(batch, rows),
+        representations={name: JaggedFloats(*gather_jagged(r.values, r.offsets(), rows)) for name, r in batch.representations.items()},
     )
 
 
@@ -102,7 +103,17 @@ def concat_batches(batches: list[Batch]) -> Batch:
         surface=torch.cat([b.surface for b in batches]),
         source=None if any(s is None for s in sources) else torch.cat(sources),
         next_items=_concat_targets([b.next_items for b in batches]),
+        representations=_concat_representations(batches),
     )
+
+
+def _concat_representations(batches: list[Batch]) -> dict[str, JaggedFloats]:
+    names = sorted(batches[0].representations)
+    if any(sorted(b.representations) != names for b in batches):
+        raise ValueError(f"cannot concatenate batches with representation features "
+                         f"{sorted({tuple(sorted(b.representations)) for b in batches})}")
+    return {name: JaggedFloats(torch.cat([b.representations[name].values for b in batches]),
+                               torch.cat([b.representations[name].lengths for b in batches])) for name in names}
 
 
 def _concat_targets(targets: list[NextItemTargets | None]) -> NextItemTargets | None:

@@ -6,6 +6,13 @@ power-law lengths and lean towards that cluster. Click and conversion labels are
 logits that combine the history's affinity to the candidate's cluster, a noisy user segment, per-ad
 biases and dense features, with coefficients that differ per surface. Batches are a pure function of
 (seed, split, batch index), which makes the stream shardable and exactly resumable.
+
+By default every example is a new user. With ``num_users`` the examples come from a fixed population: each
+carries a ``user_id`` sparse feature, the user's interest cluster is fixed (drawn once from the seed), and
+examples happen in time: the example at row ``r`` of global batch ``i`` of ``B`` rows is at
+``1e6 + (i + r / B) * 3600`` seconds (the held-out split starts ``EVAL_AFTER_BATCHES`` batches later, after
+any training stream shorter than that), its history ending then. A user's examples are thus ordered in
+time, which is what a per-user memory of earlier events (LoopFM) needs.
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ from torchrec import KeyedJaggedTensor
 from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature, lengths_to_offsets, segment_ids
 
 SPLITS = {"train": 0, "eval": 1}
+# with num_users: examples are an hour of time per batch apart, held-out ones this many batches after the first
+# training example (timestamps are float32: at ~6e7 s they resolve 4 s)
+SECONDS_PER_BATCH = 3600.0
+EVAL_AFTER_BATCHES = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -31,12 +42,15 @@ class SyntheticConfig:
     length_alpha: float = 1.3  # Pareto tail index of history lengths: smaller means heavier tail
     interest_share: float = 0.6  # share of history events drawn from the user's own cluster
     seed: int = 0
+    num_users: int = 0  # 0: every example is a new user; else a fixed population with user ids (module docstring)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_events <= self.max_events:
             raise ValueError(f"need 1 <= min_events <= max_events, got {self.min_events}, {self.max_events}")
         if self.num_ads < self.num_clusters * 10:
             raise ValueError("num_ads must be at least 10 * num_clusters")
+        if self.num_users < 0:
+            raise ValueError(f"num_users must be >= 0, got {self.num_users}")
 
 
 class SyntheticGenerator:
@@ -56,6 +70,7 @@ class SyntheticGenerator:
                 SparseFeature("device", 4),
                 SparseFeature("hour", 24),
                 SparseFeature("user_tags", 512),
+                *((SparseFeature("user_id", c.num_users),) if c.num_users else ()),
             ),
             events=(
                 EventType("purchase", (SparseFeature("purchase_ad_id", c.num_ads), SparseFeature("purchase_account_id", self.num_accounts))),
@@ -74,6 +89,8 @@ class SyntheticGenerator:
         self.ad_bias = torch.randn(c.num_ads, generator=g) * 0.5
         self.hour_bias = torch.randn(24, generator=g) * 0.2
         self.tag_bias = torch.randn(512, generator=g) * 0.3
+        # drawn last, so that the ground truth without users is what it always was
+        self.user_cluster = torch.randint(c.num_clusters, (c.num_users,), generator=g) if c.num_users else None
 
     def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
         """The batch at position ``index`` of ``split``: identical for identical arguments."""
@@ -83,7 +100,14 @@ class SyntheticGenerator:
         g = torch.Generator().manual_seed(((c.seed * 1_000_003 + SPLITS[split]) * 2_147_483_647 + index) % (2**63))
         b, k = batch_size, c.num_clusters
         surface = torch.randint(c.num_surfaces, (b,), generator=g)
-        cluster = torch.randint(k, (b,), generator=g)
+        if c.num_users:
+            user = torch.randint(c.num_users, (b,), generator=g)
+            cluster = self.user_cluster[user]
+            first = index + (EVAL_AFTER_BATCHES if split == "eval" else 0)
+            now = 1e6 + (first + torch.arange(b, dtype=torch.float64) / b) * SECONDS_PER_BATCH
+        else:
+            cluster = torch.randint(k, (b,), generator=g)
+            now = torch.full((b,), 1e6, dtype=torch.float64)
         ad = torch.randint(c.num_ads, (b,), generator=g)
         ad_cluster = ad % k
         # a noisy user segment: right cluster half of the time
@@ -95,8 +119,8 @@ class SyntheticGenerator:
         tags = torch.randint(512, (int(tag_lengths.sum()),), generator=g)
         dense = torch.randn(b, c.num_dense, generator=g)
 
-        purchases, purchase_match = self._events(g, cluster, ad_cluster, c.num_ads, lambda ids: ids // 10)
-        posts, post_match = self._events(g, cluster, ad_cluster, self.num_objects, lambda ids: ids // 4)
+        purchases, purchase_match = self._events(g, cluster, ad_cluster, c.num_ads, lambda ids: ids // 10, now)
+        posts, post_match = self._events(g, cluster, ad_cluster, self.num_objects, lambda ids: ids // 4, now)
         n_events = purchases[3] + posts[3]
         affinity = (purchase_match + post_match) / n_events.clamp(min=1) - 1.0 / k
 
@@ -115,10 +139,11 @@ class SyntheticGenerator:
         labels = torch.bernoulli(probs, generator=g)
 
         one = torch.ones(b, dtype=torch.int64)
+        users = (user,) if c.num_users else ()
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=[f.name for f in self.spec.sparse],
-            values=torch.cat([ad, ad // 10, segment, device, hour, tags]),
-            lengths=torch.cat([one, one, one, one, one, tag_lengths]),
+            values=torch.cat([ad, ad // 10, segment, device, hour, tags, *users]),
+            lengths=torch.cat([one, one, one, one, one, tag_lengths, *(one for _ in users)]),
         )
         return Batch(
             dense=dense,
@@ -131,9 +156,9 @@ class SyntheticGenerator:
             surface=surface,
         )
 
-    def _events(self, g, cluster, ad_cluster, vocab, secondary):
-        """Draw one event type's histories: (primary ids, secondary ids, timestamps, lengths) and per-example
-        counts of events in the candidate's cluster."""
+    def _events(self, g, cluster, ad_cluster, vocab, secondary, now):
+        """Draw one event type's histories, each ending at its example's time ``now [B]``: (primary ids,
+        secondary ids, timestamps, lengths) and per-example counts of events in the candidate's cluster."""
         c, b, k = self.config, cluster.numel(), self.config.num_clusters
         u = torch.rand(b, generator=g)
         lengths = (c.min_events * u.pow(-1.0 / c.length_alpha)).floor().clamp(max=c.max_events).long()
@@ -145,10 +170,10 @@ class SyntheticGenerator:
         event_cluster = torch.where(own, cluster[owner], torch.randint(k, (total,), generator=g))
         ids = event_cluster + k * torch.randint(vocab // k, (total,), generator=g)
         match = torch.zeros(b).index_add_(0, owner, (event_cluster == ad_cluster[owner]).float())
-        # timestamps: exponential gaps (mean one hour), the last event of every example at time 1e6
+        # timestamps: exponential gaps (mean one hour), the last event of every example at its time (default 1e6)
         cumulative = torch.cat([torch.zeros(1), torch.cumsum(torch.empty(total).exponential_(1 / 3600.0, generator=g), 0)])
         last = cumulative[lengths_to_offsets(lengths)[1:]]
-        timestamps = 1e6 - (last[owner] - cumulative[1:])
+        timestamps = now[owner] - (last[owner] - cumulative[1:]).double()
         return (ids, secondary(ids), timestamps, lengths), match
 
     @staticmethod

@@ -50,4 +50,7 @@ def equal_batches(a: Batch, b: Batch) -> bool:
         and torch.equal(a.labels, b.labels)
         and torch.equal(a.surface, b.surface)
         and ((a.source is None and b.source is None) or (a.source is not None and b.source is not None and torch.equal(a.source, b.source)))
+        and a.representations.keys() == b.representations.keys()
+        and all(torch.equal(a.representations[k].values, b.representations[k].values)
+                and torch.equal(a.representations[k].lengths, b.representations[k].lengths) for k in a.representations)
     )
