@@ -8,18 +8,36 @@ from gem_transfer.distillation import (
     listwise_soft_label_loss,
     soft_label_loss,
 )
+from gem_transfer.representation_join import RepresentationJoin
+from gem_transfer.representation_store import (
+    RepresentationError,
+    RepresentationStore,
+    RepresentationWriter,
+    example_times,
+    example_users,
+    random_projection,
+)
+from gem_transfer.representation_tap import RepresentationTap
 from gem_transfer.soft_labels import SoftLabelError, SoftLabelStore, SoftLabelWriter, example_fingerprints, queries_per_example
 
 __all__ = [
     "DistillationOutput",
     "DistilledStudent",
     "ListwiseAdapter",
+    "RepresentationError",
+    "RepresentationJoin",
+    "RepresentationStore",
+    "RepresentationTap",
+    "RepresentationWriter",
     "SoftLabelError",
     "SoftLabelStore",
     "SoftLabelWriter",
     "StudentAdapter",
     "example_fingerprints",
+    "example_times",
+    "example_users",
     "listwise_soft_label_loss",
     "queries_per_example",
+    "random_projection",
     "soft_label_loss",
 ]

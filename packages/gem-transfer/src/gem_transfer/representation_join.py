@@ -1,0 +1,54 @@
+"""LoopFM on the student side: a batch stream whose batches carry each example's deep history from the store.
+
+``RepresentationJoin`` wraps any batch stream (``spec``, iteration, ``state_dict`` / ``load_state_dict``) and
+adds one representation feature to its spec and batches: for every example, the store's representations
+of the same user (``user_feature``) strictly before the example's time (``example_times``), the newest
+``max_events`` of them, oldest first. The store is read-only here and the join is a pure function of
+(user, time), so the stream's own position stays the whole resumable state and any split of a global
+batch over ranks joins each example the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from gem_kunlun import Batch, FeatureSpec, RepresentationFeature
+
+from gem_transfer.representation_store import RepresentationError, RepresentationStore, example_times, example_users
+
+
+class RepresentationJoin:
+    """``source``'s batches with feature ``name`` joined from ``store`` (see the module docstring)."""
+
+    def __init__(self, source: Any, store: RepresentationStore, user_feature: str, max_events: int, name: str = "loopfm") -> None:
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        spec = source.spec
+        if user_feature not in {f.name for f in spec.sparse}:
+            raise RepresentationError(f"user feature {user_feature!r} is not among the data's sparse features "
+                                      f"{[f.name for f in spec.sparse]}")
+        if name in {r.name for r in spec.representations}:
+            raise RepresentationError(f"the data already has a representation feature {name!r}")
+        self.source, self.store, self.user_feature, self.max_events, self.name = source, store, user_feature, max_events, name
+        self._spec = dataclasses.replace(spec, representations=(*spec.representations, RepresentationFeature(name, store.dim)))
+
+    @property
+    def spec(self) -> FeatureSpec:
+        return self._spec
+
+    def attach(self, batch: Batch) -> Batch:
+        """``batch`` with its examples' histories from the store as ``representations[name]``."""
+        history = self.store.history(example_users(batch, self.user_feature), example_times(batch), self.max_events)
+        return dataclasses.replace(batch, representations={**batch.representations, self.name: history})
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in self.source:
+            yield self.attach(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state)
