@@ -40,7 +40,7 @@ def test_parquet_source_trains_and_evaluates(tmp_path):
                           f"--data.eval_path={tmp_path / 'eval.parquet'}")
     assert trainer.spec.tasks == ("click", "conversion")
     for _ in range(4):
-        assert torch.isfinite(torch.tensor(trainer.train_step()["loss"]))
+        assert torch.isfinite(trainer.train_step()["loss"])
     result = trainer.evaluate()
     assert result["click/all/count"] == 128
 

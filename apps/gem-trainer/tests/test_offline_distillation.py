@@ -40,7 +40,7 @@ def student_config(run_dir, *extra):
 def losses(config, steps=STEPS) -> list[float]:
     trainer = Trainer(config, init_distributed("cpu", "gloo"))
     try:
-        return [trainer.train_step()["loss"] for _ in range(steps)]
+        return [float(trainer.train_step()["loss"]) for _ in range(steps)]
     finally:
         trainer.close()
 

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -36,16 +37,35 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     good = local_tensors(trainer.model.state_dict())
 
     poisoned = iter(trainer.stream)
-    first = next(poisoned)
-    trainer._batches = iter([dataclasses.replace(first, dense=torch.full_like(first.dense, float("nan")))])
-    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 11; stopping, the last good checkpoint is .*step-10"):
+    first, second = next(poisoned), next(poisoned)
+    trainer._batches = iter([dataclasses.replace(first, dense=torch.full_like(first.dense, float("nan"))), second])
+    # the loss is read one step late (reading it at once would stall the GPU): step 11 itself returns ...
+    assert math.isnan(float(trainer.train_step()["loss"]))
+    # ... and every later step or checkpoint stops the run, naming the step and the checkpoint kept
+    stop = r"loss is nan at step 11; stopping, the last good checkpoint is .*step-10"
+    with pytest.raises(TrainingDiverged, match=stop):
         trainer.train_step()
+    with pytest.raises(TrainingDiverged, match=stop):
+        trainer.save_checkpoint()
     assert trainer.checkpoints.latest_step() == 10
-    # nothing was updated by the poisoned step
-    after = local_tensors(trainer.model.state_dict())
+    # what a restart continues from is the last good state
+    restarted = Trainer(config, init_distributed("cpu", "gloo"))
+    assert restarted.resume() and restarted.step == 10
+    after = local_tensors(restarted.model.state_dict())
     assert after.keys() == good.keys() and any("t_ad_id" in k for k in after)
     for key, value in after.items():
         assert torch.equal(value, good[key]), key
+
+
+def test_a_diverged_run_stops_before_writing_its_next_checkpoint(tmp_path):
+    config = small_config(tmp_path, "--schedule.steps=4", "--schedule.warmup_steps=1", "--checkpoint.every_steps=2")
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    batches = iter(trainer.stream)
+    first = next(batches)
+    trainer._batches = iter([next(batches), dataclasses.replace(first, dense=torch.full_like(first.dense, float("inf")))])
+    with pytest.raises(TrainingDiverged, match=r"at step 2; stopping, no checkpoint was written"):
+        trainer.train()
+    assert trainer.checkpoints.latest_step() is None
 
 
 def test_state_dict_round_trip_restores_step_data_position_and_schedule(tmp_path):
@@ -191,8 +211,8 @@ def test_mxfp8_emulation_reaches_the_flop_heavy_layers_and_keeps_the_rest_in_hig
     assert not any(part in ("embedding", "heads", "gate") for n in converted for part in n.split("."))
     mx = [m for m in trainer.model.modules() if isinstance(m, MXLinear)]
     assert mx and all(m.recipe.rounding == "rceil" and m.recipe.grad_elem == "e5m2" for m in mx)
-    losses = [trainer.train_step()["loss"] for _ in range(4)]
+    losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
     reference = Trainer(small_config(tmp_path / "fp32", "--schedule.steps=4", "--schedule.warmup_steps=1",
                                      "--checkpoint.enable=false"), trainer.env)
-    exact = [reference.train_step()["loss"] for _ in range(4)]
+    exact = [float(reference.train_step()["loss"]) for _ in range(4)]
     assert losses != exact and losses == pytest.approx(exact, rel=0.05)

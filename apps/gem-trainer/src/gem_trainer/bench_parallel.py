@@ -62,7 +62,7 @@ def worker(args) -> None:
     device = env.device
     losses, flops = [], 0.0
     for _ in range(args.warmup):
-        losses.append(trainer.train_step()["loss"])
+        losses.append(float(trainer.train_step()["loss"]))
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -82,7 +82,7 @@ def worker(args) -> None:
     if env.rank == 0:
         examples = args.steps * config.data.batch_size * env.world_size
         result = {
-            "gpus": env.world_size, "losses": losses, "seconds": elapsed,
+            "gpus": env.world_size, "losses": [float(v) for v in losses], "seconds": elapsed,
             "examples_per_s": examples / elapsed, "tflops": float(totals[0]) / elapsed / 1e12,
             "peak_memory_gb": float(peak_memory[0]) * 2**30 / 1e9, "collectives_used": env.collectives.__dict__,
             "layout": trainer.dims.describe(), "step_footprint": footprint,

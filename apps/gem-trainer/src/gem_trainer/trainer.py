@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gem_data import rank_imbalance
+from gem_data import ReadAhead, rank_imbalance
 from gem_kunlun import MixtureOfExperts
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointManager
@@ -66,7 +66,11 @@ class Trainer:
         self.data = builders.build_data(config, env)
         self.spec = self.data.spec
         self.stream = self.data.train
-        self._batches = iter(self.stream)
+        # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
+        # neither the reader nor the copy to the device holds up the training thread
+        self.input = ReadAhead(self.stream, pin=env.device.type == "cuda", observe=self._reader_report)
+        self._batches = iter(self.input)
+        self._unchecked_loss: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         self._check_ranking_is_possible()
         self.dims = builders.build_parallel_dims(config, env)
         self.meshes = self.dims.build_meshes(env.device.type)
@@ -129,15 +133,15 @@ class Trainer:
         return {
             "step": self.step,
             "world_size": self.env.world_size,
-            "data": self.stream.state_dict(),
+            "data": self.input.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self.stream.load_state_dict(state["data"])
-        self._batches = iter(self.stream)
+        self.input.load_state_dict(state["data"])
+        self._batches = iter(self.input)
         self.scheduler.load_state_dict(state["scheduler"])
         # the scheduler's state does not carry the learning rate it last set on the optimizer
         for group, lr in zip(self.dense_optimizer.param_groups, self.scheduler.get_last_lr()):
@@ -146,6 +150,7 @@ class Trainer:
         random.setstate(state["rng"]["python"])
 
     def save_checkpoint(self) -> None:
+        self.check_divergence()  # never save the update of a step whose loss was not finite
         self.checkpoints.save(self.step, self.distributed_state(), self.state_dict())
 
     def resume(self, step: int | None = None) -> bool:
@@ -178,13 +183,13 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float | torch.Tensor]:
-        """One step; ``grad_norm`` stays a device tensor (reading it would wait for the backward pass), the loss
-        is read anyway by the divergence check."""
+        """One step; ``loss`` (of the global batch) and ``grad_norm`` stay device tensors: reading either would
+        make the host wait for the GPU, which then idles while the host prepares the next launches."""
         host_batch = next(self._batches)
         stored = None
         if self.soft_labels is not None:  # global batch `step`'s rows, found by example
             stored = self.soft_labels.lookup(self.step, example_fingerprints(host_batch)).to(self.env.device)
-        batch = host_batch.to(self.env.device)
+        batch = host_batch.to(self.env.device, non_blocking=True)
         self.model.train()
         with self._autocast():
             if self.teacher is not None:
@@ -201,12 +206,10 @@ class Trainer:
         if self.env.world_size > 1:
             dist.all_reduce(global_loss)
             global_loss /= self.env.world_size
-        if not torch.isfinite(global_loss):
-            # NOTE: checked before backward, because backward already applies the fused sparse update; on the
-            # reduced loss, so that every rank stops together.
-            last = self.checkpoints.latest_step()
-            kept = f"the last good checkpoint is {self.checkpoints.path(last)}" if last is not None else "no checkpoint was written"
-            raise TrainingDiverged(f"loss is {global_loss.item()} at step {self.step + 1}; stopping, {kept}")
+        # NOTE: the previous step's loss is read now, long computed, rather than this one's, which would stall the
+        # host until this forward pass finished; on the reduced loss, so that every rank stops together
+        self.check_divergence()
+        self._unchecked_loss = (self.step + 1, *_copy_to_host(global_loss))
         loss.backward()
         clip = self.config.optimizer.grad_clip
         grad_norm = clip_grad_norm_(self.dense_params, clip if clip is not None else math.inf, self.expert_params,
@@ -223,7 +226,7 @@ class Trainer:
         if self.teacher is not None:  # the teacher runs forward only
             flops += sum(self.teacher_flop_model.flops(host_batch).values())
         return {
-            "loss": global_loss.item(),
+            "loss": global_loss,
             "grad_norm": grad_norm.detach(),
             "lr": self.scheduler.get_last_lr()[0],
             "examples": batch.batch_size,
@@ -264,23 +267,48 @@ class Trainer:
                 self.save_checkpoint()
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.schedule.steps:
                 self.evaluate()
+        self.check_divergence()
         if cfg.checkpoint.enable and self.checkpoints.latest_step() != self.step:
             self.save_checkpoint()
         return {k: float(v) for k, v in metrics.items()}
+
+    def check_divergence(self) -> None:
+        """Raise ``TrainingDiverged`` if the newest step not yet checked had a NaN or infinite loss.
+
+        Checked one step late (see ``train_step``): the diverged step's update is applied in memory, but the run
+        stops at the next step, before any checkpoint can hold it."""
+        if self._unchecked_loss is None:
+            return
+        step, host, copied = self._unchecked_loss
+        if copied is not None:
+            copied.synchronize()
+        value = float(host)
+        if math.isfinite(value):
+            self._unchecked_loss = None
+        else:  # kept: every later check (a checkpoint, the next step) stops again
+            last = self.checkpoints.latest_step()
+            kept = f"the last good checkpoint is {self.checkpoints.path(last)}" if last is not None else "no checkpoint was written"
+            raise TrainingDiverged(f"loss is {value} at step {step}; stopping, {kept}")
 
     def data_report(self) -> dict[str, float]:
         """What the readers skipped under ``data.skip_bad_rows`` (nothing when none were skipped)."""
         count, examples = _skipped_rows(self.data)
         return {"data/bad_rows": float(count)} if count else {}
 
-    def _data_metrics(self) -> dict[str, float]:
-        """Examples read per mixed source, and sequence-token imbalance across ranks (max / mean)."""
+    def _reader_report(self) -> dict[str, float]:
+        """Examples read per mixed source and the balancer's last report; called by the reading thread after each
+        batch (the readers belong to it), delivered with the batch as ``self.input.observed``."""
         values: dict[str, float] = {}
         if self.data.mixer is not None:
             values.update({f"source_{name}": float(n) for name, n in self.data.mixer.counts().items()})
         if self.data.balancer is not None:
             values.update({f"balance_{k}": v for k, v in self.data.balancer.last_report.items()})
-        elif self.env.world_size > 1:
+        return values
+
+    def _data_metrics(self) -> dict[str, float]:
+        """Examples read per mixed source, and sequence-token imbalance across ranks (max / mean)."""
+        values: dict[str, float] = dict(self.input.observed or {})
+        if self.data.balancer is None and self.env.world_size > 1:
             values.update({f"rank_{k}": v for k, v in rank_imbalance(self._last_batch).items()})
         return values
 
@@ -306,6 +334,7 @@ class Trainer:
         return Evaluator(self.model, self.env, self._autocast, self.config.metrics.progress_bar and self.env.rank == 0)
 
     def close(self) -> None:
+        self.input.close()
         self.logger.close()
 
     def _autocast(self):
@@ -314,6 +343,18 @@ class Trainer:
     def _print(self, message: str) -> None:
         if self.env.rank == 0:
             print(message, flush=True)
+
+
+def _copy_to_host(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A host copy of ``value`` queued behind the work that computes it, and the event that marks it done
+    (None on the CPU, where the value is ready)."""
+    if value.device.type != "cuda":
+        return value, None
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def _skipped_rows(data) -> tuple[int, list[str]]:

@@ -14,6 +14,7 @@ from gem_data.errors import BadRows, DataError
 from gem_data.aligned_ranking import AlignedRanking
 from gem_data.alignment import AlignmentError, FeatureAlignment
 from gem_data.mixing import MixedStream, MixingConfig, MixSource
+from gem_data.read_ahead import ReadAhead
 from gem_data.readers.atomic import read_atomic
 from gem_data.readers.parquet import ParquetTable, write_parquet
 from gem_data.readers.text import read_sequence_text
@@ -46,6 +47,7 @@ __all__ = [
     "NextItemTable",
     "ParquetTable",
     "RankingExamples",
+    "ReadAhead",
     "SequenceCorpus",
     "ShardedStream",
     "SyntheticConfig",

@@ -1,0 +1,117 @@
+"""``ReadAhead``: a ``BatchSource`` whose batches are produced on a background thread, ahead of the trainer.
+
+The training thread then never waits for a reader, and with ``pin=True`` the batches arrive in page-locked
+host memory, so that ``batch.to(cuda, non_blocking=True)`` is queued behind the GPU's work instead of
+stalling the host until the GPU has drained (a pageable copy does, and the GPU then idles while the host
+launches the next forward pass). Pinning costs a host copy per batch; on the background thread it overlaps
+the step, which is why it is not done where the batch is used.
+
+The thread runs at most ``depth`` batches ahead. Its source advances ahead of the trainer, so the state
+that counts is the one recorded right after each *delivered* batch: ``state_dict`` returns it, and a new
+``iter`` (or ``load_state_dict``) stops the thread and rewinds the source there, so nothing read ahead is
+lost or repeated on resume. For the same reason, what the trainer reports about its readers (examples per
+mixed source) is taken by ``observe`` on the reading thread right after each batch, the only thread that
+touches the readers, and handed out with the batch as ``observed``.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from gem_kunlun import Batch, FeatureSpec
+
+_END = object()
+
+
+class _Failed:
+    """An exception raised by the source on the background thread, re-raised where the batch was wanted."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class ReadAhead:
+    """Read ``source`` (any ``BatchSource``) ``depth`` batches ahead on one background thread; ``pin``: hand out
+    batches in page-locked memory (needs a CUDA build and device); ``observe``: called after each batch on the
+    reading thread, its value for the last delivered batch is ``observed``."""
+
+    def __init__(self, source, depth: int = 2, pin: bool = False, observe: Callable[[], Any] | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"ReadAhead depth must be >= 1, got {depth}")
+        self.source, self.depth, self.pin, self.observe = source, depth, pin, observe
+        self._delivered: dict[str, Any] | None = None  # the source's state after the last delivered batch
+        self.observed: Any = None
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def spec(self) -> FeatureSpec:
+        return self.source.spec
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.close()
+        self._delivered = copy.deepcopy(self.source.state_dict())
+        ready: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._produce, args=(ready, stop), name="gem-read-ahead", daemon=True)
+        self._stop, self._thread = stop, thread
+        thread.start()
+        return self._deliver(ready, stop)
+
+    def _deliver(self, ready: queue.Queue, stop: threading.Event) -> Iterator[Batch]:
+        while not stop.is_set():
+            item = ready.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            batch, state, self.observed = item
+            self._delivered = state
+            yield batch
+
+    def _produce(self, ready: queue.Queue, stop: threading.Event) -> None:
+        def put(item) -> bool:
+            # NOTE: a bounded wait, so that a stopped reader never stays blocked on a full queue
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        batches = iter(self.source)
+        try:
+            for batch in batches:
+                state = copy.deepcopy(self.source.state_dict())
+                observed = self.observe() if self.observe is not None else None
+                if not put((batch.pin_memory() if self.pin else batch, state, observed)):
+                    return
+            put(_END)
+        except BaseException as error:  # handed to the training thread, which raises it
+            put(_Failed(error))
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
+    def close(self) -> None:
+        """Stop the background thread and rewind the source to the last delivered batch."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = self._stop = None
+        if self._delivered is not None:
+            self.source.load_state_dict(self._delivered)
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self._delivered) if self._delivered is not None else self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()
+        self.source.load_state_dict(state)
+        self._delivered = None
