@@ -1,4 +1,4 @@
-"""Smoke test of the training benchmark harness on CPU: a tiny Kunlun, both variants, the JSON it writes."""
+"""Smoke test of the training benchmark harness on CPU: a tiny Kunlun, every variant, the JSON it writes."""
 
 import json
 from pathlib import Path
@@ -39,25 +39,34 @@ def test_bench_batches_have_lognormal_lengths_and_are_valid():
     assert all(bool((t[a + 1:b] >= t[a:b - 1]).all()) for a, b in zip(off[:-1].tolist(), off[1:].tolist()))
 
 
-@pytest.mark.slow  # ~15 s on 2 cores: two tiny models trained and profiled
-def test_bench_runs_both_variants_and_writes_the_json(tmp_path):
+@pytest.mark.slow  # ~25 s on 2 cores: tiny models trained and profiled
+def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
     out = tmp_path / "train.json"
+    other = tmp_path / "small.toml"
+    other.write_text('[model]\nname = "baseline"\n[data]\nbatch_size = 8\n[data.synthetic]\nmax_events = 8\n')
     doc = bench.main(["--config", str(CONFIG), "--out", str(out), "--device", "cpu", "--batch-size", "4",
                       "--sparse-features", "3", "--mean-len", "40", "--max-len", "96", "--warmup", "1",
-                      "--steps", "1", "--profile-steps", "1", "--batches", "2", *TINY])
+                      "--steps", "2", "--profile-steps", "1", "--batches", "2", "--trainer-configs", str(other),
+                      "--trainer-override", "data.eval_batches=1", *TINY])
     written = json.loads(out.read_text())
     assert written["meta"]["command"].startswith("python -m gem_trainer.bench")
     for key in ("date", "commit", "torch", "device"):
         assert written["meta"][key]
-    assert set(written["variants"]) == {"gem", "plain"} and not written["errors"]
-    for name, kernel in (("gem", "auto"), ("plain", "builtin")):
+    assert set(written["variants"]) == {"gem", "bare", "plain"} and not written["errors"]
+    assert written["variants"]["gem"]["step"] == "Trainer.train_step"  # the trainer's own step, not a copy
+    for name, kernel in (("gem", "auto"), ("bare", "auto"), ("plain", "builtin")):
         v = written["variants"][name]
         assert v["kernel"] == kernel and v["examples_per_s"] > 0 and v["loss_finite"]
         assert v["tflops"] >= 0 and 0 <= v["mfu_local"] < 1
-        components = v["components_ms_per_step"]
-        assert {"attention", "pffn", "moe", "embedding"} <= set(components)
+        assert v["examples_per_s"] == pytest.approx(4 / v["step_ms"] * 1e3, rel=0.01)
+    for name in ("gem", "plain"):
+        assert {"attention", "pffn", "moe", "embedding"} <= set(written["variants"][name]["components_ms_per_step"])
     assert written["config"]["forward_gflop_per_example"] > 0
-    assert doc["gem_vs_plain"]["examples_per_s_ratio"] > 0
+    assert doc["gem_vs_plain"]["examples_per_s_ratio"] > 0 and doc["trainer_overhead"] > 0
+    assert set(doc["targets"]) == {"mfu_local >= 0.30", "examples_per_s >= 1.5x plain", "trainer_overhead <= 1.10"}
+    small = written["trainer_configs"][str(other)]
+    assert small["gem"]["examples_per_s"] == pytest.approx(8 / small["gem"]["step_ms"] * 1e3, rel=0.01)
+    assert small["bare"]["loss_finite"] and small["trainer_overhead"] > 0
 
 
 def test_backward_time_is_attributed_to_the_component_that_ran_forward():

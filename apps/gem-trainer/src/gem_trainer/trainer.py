@@ -60,10 +60,11 @@ class Trainer:
     exactly where the last checkpoint left off.
     """
 
-    def __init__(self, config: TrainerConfig, env: DistributedEnv) -> None:
+    def __init__(self, config: TrainerConfig, env: DistributedEnv, data: builders.DataSetup | None = None) -> None:
+        """``data``: what to train on instead of what ``config.data`` describes (the training benchmark's batches)."""
         self.config, self.env = config, env
         set_determinism(config.seed, config.deterministic)
-        self.data = builders.build_data(config, env)
+        self.data = data if data is not None else builders.build_data(config, env)
         self.spec = self.data.spec
         self.stream = self.data.train
         # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
