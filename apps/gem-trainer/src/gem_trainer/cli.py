@@ -1,4 +1,4 @@
-"""gem-trainer: train, eval, config, flops, plot, launch, and posttrain / distill for offline distillation.
+"""gem-trainer: train, eval, config, flops, plot, launch, posttrain / distill for offline distillation, precompute for Solaris.
 
 Every subcommand takes --config FILE (the embedded default when omitted) and any number of
 --section.field=value overrides (TOML values; "none" switches an optional field off).
@@ -28,8 +28,10 @@ COMMAND_HELP = {
     "plot": "PNG curves of a run's metrics (run_dir/metrics.jsonl)",
     "launch": "start `train` (or --command distill / posttrain) through torchrun (processes from parallelism.nproc_per_node)",
     "posttrain": "run the teacher (distillation.teacher_run_dir) once over the training stream and write its logits "
-                 "to distillation.soft_labels",
+                 "to distillation.soft_labels and/or its LoopFM representations to loopfm.store",
     "distill": "train the student on true labels plus the teacher's logits stored at distillation.soft_labels, then evaluate",
+    "precompute": "Solaris: score candidate pairs with the teacher (distillation.teacher_run_dir) into the cache of "
+                  "[solaris], then report the lookup's hit rate per fallback level, staleness and latency",
 }
 # exit codes of the one-line errors
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_DATA = 2, 3, 4, 5
@@ -84,7 +86,7 @@ def _one_line_kind(error: Exception) -> tuple[str | None, int]:
 
     from gem_trainer.checkpoint import CheckpointError
     from gem_trainer.trainer import TrainingDiverged
-    from gem_transfer import SoftLabelError
+    from gem_transfer import RepresentationError, SoftLabelError
 
     if isinstance(error, ConfigError):
         return "config error", EXIT_CONFIG
@@ -92,7 +94,7 @@ def _one_line_kind(error: Exception) -> tuple[str | None, int]:
         return "diverged", EXIT_DIVERGED
     if isinstance(error, CheckpointError):
         return "checkpoint error", EXIT_CHECKPOINT
-    if isinstance(error, (DataError, FileNotFoundError, SoftLabelError)):
+    if isinstance(error, (DataError, FileNotFoundError, SoftLabelError, RepresentationError)):
         return "data error", EXIT_DATA
     return None, 1
 
@@ -141,11 +143,35 @@ def _posttrain(config: TrainerConfig, args, overrides) -> int:
     try:
         started = time.perf_counter()
         written = posttrain(config, env)
-        if env.rank == 0:
+        if env.rank == 0 and written["folder"] is not None:
             print(f"wrote the teacher's logits (checkpoint step {written['teacher_step']}) for {written['rows']} examples "
                   f"of {written['steps']} steps to {written['folder']} in {time.perf_counter() - started:.0f} s")
+        if env.rank == 0 and "representations" in written:
+            r = written["representations"]
+            resumed = f", continuing a pass cut short at step {r['resumed_at']}" if r["resumed_at"] else ""
+            print(f"wrote the teacher's LoopFM representations of {r['rows']} examples to {r['folder']}{resumed}")
     finally:
         shutdown_distributed()
+    return 0
+
+
+def _precompute(config: TrainerConfig, args, overrides) -> int:
+    from gem_trainer.distributed import init_distributed, shutdown_distributed
+    from gem_trainer.precompute import precompute
+    from gem_transfer.solaris import format_summary
+
+    env = init_distributed(config.device, config.parallelism.collectives)
+    try:
+        report = precompute(config, env)
+    finally:
+        shutdown_distributed()
+    w = report["worker"]
+    print(f"precomputed {w['written_pairs']} pairs of {w['users']} users ({w['duplicate_rows']} repeated rows skipped) "
+          f"with the teacher at step {report['teacher']['step']} into the {report['backend']} cache in {w['pass_s']:.0f} s "
+          f"({w['pairs_per_s']:.0f} pairs/s)")
+    for name, summary in report["lookup"].items():
+        print("\n" + format_summary(summary, f"lookups of {name} pairs"))
+    print(f"\nreport written to {Path(config.solaris.output) / 'report.json'}")
     return 0
 
 
@@ -248,7 +274,7 @@ def _launch(config: TrainerConfig, args, overrides) -> int:
 
 
 COMMANDS = {"train": _train, "eval": _eval, "config": _config, "flops": _flops, "plot": _plot, "launch": _launch,
-            "posttrain": _posttrain, "distill": _distill}
+            "posttrain": _posttrain, "distill": _distill, "precompute": _precompute}
 
 if __name__ == "__main__":
     sys.exit(main())

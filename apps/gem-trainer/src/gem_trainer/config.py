@@ -138,6 +138,7 @@ class SyntheticDataConfig(Section):
     num_clusters: int = Field(16, ge=1)
     min_events: int = Field(4, ge=1)
     max_events: int = Field(256, ge=1)
+    num_users: int = Field(0, ge=0)  # 0: every example a new user; else a population with user ids, in time order
 
 
 class SequentialDataConfig(Section):
@@ -364,6 +365,53 @@ class DistillationConfig(Section):
     adapter: bool = True
 
 
+class LoopFMConfig(Section):
+    """LoopFM: the teacher's compact representation of every example, kept per user in time order, read back by
+    the student as an extra input.
+
+    ``gem-trainer posttrain`` (with ``distillation.teacher_run_dir``) writes ``store`` in the same teacher pass
+    as the soft labels: layer ``layer`` of the teacher (``"representation"``: what its heads read, or a dotted
+    submodule name) projected to ``dim`` values by the fixed Gaussian matrix of ``projection_seed``, keyed by
+    the sparse feature ``user_feature`` and the example's time; a pass cut short continues when run again.
+    ``train`` / ``distill`` with ``store`` set give every example the newest ``max_events`` representations of
+    its user strictly before its time, as the representation feature ``loopfm``."""
+
+    store: str | None = None
+    layer: str = "representation"
+    dim: int = Field(16, ge=1)
+    projection_seed: int = 0
+    user_feature: str = "user_id"
+    max_events: int = Field(32, ge=1)
+
+
+class SolarisConfig(Section):
+    """Speculative precompute (``gem-trainer precompute``, ``gem_transfer.solaris``): the teacher of
+    ``distillation.teacher_run_dir`` scores candidate pairs of this config's data (each row a (user, candidate)
+    pair) into a cache that serving looks up, falling back to the user's recent embeddings in the item's group,
+    to similar users, then to a default."""
+
+    output: str | None = None  # folder for report.json, the user index, the default and the in-process cache
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "solaris"  # Redis keys are {key_prefix}:...
+    item_feature: str = "ad_id"  # the sparse feature naming the candidate (one id per row)
+    group_feature: str = "advertiser_id"  # the sparse feature grouping candidates (one id per row)
+    user_feature: str | None = None  # a user-id sparse feature; None: a fingerprint of each row's request side
+    pairs: int = Field(8192, ge=1)  # candidate pairs precomputed: the first rows of the training stream (whole batches)
+    lookups: int = Field(2048, ge=1)  # lookups replayed for the report, per kind of traffic
+    ttl_s: float = Field(3600.0, gt=0)  # entries older than this are not served
+    recent: int = Field(8, ge=1)  # entries kept per user and item group
+    neighbours: int = Field(8, ge=0)  # similar users asked (0: no neighbour level)
+    behaviour_dim: int = Field(64, ge=8)  # width of the hashed behaviour vectors the neighbour search compares
+    queue_batches: int = Field(4, ge=1)  # batches waiting for the teacher before the reader waits
+
+    @model_validator(mode="after")
+    def _distinct_keys(self) -> "SolarisConfig":
+        if self.item_feature == self.group_feature or self.user_feature in (self.item_feature, self.group_feature):
+            raise ValueError("solaris.item_feature, .group_feature and .user_feature must name different features")
+        return self
+
+
 class TrainerConfig(Section):
     run_dir: str = "runs/default"
     seed: int = 0
@@ -379,6 +427,8 @@ class TrainerConfig(Section):
     metrics: MetricsConfig = MetricsConfig()
     eval: EvalConfig = EvalConfig()
     distillation: DistillationConfig = DistillationConfig()
+    loopfm: LoopFMConfig = LoopFMConfig()
+    solaris: SolarisConfig = SolarisConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainerConfig":
@@ -392,7 +442,19 @@ class TrainerConfig(Section):
         if synthetic.num_ads < 10 * synthetic.num_clusters:
             raise ValueError("data.synthetic.num_ads must be at least 10 * data.synthetic.num_clusters")
         self._check_retrieval()
+        self._check_loopfm()
         return self
+
+    def _check_loopfm(self) -> None:
+        """The LoopFM input reaches the models that read representation features, through pointwise evaluation."""
+        if self.loopfm.store is None:
+            return
+        if self.model.name == "sasrec":
+            raise ValueError("loopfm.store: SASRec reads item ids only; use model.name = \"kunlun\", \"interformer\", "
+                             "\"domain_experts\" or \"baseline\"")
+        if self.data.source in ("sequence_text", "atomic"):
+            raise ValueError("loopfm.store: next-item data is evaluated by ranking, which does not join representations; "
+                             "use pointwise data (data.source = \"synthetic\" or \"parquet\")")
 
     def _check_retrieval(self) -> None:
         """Retrieval examples need a model whose request side ignores the candidate."""

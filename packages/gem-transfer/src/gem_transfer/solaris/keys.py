@@ -39,6 +39,14 @@ class PairKeys:
     def select(self, rows: np.ndarray) -> PairKeys:
         return PairKeys(self.users[rows], self.items[rows], self.groups[rows], self.behaviour[rows])
 
+    def head(self, n: int) -> PairKeys:
+        """The first ``n`` pairs (all of them where there are fewer)."""
+        return self.select(np.arange(min(n, len(self))))
+
+    @staticmethod
+    def concat(parts: list[PairKeys]) -> PairKeys:
+        return PairKeys(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("users", "items", "groups", "behaviour")))
+
 
 def single_ids(kjt: KeyedJaggedTensor, name: str) -> np.ndarray:
     """``[B]`` the one id each row holds in feature ``name``; a row with none or several is a ``ValueError``."""

@@ -17,10 +17,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from gem_transfer.solaris.cache import CacheBackend, CacheEntry
+from gem_transfer.solaris.cache import CacheBackend, CacheEntry, CacheError
 from gem_transfer.solaris.neighbours import UserIndex
 from gem_transfer.solaris.report import LookupStats
 
@@ -35,16 +36,20 @@ class Served:
 
 
 class DefaultEmbedding:
-    """The running mean of every embedding written (zeros of ``width`` before the first); thread-safe."""
+    """The running mean of every embedding written (zeros before the first: of ``width``, or empty where the
+    width is left to the first embeddings added); thread-safe."""
 
-    def __init__(self, width: int) -> None:
-        self._sum = np.zeros(width, np.float64)
+    def __init__(self, width: int | None = None) -> None:
+        self._sum = np.zeros(width or 0, np.float64)
         self._count = 0
         self._lock = threading.Lock()
 
     def add(self, embeddings: np.ndarray) -> None:
+        embeddings = np.asarray(embeddings, np.float64)
         with self._lock:
-            self._sum += np.asarray(embeddings, np.float64).sum(0)
+            if self._count == 0 and self._sum.shape[0] != embeddings.shape[1]:
+                self._sum = np.zeros(embeddings.shape[1], np.float64)
+            self._sum += embeddings.sum(0)
             self._count += len(embeddings)
 
     def value(self) -> np.ndarray:
@@ -60,6 +65,21 @@ class DefaultEmbedding:
         default = cls(len(state["sum"]))
         default._sum, default._count = np.asarray(state["sum"], np.float64), int(state["count"])
         return default
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        state = self.state()
+        with open(path, "wb") as out:
+            np.savez(out, sum=state["sum"], count=np.int64(state["count"]))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> DefaultEmbedding:
+        try:
+            with np.load(Path(path)) as data:
+                return cls.from_state({"sum": data["sum"], "count": int(data["count"])})
+        except (OSError, KeyError, ValueError) as error:
+            raise CacheError(f"{path}: not a Solaris default embedding ({error})") from None
 
 
 class FallbackLookup:

@@ -38,6 +38,7 @@ class PrecomputeWorker:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self._seen: set[tuple[int, int]] = set()
         self._error: BaseException | None = None
+        self._aborted = False
         self.counts = {"submitted_rows": 0, "duplicate_rows": 0, "scored_batches": 0, "scored_rows": 0, "written_pairs": 0}
         self.seconds = {"score": 0.0, "write": 0.0}
         self._thread = threading.Thread(target=self._run, name="solaris-precompute", daemon=True)
@@ -66,6 +67,12 @@ class PrecomputeWorker:
         self._raise_if_failed()
         return self.stats()
 
+    def abort(self) -> None:
+        """Stop without writing what is still queued (the caller is failing anyway); never raises."""
+        self._aborted = True
+        self._queue.put(None)
+        self._thread.join()
+
     def stats(self) -> dict:
         return {**self.counts, "score_s": round(self.seconds["score"], 3), "write_s": round(self.seconds["write"], 3)}
 
@@ -78,7 +85,7 @@ class PrecomputeWorker:
             job = self._queue.get()
             if job is None:
                 return
-            if self._error is None:  # after a failure the queue is drained unprocessed, so submit never blocks
+            if self._error is None and not self._aborted:  # else drained unprocessed, so submit never blocks
                 try:
                     self._process(*job)
                 except BaseException as error:  # noqa: BLE001 - handed to the submitting thread

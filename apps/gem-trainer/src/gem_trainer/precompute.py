@@ -1,0 +1,195 @@
+"""``gem-trainer precompute``: Solaris's speculative precompute, from config (``[solaris]``).
+
+The finished teacher (``distillation.teacher_run_dir``) scores candidate pairs of this config's data: each row
+of the training stream is one (user, candidate) pair, as an earlier ranking stage would hand them over, and the
+first ``solaris.pairs`` rows (whole batches) are precomputed. A pair's embedding is the teacher's representation
+of that user with that candidate: the hidden state its task heads read (``ModelOutput.representation``, ``[R]``).
+A background worker (``gem_transfer.solaris.PrecomputeWorker``) runs the teacher and writes each pair once,
+with its timestamp, to the cache of ``solaris.backend`` (in-process, or a Redis server at ``solaris.redis_url``).
+
+The lookup is then replayed on two kinds of traffic, each ``solaris.lookups`` requests, and its report (hit
+rate per fallback level, staleness, latency) printed and written:
+- ``precomputed``: precomputed pairs (the serving stage asks for what the earlier stage predicted);
+- ``unpredicted``: the rows of the stream after the precomputed ones (pairs nobody predicted: the fallback).
+
+``solaris.output`` receives ``report.json``, the user index (``users.npz``), the default embedding
+(``default.npz``) and, for the in-process backend, the cache itself (``cache.npz``); with Redis, entries the
+server had not taken when the pass ended (it went away and did not come back) go to ``unflushed.npz`` instead of
+being lost. ``solaris_lookup(config)`` opens them again for serving. The folder appears only once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from gem_kunlun import Batch, FeatureSpec
+from gem_trainer import builders
+from gem_trainer.checkpoint import CheckpointManager
+from gem_trainer.config import ConfigError, TrainerConfig
+from gem_trainer.distributed import DistributedEnv
+from gem_trainer.metrics import progress
+from gem_trainer.step import autocast, autocast_dtype
+from gem_transfer.solaris import (
+    CacheError,
+    DefaultEmbedding,
+    FallbackLookup,
+    LookupStats,
+    MemoryCache,
+    PairKeys,
+    PrecomputeWorker,
+    RedisCache,
+    UserIndex,
+    load_entries,
+    pair_keys,
+    save_entries,
+)
+
+TRAFFIC = ("precomputed", "unpredicted")
+
+
+def build_cache(config: TrainerConfig, clock=None) -> MemoryCache | RedisCache:
+    """The cache of ``solaris.backend``; an unreachable Redis server is a one-line ``ConfigError``."""
+    s = config.solaris
+    if s.backend == "memory":
+        return MemoryCache(s.ttl_s, s.recent, clock)
+    try:
+        return RedisCache(s.redis_url, s.ttl_s, s.recent, prefix=s.key_prefix, clock=clock)
+    except CacheError as error:
+        raise ConfigError(f"solaris.redis_url: {error}") from None
+
+
+def check_features(config: TrainerConfig, spec: FeatureSpec) -> None:
+    """The pair's item, group and user features must be sparse features of the data."""
+    s, names = config.solaris, [f.name for f in spec.sparse]
+    for field in ("item_feature", "group_feature", "user_feature"):
+        name = getattr(s, field)
+        if name is not None and name not in names:
+            raise ConfigError(f"solaris.{field}: {name!r} is not a sparse feature of the data (it has {names})")
+
+
+def _keys(config: TrainerConfig, batch: Batch) -> PairKeys:
+    s = config.solaris
+    try:
+        return pair_keys(batch, s.item_feature, s.group_feature, s.user_feature, s.behaviour_dim)
+    except ValueError as error:
+        raise ConfigError(f"solaris: {error}") from None
+
+
+def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
+    """Runs the pass and the report; returns the report (also written to ``solaris.output/report.json``)."""
+    s, d = config.solaris, config.distillation
+    if env.world_size > 1:
+        raise ConfigError("precompute runs in one process (its worker is a thread): run it without torchrun")
+    if d.teacher_run_dir is None:
+        raise ConfigError("precompute needs distillation.teacher_run_dir (the finished teacher that scores the pairs)")
+    if s.output is None:
+        raise ConfigError("precompute needs solaris.output (a folder for its report, user index and cache)")
+    output = Path(s.output)
+    if output.exists():
+        raise ConfigError(f"solaris.output: {output} already exists: remove it or choose another folder")
+    if config.data.source in ("sequence_text", "atomic") and config.data.sequential.objective == "retrieval":
+        raise ConfigError("solaris: precompute scores (user, candidate) rows: use data.sequential.objective = \"pointwise\"")
+    data = builders.build_data(config, env)
+    check_features(config, data.spec)
+    teacher, _ = builders.build_teacher(config, data.spec, env)
+    teacher_step = CheckpointManager(Path(d.teacher_run_dir) / "checkpoints", keep_latest=1).latest_step()
+    precision = autocast_dtype(config.precision.autocast, env.device)
+
+    def score(batch: Batch) -> torch.Tensor:
+        with torch.no_grad(), autocast(env.device, precision):
+            representation = teacher(batch.to(env.device)).representation
+        if representation is None:
+            raise ConfigError("distillation.teacher_run_dir: the teacher's model returns no representation to cache")
+        return representation.float().cpu()
+
+    cache = build_cache(config)
+    index, default = UserIndex(s.behaviour_dim), DefaultEmbedding()
+    worker = PrecomputeWorker(score, cache, index, default, queue_size=s.queue_batches)
+    started = time.perf_counter()
+    try:
+        batches = iter(data.train)
+        steps = math.ceil(s.pairs / config.data.batch_size)
+        precomputed: list[PairKeys] = []
+        for _ in progress(range(steps), steps, "precompute", config.metrics.progress_bar):
+            batch = next(batches, None)
+            if batch is None:
+                break  # a finite source ended: its rows are all there is
+            keys = _keys(config, batch)
+            worker.submit(batch, keys)
+            precomputed.append(keys)
+        if not precomputed:
+            raise ConfigError("data: the training stream holds no rows to precompute")
+        unpredicted, rows = [], 0
+        while rows < s.lookups and (batch := next(batches, None)) is not None:
+            unpredicted.append(_keys(config, batch))
+            rows += batch.batch_size
+        counts = worker.close()
+        pass_s = time.perf_counter() - started
+        lookup = FallbackLookup(cache, index, default, s.ttl_s, s.neighbours)
+        traffic = {"precomputed": PairKeys.concat(precomputed).head(s.lookups)}
+        if unpredicted:
+            traffic["unpredicted"] = PairKeys.concat(unpredicted).head(s.lookups)
+        report = {"teacher": {"run_dir": str(d.teacher_run_dir), "step": teacher_step}, "backend": s.backend,
+                  "worker": {**counts, "users": len(index), "pass_s": round(pass_s, 2),
+                             "pairs_per_s": round(counts["written_pairs"] / max(pass_s, 1e-9), 1)},
+                  "lookup": {name: replay(lookup, keys) for name, keys in traffic.items()}}
+        _publish(output, report, cache, index, default)
+    except BaseException:
+        worker.abort()
+        raise
+    finally:
+        cache.close()
+    return report
+
+
+def replay(lookup: FallbackLookup, keys: PairKeys) -> dict:
+    """Look every pair of ``keys`` up once, in order, with fresh statistics; returns their summary."""
+    lookup.stats = LookupStats()
+    for row in range(len(keys)):
+        lookup.lookup(keys.users[row], keys.items[row], keys.groups[row], keys.behaviour[row])
+    return lookup.stats.summary()
+
+
+def _publish(output: Path, report: dict, cache, index: UserIndex, default: DefaultEmbedding) -> None:
+    """Write the folder's files into a staging sibling and move it into place, so a pass cut short leaves none."""
+    staging = output.with_name(f"{output.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    index.save(staging / "users.npz")
+    default.save(staging / "default.npz")
+    if isinstance(cache, MemoryCache):
+        cache.save(staging / "cache.npz")
+        report["cache_entries"] = len(cache)
+    else:
+        left = cache.flush()
+        if left:
+            save_entries(cache.unflushed(), staging / "unflushed.npz")
+        report["unflushed_entries"] = left
+    (staging / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    staging.rename(output)
+
+
+def solaris_lookup(config: TrainerConfig, clock=None) -> FallbackLookup:
+    """The lookup over a finished precompute (``solaris.output``) with ``solaris.backend``: what serving uses."""
+    s = config.solaris
+    output = Path(s.output) if s.output is not None else None
+    if output is None or not (output / "report.json").is_file():
+        raise ConfigError(f"solaris.output: {output} holds no finished precompute (run `gem-trainer precompute`)")
+    try:
+        index = UserIndex.load(output / "users.npz")
+        default = DefaultEmbedding.load(output / "default.npz")
+        if s.backend == "memory":
+            cache = MemoryCache.load(output / "cache.npz", s.ttl_s, s.recent, clock)
+        else:
+            cache = build_cache(config, clock)
+            if (output / "unflushed.npz").is_file():  # what the server had not taken when the pass ended
+                cache.put(load_entries(output / "unflushed.npz"))
+    except CacheError as error:
+        raise ConfigError(f"solaris.output: {error}") from None
+    return FallbackLookup(cache, index, default, s.ttl_s, s.neighbours, clock)

