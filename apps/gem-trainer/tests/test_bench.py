@@ -46,7 +46,7 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
     other.write_text('[model]\nname = "baseline"\n[data]\nbatch_size = 8\n[data.synthetic]\nmax_events = 8\n')
     doc = bench.main(["--config", str(CONFIG), "--out", str(out), "--device", "cpu", "--batch-size", "4",
                       "--sparse-features", "3", "--mean-len", "40", "--max-len", "96", "--warmup", "1",
-                      "--steps", "2", "--profile-steps", "1", "--batches", "2", "--trainer-configs", str(other),
+                      "--steps", "2", "--profile-steps", "1", "--batches", "2", "--trainer-configs", str(other), "--config-steps", "2",
                       "--trainer-override", "data.eval_batches=1", *TINY])
     written = json.loads(out.read_text())
     assert written["meta"]["command"].startswith("python -m gem_trainer.bench")

@@ -363,7 +363,7 @@ def run_variant(name: str, kernel: str, config, batches: list[Batch], flops_per_
         sync(device)
         step_times.append(time.perf_counter() - start)
     result["step_ms_median"] = round(sorted(step_times)[len(step_times) // 2] * 1e3, 2)
-    timed_back_to_back(name, step, result, args.batch_size, args, device, log)
+    timed_back_to_back(name, step, result, args.batch_size, args.steps, device, log)
     if args.profile_steps > 0:
         profile_components(name, model, step, result, args, device, log)
     del model, optimizers
@@ -397,7 +397,8 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
                 return metrics["loss"], metrics["flops"]
 
             warm_up("gem", trainer_step, gem, args, device, log)
-            timed_back_to_back("gem", trainer_step, gem, config.data.batch_size, args, device, log)
+            steps = args.steps if data is not None else args.config_steps
+            timed_back_to_back("gem", trainer_step, gem, config.data.batch_size, steps, device, log)
             if profile and args.profile_steps > 0:
                 profile_components("gem", trainer.model.module, trainer_step, gem, args, device, log)
 
@@ -417,7 +418,7 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
                 return loss.detach(), flops[i % len(batches)]
 
             warm_up("bare", bare_step, bare, args, device, log)
-            timed_back_to_back("bare", bare_step, bare, config.data.batch_size, args, device, log)
+            timed_back_to_back("bare", bare_step, bare, config.data.batch_size, steps, device, log)
         finally:
             trainer.close()
     del trainer
@@ -443,18 +444,18 @@ def warm_up(name: str, step, result: dict, args, device, log) -> None:
     log(f"[{name}] warm-up {args.warmup} steps in {result['warmup_s']} s, losses {[round(x, 4) for x in losses]}")
 
 
-def timed_back_to_back(name: str, step, result: dict, batch_size: int, args, device, log) -> None:
-    """Time ``args.steps`` calls of ``step(i)`` (returning the loss and the step's model FLOPs) with one device
-    sync at the end, as training runs; fill ``result`` with the rates."""
+def timed_back_to_back(name: str, step, result: dict, batch_size: int, steps: int, device, log) -> None:
+    """Time ``steps`` calls of ``step(i)`` (returning the loss and the step's model FLOPs) with one device sync
+    at the end, as training runs; fill ``result`` with the rates."""
     sync(device)
     start = time.perf_counter()
-    outputs = [step(i) for i in range(args.steps)]
+    outputs = [step(i) for i in range(steps)]
     sync(device)
-    step_s = (time.perf_counter() - start) / args.steps
+    step_s = (time.perf_counter() - start) / steps
     losses = [float(loss) for loss, _ in outputs]
-    tflops = sum(f for _, f in outputs) / args.steps / step_s / 1e12
+    tflops = sum(f for _, f in outputs) / steps / step_s / 1e12
     result.update({
-        "steps_timed": args.steps,
+        "steps_timed": steps,
         "step_ms": round(step_s * 1e3, 2),
         "examples_per_s": round(batch_size / step_s, 1),
         "tflops": round(tflops, 1),
@@ -611,6 +612,7 @@ def parse_args(argv):
                    help=f"a comma list of {', '.join(VARIANTS)} (gem also measures bare: the same trainer)")
     p.add_argument("--trainer-configs", default="",
                    help="more trainer configs (a comma list of files) whose gem and bare steps run on their own data")
+    p.add_argument("--config-steps", type=int, default=200, help="timed steps of each --trainer-configs run")
     p.add_argument("--trainer-override", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="an override for every --trainer-configs run (e.g. data.path=...); repeatable")
     p.add_argument("--warmup", type=int, default=3)
