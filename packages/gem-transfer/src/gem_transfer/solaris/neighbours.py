@@ -60,8 +60,9 @@ class UserIndex:
                 return []
             scores = self._vectors[:n] @ (vector / norm)
             users = self._users[:n].copy()
-        if exclude is not None and exclude in self._rows:
-            scores[self._rows[exclude]] = -np.inf
+            excluded = self._rows.get(exclude) if exclude is not None else None
+        if excluded is not None:
+            scores[excluded] = -np.inf
         take = min(k, n)
         top = np.argpartition(-scores, take - 1)[:take]
         top = top[np.argsort(-scores[top], kind="stable")]
