@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,7 +51,14 @@ from gem_parallel import (
     shard_embeddings,
 )
 from gem_trainer.config import TrainerConfig
-from gem_transfer import DistilledStudent, SoftLabelError, SoftLabelStore
+from gem_transfer import (
+    DistilledStudent,
+    RepresentationError,
+    RepresentationJoin,
+    RepresentationStore,
+    SoftLabelError,
+    SoftLabelStore,
+)
 from gem_trainer.distributed import DistributedEnv
 
 
@@ -64,6 +72,7 @@ def build_generator(config: TrainerConfig) -> SyntheticGenerator:
             num_clusters=s.num_clusters,
             min_events=s.min_events,
             max_events=s.max_events,
+            num_users=s.num_users,
             seed=config.seed,
         )
     )
@@ -82,7 +91,9 @@ class DataSetup:
     balancer: LengthBalancedStream | None = None
 
 
-def build_data(config: TrainerConfig, env: DistributedEnv) -> DataSetup:
+def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool = True) -> DataSetup:
+    """This rank's training stream and held-out data; with ``loopfm.store`` (and ``representations``) every
+    batch, held-out ones too, carries its examples' LoopFM histories (the teacher's pass reads the data without)."""
     from gem_trainer.config import ConfigError
 
     d = config.data
@@ -115,7 +126,31 @@ def build_data(config: TrainerConfig, env: DistributedEnv) -> DataSetup:
     balancer = None
     if d.balance:
         balancer = train = LengthBalancedStream(train, env.rank, env.world_size, window_batches=d.balance_window)
+    if representations and config.loopfm.store is not None:
+        # joined last, on this rank's own rows: the join depends on (user, time) only, so nothing before it changes
+        train = build_representation_join(config, train)
+        if eval_fn is not None:
+            eval_fn = (lambda held_out: lambda: (train.attach(b) for b in held_out()))(eval_fn)
     return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer)
+
+
+def build_representation_join(config: TrainerConfig, source: BatchSource) -> RepresentationJoin:
+    """``source`` with LoopFM's histories from ``loopfm.store``, checked against the data: the store must have
+    been written over data with the same features (its user ids are this data's)."""
+    from gem_trainer.config import ConfigError
+    from gem_trainer.run_folder import spec_record
+
+    loop = config.loopfm
+    try:
+        store = RepresentationStore(loop.store)
+        if store.meta.get("spec") != spec_record(source.spec):
+            raise RepresentationError(f"{loop.store} was written over data with other features than this run's")
+        if store.meta.get("user_feature") != loop.user_feature:
+            raise RepresentationError(f"{loop.store} is keyed by user feature {store.meta.get('user_feature')!r}, "
+                                      f"loopfm.user_feature is {loop.user_feature!r}")
+        return RepresentationJoin(source, store, loop.user_feature, loop.max_events)
+    except RepresentationError as error:
+        raise ConfigError(f"loopfm.store: {error}") from None
 
 
 def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world: int, batch_size: int):
@@ -280,9 +315,11 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     if not path.is_file():
         raise ConfigError(f"distillation.teacher_run_dir: {path} not found (is {folder} a finished run folder?)")
     teacher_config = load_config(path)
+    # the LoopFM input is the student's own: the teacher was trained without it
+    spec = dataclasses.replace(spec, representations=())
     # the teacher's features come from its run folder; only a run older than spec.json reads its data again
     recorded = stored_spec(folder)
-    same = recorded == spec_record(spec) if recorded is not None else build_data(teacher_config, env).spec == spec
+    same = recorded == spec_record(spec) if recorded is not None else build_data(teacher_config, env, representations=False).spec == spec
     if not same:
         raise ConfigError(f"distillation.teacher_run_dir: the teacher at {folder} was trained on other features than this run")
     checkpoints = CheckpointManager(Path(folder) / "checkpoints", keep_latest=1)
@@ -324,7 +361,7 @@ def build_soft_labels(config: TrainerConfig, spec: FeatureSpec, env: Distributed
     except SoftLabelError as error:
         raise ConfigError(f"distillation.soft_labels: {error}") from None
     meta, global_batch = store.meta, config.data.batch_size * env.world_size
-    if meta.get("spec") != spec_record(spec):
+    if meta.get("spec") != spec_record(dataclasses.replace(spec, representations=())):
         raise ConfigError(f"distillation.soft_labels: {folder} was written for other features than this run's data")
     if meta.get("global_batch_size") != global_batch:
         raise ConfigError(f"distillation.soft_labels: {folder} was written with global batches of {meta.get('global_batch_size')} "

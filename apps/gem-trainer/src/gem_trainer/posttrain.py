@@ -1,9 +1,15 @@
-"""``gem-trainer posttrain``: the teacher's pass of offline distillation.
+"""``gem-trainer posttrain``: the teacher's pass of offline distillation and LoopFM.
 
 The finished teacher (``distillation.teacher_run_dir``) runs once, forward only, over this config's training
-stream (the global batches the student will read, ``schedule.steps`` of them) and its logits go to the
-soft-label store ``distillation.soft_labels`` (see ``gem_transfer.soft_labels``). Each rank scores its rows;
-rank 0 gathers every rank's rows of a step and writes them, so each example of each step is written once.
+stream (the global batches the student will read, ``schedule.steps`` of them). From that one forward pass
+its logits go to the soft-label store ``distillation.soft_labels`` (see ``gem_transfer.soft_labels``) and,
+with ``loopfm.store``, a compact representation of every example to the representation store (see
+``gem_transfer.representation_store``); either may be written alone. Each rank scores its rows; rank 0
+gathers every rank's rows of a step and writes them, so each example of each step is written once.
+
+A pass cut short leaves no soft-label store, but the representation store keeps every finished part: run
+again with the same config, it continues at the first step it lacks (the teacher reruns the earlier steps
+only when soft labels are being written too).
 """
 
 from __future__ import annotations
@@ -20,49 +26,132 @@ from gem_trainer.distributed import DistributedEnv
 from gem_trainer.metrics import progress
 from gem_trainer.run_folder import spec_record
 from gem_trainer.step import autocast, autocast_dtype
-from gem_transfer import SoftLabelWriter, example_fingerprints, queries_per_example
+from gem_transfer import (
+    RepresentationError,
+    RepresentationTap,
+    RepresentationWriter,
+    SoftLabelWriter,
+    example_fingerprints,
+    example_times,
+    example_users,
+    queries_per_example,
+)
 
 
 def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
-    """Writes the store; returns what was written (folder, steps, rows)."""
-    d = config.distillation
-    if d.teacher_run_dir is None or d.soft_labels is None:
-        raise ConfigError("posttrain needs distillation.teacher_run_dir (the finished teacher) and "
-                          "distillation.soft_labels (the folder to write)")
-    if Path(d.soft_labels).exists():
+    """Writes the stores; returns what was written (folders, steps, rows)."""
+    d, loop = config.distillation, config.loopfm
+    if d.teacher_run_dir is None or (d.soft_labels is None and loop.store is None):
+        raise ConfigError("posttrain needs distillation.teacher_run_dir (the finished teacher) and a folder to write: "
+                          "distillation.soft_labels (its logits) and/or loopfm.store (its representations)")
+    if d.soft_labels is not None and Path(d.soft_labels).exists():
         raise ConfigError(f"distillation.soft_labels: {d.soft_labels} already exists: remove it or choose another folder")
-    data = builders.build_data(config, env)
+    data = builders.build_data(config, env, representations=False)
+    if loop.store is not None and loop.user_feature not in {f.name for f in data.spec.sparse}:
+        raise ConfigError(f"loopfm.user_feature: {loop.user_feature!r} is not a sparse feature of the data "
+                          f"({[f.name for f in data.spec.sparse]}); synthetic data has user ids with data.synthetic.num_users")
     teacher, _ = builders.build_teacher(config, data.spec, env)
     teacher_step = CheckpointManager(Path(d.teacher_run_dir) / "checkpoints", keep_latest=1).latest_step()
     global_batch = config.data.batch_size * env.world_size
     meta = {"teacher": {"run_dir": str(d.teacher_run_dir), "step": teacher_step}, "spec": spec_record(data.spec),
             "global_batch_size": global_batch, "seed": config.seed, "data_source": config.data.source,
             "data_path": config.data.path}
-    writer = SoftLabelWriter(d.soft_labels, meta) if env.rank == 0 else None
+    memory, tap, first_missing = None, None, 0
+    if loop.store is not None:
+        memory, problem = _representation_writer(config, env, meta)
+        # every rank learns where the store stands (or why it cannot be written), so none waits on the others
+        first_missing = _shared(env, problem or (memory.next_step if memory is not None else None))
+        if isinstance(first_missing, str):
+            raise ConfigError(first_missing)
+        try:
+            tap = RepresentationTap(teacher, loop.layer, loop.dim, loop.projection_seed)
+        except ValueError as error:
+            raise ConfigError(f"loopfm.layer: {error}") from None
+    labels = SoftLabelWriter(d.soft_labels, meta) if env.rank == 0 and d.soft_labels is not None else None
     precision = autocast_dtype(config.precision.autocast, env.device)
     batches = iter(data.train)
-    steps = rows = 0
+    steps = rows = represented = 0
     try:
         show = config.metrics.progress_bar and env.rank == 0
         for step in progress(range(config.schedule.steps), config.schedule.steps, "posttrain", show):
             batch = next(batches, None)
             if batch is None:
-                break  # the stream ended (a finite source): the store holds the steps it had
+                break  # the stream ended (a finite source): the stores hold the steps it had
+            steps = step + 1
+            represent = tap is not None and step >= first_missing
+            if d.soft_labels is None and not represent:
+                continue  # stored by the pass that was cut short: the data moves on, the teacher rests
             fingerprints, queries = example_fingerprints(batch), queries_per_example(batch)
             with torch.no_grad(), autocast(env.device, precision):
-                logits = teacher(batch.to(env.device)).logits.float().cpu()
+                output = teacher(batch.to(env.device))
+            logits = output.logits.float().cpu()
+            rank_rows = [fingerprints, logits, queries]
+            if represent:
+                rank_rows += [example_users(batch, loop.user_feature), example_times(batch), _vectors(tap, output, batch)]
             if env.world_size > 1:
                 gathered: list = [None] * env.world_size
-                dist.all_gather_object(gathered, (fingerprints, logits, queries))
-                fingerprints, logits, queries = (torch.cat(parts) for parts in zip(*gathered))
-            if writer is not None:
-                writer.append(step, fingerprints, logits, queries)
-            steps, rows = step + 1, rows + fingerprints.numel()
-        folder = writer.close() if writer is not None else Path(d.soft_labels)
+                dist.all_gather_object(gathered, tuple(rank_rows))
+                rank_rows = [torch.cat(parts) for parts in zip(*gathered)]
+            fingerprints, logits, queries = rank_rows[:3]
+            if labels is not None:
+                labels.append(step, fingerprints, logits, queries)
+            if represent and memory is not None:
+                memory.append(step, *rank_rows[3:])
+            rows += fingerprints.numel()
+            represented += fingerprints.numel() if represent else 0
+        folder = labels.close() if labels is not None else d.soft_labels
+        if memory is not None:
+            memory.close()
         if env.world_size > 1:
-            dist.barrier()  # every rank returns once the store is in place
+            dist.barrier()  # every rank returns once the stores are in place
     except BaseException:
-        if writer is not None:
-            writer.abort()
+        if labels is not None:
+            labels.abort()
+        if memory is not None:
+            _keep_finished_steps(memory)
         raise
-    return {"folder": str(folder), "steps": steps, "rows": rows, "teacher_step": teacher_step}
+    finally:
+        if tap is not None:
+            tap.close()
+    written = {"folder": None if folder is None else str(folder), "steps": steps, "rows": rows, "teacher_step": teacher_step}
+    if loop.store is not None:
+        written["representations"] = {"folder": str(loop.store), "resumed_at": first_missing, "rows": represented}
+    return written
+
+
+def _representation_writer(config: TrainerConfig, env: DistributedEnv, meta: dict) -> tuple[RepresentationWriter | None, str | None]:
+    """Rank 0's writer of ``loopfm.store`` (new, or resumed where a pass cut short left it; None on the other
+    ranks), or the one-line reason it cannot be written."""
+    loop = config.loopfm
+    if env.rank != 0:
+        return None, None
+    store_meta = {**meta, "dim": loop.dim, "layer": loop.layer, "projection": "gaussian", "projection_seed": loop.projection_seed,
+                  "user_feature": loop.user_feature}
+    try:
+        return RepresentationWriter(loop.store, store_meta), None
+    except RepresentationError as error:
+        return None, f"loopfm.store: {error}"
+
+
+def _vectors(tap: RepresentationTap, output, batch) -> torch.Tensor:
+    try:
+        return tap.vectors(output, batch.batch_size)
+    except ValueError as error:
+        raise ConfigError(f"loopfm.layer: {error}") from None
+
+
+def _shared(env: DistributedEnv, value: int | str | None) -> int | str:
+    """Rank 0's ``value`` on every rank."""
+    if env.world_size > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    return value
+
+
+def _keep_finished_steps(memory: RepresentationWriter) -> None:
+    """A pass stopping (an error, Ctrl-C): the steps already scored become a part, so a rerun does not redo them."""
+    try:
+        memory.flush()
+    except Exception:  # noqa: BLE001 - the original error is the one to report; the rerun redoes these steps
+        pass

@@ -65,7 +65,10 @@ def write_run_record(config: TrainerConfig, spec: FeatureSpec) -> None:
 
 def spec_record(spec: FeatureSpec) -> dict[str, Any]:
     """``spec`` as plain JSON values (tuples as lists), comparable with a stored ``spec.json``."""
-    return json.loads(json.dumps(dataclasses.asdict(spec)))
+    record = json.loads(json.dumps(dataclasses.asdict(spec)))
+    if not record["representations"]:
+        del record["representations"]  # a spec without them reads as the records written before they existed
+    return record
 
 
 def stored_spec(run_dir: str | Path) -> dict[str, Any] | None:
