@@ -29,10 +29,12 @@ class RepresentationTap:
         self._projection: torch.Tensor | None = None
         self._handle = None
         if layer != REPRESENTATION:
+            # NOTE: a sharded teacher is TorchRec's wrapper around the model; layer names are the model's own
+            inner = getattr(teacher, "module", teacher)
             try:
-                module = teacher.get_submodule(layer)
+                module = inner.get_submodule(layer)
             except AttributeError:
-                names = [n for n, _ in teacher.named_modules() if n][:12]
+                names = [n for n, _ in inner.named_modules() if n][:12]
                 raise ValueError(f"the teacher has no layer {layer!r} (e.g. {', '.join(names)}, ...)") from None
             self._handle = module.register_forward_hook(self._keep)
 
