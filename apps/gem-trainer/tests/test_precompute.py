@@ -1,6 +1,7 @@
 """`gem-trainer precompute` (Solaris) end to end on a tiny teacher, both backends, and its one-line errors."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -81,7 +82,7 @@ def test_precompute_into_a_redis_server(teacher, tmp_path):
 
 def test_bad_inputs_are_one_line(teacher, tmp_path, capsys):
     cases = [
-        (["--distillation.teacher_run_dir=none"], "precompute needs distillation.teacher_run_dir"),
+        (["--distillation.teacher_run_dir=none"], "precompute needs solaris.teacher_run_dir or distillation.teacher_run_dir"),
         ([f"--distillation.teacher_run_dir={tmp_path / 'missing'}"], "config.toml not found"),
         (["--data.synthetic.num_dense=3"], "trained on other features than this run"),
         ([f"--solaris.redis_url=redis://127.0.0.1:{free_port()}/0", "--solaris.backend=redis"],
@@ -94,10 +95,45 @@ def test_bad_inputs_are_one_line(teacher, tmp_path, capsys):
         code = main(["precompute", *arguments(teacher, tmp_path, *extra)])
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and err.startswith("gem-trainer: config error: "), (extra, err)
-        assert __import__("re").search(message, err), (message, err)
+        assert re.search(message, err), (message, err)
         assert not (tmp_path / "out").exists()  # nothing half-written
     (tmp_path / "out").mkdir()
     with pytest.raises(ConfigError, match="solaris.output: .* already exists"):
         precompute(load_config(None, arguments(teacher, tmp_path)), init_distributed("cpu", "gloo"))
     with pytest.raises(ConfigError, match="holds no finished precompute"):
         solaris_lookup(load_config(None, arguments(teacher, tmp_path)))
+
+
+def test_a_student_reads_the_pair_embeddings_fresh_or_served(teacher, tmp_path):
+    """Trained on the teacher's fresh embeddings; evaluated on them and on Solaris-served ones: identical where
+    every held-out pair was precomputed (all exact hits), different where none was (all fallback)."""
+    every, none = tmp_path / "every", tmp_path / "none"
+    for out, share in ((every, 1.0), (none, 0.0)):
+        config = load_config(None, arguments(teacher, tmp_path, f"--solaris.output={out}", f"--solaris.eval_share={share}"))
+        report = precompute(config, init_distributed("cpu", "gloo"))
+        assert report["lookup"]["held_out"]["hit_rate"]["exact"] == share
+    student = [f"--run_dir={tmp_path / 'student'}", "--model.name=baseline", "--schedule.steps=6", *SMALL,
+               f"--solaris.teacher_run_dir={teacher}"]
+    config = load_config(None, [*student, "--solaris.student_input=fresh"])
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    (feature,) = trainer.spec.representations
+    assert feature.name == "solaris" and feature.dim > 1
+    assert trainer.teacher is None  # the embeddings are an input: no distillation comes with them
+    write_run_record(config, trainer.spec)
+    trainer.train()
+    trainer.close()
+
+    def evaluate(*extra):
+        trainer = Trainer(load_config(None, [*student, *extra]), init_distributed("cpu", "gloo"))
+        try:
+            assert trainer.resume()
+            return trainer.evaluate()
+        finally:
+            trainer.close()
+
+    fresh = evaluate("--solaris.student_input=fresh")
+    assert evaluate("--solaris.student_input=served", f"--solaris.output={every}") == pytest.approx(fresh, rel=1e-6)
+    assert evaluate("--solaris.student_input=served", f"--solaris.output={none}") != pytest.approx(fresh, rel=1e-6)
+    with pytest.raises(ConfigError, match="solaris.output: .* holds no finished precompute"):
+        Trainer(load_config(None, [*student, "--solaris.student_input=served", f"--solaris.output={tmp_path / 'nothing'}"]),
+                init_distributed("cpu", "gloo"))

@@ -285,3 +285,45 @@ def test_stats_are_recorded_from_many_threads():
     summary = stats.summary()
     assert summary["lookups"] == 4000 and summary["hit_rate"]["exact"] == 1.0
     assert summary["staleness_s"]["p50"] == 1.0 and logging.getLogger("gem_transfer.solaris") is not None
+
+
+def test_the_join_gives_every_example_its_pair_embedding_as_one_vector():
+    from gem_kunlun.testing import SPEC
+    from gem_transfer.solaris import SolarisJoin, served_embeddings
+
+    batches = [with_shop(random_batch(5, seed=s)) for s in (0, 1)]
+
+    class Source:
+        spec = SPEC
+
+        def __iter__(self):
+            return iter(batches)
+
+        def state_dict(self):
+            return {"position": 0}
+
+    join = SolarisJoin(Source(), teacher, width=3)
+    assert join.spec.representations[-1].name == "solaris" and join.spec.representations[-1].dim == 3
+    joined = list(join)
+    feature = joined[1].representations["solaris"]
+    assert feature.lengths.tolist() == [1] * 5 and torch.equal(feature.values, teacher(batches[1]))
+    assert join.state_dict() == {"position": 0}
+    with pytest.raises(ValueError, match=r"\(5, 3\) embeddings for 5 rows of width 4"):
+        SolarisJoin(Source(), teacher, width=4).attach(batches[0])
+    # served: the lookup's answer per row (here an empty cache: the default of everything written)
+    default = DefaultEmbedding()
+    default.add(np.ones((2, 3)))
+    lookup = FallbackLookup(MemoryCache(ttl_s=10), None, default, ttl_s=10)
+    served = SolarisJoin(Source(), served_embeddings(lookup, lambda b: pair_keys(b, "ad", "shop")), width=3)
+    assert torch.equal(served.attach(batches[0]).representations["solaris"].values, torch.ones(5, 3))
+    assert lookup.stats.counts["default"] == 5
+
+
+def test_worker_precomputes_only_the_rows_it_is_given():
+    cache = CountingCache(ttl_s=100, clock=Clock())
+    worker = PrecomputeWorker(teacher, cache)
+    batch = with_shop(random_batch(6, seed=2))
+    keys = pair_keys(batch, "ad", "shop")
+    assert worker.submit(batch, keys, rows=[1, 4]) == 2
+    worker.close()
+    assert cache.written == [(int(keys.users[1]), int(keys.items[1])), (int(keys.users[4]), int(keys.items[4]))]

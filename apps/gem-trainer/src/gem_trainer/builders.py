@@ -126,6 +126,15 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
     balancer = None
     if d.balance:
         balancer = train = LengthBalancedStream(train, env.rank, env.world_size, window_batches=d.balance_window)
+    if representations and config.solaris.student_input != "none":
+        from gem_trainer.precompute import build_solaris_join
+
+        if eval_fn is None:
+            raise ConfigError("solaris.student_input needs held-out batches of (user, candidate) rows: synthetic or parquet data")
+        # before LoopFM's join: the teacher that computes the pair embeddings reads the data as it trained
+        join = train = build_solaris_join(config, env, train)
+        held_out = eval_fn
+        eval_fn = lambda: (join.attach(b) for b in held_out())  # noqa: E731
     if representations and config.loopfm.store is not None:
         # joined last, on this rank's own rows: the join depends on (user, time) only, so nothing before it changes
         train = build_representation_join(config, train)

@@ -404,6 +404,12 @@ class SolarisConfig(Section):
     neighbours: int = Field(8, ge=0)  # similar users asked (0: no neighbour level)
     behaviour_dim: int = Field(64, ge=8)  # width of the hashed behaviour vectors the neighbour search compares
     queue_batches: int = Field(4, ge=1)  # batches waiting for the teacher before the reader waits
+    # share of the held-out pairs the earlier stage also predicted (precomputed too; the rest fall back)
+    eval_share: float = Field(0.0, ge=0, le=1)
+    teacher_run_dir: str | None = None  # the teacher of precompute and student_input (None: distillation.teacher_run_dir)
+    # the student reads the teacher's embedding of each example's pair as the representation feature "solaris":
+    # computed by the teacher for every batch ("fresh") or looked up from the precompute at output ("served")
+    student_input: Literal["none", "fresh", "served"] = "none"
 
     @model_validator(mode="after")
     def _distinct_keys(self) -> "SolarisConfig":

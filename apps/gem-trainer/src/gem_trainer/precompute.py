@@ -1,16 +1,21 @@
 """``gem-trainer precompute``: Solaris's speculative precompute, from config (``[solaris]``).
 
-The finished teacher (``distillation.teacher_run_dir``) scores candidate pairs of this config's data: each row
+The finished teacher (``solaris.teacher_run_dir``, else ``distillation.teacher_run_dir``) scores candidate pairs
+of this config's data: each row
 of the training stream is one (user, candidate) pair, as an earlier ranking stage would hand them over, and the
 first ``solaris.pairs`` rows (whole batches) are precomputed. A pair's embedding is the teacher's representation
 of that user with that candidate: the hidden state its task heads read (``ModelOutput.representation``, ``[R]``).
 A background worker (``gem_transfer.solaris.PrecomputeWorker``) runs the teacher and writes each pair once,
 with its timestamp, to the cache of ``solaris.backend`` (in-process, or a Redis server at ``solaris.redis_url``).
 
-The lookup is then replayed on two kinds of traffic, each ``solaris.lookups`` requests, and its report (hit
-rate per fallback level, staleness, latency) printed and written:
+With ``solaris.eval_share`` the earlier stage has also predicted that share of the held-out pairs (drawn per
+row from the seed), which are precomputed too.
+
+The lookup is then replayed on up to three kinds of traffic, each at most ``solaris.lookups`` requests, and its
+report (hit rate per fallback level, staleness, latency) printed and written:
 - ``precomputed``: precomputed pairs (the serving stage asks for what the earlier stage predicted);
-- ``unpredicted``: the rows of the stream after the precomputed ones (pairs nobody predicted: the fallback).
+- ``unpredicted``: the rows of the stream after the precomputed ones (pairs nobody predicted: the fallback);
+- ``held_out``: the held-out pairs (``eval_share`` of them precomputed), where the data has a held-out split.
 
 ``solaris.output`` receives ``report.json``, the user index (``users.npz``), the default embedding
 (``default.npz``) and, for the in-process backend, the cache itself (``cache.npz``); with Redis, entries the
@@ -24,6 +29,7 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,13 +50,15 @@ from gem_transfer.solaris import (
     PairKeys,
     PrecomputeWorker,
     RedisCache,
+    SolarisJoin,
     UserIndex,
     load_entries,
     pair_keys,
     save_entries,
+    served_embeddings,
 )
 
-TRAFFIC = ("precomputed", "unpredicted")
+TRAFFIC = ("precomputed", "unpredicted", "held_out")
 
 
 def build_cache(config: TrainerConfig, clock=None) -> MemoryCache | RedisCache:
@@ -81,13 +89,40 @@ def _keys(config: TrainerConfig, batch: Batch) -> PairKeys:
         raise ConfigError(f"solaris: {error}") from None
 
 
+def teacher_run_dir(config: TrainerConfig) -> str | None:
+    return config.solaris.teacher_run_dir or config.distillation.teacher_run_dir
+
+
+def build_scorer(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) -> tuple[Callable[[Batch], torch.Tensor], int, int]:
+    """The teacher of Solaris as ``score(batch) -> [B, R]`` (its representation of each row, on the CPU), its
+    width ``R`` and its checkpoint step; a teacher trained on other features than ``spec`` is a one-line
+    ``ConfigError``."""
+    folder = teacher_run_dir(config)
+    if folder is None:
+        raise ConfigError("solaris: needs a teacher: solaris.teacher_run_dir or distillation.teacher_run_dir (a finished run)")
+    as_teacher = config.model_copy(update={"distillation": config.distillation.model_copy(update={"teacher_run_dir": folder})})
+    teacher, unsharded = builders.build_teacher(as_teacher, spec, env)
+    step = CheckpointManager(Path(folder) / "checkpoints", keep_latest=1).latest_step()
+    precision = autocast_dtype(config.precision.autocast, env.device)
+
+    def score(batch: Batch) -> torch.Tensor:
+        with torch.no_grad(), autocast(env.device, precision):
+            representation = teacher(batch.to(env.device)).representation
+        if representation is None:
+            raise ConfigError(f"solaris: the teacher at {folder} returns no representation to cache")
+        return representation.float().cpu()
+
+    return score, unsharded.representation_dim, step
+
+
 def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
     """Runs the pass and the report; returns the report (also written to ``solaris.output/report.json``)."""
-    s, d = config.solaris, config.distillation
+    s = config.solaris
     if env.world_size > 1:
         raise ConfigError("precompute runs in one process (its worker is a thread): run it without torchrun")
-    if d.teacher_run_dir is None:
-        raise ConfigError("precompute needs distillation.teacher_run_dir (the finished teacher that scores the pairs)")
+    if teacher_run_dir(config) is None:
+        raise ConfigError("precompute needs solaris.teacher_run_dir or distillation.teacher_run_dir (the finished "
+                          "teacher that scores the pairs)")
     if s.output is None:
         raise ConfigError("precompute needs solaris.output (a folder for its report, user index and cache)")
     output = Path(s.output)
@@ -95,19 +130,9 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
         raise ConfigError(f"solaris.output: {output} already exists: remove it or choose another folder")
     if config.data.source in ("sequence_text", "atomic") and config.data.sequential.objective == "retrieval":
         raise ConfigError("solaris: precompute scores (user, candidate) rows: use data.sequential.objective = \"pointwise\"")
-    data = builders.build_data(config, env)
+    data = builders.build_data(config, env, representations=False)  # the teacher reads the data as it trained
     check_features(config, data.spec)
-    teacher, _ = builders.build_teacher(config, data.spec, env)
-    teacher_step = CheckpointManager(Path(d.teacher_run_dir) / "checkpoints", keep_latest=1).latest_step()
-    precision = autocast_dtype(config.precision.autocast, env.device)
-
-    def score(batch: Batch) -> torch.Tensor:
-        with torch.no_grad(), autocast(env.device, precision):
-            representation = teacher(batch.to(env.device)).representation
-        if representation is None:
-            raise ConfigError("distillation.teacher_run_dir: the teacher's model returns no representation to cache")
-        return representation.float().cpu()
-
+    score, _, teacher_step = build_scorer(config, data.spec, env)
     cache = build_cache(config)
     index, default = UserIndex(s.behaviour_dim), DefaultEmbedding()
     worker = PrecomputeWorker(score, cache, index, default, queue_size=s.queue_batches)
@@ -115,30 +140,38 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
     try:
         batches = iter(data.train)
         steps = math.ceil(s.pairs / config.data.batch_size)
-        precomputed: list[PairKeys] = []
+        traffic: dict[str, list[PairKeys]] = {name: [] for name in TRAFFIC}
         for _ in progress(range(steps), steps, "precompute", config.metrics.progress_bar):
             batch = next(batches, None)
             if batch is None:
                 break  # a finite source ended: its rows are all there is
             keys = _keys(config, batch)
             worker.submit(batch, keys)
-            precomputed.append(keys)
-        if not precomputed:
+            traffic["precomputed"].append(keys)
+        if not traffic["precomputed"]:
             raise ConfigError("data: the training stream holds no rows to precompute")
-        unpredicted, rows = [], 0
+        rows = 0
         while rows < s.lookups and (batch := next(batches, None)) is not None:
-            unpredicted.append(_keys(config, batch))
+            traffic["unpredicted"].append(_keys(config, batch))
             rows += batch.batch_size
+        if data.eval_batches is not None:
+            # the earlier stage's predictions of the serving traffic: each held-out row with probability eval_share
+            chosen = torch.Generator().manual_seed(config.seed + 17)
+            for batch in data.eval_batches():
+                keys = _keys(config, batch)
+                predicted = torch.nonzero(torch.rand(batch.batch_size, generator=chosen) < s.eval_share).flatten().tolist()
+                if predicted:
+                    worker.submit(batch, keys, predicted)
+                traffic["held_out"].append(keys)
         counts = worker.close()
         pass_s = time.perf_counter() - started
         lookup = FallbackLookup(cache, index, default, s.ttl_s, s.neighbours)
-        traffic = {"precomputed": PairKeys.concat(precomputed).head(s.lookups)}
-        if unpredicted:
-            traffic["unpredicted"] = PairKeys.concat(unpredicted).head(s.lookups)
-        report = {"teacher": {"run_dir": str(d.teacher_run_dir), "step": teacher_step}, "backend": s.backend,
+        report = {"teacher": {"run_dir": str(teacher_run_dir(config)), "step": teacher_step}, "backend": s.backend,
+                  "eval_share": s.eval_share,
                   "worker": {**counts, "users": len(index), "pass_s": round(pass_s, 2),
                              "pairs_per_s": round(counts["written_pairs"] / max(pass_s, 1e-9), 1)},
-                  "lookup": {name: replay(lookup, keys) for name, keys in traffic.items()}}
+                  "lookup": {name: replay(lookup, PairKeys.concat(keys).head(s.lookups))
+                             for name, keys in traffic.items() if keys}}
         _publish(output, report, cache, index, default)
     except BaseException:
         worker.abort()
@@ -193,3 +226,17 @@ def solaris_lookup(config: TrainerConfig, clock=None) -> FallbackLookup:
     except CacheError as error:
         raise ConfigError(f"solaris.output: {error}") from None
     return FallbackLookup(cache, index, default, s.ttl_s, s.neighbours, clock)
+
+
+def build_solaris_join(config: TrainerConfig, env: DistributedEnv, source) -> SolarisJoin:
+    """``source`` whose batches carry the teacher's embedding of each example's pair as the representation
+    feature ``solaris`` (``solaris.student_input``): computed by the teacher (``fresh``) or served by the lookup
+    over the finished precompute at ``solaris.output`` (``served``)."""
+    s = config.solaris
+    check_features(config, source.spec)
+    if s.student_input == "fresh":
+        score, width, _ = build_scorer(config, source.spec, env)
+        return SolarisJoin(source, score, width)
+    lookup = solaris_lookup(config)
+    width = lookup.default.value().shape[0]
+    return SolarisJoin(source, served_embeddings(lookup, lambda batch: _keys(config, batch)), width)

@@ -2,6 +2,7 @@
 with a fallback (the user's recent embeddings in the item's group, similar users, a default)."""
 
 from gem_transfer.solaris.cache import CacheBackend, CacheEntry, CacheError, MemoryCache, load_entries, save_entries
+from gem_transfer.solaris.join import SolarisJoin, served_embeddings
 from gem_transfer.solaris.keys import PairKeys, behaviour_vectors, pair_keys, request_fingerprints, single_ids
 from gem_transfer.solaris.local_redis import LocalRedisServer, find_redis_server
 from gem_transfer.solaris.lookup import DefaultEmbedding, FallbackLookup, Served
@@ -24,6 +25,7 @@ __all__ = [
     "PrecomputeWorker",
     "RedisCache",
     "Served",
+    "SolarisJoin",
     "UserIndex",
     "behaviour_vectors",
     "find_redis_server",
@@ -32,5 +34,6 @@ __all__ = [
     "pair_keys",
     "request_fingerprints",
     "save_entries",
+    "served_embeddings",
     "single_ids",
 ]

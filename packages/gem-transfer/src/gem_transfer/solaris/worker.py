@@ -44,18 +44,21 @@ class PrecomputeWorker:
         self._thread = threading.Thread(target=self._run, name="solaris-precompute", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: Batch, keys: PairKeys) -> int:
-        """Queue the pairs of ``batch`` not submitted before; returns how many."""
+    def submit(self, batch: Batch, keys: PairKeys, rows: np.ndarray | None = None) -> int:
+        """Queue the pairs of ``batch`` (only ``rows``, if given) not submitted before; returns how many."""
         self._raise_if_failed()
         if len(keys) != batch.batch_size:
             raise ValueError(f"PrecomputeWorker.submit: {len(keys)} keys for a batch of {batch.batch_size} rows")
+        candidates = range(len(keys)) if rows is None else np.asarray(rows).tolist()
+        users, items = keys.users.tolist(), keys.items.tolist()
         new = []
-        for row, pair in enumerate(zip(keys.users.tolist(), keys.items.tolist())):
+        for row in candidates:
+            pair = (users[row], items[row])
             if pair not in self._seen:
                 self._seen.add(pair)
                 new.append(row)
-        self.counts["submitted_rows"] += len(keys)
-        self.counts["duplicate_rows"] += len(keys) - len(new)
+        self.counts["submitted_rows"] += len(candidates)
+        self.counts["duplicate_rows"] += len(candidates) - len(new)
         if new:
             self._queue.put((batch, keys, np.asarray(new, np.int64)))
         return len(new)
