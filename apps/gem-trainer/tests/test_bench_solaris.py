@@ -30,3 +30,18 @@ def test_a_short_load_test_of_every_backend(tmp_path, capsys):
         assert section["lookups"] > 0 and sum(section["hit_rate"].values()) == pytest.approx(1.0)
         assert section["hit_rate"]["exact"] > 0 and set(section["levels"]) == set(LEVELS)
     assert "lookups/s over 2 threads" in capsys.readouterr().out
+
+
+def test_the_quality_section_compares_fresh_and_served_embeddings(tmp_path, monkeypatch):
+    import gem_trainer.bench_solaris as bench
+
+    monkeypatch.setattr(bench, "TEACHER_STEPS", 4)
+    monkeypatch.setattr(bench, "STUDENT_STEPS", 4)
+    monkeypatch.setattr(bench, "EVAL_SHARES", (0.0, 1.0))
+    result = bench.quality([0], tmp_path, ("--data.batch_size=32", "--data.eval_batches=2", "--schedule.warmup_steps=1",
+                                           "--data.synthetic.num_users=50"))
+    arms = {r["arm"]: r for r in result["rows"]}
+    assert sorted(arms) == ["fresh", "served_0.0", "served_1.0", "student_alone"]
+    # every held-out pair precomputed: the served embeddings are the fresh ones, and so is the quality
+    assert arms["served_1.0"]["click/all/auc"] == pytest.approx(arms["fresh"]["click/all/auc"], rel=1e-6)
+    assert [x["held_out_hit_rate"]["exact"] for x in result["lookups"]] == [0.0, 1.0]

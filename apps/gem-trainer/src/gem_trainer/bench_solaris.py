@@ -1,7 +1,9 @@
-"""Solaris's lookup under load, on the CPU: ``benchmarks/results/solaris.json``.
+"""Solaris on the CPU: the lookup under load, and a student's quality on served embeddings
+(``benchmarks/results/solaris.json``).
 
     python -m gem_trainer.bench_solaris --out benchmarks/results/solaris.json [--backends memory redis]
         [--duration 60] [--threads 8] [--users 10000]
+    python -m gem_trainer.bench_solaris --out benchmarks/results/solaris.json --quality [--seeds 0 1 2]
 
 Synthetic traffic (``SyntheticTraffic``, fixed by ``--seed``): users fall into behaviour clusters, each cluster
 favours a set of item groups; an earlier stage predicted ``CANDIDATES`` items per user for 80% of the users, and
@@ -15,6 +17,13 @@ threads look requests up for ``--duration`` seconds while a writer thread keeps 
 ``--write-rate`` pairs per second (a bounded load: every request loop ends by the clock). Reported per backend:
 hit rate per fallback level, staleness of what was served (p50 / p99), lookup latency (p50 / p99, overall and
 per level) and throughput, with the provenance (machine, torch, commit, date, command) of the run.
+
+``--quality`` (section ``quality``): the embedded default data from ``QUALITY_USERS`` users (so users recur and
+the user's-group level can answer), a Kunlun teacher (``TEACHER_STEPS``) and a baseline student
+(``STUDENT_STEPS``) that reads the teacher's embedding of each example's pair (``solaris.student_input``),
+trained on fresh embeddings. Held-out NE / AUC of: the student without that input; the student on fresh
+embeddings (the teacher run for every request); the student on Solaris-served embeddings, where the earlier
+stage predicted ``EVAL_SHARES`` of the held-out pairs (precomputed; the rest fall back). Per seed and mean/std.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ TTL_S = 600.0
 WIDTH, BEHAVIOUR_DIM = 64, 64
 ITEMS_PER_GROUP, CLUSTERS, GROUPS_PER_CLUSTER = 25, 32, 40
 SHARES = {"predicted": 0.60, "favoured_group": 0.25, "any": 0.15}
+QUALITY_USERS, TEACHER_STEPS, STUDENT_STEPS = 2000, 600, 600
+EVAL_SHARES = (0.0, 0.5, 0.9)
+METRICS = ("click/all/ne", "click/all/auc", "conversion/all/ne", "conversion/all/auc")
 
 
 class SyntheticTraffic:
@@ -160,6 +172,55 @@ def run_backend(name: str, traffic: SyntheticTraffic, args) -> dict:
             server.close()
 
 
+def config_batch(overrides: list[str]) -> int:
+    from gem_trainer.config import load_config
+
+    return load_config(None, overrides).data.batch_size
+
+
+def quality(seeds: list[int], work: Path, extra_overrides: tuple[str, ...] = ()) -> dict:
+    """The ``--quality`` section of the module docstring (``extra_overrides``: for every run, e.g. a smaller batch)."""
+    import contextlib
+    import io
+
+    from gem_trainer.bench_runs import evaluate, mean_std, train
+    from gem_trainer.config import load_config
+    from gem_trainer.distributed import init_distributed
+    from gem_trainer.precompute import precompute
+
+    rows, lookups = [], []
+    for seed in seeds:
+        folder = work / f"seed{seed}"
+        common = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", f"--seed={seed}",
+                  f"--data.synthetic.num_users={QUALITY_USERS}", "--solaris.user_feature=user_id", *extra_overrides]
+        teacher = folder / "teacher"
+        train(None, [*common, f"--schedule.steps={TEACHER_STEPS}"], teacher)
+        student = [*common, "--model.name=baseline", f"--schedule.steps={STUDENT_STEPS}", f"--solaris.teacher_run_dir={teacher}"]
+        arms = {"student_alone": [], "fresh": ["--solaris.student_input=fresh"]}
+        for arm, extra in arms.items():
+            train(None, [*student, *extra], folder / arm)
+            rows.append({"seed": seed, "arm": arm, **{m: evaluate(None, [*student, *extra], folder / arm)[m] for m in METRICS}})
+        for share in EVAL_SHARES:
+            output = folder / f"precompute-{share}"
+            config = load_config(None, [*student, f"--run_dir={folder / 'precompute'}", f"--solaris.output={output}",
+                                        f"--solaris.pairs={STUDENT_STEPS * config_batch(student)}", f"--solaris.eval_share={share}"])
+            with contextlib.redirect_stdout(io.StringIO()):
+                report = precompute(config, init_distributed("cpu", "gloo"))
+            lookups.append({"seed": seed, "eval_share": share, "worker": report["worker"],
+                            "held_out_hit_rate": report["lookup"]["held_out"]["hit_rate"]})
+            served = ["--solaris.student_input=served", f"--solaris.output={output}"]
+            result = evaluate(None, [*student, *served], folder / "fresh")
+            rows.append({"seed": seed, "arm": f"served_{share}", **{m: result[m] for m in METRICS}})
+        print(f"quality seed {seed}: " + "  ".join(f"{r['arm']} click ne {r['click/all/ne']:.4f} auc {r['click/all/auc']:.4f}"
+                                                    for r in rows if r["seed"] == seed), flush=True)
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    return {"settings": {"users": QUALITY_USERS, "teacher": f"embedded default (Kunlun tiny), {TEACHER_STEPS} steps",
+                         "student": f"baseline, {STUDENT_STEPS} steps, trained on fresh embeddings",
+                         "eval_shares": list(EVAL_SHARES)},
+            "rows": rows, "lookups": lookups,
+            "summary": {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in METRICS} for arm in arms}}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m gem_trainer.bench_solaris", description=__doc__.splitlines()[0])
@@ -171,8 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=int, default=10_000)
     parser.add_argument("--items", type=int, default=50_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quality", action="store_true", help="the student's quality on served vs fresh embeddings instead")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="--quality: seeds")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench-solaris"), help="--quality: folder for the runs")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.quality:
+        started, meta = time.perf_counter(), provenance("gem_trainer.bench_solaris", argv)
+        result = quality(args.seeds, args.work)
+        if args.out is not None:
+            write_section(args.out, "quality", meta, started, result)
+        return 0
     traffic = SyntheticTraffic(args.users, args.items, args.seed)
     for name in args.backends:
         started, meta = time.perf_counter(), provenance("gem_trainer.bench_solaris", argv)
