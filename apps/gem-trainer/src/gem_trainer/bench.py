@@ -756,12 +756,12 @@ def print_table(doc) -> None:
     for name, r in v.items():
         print(f"{name:8s} {r['step_ms']:9.1f} {r['examples_per_s']:9.1f} {r['tflops']:8.1f} "
               f"{r['mfu_local']:6.3f} {str(r.get('peak_memory_gb')):>8s}")
-    comps = sorted({c for r in v.values() for c in r.get("components_ms_per_step", {})})
+    profiled = {n: r["components_ms_per_step"] for n, r in v.items() if "components_ms_per_step" in r}
+    comps = sorted({c for table in profiled.values() for c in table})
     if comps:
-        print(f"\n{'component (ms/step)':22s} " + " ".join(f"{n:>16s}" for n in v))
+        print(f"\n{'component (ms/step)':22s} " + " ".join(f"{n:>16s}" for n in profiled))
         for c in comps:
-            print(f"{c:22s} " + " ".join(f"{r.get('components_ms_per_step', {}).get(c, {}).get('total_ms', 0):16.2f}"
-                                         for r in v.values()))
+            print(f"{c:22s} " + " ".join(f"{table.get(c, {}).get('total_ms', 0):16.2f}" for table in profiled.values()))
     if "gem_vs_plain" in doc:
         print(f"\ngem / plain examples/s: {doc['gem_vs_plain']['examples_per_s_ratio']}")
     if "trainer_overhead" in doc:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gem_data import (
     AlignedRanking,
@@ -432,10 +433,18 @@ def build_optimizers(config: TrainerConfig, model: nn.Module):
     params = dense_parameters(model)
     # NOTE: on GPUs the fused AdamW is one kernel for all parameters instead of several per parameter; the CPU
     # keeps the reference implementation
-    fused = {"fused": True} if params and all(p.device.type == "cuda" for p in params.values()) else {}
-    dense = KeyedOptimizerWrapper(
-        params, lambda group: torch.optim.AdamW(group, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, **fused)
-    )
+    fused = bool(params) and all(p.device.type == "cuda" for p in params.values())
+
+    def adamw(tensors: list[torch.Tensor]) -> torch.optim.AdamW:
+        if not fused:
+            return torch.optim.AdamW(tensors, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        # NOTE: one fused call takes one kind of tensor: FSDP's DTensor shards and the parameters FSDP leaves
+        # alone (empty ones, e.g. the projection of zero dense features) go in param groups of their own
+        kinds = ([t for t in tensors if isinstance(t, DTensor)], [t for t in tensors if not isinstance(t, DTensor)])
+        groups = [{"params": kind} for kind in kinds if kind]
+        return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True)
+
+    dense = KeyedOptimizerWrapper(params, adamw)
     combined = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense)])
     return combined, dense
 
