@@ -702,7 +702,7 @@ def main(argv=None) -> dict:
             traceback.print_exc()
         write()
 
-    for name in args.variants.split(","):
+    for name in filter(None, args.variants.split(",")):
         if name not in VARIANTS or name == "bare":
             raise SystemExit(f"--variants: {name!r} is not one of gem, plain (bare comes with gem)")
         try:
