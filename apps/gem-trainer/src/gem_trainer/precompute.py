@@ -1,9 +1,8 @@
 """``gem-trainer precompute``: Solaris's speculative precompute, from config (``[solaris]``).
 
 The finished teacher (``solaris.teacher_run_dir``, else ``distillation.teacher_run_dir``) scores candidate pairs
-of this config's data: each row
-of the training stream is one (user, candidate) pair, as an earlier ranking stage would hand them over, and the
-first ``solaris.pairs`` rows (whole batches) are precomputed. A pair's embedding is the teacher's representation
+of this config's data: each row of the training stream is one (user, candidate) pair, as an earlier ranking
+stage would hand them over, and the first ``solaris.pairs`` rows (whole batches) are precomputed. A pair's embedding is the teacher's representation
 of that user with that candidate: the hidden state its task heads read (``ModelOutput.representation``, ``[R]``).
 A background worker (``gem_transfer.solaris.PrecomputeWorker``) runs the teacher and writes each pair once,
 with its timestamp, to the cache of ``solaris.backend`` (in-process, or a Redis server at ``solaris.redis_url``).
@@ -21,6 +20,8 @@ report (hit rate per fallback level, staleness, latency) printed and written:
 (``default.npz``) and, for the in-process backend, the cache itself (``cache.npz``); with Redis, entries the
 server had not taken when the pass ended (it went away and did not come back) go to ``unflushed.npz`` instead of
 being lost. ``solaris_lookup(config)`` opens them again for serving. The folder appears only once complete.
+
+``build_solaris_join`` gives a student the pair embeddings as an input (``solaris.student_input``).
 """
 
 from __future__ import annotations
