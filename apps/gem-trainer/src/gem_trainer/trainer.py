@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import time
 import warnings
 from typing import Any
@@ -36,13 +35,6 @@ from gem_trainer.metrics import MetricLogger, memory_gib
 # NOTE: FSDP2 warns whenever a wrapped block returns a view, in case the caller then changes it in place (which
 # would bypass its backward hook); no gem-kunlun model changes a block's output in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
-
-
-# NOTE: the reading thread's Python work (receiving batches from loader workers, making the page-locked copy) holds
-# the GIL for up to one switch interval at a time; at Python's default 5 ms, the training thread, which lets the GIL
-# go around every op it launches, waited up to that long to get it back, again and again (one H200, long histories,
-# 4 loader workers: 469 ms/step at 5 ms, 339 at 0.5 ms)
-READ_AHEAD_SWITCH_INTERVAL_S = 0.0005
 
 
 class TrainingDiverged(RuntimeError):
@@ -78,7 +70,6 @@ class Trainer:
         # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
         # neither the reader nor the copy to the device holds up the training thread
         self.input = ReadAhead(self.stream, pin=env.device.type == "cuda", observe=self._reader_report)
-        sys.setswitchinterval(min(sys.getswitchinterval(), READ_AHEAD_SWITCH_INTERVAL_S))
         self._batches = iter(self.input)
         self._unchecked_loss: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         self._check_ranking_is_possible()
