@@ -19,11 +19,15 @@ hit rate per fallback level, staleness of what was served (p50 / p99), lookup la
 per level) and throughput, with the provenance (machine, torch, commit, date, command) of the run.
 
 ``--quality`` (section ``quality``): the embedded default data from ``QUALITY_USERS`` users (so users recur and
-the user's-group level can answer), a Kunlun teacher (``TEACHER_STEPS``) and a baseline student
-(``STUDENT_STEPS``) that reads the teacher's embedding of each example's pair (``solaris.student_input``),
-trained on fresh embeddings. Held-out NE / AUC of: the student without that input; the student on fresh
-embeddings (the teacher run for every request); the student on Solaris-served embeddings, where the earlier
-stage predicted ``EVAL_SHARES`` of the held-out pairs (precomputed; the rest fall back). Per seed and mean/std.
+the user's-group level can answer). A Kunlun teacher (``TEACHER_STEPS``) trains on another stream of the same
+data (mixture source seed 1: the student's examples are new to it, so its embeddings of them carry no memorised
+labels); a baseline student (``STUDENT_STEPS``) reads the teacher's embedding of each example's pair
+(``solaris.student_input``). Held-out NE / AUC of: the student without that input (``student_alone``); trained
+and evaluated on fresh embeddings (the teacher run for every request: ``fresh``); trained on fresh, evaluated on
+Solaris-served ones where the earlier stage predicted ``EVAL_SHARES`` of the held-out pairs (``served_<share>``:
+precomputed, the rest fall back); trained and evaluated on served ones with half of the training and of the
+held-out pairs precomputed (``served_trained_0.5``: the student learns what fallbacks look like). Per seed and
+mean/std.
 """
 
 from __future__ import annotations
@@ -188,35 +192,51 @@ def quality(seeds: list[int], work: Path, extra_overrides: tuple[str, ...] = ())
     from gem_trainer.distributed import init_distributed
     from gem_trainer.precompute import precompute
 
+    def run_precompute(overrides: list[str]) -> dict:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return precompute(load_config(None, overrides), init_distributed("cpu", "gloo"))
+
+    def metrics(overrides: list[str], run_dir: Path) -> dict:
+        result = evaluate(None, overrides, run_dir)
+        return {m: result[m] for m in METRICS}
+
     rows, lookups = [], []
     for seed in seeds:
         folder = work / f"seed{seed}"
         common = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", f"--seed={seed}",
                   f"--data.synthetic.num_users={QUALITY_USERS}", "--solaris.user_feature=user_id", *extra_overrides]
         teacher = folder / "teacher"
-        train(None, [*common, f"--schedule.steps={TEACHER_STEPS}"], teacher)
+        train(None, [*common, f"--schedule.steps={TEACHER_STEPS}", '--data.mixture.sources=[{name="teacher_stream", seed=1}]'],
+              teacher)
         student = [*common, "--model.name=baseline", f"--schedule.steps={STUDENT_STEPS}", f"--solaris.teacher_run_dir={teacher}"]
-        arms = {"student_alone": [], "fresh": ["--solaris.student_input=fresh"]}
-        for arm, extra in arms.items():
-            train(None, [*student, *extra], folder / arm)
-            rows.append({"seed": seed, "arm": arm, **{m: evaluate(None, [*student, *extra], folder / arm)[m] for m in METRICS}})
+        pairs = STUDENT_STEPS * config_batch(student)
+        train(None, student, folder / "student_alone")
+        rows.append({"seed": seed, "arm": "student_alone", **metrics(student, folder / "student_alone")})
+        fresh = [*student, "--solaris.student_input=fresh"]
+        train(None, fresh, folder / "fresh")
+        rows.append({"seed": seed, "arm": "fresh", **metrics(fresh, folder / "fresh")})
         for share in EVAL_SHARES:
             output = folder / f"precompute-{share}"
-            config = load_config(None, [*student, f"--run_dir={folder / 'precompute'}", f"--solaris.output={output}",
-                                        f"--solaris.pairs={STUDENT_STEPS * config_batch(student)}", f"--solaris.eval_share={share}"])
-            with contextlib.redirect_stdout(io.StringIO()):
-                report = precompute(config, init_distributed("cpu", "gloo"))
-            lookups.append({"seed": seed, "eval_share": share, "worker": report["worker"],
+            report = run_precompute([*student, f"--run_dir={folder / 'precompute'}", f"--solaris.output={output}",
+                                     f"--solaris.pairs={pairs}", f"--solaris.eval_share={share}"])
+            lookups.append({"seed": seed, "arm": f"served_{share}", "worker": report["worker"],
                             "held_out_hit_rate": report["lookup"]["held_out"]["hit_rate"]})
-            served = ["--solaris.student_input=served", f"--solaris.output={output}"]
-            result = evaluate(None, [*student, *served], folder / "fresh")
-            rows.append({"seed": seed, "arm": f"served_{share}", **{m: result[m] for m in METRICS}})
+            served = [*student, "--solaris.student_input=served", f"--solaris.output={output}"]
+            rows.append({"seed": seed, "arm": f"served_{share}", **metrics(served, folder / "fresh")})
+        output = folder / "precompute-half"
+        report = run_precompute([*student, f"--run_dir={folder / 'precompute'}", f"--solaris.output={output}",
+                                 f"--solaris.pairs={pairs // 2}", "--solaris.eval_share=0.5"])
+        lookups.append({"seed": seed, "arm": "served_trained_0.5", "worker": report["worker"],
+                        "held_out_hit_rate": report["lookup"]["held_out"]["hit_rate"]})
+        served = [*student, "--solaris.student_input=served", f"--solaris.output={output}"]
+        train(None, served, folder / "served_trained")
+        rows.append({"seed": seed, "arm": "served_trained_0.5", **metrics(served, folder / "served_trained")})
         print(f"quality seed {seed}: " + "  ".join(f"{r['arm']} click ne {r['click/all/ne']:.4f} auc {r['click/all/auc']:.4f}"
                                                     for r in rows if r["seed"] == seed), flush=True)
     arms = list(dict.fromkeys(r["arm"] for r in rows))
-    return {"settings": {"users": QUALITY_USERS, "teacher": f"embedded default (Kunlun tiny), {TEACHER_STEPS} steps",
-                         "student": f"baseline, {STUDENT_STEPS} steps, trained on fresh embeddings",
-                         "eval_shares": list(EVAL_SHARES)},
+    return {"settings": {"users": QUALITY_USERS,
+                         "teacher": f"embedded default (Kunlun tiny), {TEACHER_STEPS} steps on a disjoint stream",
+                         "student": f"baseline, {STUDENT_STEPS} steps", "eval_shares": list(EVAL_SHARES)},
             "rows": rows, "lookups": lookups,
             "summary": {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in METRICS} for arm in arms}}
 
