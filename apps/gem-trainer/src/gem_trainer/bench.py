@@ -470,8 +470,8 @@ def timed_back_to_back(name: str, step, result: dict, batch_size: int, steps: in
 
 
 def profile_components(name: str, model: KunlunModel, step, result: dict, args, device, log) -> None:
-    """``args.profile_steps`` calls of ``step(i)`` under the profiler: GPU time per component, GPU idle time (the
-    profiled wall time not covered by kernels) and the top kernels."""
+    """``args.profile_steps`` calls of ``step(i)`` under the profiler (after ``timed_back_to_back``): GPU time per
+    component, GPU idle time (the timed step not covered by kernels) and the top kernels."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -487,8 +487,9 @@ def profile_components(name: str, model: KunlunModel, step, result: dict, args, 
                                       _device_time if device.type == "cuda" else _cpu_time)
     result["components_ms_per_step"] = breakdown
     result["profiled_gpu_ms_per_step"] = round(sum(v["total_ms"] for v in breakdown.values()), 2)
-    result["profiled_wall_ms_per_step"] = round(wall_ms, 2)
-    result["gpu_idle_ms_per_step"] = round(max(0.0, wall_ms - result["profiled_gpu_ms_per_step"]), 2)
+    result["profiled_wall_ms_per_step"] = round(wall_ms, 2)  # slowed by the profiler's own host work
+    # idle: the unprofiled step time not covered by the profiled steps' kernels
+    result["gpu_idle_ms_per_step"] = round(max(0.0, result["step_ms"] - result["profiled_gpu_ms_per_step"]), 2)
     result["top_kernels"] = top_kernels(prof, args.profile_steps)
     log(f"[{name}] components (ms/step): " + ", ".join(f"{k} {v['total_ms']}" for k, v in breakdown.items()))
 
