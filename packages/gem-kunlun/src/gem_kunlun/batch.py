@@ -115,7 +115,7 @@ class NextItemTargets:
             positives=self.positives.to(device, non_blocking=non_blocking),
             negatives=None if self.negatives is None else self.negatives.to(device, non_blocking=non_blocking),
             loss=self.loss,
-            catalogue=None if self.catalogue is None else self.catalogue.to(device, non_blocking=non_blocking),
+            catalogue=None if self.catalogue is None else _catalogue_on(self.catalogue, device, non_blocking),
         )
 
     def pin_memory(self) -> "NextItemTargets":
@@ -127,6 +127,19 @@ class NextItemTargets:
             # NOTE: the catalogue is one object shared by every batch: pinning would copy it per batch
             catalogue=self.catalogue,
         )
+
+
+# NOTE: a catalogue is one object per data set, shared by every batch: it goes to each device once, rather than
+# with every batch (from pageable memory, a copy that also waits for the GPU to finish its queued work)
+_catalogue_copies: dict[tuple[int, str], tuple[KeyedJaggedTensor, KeyedJaggedTensor]] = {}
+
+
+def _catalogue_on(catalogue: KeyedJaggedTensor, device: torch.device, non_blocking: bool) -> KeyedJaggedTensor:
+    key = (id(catalogue), str(device))
+    cached = _catalogue_copies.get(key)
+    if cached is None or cached[0] is not catalogue:  # the source is held, so its id is never reused meanwhile
+        cached = _catalogue_copies[key] = (catalogue, catalogue.to(device, non_blocking=non_blocking))
+    return cached[1]
 
 
 @dataclass

@@ -27,9 +27,13 @@ def clip_grad_norm_(
         dist.all_reduce(experts, group=expert_group)
     total = (dense + experts).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    local = defaultdict(list)  # one multiply per device and dtype rather than two kernels per parameter
     for p in [*parameters, *expert_parameters]:
         if p.grad is not None:
-            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(scale.to(p.grad.dtype))
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local[(grad.device, grad.dtype)].append(grad)
+    for (device, dtype), grads in local.items():
+        torch._foreach_mul_(grads, scale.to(device=device, dtype=dtype))
     return total
 
 
@@ -38,10 +42,13 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
-    total = torch.zeros((), dtype=torch.float32)
+    # NOTE: summed on the gradients' device: starting from a host zero moved there would be a copy from pageable
+    # memory, which waits for everything queued before it (on a GPU: the whole backward pass, every step)
+    total = None
     for mesh, members in groups.items():
         norm = torch.nn.utils.get_total_norm(members, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        total = total.to(norm.device) + norm.float().pow(2)
-    return total
+        squared = norm.float().pow(2)
+        total = squared if total is None else total + squared
+    return total if total is not None else torch.zeros((), dtype=torch.float32)
