@@ -16,15 +16,21 @@ touches the readers, and handed out with the batch as ``observed``.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from gem_kunlun import Batch, FeatureSpec
 
 _END = object()
+# NOTE: a reading thread still inside a torch op when the interpreter exits (a run stopped by an error) aborts the
+# process; every live reader is stopped first
+_live: weakref.WeakSet = weakref.WeakSet()
+atexit.register(lambda: [reader.close() for reader in list(_live)])
 
 
 class _Failed:
@@ -55,14 +61,16 @@ class ReadAhead:
     def __iter__(self) -> Iterator[Batch]:
         self.close()
         self._delivered = copy.deepcopy(self.source.state_dict())
+        return self._deliver()
+
+    def _deliver(self) -> Iterator[Batch]:
+        # the thread starts with the first batch asked for, not when the iterator is made
         ready: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
         thread = threading.Thread(target=self._produce, args=(ready, stop), name="gem-read-ahead", daemon=True)
         self._stop, self._thread = stop, thread
+        _live.add(self)
         thread.start()
-        return self._deliver(ready, stop)
-
-    def _deliver(self, ready: queue.Queue, stop: threading.Event) -> Iterator[Batch]:
         while not stop.is_set():
             item = ready.get()
             if item is _END:
