@@ -183,3 +183,17 @@ def test_two_gloo_ranks_train_a_loopfm_student_as_one_process(store, tmp_path):
     assert len(one) == STEPS
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=2e-5, atol=2e-6)
     assert two_eval["click/all/auc"] == pytest.approx(one_eval["click/all/auc"], rel=1e-4)
+
+
+def test_loopfm_and_the_solaris_input_together(teacher, store, tmp_path):
+    """The Solaris join runs first and adds its feature; the store, written without it, still fits."""
+    student = config(tmp_path / "both", f"--loopfm.store={store}", "--solaris.student_input=fresh",
+                     f"--solaris.teacher_run_dir={teacher}")
+    trainer = Trainer(student, init_distributed("cpu", "gloo"))
+    try:
+        assert sorted(r.name for r in trainer.spec.representations) == ["loopfm", "solaris"]
+        batch = next(iter(trainer.data.train))
+        batch.validate(trainer.spec)
+        assert torch.isfinite(torch.tensor(float(trainer.train_step()["loss"])))
+    finally:
+        trainer.close()

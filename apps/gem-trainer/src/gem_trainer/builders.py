@@ -153,7 +153,9 @@ def build_representation_join(config: TrainerConfig, source: BatchSource) -> Rep
     loop = config.loopfm
     try:
         store = RepresentationStore(loop.store)
-        if store.meta.get("spec") != spec_record(source.spec):
+        # NOTE: the store was written over the data without representation inputs (posttrain reads it so); the
+        # Solaris join, which runs before this one, adds its own feature to the spec
+        if store.meta.get("spec") != spec_record(dataclasses.replace(source.spec, representations=())):
             raise RepresentationError(f"{loop.store} was written over data with other features than this run's")
         if store.meta.get("user_feature") != loop.user_feature:
             raise RepresentationError(f"{loop.store} is keyed by user feature {store.meta.get('user_feature')!r}, "
