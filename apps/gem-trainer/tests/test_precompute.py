@@ -137,3 +137,22 @@ def test_a_student_reads_the_pair_embeddings_fresh_or_served(teacher, tmp_path):
     with pytest.raises(ConfigError, match="solaris.output: .* holds no finished precompute"):
         Trainer(load_config(None, [*student, "--solaris.student_input=served", f"--solaris.output={tmp_path / 'nothing'}"]),
                 init_distributed("cpu", "gloo"))
+
+
+def test_served_embeddings_do_not_expire_with_the_wall_clock(teacher, tmp_path, monkeypatch):
+    """A student's served input is judged against the precompute's finish time, not the wall clock: the same
+    batch reads the same embeddings in a run that starts (or resumes) long after ``ttl_s`` has passed."""
+    import time
+
+    from gem_trainer.precompute import build_solaris_join
+
+    config = load_config(None, arguments(teacher, tmp_path, "--solaris.ttl_s=60", "--solaris.student_input=served"))
+    env = init_distributed("cpu", "gloo")
+    precompute(config, env)
+    source = builders.build_data(config, env, representations=False).train
+    batch = next(iter(source))
+    before = build_solaris_join(config, env, source).attach(batch).representations["solaris"].values
+    later = time.time() + 3600
+    monkeypatch.setattr(time, "time", lambda: later)
+    after = build_solaris_join(config, env, source).attach(batch).representations["solaris"].values
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

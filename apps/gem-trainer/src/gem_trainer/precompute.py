@@ -166,9 +166,10 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
                 traffic["held_out"].append(keys)
         counts = worker.close()
         pass_s = time.perf_counter() - started
+        finished_at = time.time()  # every entry is written: the fixed clock of served student inputs
         lookup = FallbackLookup(cache, index, default, s.ttl_s, s.neighbours)
         report = {"teacher": {"run_dir": str(teacher_run_dir(config)), "step": teacher_step}, "backend": s.backend,
-                  "eval_share": s.eval_share,
+                  "eval_share": s.eval_share, "finished_at": finished_at,
                   "worker": {**counts, "users": len(index), "pass_s": round(pass_s, 2),
                              "pairs_per_s": round(counts["written_pairs"] / max(pass_s, 1e-9), 1)},
                   "lookup": {name: replay(lookup, PairKeys.concat(keys).head(s.lookups))
@@ -212,9 +213,7 @@ def _publish(output: Path, report: dict, cache, index: UserIndex, default: Defau
 def solaris_lookup(config: TrainerConfig, clock=None) -> FallbackLookup:
     """The lookup over a finished precompute (``solaris.output``) with ``solaris.backend``: what serving uses."""
     s = config.solaris
-    output = Path(s.output) if s.output is not None else None
-    if output is None or not (output / "report.json").is_file():
-        raise ConfigError(f"solaris.output: {output} holds no finished precompute (run `gem-trainer precompute`)")
+    output = _finished_output(config)
     try:
         index = UserIndex.load(output / "users.npz")
         default = DefaultEmbedding.load(output / "default.npz")
@@ -229,15 +228,37 @@ def solaris_lookup(config: TrainerConfig, clock=None) -> FallbackLookup:
     return FallbackLookup(cache, index, default, s.ttl_s, s.neighbours, clock)
 
 
+def _finished_output(config: TrainerConfig) -> Path:
+    output = Path(config.solaris.output) if config.solaris.output is not None else None
+    if output is None or not (output / "report.json").is_file():
+        raise ConfigError(f"solaris.output: {output} holds no finished precompute (run `gem-trainer precompute`)")
+    return output
+
+
+def _finished_at(config: TrainerConfig) -> float:
+    """When the precompute at ``solaris.output`` finished writing (seconds since the epoch, from its report)."""
+    path = _finished_output(config) / "report.json"
+    try:
+        return float(json.loads(path.read_text())["finished_at"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"solaris.output: {path} records no finish time ({error!r}): run `gem-trainer precompute` again") from None
+
+
 def build_solaris_join(config: TrainerConfig, env: DistributedEnv, source) -> SolarisJoin:
     """``source`` whose batches carry the teacher's embedding of each example's pair as the representation
     feature ``solaris`` (``solaris.student_input``): computed by the teacher (``fresh``) or served by the lookup
-    over the finished precompute at ``solaris.output`` (``served``)."""
+    over the finished precompute at ``solaris.output`` (``served``). Served entries are judged fresh against the
+    time the precompute finished (``report.json``'s ``finished_at``), so the input is the same however long the
+    run lasts or whenever it resumes. The Redis backend still drops entries ``ttl_s`` of wall-clock time after
+    they were written (the server expires them): read a long-lived precompute with the in-process backend."""
     s = config.solaris
     check_features(config, source.spec)
     if s.student_input == "fresh":
         score, width, _ = build_scorer(config, source.spec, env)
         return SolarisJoin(source, score, width)
-    lookup = solaris_lookup(config)
+    # NOTE: served embeddings are judged fresh against the precompute's finish time, not the wall clock: a run
+    # longer than ttl_s, or one resumed later, would otherwise see its input turn into the default mid-run
+    finished_at = _finished_at(config)
+    lookup = solaris_lookup(config, clock=lambda: finished_at)
     width = lookup.default.value().shape[0]
     return SolarisJoin(source, served_embeddings(lookup, lambda batch: _keys(config, batch)), width)
