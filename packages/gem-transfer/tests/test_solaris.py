@@ -310,9 +310,10 @@ def test_the_join_gives_every_example_its_pair_embedding_as_one_vector():
     assert join.state_dict() == {"position": 0}
     with pytest.raises(ValueError, match=r"\(5, 3\) embeddings for 5 rows of width 4"):
         SolarisJoin(Source(), teacher, width=4).attach(batches[0])
-    # served: the lookup's answer per row (here an empty cache: the default of everything written)
+    # served: the lookup's answer per row (here an empty cache: the default of what was written before each row)
     default = DefaultEmbedding()
-    default.add(np.ones((2, 3)))
+    default.add(np.ones((2, 3)), times=np.array([1.0, 2.0]))
+    default.add(np.full((1, 3), 7.0), times=np.array([1e9]))  # a later example: no row of the batch sees it
     lookup = FallbackLookup(MemoryCache(ttl_s=10), None, default, ttl_s=10)
     served = SolarisJoin(Source(), served_embeddings(lookup, lambda b: pair_keys(b, "ad", "shop")), width=3)
     assert torch.equal(served.attach(batches[0]).representations["solaris"].values, torch.ones(5, 3))
@@ -327,3 +328,33 @@ def test_worker_precomputes_only_the_rows_it_is_given():
     assert worker.submit(batch, keys, rows=[1, 4]) == 2
     worker.close()
     assert cache.written == [(int(keys.users[1]), int(keys.items[1])), (int(keys.users[4]), int(keys.items[4]))]
+
+
+def test_a_lookup_bounded_by_the_examples_time_uses_no_later_example():
+    """A user's later (held-out) pairs must not reach an earlier (training) row at any level."""
+    clock = Clock()
+    cache = MemoryCache(ttl_s=100, clock=clock)
+    index = UserIndex(dim=3)
+    default = DefaultEmbedding(4)
+    early, late = [entry(1, 10, 7, clock.now, 1.0), entry(2, 30, 7, clock.now, 4.0)], [entry(1, 11, 7, clock.now, 3.0)]
+    early = [CacheEntry(e.user, e.item, e.group, e.timestamp, e.embedding, t) for e, t in zip(early, (10.0, 5.0))]
+    late = [CacheEntry(e.user, e.item, e.group, e.timestamp, e.embedding, 20.0) for e in late]
+    cache.put(early + late)
+    index.add(np.array([1, 2]), np.array([[1.0, 0, 0], [0, 1.0, 0]]))
+    default.add(np.stack([e.embedding for e in early]), np.array([10.0, 5.0]))
+    default.add(np.stack([e.embedding for e in late]), np.array([20.0]))
+    lookup = FallbackLookup(cache, index, default, ttl_s=100, neighbours=1, clock=clock)
+    near_user_2 = np.array([0.0, 1.0, 0.0])
+    cases = [
+        ((1, 11, 7, 15.0), "user_group", 1.0),  # the pair's own entry is of a later example: only the earlier one
+        ((1, 11, 7, 20.0), "exact", 3.0),  # ... and at its own time, the entry precomputed for it
+        ((1, 12, 7, 25.0), "user_group", 2.0),  # later than both: their mean
+        ((1, 12, 7, 10.0), "neighbours", 4.0),  # nothing of user 1 strictly before: not even the entry at 10
+        ((3, 12, 9, 5.0), "default", 0.0),  # nothing written before 5
+        ((3, 12, 9, 15.0), "default", 2.5),  # the mean of the entries at 5 and 10, not the one at 20
+    ]
+    for (user, item, group, before), level, value in cases:
+        served = lookup.lookup(user, item, group, near_user_2, before=before)
+        assert (served.level, float(served.embedding[0])) == (level, value), (user, item, before)
+    assert float(lookup.lookup(3, 12, 9, near_user_2).embedding[0]) == pytest.approx(8 / 3)  # unbounded: everything
+    assert lookup.lookup(1, 11, 7, near_user_2).level == "exact"

@@ -12,6 +12,7 @@ the lookup's decision, made on the entry's timestamp, so every backend serves th
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -29,13 +30,15 @@ class CacheError(ValueError):
 @dataclass(frozen=True)
 class CacheEntry:
     """The teacher's embedding ``[R]`` float32 of ``user`` with candidate ``item`` (of ``group``), computed at
-    ``timestamp`` (seconds since the epoch)."""
+    ``timestamp`` (seconds since the epoch) for an example of ``event_time`` (the data's time of the example,
+    ``gem_transfer.example_times``; NaN where unknown): what a lookup bounded by an example's time compares."""
 
     user: int
     item: int
     group: int
     timestamp: float
     embedding: np.ndarray
+    event_time: float = math.nan
 
 
 class CacheBackend(Protocol):
@@ -134,14 +137,16 @@ class MemoryCache:
 
 
 def save_entries(entries: list[CacheEntry], path: str | Path) -> Path:
-    """``entries`` as one ``.npz`` file: users, items, groups (int64), timestamps (float64), embeddings ``[N, R]``."""
+    """``entries`` as one ``.npz`` file: users, items, groups (int64), timestamps, event times (float64),
+    embeddings ``[N, R]``."""
     path = Path(path)
     width = entries[0].embedding.shape[0] if entries else 0
     embeddings = np.stack([e.embedding for e in entries]) if entries else np.zeros((0, width), np.float32)
     with open(path, "wb") as out:  # an open file: numpy would otherwise append .npz to a name without it
         np.savez(out, users=np.array([e.user for e in entries], np.int64), items=np.array([e.item for e in entries], np.int64),
                  groups=np.array([e.group for e in entries], np.int64),
-                 timestamps=np.array([e.timestamp for e in entries], np.float64), embeddings=embeddings.astype(np.float32))
+                 timestamps=np.array([e.timestamp for e in entries], np.float64),
+                 event_times=np.array([e.event_time for e in entries], np.float64), embeddings=embeddings.astype(np.float32))
     return path
 
 
@@ -150,8 +155,9 @@ def load_entries(path: str | Path) -> list[CacheEntry]:
     path = Path(path)
     try:
         with np.load(path) as data:
-            columns = [data[name] for name in ("users", "items", "groups", "timestamps", "embeddings")]
+            columns = [data[name] for name in ("users", "items", "groups", "timestamps", "event_times", "embeddings")]
     except (OSError, KeyError, ValueError) as error:
         raise CacheError(f"{path}: not a Solaris cache snapshot ({error})") from None
-    users, items, groups, timestamps, embeddings = columns
-    return [CacheEntry(int(u), int(i), int(g), float(t), e) for u, i, g, t, e in zip(users, items, groups, timestamps, embeddings)]
+    users, items, groups, timestamps, event_times, embeddings = columns
+    return [CacheEntry(int(u), int(i), int(g), float(t), e, float(x))
+            for u, i, g, t, x, e in zip(users, items, groups, timestamps, event_times, embeddings)]

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from gem_kunlun import Batch, FeatureSpec, JaggedFloats, RepresentationFeature
+from gem_transfer.representation_store import example_times
 from gem_transfer.solaris.keys import PairKeys
 from gem_transfer.solaris.lookup import FallbackLookup
 
@@ -58,10 +59,11 @@ class SolarisJoin:
 
 
 def served_embeddings(lookup: FallbackLookup, keys: Callable[[Batch], PairKeys]) -> Callable[[Batch], np.ndarray]:
-    """A ``represent`` function for ``SolarisJoin``: every row of a batch looked up (``keys`` reads its pair)."""
+    """A ``represent`` function for ``SolarisJoin``: every row of a batch looked up (``keys`` reads its pair),
+    bounded by the row's time (``example_times``), so no row reads what later examples wrote."""
     def represent(batch: Batch) -> np.ndarray:
-        k = keys(batch)
-        return np.stack([lookup.lookup(k.users[r], k.items[r], k.groups[r], k.behaviour[r]).embedding
+        k, times = keys(batch), example_times(batch).tolist()
+        return np.stack([lookup.lookup(k.users[r], k.items[r], k.groups[r], k.behaviour[r], before=times[r]).embedding
                          for r in range(len(k))])
 
     return represent

@@ -1,7 +1,8 @@
 """Solaris's Redis backend: the cache on a Redis (or Valkey) server, shared by every process that serves.
 
-Layout, under ``prefix``: ``{prefix}:e:{user}:{item}`` holds one entry (timestamp, group, embedding bytes);
-``{prefix}:g:{user}:{group}`` is a list of the user's newest entries in that group (timestamp, item, embedding),
+Layout, under ``prefix``: ``{prefix}:e:{user}:{item}`` holds one entry (timestamp, event time, group, embedding
+bytes); ``{prefix}:g:{user}:{group}`` is a list of the user's newest entries in that group (timestamp, event time,
+item, embedding),
 newest first, trimmed to ``recent``. Both expire on the server ``ttl_s`` after the entry's timestamp.
 
 The server may go away mid-run (a restart, a network cut). Then nothing raises: a read answers from the entries
@@ -25,7 +26,7 @@ import numpy as np
 from gem_transfer.solaris.cache import CacheEntry, CacheError, MemoryCache
 
 logger = logging.getLogger("gem_transfer.solaris")
-_HEAD = struct.Struct("<dq")  # timestamp, then the group (exact entries) or the item (group lists)
+_HEAD = struct.Struct("<ddq")  # timestamp, event time, then the group (exact entries) or the item (group lists)
 
 
 class RedisCache:
@@ -168,9 +169,9 @@ class RedisCache:
             if left_ms <= 0:
                 continue  # already past its time to live: the server would have dropped it
             vector = np.ascontiguousarray(e.embedding, dtype=np.float32).tobytes()
-            pipe.set(self._entry_key(e.user, e.item), _HEAD.pack(e.timestamp, e.group) + vector, px=left_ms)
+            pipe.set(self._entry_key(e.user, e.item), _HEAD.pack(e.timestamp, e.event_time, e.group) + vector, px=left_ms)
             key = self._group_key(e.user, e.group)
-            pipe.lpush(key, _HEAD.pack(e.timestamp, e.item) + vector)
+            pipe.lpush(key, _HEAD.pack(e.timestamp, e.event_time, e.item) + vector)
             touched[key] = max(touched.get(key, 0), left_ms)
         for key, left_ms in touched.items():
             pipe.ltrim(key, 0, self.recent_size - 1)
@@ -179,16 +180,17 @@ class RedisCache:
 
     @staticmethod
     def _entry(user: int, item: int, value: bytes) -> CacheEntry:
-        timestamp, group = _HEAD.unpack_from(value)
-        return CacheEntry(user, item, group, timestamp, np.frombuffer(value, np.float32, offset=_HEAD.size))
+        timestamp, event_time, group = _HEAD.unpack_from(value)
+        return CacheEntry(user, item, group, timestamp, np.frombuffer(value, np.float32, offset=_HEAD.size), event_time)
 
     @staticmethod
     def _group_entries(user: int, group: int, values: list[bytes]) -> list[CacheEntry]:
         entries, seen = [], set()
         for value in values:
-            timestamp, item = _HEAD.unpack_from(value)
+            timestamp, event_time, item = _HEAD.unpack_from(value)
             if item in seen:
                 continue  # a rewritten pair: its newest embedding (earlier in the list) stands
             seen.add(item)
-            entries.append(CacheEntry(user, item, group, timestamp, np.frombuffer(value, np.float32, offset=_HEAD.size)))
+            entries.append(CacheEntry(user, item, group, timestamp, np.frombuffer(value, np.float32, offset=_HEAD.size),
+                                      event_time))
         return entries

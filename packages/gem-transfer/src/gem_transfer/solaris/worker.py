@@ -3,7 +3,8 @@
 The earlier stage hands over candidate pairs as batches of model input (one row per (user, candidate) pair)
 with their keys (``PairKeys``). ``submit`` keeps the rows whose pair it has not seen before (each pair is
 scored and written once; a batch with no new pair is not scored at all) and queues the batch; the worker
-thread runs ``score`` (the teacher: batch -> ``[B, R]`` embeddings) on it, stamps the new rows with the time,
+thread runs ``score`` (the teacher: batch -> ``[B, R]`` embeddings) on it, stamps the new rows with the time
+and each example's own time (``example_times``),
 writes them to the cache in one call, adds their users' behaviour to the ``UserIndex`` and their embeddings
 to the ``DefaultEmbedding``. The queue is bounded: a reader faster than the teacher waits in ``submit``
 instead of filling memory. An error in the thread stops the work and is raised again by the next ``submit``
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from gem_kunlun import Batch
+from gem_transfer.representation_store import example_times
 from gem_transfer.solaris.cache import CacheBackend, CacheEntry
 from gem_transfer.solaris.keys import PairKeys
 from gem_transfer.solaris.lookup import DefaultEmbedding
@@ -105,11 +107,12 @@ class PrecomputeWorker:
         self.seconds["score"] += written - started
         now = self.clock()
         users, items, groups = keys.users[rows].tolist(), keys.items[rows].tolist(), keys.groups[rows].tolist()
-        self.cache.put([CacheEntry(u, i, g, now, e) for u, i, g, e in zip(users, items, groups, embeddings)])
+        times = example_times(batch).numpy()[rows]
+        self.cache.put([CacheEntry(u, i, g, now, e, float(t)) for u, i, g, e, t in zip(users, items, groups, embeddings, times)])
         if self.index is not None:
             self.index.add(keys.users[rows], keys.behaviour[rows])
         if self.default is not None:
-            self.default.add(embeddings)
+            self.default.add(embeddings, times)
         self.seconds["write"] += time.perf_counter() - written
         self.counts["scored_batches"] += 1
         self.counts["scored_rows"] += batch.batch_size
