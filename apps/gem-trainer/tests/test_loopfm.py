@@ -197,3 +197,23 @@ def test_loopfm_and_the_solaris_input_together(teacher, store, tmp_path):
         assert torch.isfinite(torch.tensor(float(trainer.train_step()["loss"])))
     finally:
         trainer.close()
+
+
+def test_a_finite_stream_read_more_than_once_stores_each_example_once(teacher, tmp_path, monkeypatch):
+    """schedule.steps over two epochs of a finite data set: each user's history holds each example once."""
+    build_data = builders.build_data
+    epoch = []
+
+    def two_epochs_of_four_batches(*args, **kwargs):
+        data = build_data(*args, **kwargs)
+        epoch[:] = [b for _, b in zip(range(4), data.train)]
+        data.train = type("Finite", (), {"__iter__": lambda self: iter(epoch + epoch), "spec": data.train.spec})()
+        return data
+
+    monkeypatch.setattr(builders, "build_data", two_epochs_of_four_batches)
+    folder = tmp_path / "loopfm"
+    posttrain(config(tmp_path / "pass", f"--distillation.teacher_run_dir={teacher}", f"--loopfm.store={folder}"),
+              init_distributed("cpu", "gloo"))
+    rows = stored_rows(folder)
+    assert len(rows) == sum(int((b.num_events() > 0).sum()) for b in epoch) > 0
+    assert {step for step, _ in rows} == {0, 1, 2, 3}  # the second epoch's steps added nothing

@@ -9,7 +9,8 @@ gathers every rank's rows of a step and writes them, so each example of each ste
 
 A pass cut short leaves no soft-label store, but the representation store keeps every finished part: run
 again with the same config, it continues at the first step it lacks (the teacher reruns the earlier steps
-only when soft labels are being written too).
+only when soft labels are being written too). Each example is stored once, also where ``schedule.steps``
+covers a finite data set more than once (the repeats of later epochs are left out).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
     precision = autocast_dtype(config.precision.autocast, env.device)
     batches = iter(data.train)
     steps = rows = represented = 0
+    # NOTE: a finite stream (Parquet, sequence files) starts again after its last batch; a user's history must
+    # hold each example once, so an example already stored, by this pass or the one cut short, is not stored again
+    stored: set[tuple[int, float, int]] = set()
     try:
         show = config.metrics.progress_bar and env.rank == 0
         for step in progress(range(config.schedule.steps), config.schedule.steps, "posttrain", show):
@@ -79,6 +83,8 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
                 break  # the stream ended (a finite source): the stores hold the steps it had
             steps = step + 1
             represent = tap is not None and step >= first_missing
+            if tap is not None and not represent:
+                _example_keys(env, batch, loop.user_feature, stored)  # stored by the pass cut short
             if d.soft_labels is None and not represent:
                 continue  # stored by the pass that was cut short: the data moves on, the teacher rests
             fingerprints, queries = example_fingerprints(batch), queries_per_example(batch)
@@ -96,7 +102,8 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
             if labels is not None:
                 labels.append(step, fingerprints, logits, queries)
             if represent and memory is not None:
-                memory.append(step, *rank_rows[3:])
+                users, times, vectors = rank_rows[3:]
+                memory.append(step, users, _first_times(users, times, fingerprints, stored), vectors)
             rows += fingerprints.numel()
             represented += fingerprints.numel() if represent else 0
         folder = labels.close() if labels is not None else d.soft_labels
@@ -138,6 +145,28 @@ def _vectors(tap: RepresentationTap, output, batch) -> torch.Tensor:
         return tap.vectors(output, batch.batch_size)
     except ValueError as error:
         raise ConfigError(f"loopfm.layer: {error}") from None
+
+
+def _example_keys(env: DistributedEnv, batch, user_feature: str, stored: set) -> None:
+    """Add the (user, time, fingerprint) of every example of this global batch to ``stored`` (on rank 0)."""
+    keys = (example_users(batch, user_feature), example_times(batch), example_fingerprints(batch))
+    if env.world_size > 1:
+        gathered: list = [None] * env.world_size
+        dist.all_gather_object(gathered, keys)
+        keys = tuple(torch.cat(parts) for parts in zip(*gathered))
+    if env.rank == 0:
+        _first_times(*keys, stored)
+
+
+def _first_times(users: torch.Tensor, times: torch.Tensor, fingerprints: torch.Tensor, stored: set) -> torch.Tensor:
+    """``times`` with NaN (not stored) for the examples already in ``stored``, which then holds every example."""
+    times = times.clone()
+    for row, key in enumerate(zip(users.tolist(), times.tolist(), fingerprints.tolist())):
+        if key in stored:
+            times[row] = float("nan")
+        elif key[1] == key[1]:  # an example without events has no time and is never stored
+            stored.add(key)
+    return times
 
 
 def _shared(env: DistributedEnv, value: int | str | None) -> int | str:
