@@ -156,3 +156,16 @@ def test_served_embeddings_do_not_expire_with_the_wall_clock(teacher, tmp_path, 
     monkeypatch.setattr(time, "time", lambda: later)
     after = build_solaris_join(config, env, source).attach(batch).representations["solaris"].values
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_fresh_pair_embeddings_need_one_process(teacher, tmp_path):
+    import dataclasses
+
+    from gem_trainer.precompute import build_solaris_join
+
+    config = load_config(None, arguments(teacher, tmp_path, "--solaris.student_input=fresh"))
+    env = init_distributed("cpu", "gloo")
+    source = builders.build_data(config, env, representations=False).train
+    with pytest.raises(ConfigError, match=r'solaris.student_input: "fresh" .* one process \(2 ranks here\)') as error:
+        build_solaris_join(config, dataclasses.replace(env, rank=1, world_size=2), source)
+    assert "\n" not in str(error.value)

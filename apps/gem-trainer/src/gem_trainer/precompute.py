@@ -252,6 +252,11 @@ def build_solaris_join(config: TrainerConfig, env: DistributedEnv, source) -> So
     run lasts or whenever it resumes. The Redis backend still drops entries ``ttl_s`` of wall-clock time after
     they were written (the server expires them): read a long-lived precompute with the in-process backend."""
     s = config.solaris
+    if s.student_input == "fresh" and env.world_size > 1:
+        # NOTE: the trainer reads its data on a background thread; a sharded teacher there would run its
+        # collectives beside the training step's on another thread, in no fixed order across ranks (a hang)
+        raise ConfigError(f"solaris.student_input: \"fresh\" runs the teacher inside the data stream, which needs one "
+                          f"process ({env.world_size} ranks here): use \"served\" or run without torchrun")
     check_features(config, source.spec)
     if s.student_input == "fresh":
         score, width, _ = build_scorer(config, source.spec, env)
