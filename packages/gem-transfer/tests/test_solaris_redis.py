@@ -112,3 +112,29 @@ def test_entries_still_kept_at_close_are_handed_back(server):
     cache.put([entry(1, 10, 7, time.time(), 1.0)])
     cache.close()  # the server is still away: nothing was written, nothing is dropped
     assert [(e.user, e.item) for e in cache.unflushed()] == [(1, 10)]
+
+
+def test_a_write_racing_the_servers_return_is_not_left_behind(server):
+    """put() decides between writing and keeping under the lock: here another thread brings the server back and
+    flushes the kept entries just after put() found it away; the entry must still reach the server."""
+    import threading
+
+    now = time.time()
+    cache = RedisCache(server.url, ttl_s=100, prefix="t9")
+    cache._down_until = time.monotonic() + 100  # an outage the cache noticed earlier
+    usable = cache._usable
+
+    def away_then_back() -> bool:
+        answer = usable()  # still away for this caller...
+        cache._down_until = 0.0
+        returned = threading.Thread(target=usable)  # ...and another thread finds the server back meanwhile
+        returned.start()
+        returned.join()
+        return answer
+
+    cache._usable = away_then_back
+    cache.put([entry(1, 10, 7, now, 1.0)])
+    cache._usable = usable
+    assert cache.flush() == 0 and cache.unflushed() == []
+    assert float(cache.get([(1, 10)])[0].embedding[0]) == 1.0
+    cache.close()

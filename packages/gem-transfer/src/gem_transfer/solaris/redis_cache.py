@@ -104,15 +104,17 @@ class RedisCache:
     # -- the backend interface --------------------------------------------------------------------------------
 
     def put(self, entries: list[CacheEntry]) -> None:
-        if self._usable():
-            with self._lock:
+        self._usable()  # after an outage: try the server again when due
+        # NOTE: writing or keeping is decided in one critical section: decided outside it, another thread could
+        # bring the server back and flush in between, and entries kept after that flush would wait unseen
+        with self._lock:
+            if self._down_until is None:
                 try:
                     self._flush()  # entries kept by a concurrent outage go first: the server sees the write order
                     self._write(entries)
                     return
                 except self._down_errors as error:
                     self._went_away(error)
-        with self._lock:
             self._log.extend(entries)
             self.pending.put(entries)
 
@@ -140,9 +142,19 @@ class RedisCache:
     def flush(self) -> int:
         """Try the server now and write the kept entries; returns how many are still kept."""
         with self._lock:
-            self._down_until = None if self._down_until is None else 0.0  # due now
-        self._usable()
-        return len(self._log)
+            was_down = self._down_until is not None
+            try:
+                if was_down:
+                    self.client.ping()
+                kept = self._flush()
+            except self._down_errors as error:
+                self._went_away(error)
+            else:
+                self._down_until = None
+                if was_down:
+                    logger.warning("Solaris cache: the Redis server at %s is back; wrote the %d entries kept meanwhile",
+                                   self.url, kept)
+            return len(self._log)
 
     def unflushed(self) -> list[CacheEntry]:
         with self._lock:
