@@ -217,3 +217,31 @@ def test_a_finite_stream_read_more_than_once_stores_each_example_once(teacher, t
     rows = stored_rows(folder)
     assert len(rows) == sum(int((b.num_events() > 0).sum()) for b in epoch) > 0
     assert {step for step, _ in rows} == {0, 1, 2, 3}  # the second epoch's steps added nothing
+
+
+def test_a_pass_resumed_over_another_data_stream_is_one_line(teacher, tmp_path, monkeypatch):
+    folder = tmp_path / "loopfm"
+    build_data = builders.build_data
+
+    def stopping_after_two_batches(*args, **kwargs):
+        data = build_data(*args, **kwargs)
+        train = data.train
+
+        def cut():
+            for i, batch in enumerate(train):
+                if i == 2:
+                    raise KeyboardInterrupt
+                yield batch
+        data.train = type("Cut", (), {"__iter__": lambda self: cut()})()
+        return data
+
+    monkeypatch.setattr(builders, "build_data", stopping_after_two_batches)
+    with pytest.raises(KeyboardInterrupt):
+        posttrain(config(tmp_path / "pass", f"--distillation.teacher_run_dir={teacher}", f"--loopfm.store={folder}"),
+                  init_distributed("cpu", "gloo"))
+    monkeypatch.setattr(builders, "build_data", build_data)
+    changed = config(tmp_path / "pass", f"--distillation.teacher_run_dir={teacher}", f"--loopfm.store={folder}",
+                     "--data.balance=true")
+    with pytest.raises(ConfigError, match=r"loopfm.store: .* another pass \(differs in data.balance\)") as error:
+        posttrain(changed, init_distributed("cpu", "gloo"))
+    assert "\n" not in str(error.value)

@@ -55,8 +55,9 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
     teacher_step = CheckpointManager(Path(d.teacher_run_dir) / "checkpoints", keep_latest=1).latest_step()
     global_batch = config.data.batch_size * env.world_size
     meta = {"teacher": {"run_dir": str(d.teacher_run_dir), "step": teacher_step}, "spec": spec_record(data.spec),
-            "global_batch_size": global_batch, "seed": config.seed, "data_source": config.data.source,
-            "data_path": config.data.path}
+            "global_batch_size": global_batch, "seed": config.seed,
+            # the whole data section: a resumed pass must read the same stream (surfaces, balance, mixture, ...)
+            "data": config.data.model_dump(mode="json")}
     memory, tap, first_missing = None, None, 0
     if loop.store is not None:
         memory, problem = _representation_writer(config, env, meta)

@@ -102,6 +102,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def _differing(stored: dict[str, Any], meta: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two metadata records (nested records compared key by key)."""
+    found = []
+    for key in sorted(set(stored) | set(meta)):
+        a, b = stored.get(key), meta.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found += _differing(a, b, f"{prefix}{key}.")
+        elif a != b:
+            found.append(f"{prefix}{key}")
+    return found
+
+
 class RepresentationWriter:
     """Appends each step's representations in step order; resumes a store cut short (module docstring).
 
@@ -115,7 +127,7 @@ class RepresentationWriter:
         meta = {"format": FORMAT, **meta}
         if (self.folder / PROGRESS).is_file():
             stored = _read_json(self.folder / META) if (self.folder / META).is_file() else {}
-            differing = sorted(k for k in set(stored) | set(meta) if stored.get(k) != meta.get(k))
+            differing = _differing(stored, meta)
             if differing:
                 raise RepresentationError(f"{self.folder} holds representations of another pass (differs in {', '.join(differing)}): "
                                           f"remove it or choose another folder")
