@@ -15,6 +15,7 @@ covers a finite data set more than once (the repeats of later epochs are left ou
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -165,7 +166,7 @@ def _first_times(users: torch.Tensor, times: torch.Tensor, fingerprints: torch.T
     for row, key in enumerate(zip(users.tolist(), times.tolist(), fingerprints.tolist())):
         if key in stored:
             times[row] = float("nan")
-        elif key[1] == key[1]:  # an example without events has no time and is never stored
+        elif not math.isnan(key[1]):  # an example without events has no time and is never stored
             stored.add(key)
     return times
 

@@ -72,7 +72,7 @@ class DefaultEmbedding:
             if before is None:
                 return (self._sum / max(self._count, 1)).astype(np.float32)
             times, prefix = self._by_time()
-            count = int(np.searchsorted(times, before, side="left")) if before == before else 0  # NaN: none
+            count = 0 if np.isnan(before) else int(np.searchsorted(times, before, side="left"))  # NaN: no time, none
             return (prefix[count] / max(count, 1)).astype(np.float32)
 
     def _by_time(self) -> tuple[np.ndarray, np.ndarray]:
