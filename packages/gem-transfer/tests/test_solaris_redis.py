@@ -103,6 +103,14 @@ def test_a_server_that_stops_mid_run_falls_back_with_a_warning_and_loses_nothing
     assert [e.item for e in fresh.recent([(1, 7)])[0]] == [11, 10]
     assert lookup.lookup(1, 11, 7).level == "exact" and cache.available
     fresh.close()
+
+    server.stop()  # a second outage: warned once again, however many calls meet it
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gem_transfer.solaris"):
+        for _ in range(3):
+            assert lookup.lookup(1, 11, 7, np.array([1.0, 0.0])).level == "default"  # nothing kept since the flush
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert cache.outages == 2 and len(warnings) == 1 and "unreachable" in warnings[0]
     cache.close()
 
 
