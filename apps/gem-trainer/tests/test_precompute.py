@@ -77,7 +77,14 @@ def test_precompute_into_a_redis_server(teacher, tmp_path):
         assert report["worker"]["written_pairs"] == PAIRS and report["unflushed_entries"] == 0
         assert report["lookup"]["precomputed"]["hit_rate"]["exact"] == 1.0
         assert not (tmp_path / "out" / "cache.npz").exists()  # the entries live on the server
-        assert solaris_lookup(config).cache.get([(0, 0)]) == [None]
+        # a fresh lookup over the finished folder finds a precomputed pair on the server
+        batch = next(iter(builders.build_data(config, init_distributed("cpu", "gloo")).train))
+        keys = pair_keys(batch, "ad_id", "advertiser_id", behaviour_dim=config.solaris.behaviour_dim)
+        lookup = solaris_lookup(config)
+        try:
+            assert lookup.lookup(keys.users[3], keys.items[3], keys.groups[3], keys.behaviour[3]).level == "exact"
+        finally:
+            lookup.cache.close()
 
 
 def test_bad_inputs_are_one_line(teacher, tmp_path, capsys):
