@@ -103,6 +103,9 @@ def test_a_store_of_another_pass_or_a_complete_one_is_not_appended_to(tmp_path):
     (folder / "progress.json").write_text(json.dumps({"parts": [], "next_step": 0, "complete": False, "rows": 0}))
     with pytest.raises(RepresentationError, match=r"holds representations of another pass \(differs in dim, layer\)"):
         RepresentationWriter(folder, {**META, "dim": 4, "layer": "trunk.mlp"})
+    (folder / "progress.json").write_text(json.dumps({"next_step": 0, "complete": False}))
+    with pytest.raises(RepresentationError, match=r"progress.json: no 'parts' entry"):
+        RepresentationWriter(folder, META)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(RepresentationError, match=r"exists and is not a representation store"):
@@ -117,6 +120,10 @@ def test_a_store_of_another_pass_or_a_complete_one_is_not_appended_to(tmp_path):
     (lambda f: (f / "part-00000.parquet").write_bytes(b"PAR1 not really"), r"part-00000.parquet: unreadable representation part"),
     (lambda f: (f / "part-00001.parquet").unlink(), r"part-00001.parquet: unreadable representation part"),
     (lambda f: (f / "meta.json").write_text(json.dumps({**META, "format": 1, "dim": 5})), r"vectors of type .*, expected 5 float32"),
+    (lambda f: (f / "meta.json").write_text(json.dumps({k: v for k, v in {**META, "format": 1}.items() if k != "dim"})),
+     r"meta.json: no 'dim' entry"),
+    (lambda f: (f / "progress.json").write_text(json.dumps({"complete": True, "next_step": 4})), r"progress.json: no 'parts' entry"),
+    (lambda f: (f / "progress.json").write_text(json.dumps({"complete": True, "parts": []})), r"progress.json: no 'next_step' entry"),
 ])
 def test_a_missing_or_damaged_store_is_one_line_naming_it(tmp_path, damage, message):
     folder = write(tmp_path / "store", events(steps=4))

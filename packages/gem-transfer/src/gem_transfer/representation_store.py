@@ -102,6 +102,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def _entry(record: dict[str, Any], key: str, path: Path) -> Any:
+    """``record[key]`` of the JSON file at ``path``; a missing key is a one-line ``RepresentationError``."""
+    try:
+        return record[key]
+    except (KeyError, TypeError):
+        raise RepresentationError(f"{path}: no {key!r} entry (a damaged or foreign file)") from None
+
+
 def _differing(stored: dict[str, Any], meta: dict[str, Any], prefix: str = "") -> list[str]:
     """The dotted keys whose values differ between two metadata records (nested records compared key by key)."""
     found = []
@@ -134,7 +142,8 @@ class RepresentationWriter:
             progress = _read_json(self.folder / PROGRESS)
             if progress.get("complete"):
                 raise RepresentationError(f"{self.folder} is a complete representation store already: remove it or choose another folder")
-            self.parts, self.next_step = list(progress["parts"]), int(progress["next_step"])
+            path = self.folder / PROGRESS
+            self.parts, self.next_step = list(_entry(progress, "parts", path)), int(_entry(progress, "next_step", path))
             listed = {p["file"] for p in self.parts} | {META, PROGRESS}
             for stray in self.folder.iterdir():  # a part renamed into place whose listing never followed, staged files
                 if stray.name not in listed:
@@ -210,10 +219,10 @@ class RepresentationStore:
         if not progress.get("complete"):
             raise RepresentationError(f"{self.folder}: incomplete representation store (the pass stopped before step "
                                       f"{progress.get('next_step')}): run `gem-trainer posttrain` again with the same config to finish it")
-        self.dim, self.steps = int(self.meta["dim"]), int(progress["next_step"])
+        self.dim, self.steps = int(_entry(self.meta, "dim", self.folder / META)), int(_entry(progress, "next_step", self.folder / PROGRESS))
         users, times, order_keys, vectors = [], [], [], []
-        for part in progress["parts"]:
-            path = self.folder / part["file"]
+        for part in _entry(progress, "parts", self.folder / PROGRESS):
+            path = self.folder / _entry(part, "file", self.folder / PROGRESS)
             try:
                 table = pq.read_table(path)
                 if table.num_rows != part["rows"]:
