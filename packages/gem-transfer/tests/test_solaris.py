@@ -268,6 +268,20 @@ def test_a_failing_teacher_stops_the_worker_with_its_error():
         worker.close()
 
 
+def test_a_configuration_error_of_the_teacher_reaches_the_caller_as_it_is():
+    class ConfigError(ValueError):
+        pass
+
+    def unconfigured(batch):
+        raise ConfigError("solaris: the teacher returns no representation to cache")
+
+    worker = PrecomputeWorker(unconfigured, MemoryCache(ttl_s=10))
+    batch = with_shop(random_batch(4, seed=0))
+    worker.submit(batch, pair_keys(batch, "ad", "shop"))
+    with pytest.raises(ConfigError, match=r"^solaris: the teacher returns no representation to cache$"):
+        worker.close()
+
+
 def test_worker_rejects_keys_of_another_batch():
     cache = CountingCache(ttl_s=10)
     worker = PrecomputeWorker(teacher, cache)

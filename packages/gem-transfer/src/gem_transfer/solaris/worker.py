@@ -8,7 +8,8 @@ and each example's own time (``example_times``),
 writes them to the cache in one call, adds their users' behaviour to the ``UserIndex`` and their embeddings
 to the ``DefaultEmbedding``. The queue is bounded: a reader faster than the teacher waits in ``submit``
 instead of filling memory. An error in the thread stops the work and is raised again by the next ``submit``
-or by ``close``.
+or by ``close`` (a ``ValueError``, e.g. a caller's configuration error, as it is; any other wrapped in a
+``RuntimeError`` naming the worker).
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class PrecomputeWorker:
         return {**self.counts, "score_s": round(self.seconds["score"], 3), "write_s": round(self.seconds["write"], 3)}
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, ValueError):
+            # NOTE: a bad input or configuration (a caller's ConfigError is a ValueError) is already one line for
+            # its caller to report; wrapping it would turn it into an unexpected error with a traceback
+            raise self._error
         if self._error is not None:
             raise RuntimeError(f"Solaris precompute worker failed: {self._error}") from self._error
 
