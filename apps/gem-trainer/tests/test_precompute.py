@@ -176,3 +176,21 @@ def test_fresh_pair_embeddings_need_one_process(teacher, tmp_path):
     with pytest.raises(ConfigError, match=r'solaris.student_input: "fresh" .* one process \(2 ranks here\)') as error:
         build_solaris_join(config, dataclasses.replace(env, rank=1, world_size=2), source)
     assert "\n" not in str(error.value)
+
+
+def test_a_precompute_that_wrote_nothing_is_one_line_for_a_student(teacher, tmp_path):
+    from gem_trainer.precompute import build_solaris_join
+    from gem_transfer.solaris import DefaultEmbedding, UserIndex, save_entries
+
+    out = tmp_path / "out"
+    out.mkdir()
+    config = load_config(None, arguments(teacher, tmp_path, "--solaris.student_input=served"))
+    UserIndex(config.solaris.behaviour_dim).save(out / "users.npz")
+    DefaultEmbedding().save(out / "default.npz")
+    save_entries([], out / "cache.npz")
+    (out / "report.json").write_text(json.dumps({"finished_at": 0.0}))
+    env = init_distributed("cpu", "gloo")
+    source = builders.build_data(config, env, representations=False).train
+    with pytest.raises(ConfigError, match=r"solaris.output: the precompute at .* wrote no embeddings") as error:
+        build_solaris_join(config, env, source)
+    assert "\n" not in str(error.value)

@@ -266,4 +266,6 @@ def build_solaris_join(config: TrainerConfig, env: DistributedEnv, source) -> So
     finished_at = _finished_at(config)
     lookup = solaris_lookup(config, clock=lambda: finished_at)
     width = lookup.default.value().shape[0]
+    if width == 0:  # no embedding was ever written: nothing fixes the input's width
+        raise ConfigError(f"solaris.output: the precompute at {s.output} wrote no embeddings: run it again over data with rows")
     return SolarisJoin(source, served_embeddings(lookup, lambda batch: _keys(config, batch)), width)
