@@ -5,7 +5,7 @@ adds one representation feature to its spec and batches: for every example, the 
 of the same user (``user_feature``) strictly before the example's time (``example_times``), the newest
 ``max_events`` of them, oldest first. The store is read-only here and the join is a pure function of
 (user, time), so the stream's own position stays the whole resumable state and any split of a global
-batch over ranks joins each example the same way.
+batch over ranks joins each example the same way. ``FeatureJoin`` is the wrapper it shares with Solaris's join.
 """
 
 from __future__ import annotations
@@ -19,29 +19,24 @@ from gem_kunlun import Batch, FeatureSpec, RepresentationFeature
 from gem_transfer.representation_store import RepresentationError, RepresentationStore, example_times, example_users
 
 
-class RepresentationJoin:
-    """``source``'s batches with feature ``name`` joined from ``store`` (see the module docstring)."""
+class FeatureJoin:
+    """A batch stream: ``source``'s batches (any stream with ``spec``, iteration and ``state_dict`` /
+    ``load_state_dict``) with one more representation feature ``name``, ``dim`` wide, which ``attach`` adds to each
+    batch. The join is a function of the batch, so the source's position stays the whole resumable state."""
 
-    def __init__(self, source: Any, store: RepresentationStore, user_feature: str, max_events: int, name: str = "loopfm") -> None:
-        if max_events < 1:
-            raise ValueError(f"max_events must be >= 1, got {max_events}")
-        spec = source.spec
-        if user_feature not in {f.name for f in spec.sparse}:
-            raise RepresentationError(f"user feature {user_feature!r} is not among the data's sparse features "
-                                      f"{[f.name for f in spec.sparse]}")
-        if name in {r.name for r in spec.representations}:
-            raise RepresentationError(f"the data already has a representation feature {name!r}")
-        self.source, self.store, self.user_feature, self.max_events, self.name = source, store, user_feature, max_events, name
-        self._spec = dataclasses.replace(spec, representations=(*spec.representations, RepresentationFeature(name, store.dim)))
+    def __init__(self, source: Any, name: str, dim: int, error: type[Exception] = ValueError) -> None:
+        if name in {r.name for r in source.spec.representations}:
+            raise error(f"the data already has a representation feature {name!r}")
+        self.source, self.name = source, name
+        self._spec = dataclasses.replace(source.spec, representations=(*source.spec.representations,
+                                                                       RepresentationFeature(name, dim)))
 
     @property
     def spec(self) -> FeatureSpec:
         return self._spec
 
     def attach(self, batch: Batch) -> Batch:
-        """``batch`` with its examples' histories from the store as ``representations[name]``."""
-        history = self.store.history(example_users(batch, self.user_feature), example_times(batch), self.max_events)
-        return dataclasses.replace(batch, representations={**batch.representations, self.name: history})
+        raise TypeError(f"{type(self).__name__} must define attach")
 
     def __iter__(self) -> Iterator[Batch]:
         for batch in self.source:
@@ -52,3 +47,21 @@ class RepresentationJoin:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.source.load_state_dict(state)
+
+
+class RepresentationJoin(FeatureJoin):
+    """``source``'s batches with feature ``name`` joined from ``store`` (see the module docstring)."""
+
+    def __init__(self, source: Any, store: RepresentationStore, user_feature: str, max_events: int, name: str = "loopfm") -> None:
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        if user_feature not in {f.name for f in source.spec.sparse}:
+            raise RepresentationError(f"user feature {user_feature!r} is not among the data's sparse features "
+                                      f"{[f.name for f in source.spec.sparse]}")
+        super().__init__(source, name, store.dim, RepresentationError)
+        self.store, self.user_feature, self.max_events = store, user_feature, max_events
+
+    def attach(self, batch: Batch) -> Batch:
+        """``batch`` with its examples' histories from the store as ``representations[name]``."""
+        history = self.store.history(example_users(batch, self.user_feature), example_times(batch), self.max_events)
+        return dataclasses.replace(batch, representations={**batch.representations, self.name: history})

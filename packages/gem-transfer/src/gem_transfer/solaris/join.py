@@ -10,32 +10,26 @@ resumable state: the join is a function of the batch (and, served, of the cache)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from gem_kunlun import Batch, FeatureSpec, JaggedFloats, RepresentationFeature
+from gem_kunlun import Batch, JaggedFloats
+from gem_transfer.representation_join import FeatureJoin
 from gem_transfer.representation_store import example_times
 from gem_transfer.solaris.keys import PairKeys
 from gem_transfer.solaris.lookup import FallbackLookup
 
 
-class SolarisJoin:
+class SolarisJoin(FeatureJoin):
     """``source``'s batches with feature ``name`` (one ``width``-wide vector per example) from ``represent``."""
 
     def __init__(self, source: Any, represent: Callable[[Batch], np.ndarray | torch.Tensor], width: int,
                  name: str = "solaris") -> None:
-        if name in {r.name for r in source.spec.representations}:
-            raise ValueError(f"the data already has a representation feature {name!r}")
-        self.source, self.represent, self.width, self.name = source, represent, width, name
-        self._spec = dataclasses.replace(source.spec, representations=(*source.spec.representations,
-                                                                       RepresentationFeature(name, width)))
-
-    @property
-    def spec(self) -> FeatureSpec:
-        return self._spec
+        super().__init__(source, name, width)
+        self.represent, self.width = represent, width
 
     def attach(self, batch: Batch) -> Batch:
         """``batch`` with each example's pair embedding as ``representations[name]``."""
@@ -46,16 +40,6 @@ class SolarisJoin:
             raise ValueError(f"SolarisJoin: {tuple(vectors.shape)} embeddings for {batch.batch_size} rows of width {self.width}")
         feature = JaggedFloats(vectors, torch.ones(batch.batch_size, dtype=torch.int64))
         return dataclasses.replace(batch, representations={**batch.representations, self.name: feature})
-
-    def __iter__(self) -> Iterator[Batch]:
-        for batch in self.source:
-            yield self.attach(batch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.source.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.source.load_state_dict(state)
 
 
 def served_embeddings(lookup: FallbackLookup, keys: Callable[[Batch], PairKeys]) -> Callable[[Batch], np.ndarray]:
