@@ -30,7 +30,7 @@ _END = object()
 # NOTE: a reading thread still inside a torch op when the interpreter exits (a run stopped by an error) aborts the
 # process; every live reader is stopped first
 _live: weakref.WeakSet = weakref.WeakSet()
-atexit.register(lambda: [reader.close() for reader in list(_live)])
+atexit.register(lambda: [reader.stop_reading() for reader in list(_live)])
 
 
 class _Failed:
@@ -107,12 +107,16 @@ class ReadAhead:
             if close is not None:
                 close()
 
-    def close(self) -> None:
-        """Stop the background thread and rewind the source to the last delivered batch."""
+    def stop_reading(self) -> None:
+        """Stop the background thread (what was read ahead is dropped; the source stays where the thread left it)."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
             self._thread = self._stop = None
+
+    def close(self) -> None:
+        """Stop the background thread and rewind the source to the last delivered batch."""
+        self.stop_reading()
         if self._delivered is not None:
             self.source.load_state_dict(self._delivered)
 
