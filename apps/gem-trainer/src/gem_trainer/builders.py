@@ -133,15 +133,24 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         if eval_fn is None:
             raise ConfigError("solaris.student_input needs held-out batches of (user, candidate) rows: synthetic or parquet data")
         # before LoopFM's join: the teacher that computes the pair embeddings reads the data as it trained
-        join = train = build_solaris_join(config, env, train)
-        held_out = eval_fn
-        eval_fn = lambda: (join.attach(b) for b in held_out())  # noqa: E731
+        train = build_solaris_join(config, env, train)
+        eval_fn = _joined(train, eval_fn)
     if representations and config.loopfm.store is not None:
         # joined last, on this rank's own rows: the join depends on (user, time) only, so nothing before it changes
         train = build_representation_join(config, train)
-        if eval_fn is not None:
-            eval_fn = (lambda held_out: lambda: (train.attach(b) for b in held_out()))(eval_fn)
+        eval_fn = _joined(train, eval_fn)
     return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer)
+
+
+def _joined(join, eval_batches: Callable[[], Iterator[Batch]] | None) -> Callable[[], Iterator[Batch]] | None:
+    """The held-out batches with ``join``'s feature attached, as the training stream has it."""
+    return None if eval_batches is None else lambda: (join.attach(b) for b in eval_batches())
+
+
+def teacher_spec(spec: FeatureSpec) -> FeatureSpec:
+    """The features a teacher reads: the data's without the student's representation inputs (LoopFM, Solaris),
+    which teachers are trained without and their passes (soft labels, representations) read the data without."""
+    return dataclasses.replace(spec, representations=())
 
 
 def build_representation_join(config: TrainerConfig, source: BatchSource) -> RepresentationJoin:
@@ -155,7 +164,7 @@ def build_representation_join(config: TrainerConfig, source: BatchSource) -> Rep
         store = RepresentationStore(loop.store)
         # NOTE: the store was written over the data without representation inputs (posttrain reads it so); the
         # Solaris join, which runs before this one, adds its own feature to the spec
-        if store.meta.get("spec") != spec_record(dataclasses.replace(source.spec, representations=())):
+        if store.meta.get("spec") != spec_record(teacher_spec(source.spec)):
             raise RepresentationError(f"{loop.store} was written over data with other features than this run's")
         if store.meta.get("user_feature") != loop.user_feature:
             raise RepresentationError(f"{loop.store} is keyed by user feature {store.meta.get('user_feature')!r}, "
@@ -327,8 +336,7 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     if not path.is_file():
         raise ConfigError(f"distillation.teacher_run_dir: {path} not found (is {folder} a finished run folder?)")
     teacher_config = load_config(path)
-    # the LoopFM input is the student's own: the teacher was trained without it
-    spec = dataclasses.replace(spec, representations=())
+    spec = teacher_spec(spec)
     # the teacher's features come from its run folder; only a run older than spec.json reads its data again
     recorded = stored_spec(folder)
     same = recorded == spec_record(spec) if recorded is not None else build_data(teacher_config, env, representations=False).spec == spec
@@ -373,7 +381,7 @@ def build_soft_labels(config: TrainerConfig, spec: FeatureSpec, env: Distributed
     except SoftLabelError as error:
         raise ConfigError(f"distillation.soft_labels: {error}") from None
     meta, global_batch = store.meta, config.data.batch_size * env.world_size
-    if meta.get("spec") != spec_record(dataclasses.replace(spec, representations=())):
+    if meta.get("spec") != spec_record(teacher_spec(spec)):
         raise ConfigError(f"distillation.soft_labels: {folder} was written for other features than this run's data")
     if meta.get("global_batch_size") != global_batch:
         raise ConfigError(f"distillation.soft_labels: {folder} was written with global batches of {meta.get('global_batch_size')} "
