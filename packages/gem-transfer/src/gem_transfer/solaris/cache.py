@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,8 +59,6 @@ class MemoryCache:
     any number of reading threads. ``clock`` (seconds) decides when an entry is old enough to forget."""
 
     def __init__(self, ttl_s: float, recent: int = 8, clock: Callable[[], float] | None = None) -> None:
-        import time
-
         if ttl_s <= 0 or recent < 1:
             raise ValueError(f"MemoryCache needs ttl_s > 0 and recent >= 1, got {ttl_s}, {recent}")
         self.ttl_s, self.recent_size, self.clock = ttl_s, recent, clock or time.time
@@ -150,14 +149,19 @@ def save_entries(entries: list[CacheEntry], path: str | Path) -> Path:
     return path
 
 
+def read_arrays(path: str | Path, names: tuple[str, ...], what: str) -> list[np.ndarray]:
+    """The arrays ``names`` of the ``.npz`` file at ``path``; a missing or damaged file is a ``CacheError`` saying
+    it is not a Solaris ``what``."""
+    try:
+        with np.load(Path(path)) as data:
+            return [data[name] for name in names]
+    except (OSError, KeyError, ValueError) as error:
+        raise CacheError(f"{path}: not a Solaris {what} ({error})") from None
+
+
 def load_entries(path: str | Path) -> list[CacheEntry]:
     """The entries of a file written by ``save_entries``; a missing or damaged file is a ``CacheError``."""
-    path = Path(path)
-    try:
-        with np.load(path) as data:
-            columns = [data[name] for name in ("users", "items", "groups", "timestamps", "event_times", "embeddings")]
-    except (OSError, KeyError, ValueError) as error:
-        raise CacheError(f"{path}: not a Solaris cache snapshot ({error})") from None
-    users, items, groups, timestamps, event_times, embeddings = columns
+    users, items, groups, timestamps, event_times, embeddings = read_arrays(
+        path, ("users", "items", "groups", "timestamps", "event_times", "embeddings"), "cache snapshot")
     return [CacheEntry(int(u), int(i), int(g), float(t), e, float(x))
             for u, i, g, t, x, e in zip(users, items, groups, timestamps, event_times, embeddings)]

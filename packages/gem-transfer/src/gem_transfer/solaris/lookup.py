@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gem_transfer.solaris.cache import CacheBackend, CacheEntry, CacheError
+from gem_transfer.solaris.cache import CacheBackend, CacheEntry, read_arrays
 from gem_transfer.solaris.neighbours import UserIndex
 from gem_transfer.solaris.report import LookupStats
 
@@ -108,12 +108,8 @@ class DefaultEmbedding:
 
     @classmethod
     def load(cls, path: str | Path) -> DefaultEmbedding:
-        try:
-            with np.load(Path(path)) as data:
-                return cls.from_state({"sum": data["sum"], "count": int(data["count"]), "times": data["times"],
-                                       "prefix": data["prefix"]})
-        except (OSError, KeyError, ValueError) as error:
-            raise CacheError(f"{path}: not a Solaris default embedding ({error})") from None
+        total, count, times, prefix = read_arrays(path, ("sum", "count", "times", "prefix"), "default embedding")
+        return cls.from_state({"sum": total, "count": int(count), "times": times, "prefix": prefix})
 
 
 class FallbackLookup:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gem_transfer.solaris.cache import read_arrays
+
 
 class UserIndex:
     """``add(users [N], vectors [N, dim])``, ``query(vector [dim], k, exclude)`` -> the ``k`` most similar users."""
@@ -77,13 +79,7 @@ class UserIndex:
 
     @classmethod
     def load(cls, path: str | Path) -> UserIndex:
-        from gem_transfer.solaris.cache import CacheError
-
-        try:
-            with np.load(Path(path)) as data:
-                users, vectors = data["users"], data["vectors"]
-        except (OSError, KeyError, ValueError) as error:
-            raise CacheError(f"{path}: not a Solaris user index ({error})") from None
+        users, vectors = read_arrays(path, ("users", "vectors"), "user index")
         index = cls(vectors.shape[1], capacity=max(1, len(users)))
         index.add(users, vectors)
         return index
