@@ -87,10 +87,35 @@ def test_targets_are_checked():
         FeatureSpec(num_dense=0, sparse=(SparseFeature("a", 3),), events=(), tasks=("t",), candidate=("b",))
 
 
-def sasrec() -> SasrecModel:
+def sasrec(layout: str = "auto") -> SasrecModel:
     torch.manual_seed(0)
     spec = FeatureSpec(0, SPEC.sparse[:2], (EventType("history", SPEC.events[0].features[:1]),), SPEC.tasks)
-    return SasrecModel(spec, SasrecConfig(dim=16, num_heads=2, max_seq_len=8, rows_per_group=3)).eval(), spec
+    return SasrecModel(spec, SasrecConfig(dim=16, num_heads=2, max_seq_len=8, rows_per_group=3, layout=layout)).eval(), spec
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("every", [False, True])
+def test_sasrec_padded_layout_equals_the_grouped_layout_outputs_and_gradients(every, device):
+    # the GPU's layout (one group at max_seq_len, no host sync) against the CPU's (length-sorted groups)
+    (grouped, spec), (padded, _) = sasrec("grouped"), sasrec("padded")
+    padded.load_state_dict(grouped.state_dict())
+    grouped, padded = grouped.to(device), padded.to(device)
+    g = torch.Generator().manual_seed(11)
+    batch = random_batch(10, seed=12, max_events=8 if every else 12, spec=spec)  # empty histories included
+    n = int(batch.sequences["history"].lengths().sum()) if every else 10
+    batch.next_items = NextItemTargets(every, torch.randint(NUM_ITEMS, (n,), generator=g),
+                                       torch.randint(NUM_ITEMS, (n, 2), generator=g), "binary")
+    batch = batch.to(torch.device(device))
+    outputs = []
+    for m in (grouped, padded):
+        logits = m(batch).logits
+        logits.square().sum().backward()
+        outputs.append((logits, {k: p.grad for k, p in m.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0])
+    assert outputs[1][1].keys() == outputs[0][1].keys() and len(outputs[0][1]) > 5
+    for name, grad in outputs[0][1].items():
+        torch.testing.assert_close(outputs[1][1][name], grad, msg=name)
 
 
 def test_sasrec_every_position_queries_are_causal_and_the_last_is_the_user_representation():

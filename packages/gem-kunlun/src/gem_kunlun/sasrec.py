@@ -40,13 +40,19 @@ class SasrecConfig:
     history: str = "history"  # the event type holding the item sequence
     history_item: str = "history_item_id"  # its item id feature
     candidate_item: str = "item_id"  # the candidate's item id feature (non-sequence)
-    rows_per_group: int = 64  # attention pads examples in groups of this many, sorted by length
+    # "grouped": examples sorted by length and padded in groups of rows_per_group, each to its own longest
+    # (least compute; a host sync per group); "padded": the whole batch padded to max_seq_len (static shapes,
+    # no host sync: what a GPU wants, where the launches cost more than the padding); "auto": padded on CUDA
+    layout: str = "auto"
+    rows_per_group: int = 64
     init_std: float = 0.02  # item embeddings start as N(0, init_std); TorchRec's default (1/sqrt(rows)) is far smaller
 
     def __post_init__(self) -> None:
         check_at_least(self, {"dim": 1, "num_blocks": 1, "num_heads": 1, "max_seq_len": 1, "rows_per_group": 1})
         if self.init_std <= 0:
             raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        if self.layout not in ("auto", "grouped", "padded"):
+            raise ValueError(f"layout must be 'auto', 'grouped' or 'padded', got {self.layout!r}")
         if self.dim % self.num_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if not 0 <= self.dropout < 1:
@@ -132,13 +138,16 @@ class SasrecModel(nn.Module):
         n = candidates.numel()
         # the candidate ids ride in the same KJT, padded to a common stride: B rows of history, N rows of one id
         stride = max(b, n)
-        ids = KeyedJaggedTensor.from_lengths_sync(
+        lengths = torch.cat([
+            F.pad(history_ids.lengths(), (0, stride - b)),
+            F.pad(torch.ones(n, dtype=torch.int64, device=candidates.device), (0, stride - n)),
+        ])
+        # NOTE: the per-key lengths come from the shapes: TorchRec would otherwise read them back from the device
+        ids = KeyedJaggedTensor(
             keys=[c.history_item, c.candidate_item],
             values=torch.cat([history_ids.values(), candidates.reshape(-1)]),
-            lengths=torch.cat([
-                F.pad(history_ids.lengths(), (0, stride - b)),
-                F.pad(torch.ones(n, dtype=torch.int64, device=candidates.device), (0, stride - n)),
-            ]),
+            lengths=lengths, offsets=F.pad(torch.cumsum(lengths, 0), (1, 0)), stride=stride,
+            length_per_key=[history_ids.values().numel(), n],
         )
         looked_up = self.items(ids)
         return looked_up[c.history_item].values(), looked_up[c.candidate_item].values()
@@ -151,16 +160,22 @@ class SasrecModel(nn.Module):
     def position_representations(self, history_vectors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``[T, D]``: the output at every history event, each seeing only the events up to it (causal),
         which is what training on every position of a sequence at once needs."""
-        longest = int(lengths.max()) if lengths.numel() else 0
-        if longest > self.config.max_seq_len:
-            raise ValueError(f"a history of {longest} events is longer than model.sasrec.max_seq_len "
-                             f"({self.config.max_seq_len}): every-position training needs data.sequential.max_history <= it")
+        message = (f"a history is longer than model.sasrec.max_seq_len ({self.config.max_seq_len}): every-position "
+                   "training needs data.sequential.max_history <= it")
+        if lengths.numel() and lengths.device.type == "cuda":
+            torch._assert_async(lengths.max() <= self.config.max_seq_len, message)  # no host sync on a GPU
+        elif lengths.numel() and int(lengths.max()) > self.config.max_seq_len:
+            raise ValueError(message)
         return self._encode(history_vectors, lengths, every=True)
 
+    def _padded(self, device: torch.device) -> bool:
+        return self.config.layout == "padded" or (self.config.layout == "auto" and device.type == "cuda")
+
     def _encode(self, history_vectors: torch.Tensor, lengths: torch.Tensor, every: bool) -> torch.Tensor:
-        """Examples are sorted by length and run in groups of ``rows_per_group``, each padded to its own
-        longest: prefixes are mostly short (Beauty: 8 events on average, 50 at most), so padding the whole
-        batch to its longest would be mostly zeros."""
+        """Run the blocks over the examples padded into ``[rows, width, D]`` groups (``config.layout``): all
+        rows at ``max_seq_len`` (no host sync), or rows sorted by length in groups of ``rows_per_group``, each
+        padded to its own longest: prefixes are mostly short (Beauty: 8 events on average, 50 at most), so
+        padding everything to the longest is mostly zeros, which a CPU pays for and a GPU hardly notices."""
         c = self.config
         b = lengths.numel()
         device = history_vectors.device
@@ -168,13 +183,17 @@ class SasrecModel(nn.Module):
         ends = torch.cumsum(lengths, 0)
         zero_row = history_vectors.shape[0]  # an appended zero vector fills the padding
         vectors = torch.cat([history_vectors, history_vectors.new_zeros(1, c.dim)]) * math.sqrt(c.dim)
-        order = torch.argsort(kept, stable=True)
+        if self._padded(device):
+            order, groups = None, [(torch.arange(b, device=device), c.max_seq_len)]
+        else:
+            order = torch.argsort(kept, stable=True)
+            groups = [(rows, None) for rows in order.split(c.rows_per_group)]
         outputs = []
-        every_output = history_vectors.new_zeros(history_vectors.shape[0], c.dim) if every else None
-        for start in range(0, b, c.rows_per_group):
-            rows = order[start : start + c.rows_per_group]
+        # one spare row past the events takes the padding's writes, so no boolean indexing (a host sync) is needed
+        every_output = history_vectors.new_zeros(zero_row + 1, c.dim) if every else None
+        for rows, width in groups:
             n = kept[rows]
-            width = max(int(n.max()), 1)
+            width = width or max(int(n.max()), 1)
             column = torch.arange(width, device=device)
             valid = column[None, :] < n[:, None]
             source = torch.where(valid, ends[rows, None] - n[:, None] + column[None, :], zero_row)
@@ -187,16 +206,15 @@ class SasrecModel(nn.Module):
             if every:
                 # NOTE: positions count back from the newest event (SASRec's left-padded layout), so an event's
                 # output depends on how many events follow it in the window, as in SASRec's own training
-                every_output = every_output.index_put((source[valid],), x[valid])
+                every_output = every_output.index_put((source.flatten(),), x.flatten(0, 1))
             else:
                 outputs.append(x[torch.arange(rows.numel(), device=device), (n - 1).clamp(min=0)])
         if every:
-            return self.final_norm(every_output)
+            return self.final_norm(every_output[:zero_row])
         last = torch.cat(outputs) if outputs else history_vectors.new_zeros(0, c.dim)
-        last = last[torch.argsort(order)]
-        empty = kept == 0
-        if bool(empty.any()):
-            last = torch.where(empty[:, None], self.position[0].expand(b, -1), last)
+        if order is not None:
+            last = last[torch.argsort(order)]
+        last = torch.where((kept == 0)[:, None], self.position[0].expand(b, -1), last)
         return self.final_norm(last)
 
     def forward(self, batch: Batch) -> ModelOutput:
