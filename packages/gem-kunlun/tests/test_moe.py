@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch import nn
 
 from gem_kunlun import MixtureOfExperts
 from gem_kunlun.moe import dense_moe_reference
@@ -105,3 +106,177 @@ def test_experts_on_fixed_slots_compute_what_masked_gathers_do(capacity_factor):
     expected = torch.autograd.grad(masked.square().sum(), [x, *moe.experts.parameters()])
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --- the slotted path runs all experts at once (_batched_wukong) where that is the per-expert loop's computation
+
+
+class _Calls:
+    """Counts the batched path's calls (it still runs)."""
+
+    def __init__(self, monkeypatch):
+        from gem_kunlun import moe as moe_module
+
+        self.count, real = 0, moe_module._batched_wukong
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(moe_module, "_batched_wukong", counted)
+
+
+def _step_both_ways(moe, x, monkeypatch):
+    """Output and gradients (input, then every parameter by name) of one training step, batched then through
+    the per-expert loop (``_batchable`` forced false); the number of batched calls of the first."""
+    from gem_kunlun import moe as moe_module
+
+    target = torch.randn_like(x)
+    params = dict(moe.named_parameters())
+
+    def step():
+        xi = x.clone().requires_grad_()
+        out = moe(xi)
+        loss = (out * target).sum() + moe.last_stats.balance_loss
+        grads = torch.autograd.grad(loss, [xi, *params.values()], allow_unused=True)
+        return out.detach(), dict(zip(["input", *params], grads)), moe.last_stats
+
+    calls = _Calls(monkeypatch)
+    batched = step()
+    taken = calls.count
+    with monkeypatch.context() as m:
+        m.setattr(moe_module, "_batchable", lambda blocks: False)
+        looped = step()
+    assert calls.count == taken  # the loop did not call it
+    return batched, looped, taken
+
+
+def _assert_same_step(batched, looped):
+    (out_b, grads_b, stats_b), (out_l, grads_l, stats_l) = batched, looped
+    assert torch.equal(stats_b.kept, stats_l.kept)
+    torch.testing.assert_close(out_b, out_l, rtol=1e-5, atol=1e-6)
+    assert grads_b.keys() == grads_l.keys()
+    for name in grads_l:
+        assert grads_b[name] is not None and grads_l[name] is not None, name
+        torch.testing.assert_close(grads_b[name], grads_l[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("experts,top_k,tokens", [(1, 1, 5), (2, 1, 5), (4, 2, 5), (6, 3, 3), (3, 3, 4), (5, 2, 2)])
+def test_batched_experts_match_the_per_expert_loop_in_outputs_and_every_gradient(experts, top_k, tokens, monkeypatch):
+    torch.manual_seed(experts * 10 + top_k)
+    moe = MixtureOfExperts(num_tokens=tokens, dim=6, num_experts=experts, top_k=top_k, capacity_factor=0.6, rank=3,
+                           hidden=8)
+    with torch.no_grad():  # non-trivial norm affines, so that their gradients and uses are checked too
+        for block in moe.experts.values():
+            block.fm_norm.weight.normal_(1.0, 0.5)
+            block.fm_norm.bias.normal_()
+    x = torch.randn(37, tokens, 6)
+    batched, looped, calls = _step_both_ways(moe, x, monkeypatch)
+    assert calls == 1  # the batched path ran
+    stats = batched[2]
+    assert int(stats.kept.sum()) < int(stats.assigned.sum())  # the capacity drops some assignments
+    _assert_same_step(batched, looped)
+    # every expert's parameters and the gate's are among those compared
+    names = {"gate.weight", "gate.bias", f"experts.{experts - 1}.fm_mlp.2.weight", "experts.0.compress"}
+    assert names <= batched[1].keys()
+
+
+def test_batched_experts_match_the_loop_on_a_subset_of_experts_as_expert_parallelism_keeps(monkeypatch):
+    """A rank's experts ``2, 3`` of 4, under their global names: rows routed to others are left out."""
+    from gem_kunlun.moe import local_dispatch
+
+    torch.manual_seed(3)
+    moe = MixtureOfExperts(num_tokens=4, dim=8, num_experts=4, top_k=2, capacity_factor=0.75, rank=3, hidden=16)
+    seen = []
+    moe.dispatch = lambda experts, inputs, routing: seen.append(routing) or local_dispatch(experts, inputs, routing)
+    x = torch.randn(24, 4, 8)
+    moe(x)
+    routing = seen[0]
+    del moe.experts["0"], moe.experts["1"]
+    params = list(moe.experts.parameters())
+    assert len(params) == 2 * 8
+    calls = _Calls(monkeypatch)
+
+    def run():
+        xi = x.clone().requires_grad_()
+        out = local_dispatch(moe.experts, xi, routing)
+        return out, torch.autograd.grad(out.square().sum(), [xi, *params])
+
+    out_b, grads_b = run()
+    assert calls.count == 1
+    from gem_kunlun import moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_batchable", lambda blocks: False)
+    out_l, grads_l = run()
+    assert calls.count == 1
+    torch.testing.assert_close(out_b, out_l, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads_b, grads_l):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_experts_under_bf16_autocast_compute_in_bf16_like_the_loop(monkeypatch):
+    torch.manual_seed(1)
+    moe = MixtureOfExperts(num_tokens=5, dim=8, num_experts=4, top_k=2, capacity_factor=0.75, rank=3, hidden=16)
+    x = torch.randn(32, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (out_b, grads_b, _), (out_l, grads_l, _), calls = _step_both_ways(moe, x, monkeypatch)
+    assert calls == 1
+    assert out_b.dtype == out_l.dtype
+    torch.testing.assert_close(out_b, out_l, rtol=3e-2, atol=3e-2)
+    for name in grads_l:
+        assert grads_b[name].dtype == grads_l[name].dtype, name
+        scale = grads_l[name].abs().max().clamp(min=1e-3)
+        torch.testing.assert_close(grads_b[name] / scale, grads_l[name] / scale, rtol=0, atol=3e-2)
+    # the experts' outputs come out in bf16 (their last ops ran in it), close to each expert's own forward
+    from gem_kunlun.moe import _batched_wukong
+
+    blocks = list(moe.experts.values())
+    rows = torch.randn(4, 6, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        together = _batched_wukong(blocks, rows)
+        alone = torch.stack([block(r) for block, r in zip(blocks, rows)])
+    assert together.dtype == alone.dtype == torch.bfloat16
+    torch.testing.assert_close(together, alone, rtol=3e-2, atol=3e-2)
+
+
+class _ScaledLinear(nn.Linear):
+    """A Linear subclass (as a low-precision recipe swaps in) that computes something else."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.5
+
+
+def _subclassed_linear(moe):
+    old = moe.experts["1"].fm_mlp[0]
+    new = _ScaledLinear(old.in_features, old.out_features)
+    new.weight, new.bias = old.weight, old.bias
+    moe.experts["1"].fm_mlp[0] = new
+
+
+def _other_matmul(moe):
+    moe.experts["2"].low_precision_matmul = lambda a, b: torch.matmul(a, b) * 0.5
+
+
+def _forward_hook(moe):
+    moe.experts["0"].fm_norm.register_forward_hook(lambda module, args, out: out * 2)
+
+
+def _no_norm_bias(moe):
+    block = moe.experts["3"]
+    block.fm_norm = nn.LayerNorm(block.fm_norm.normalized_shape, bias=False)
+
+
+@pytest.mark.parametrize("change", [_subclassed_linear, _other_matmul, _forward_hook, _no_norm_bias])
+def test_experts_outside_the_batched_form_keep_the_per_expert_loop(change, monkeypatch):
+    def make_moe():
+        torch.manual_seed(2)
+        return MixtureOfExperts(num_tokens=5, dim=6, num_experts=4, top_k=2, capacity_factor=0.75, rank=3, hidden=8)
+
+    moe, x = make_moe(), torch.randn(24, 5, 6)
+    plain = moe(x)
+    change(moe)
+    batched, looped, calls = _step_both_ways(moe, x, monkeypatch)
+    assert calls == 0  # the loop ran
+    _assert_same_step(batched, looped)
+    if change is not _no_norm_bias:  # (its bias was zero) the change shows in the output: batching would miss it
+        assert not torch.allclose(batched[0], plain)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 
 class WukongBlock(nn.Module):
@@ -119,9 +120,84 @@ def _slotted_dispatch(experts: nn.ModuleDict, x: torch.Tensor, routing: Routing,
     rows, weights = rows[:-1].view(num, slots), weights[:-1].view(num, slots)
     padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # row b: what padding slots read
     out = torch.zeros_like(padded)
-    for i, block in enumerate(experts.values()):
+    blocks = list(experts.values())
+    if _batchable(blocks):
+        outputs = _batched_wukong(blocks, padded[rows])  # [E, slots, n, D]
+        weighted = outputs * weights.to(x.dtype)[:, :, None, None]
+        out.index_add_(0, rows.flatten(), weighted.flatten(0, 1))
+        return out[:b]
+    for i, block in enumerate(blocks):
         out.index_add_(0, rows[i], block(padded[rows[i]]) * weights[i].to(x.dtype)[:, None, None])
     return out[:b]
+
+
+def _batchable(blocks: list[nn.Module]) -> bool:
+    """Whether ``_batched_wukong`` computes what running each of ``blocks`` does: plain ``WukongBlock`` s of
+    one shape (the default ``LayerNorm`` and ``Linear, GELU, Linear`` MLP, exactly those types: not a
+    low-precision recipe's subclasses, nor an FSDP-wrapped expert), ``torch.matmul`` for their token
+    products, and no hooks on any of their modules (which the batched path would skip)."""
+    first = blocks[0]
+    for block in blocks:
+        if type(block) is not WukongBlock or block.low_precision_matmul is not torch.matmul:
+            return False
+        mlp, norm = block.fm_mlp, block.fm_norm
+        if (type(mlp) is not nn.Sequential or len(mlp) != 3 or type(mlp[0]) is not nn.Linear
+                or type(mlp[1]) is not nn.GELU or type(mlp[2]) is not nn.Linear
+                or mlp[0].bias is None or mlp[2].bias is None):
+            return False
+        if type(norm) is not nn.LayerNorm or norm.weight is None or norm.bias is None:
+            return False
+        form = (block.num_tokens, block.dim, block.rank, block.n_fm, mlp[0].out_features, norm.eps, mlp[1].approximate)
+        if form != (first.num_tokens, first.dim, first.rank, first.n_fm, first.fm_mlp[0].out_features,
+                     first.fm_norm.eps, first.fm_mlp[1].approximate):
+            return False
+        for m in (block, norm, mlp, *mlp):
+            if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return False
+    return True
+
+
+def _batched_wukong(blocks: list[WukongBlock], x: torch.Tensor) -> torch.Tensor:
+    """``[E, S, n, D] -> [E, S, n, D]``: ``blocks[e](x[e])`` for every expert ``e`` at once (see ``_batchable``).
+
+    Why: the step is host-bound on a GPU (many small kernels, each costing more host time than device time),
+    and running experts one by one launches every op of a ``WukongBlock`` (and of its backward) once per
+    expert. Here each op launches once for all experts: the parameters of each kind are stacked along a
+    leading expert dimension at run time (storage, names and expert parallelism's subsets stay as they are;
+    gradients flow back through the stack) and the matmuls broadcast or batch over it. Autocast treats the ops
+    as it treats the loop's: ``matmul`` and ``baddbmm`` (for ``Linear``) in low precision, ``layer_norm`` in
+    float32 (its affine applied after it, in the norm's output precision).
+    """
+    first = blocks[0]
+    e, s, n, d = x.shape
+    norm, gelu = first.fm_norm, first.fm_mlp[1]
+
+    def stack(tensors):
+        return torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+
+    def as_x(t):  # what the loop's ``.to(x.dtype)`` does to the raw parameters
+        return t if t.dtype == x.dtype else t.to(x.dtype)
+
+    projection = as_x(stack([blk.projection for blk in blocks]))  # [E, n, rank]
+    compress = as_x(stack([blk.compress for blk in blocks]))  # [E, n, n_lc]
+    norm_weight = stack([blk.fm_norm.weight for blk in blocks])  # [E, n * rank]
+    norm_bias = stack([blk.fm_norm.bias for blk in blocks])
+    w1 = stack([blk.fm_mlp[0].weight for blk in blocks])  # [E, hidden, n * rank]
+    b1 = stack([blk.fm_mlp[0].bias for blk in blocks])
+    w2 = stack([blk.fm_mlp[2].weight for blk in blocks])  # [E, n_fm * D, hidden]
+    b2 = stack([blk.fm_mlp[2].bias for blk in blocks])
+
+    # NOTE: each product puts its parameter where the batched matmul's backward hands its gradient back in
+    # the parameter's own layout (weights on the left of the MLP's products: [E, out, in]; the compression on
+    # the right of x^T): a transposed gradient would be copied again per expert when accumulated
+    summaries = torch.matmul(x.transpose(2, 3), projection[:, None])  # [E, S, D, rank]
+    interactions = torch.matmul(x, summaries).reshape(e, s, n * first.rank)
+    normed = F.layer_norm(interactions, norm.normalized_shape, eps=norm.eps) * norm_weight[:, None] + norm_bias[:, None]
+    # the MLP computes transposed, [E, features, S]
+    hidden = F.gelu(torch.baddbmm(b1[:, :, None], w1, normed.transpose(1, 2)), approximate=gelu.approximate)
+    fm = torch.baddbmm(b2[:, :, None], w2, hidden).transpose(1, 2).view(e, s, first.n_fm, d)
+    lc = torch.matmul(x.transpose(2, 3), compress[:, None]).transpose(2, 3)  # [E, S, n_lc, D]
+    return torch.cat([fm, lc], 2)
 
 
 class MixtureOfExperts(nn.Module):
