@@ -47,7 +47,7 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
     doc = bench.main(["--config", str(CONFIG), "--out", str(out), "--device", "cpu", "--batch-size", "4",
                       "--sparse-features", "3", "--mean-len", "40", "--max-len", "96", "--warmup", "1",
                       "--steps", "2", "--profile-steps", "1", "--batches", "2", "--trainer-configs", str(other), "--config-steps", "2",
-                      "--trainer-override", "data.eval_batches=1", *TINY])
+                      "--trainer-override", "data.eval_batches=1", "--checkpoint-steps", "2", *TINY])
     written = json.loads(out.read_text())
     assert written["meta"]["command"].startswith("python -m gem_trainer.bench")
     for key in ("date", "commit", "torch", "device"):
@@ -63,7 +63,13 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
         assert {"attention", "pffn", "moe", "embedding"} <= set(written["variants"][name]["components_ms_per_step"])
     assert written["config"]["forward_gflop_per_example"] > 0
     assert doc["gem_vs_plain"]["examples_per_s_ratio"] > 0 and doc["trainer_overhead"] > 0
-    assert set(doc["targets"]) == {"mfu_local >= 0.30", "examples_per_s >= 1.5x plain", "trainer_overhead <= 1.10"}
+    assert set(doc["targets"]) == {"mfu_local >= 0.30", "examples_per_s >= 1.5x plain", "trainer_overhead <= 1.10",
+                                   "checkpoint every 200 steps <= 2% of step time"}
+    startup, checkpoint = written["variants"]["gem"]["startup"], written["variants"]["gem"]["checkpoint"]
+    assert startup["setup_s"] > 0 and startup["first_step_s"] > 0
+    assert checkpoint["size_gb"] > 0 and checkpoint["write_s"] > 0
+    for mode in ("synchronous", "asynchronous"):
+        assert checkpoint[mode]["save_call_ms"] > 0 and 0 <= checkpoint[mode]["cost_share"] < 1
     small = written["trainer_configs"][str(other)]
     assert small["gem"]["examples_per_s"] == pytest.approx(8 / small["gem"]["step_ms"] * 1e3, rel=0.01)
     assert small["bare"]["loss_finite"] and small["trainer_overhead"] > 0

@@ -8,8 +8,10 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 
 import pytest
+import torch
 
 from gem_trainer.checkpoint import MARKER, CheckpointError, CheckpointManager, _fingerprint
 from gem_trainer.config import load_config
@@ -21,8 +23,8 @@ TINY = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=f
         "--checkpoint.every_steps=2", "--checkpoint.keep_latest=3", "--metrics.log_every=1"]
 
 
-def trainer_at(run_dir, steps: int) -> Trainer:
-    config = load_config(None, [f"--run_dir={run_dir}", *TINY, f"--schedule.steps={steps}"])
+def trainer_at(run_dir, steps: int, *overrides: str) -> Trainer:
+    config = load_config(None, [f"--run_dir={run_dir}", *TINY, f"--schedule.steps={steps}", *overrides])
     return Trainer(config, init_distributed("cpu", "gloo"))
 
 
@@ -99,9 +101,11 @@ def test_local_state_that_would_run_code_is_refused(two_checkpoints):
     assert not marker.exists()
 
 
-def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch,
+                                                                                      asynchronous):
     run_dir, manager = two_checkpoints
-    trainer = trainer_at(run_dir, 8)
+    trainer = trainer_at(run_dir, 8, f"--checkpoint.asynchronous={str(asynchronous).lower()}")
     assert trainer.resume() and trainer.step == 4
     trainer.train_step()
     trainer.train_step()
@@ -112,8 +116,49 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_chec
     monkeypatch.setattr("torch.distributed.checkpoint.save", full)
     with pytest.raises(CheckpointError) as error:
         trainer.save_checkpoint()
+        trainer.checkpoints.wait()  # an asynchronous save's failure surfaces when it is waited for
     message = str(error.value)
     assert "\n" not in message and "could not write checkpoint" in message and "step-6" in message
     assert "No space left on device" in message and "step-4 is kept" in message
     assert not (run_dir / "checkpoints" / "step-6").exists()
     assert manager.complete_steps() == [2, 4] and manager.damage(4) is None
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_step_and_counts_only_once_written(two_checkpoints, monkeypatch):
+    run_dir, manager = two_checkpoints
+    trainer = trainer_at(run_dir, 12)
+    assert trainer.config.checkpoint.asynchronous and trainer.resume() and trainer.step == 4
+    trainer.train_step()
+    trainer.train_step()
+    expected = {k: local(v).clone() for k, v in trainer.model.state_dict().items()}
+    import torch.distributed.checkpoint as dcp
+
+    release, write = threading.Event(), dcp.save
+
+    def held_back(*args, **kwargs):
+        assert release.wait(60)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr("torch.distributed.checkpoint.save", held_back)
+    trainer.save_checkpoint()  # returns with the write held back
+    marker = run_dir / "checkpoints" / "step-6" / MARKER
+    for _ in range(3):  # training goes on and changes the weights while the write waits
+        trainer.train_step()
+    assert not marker.exists() and manager.latest_step() == 4
+    release.set()
+    trainer.checkpoints.wait()
+    assert marker.exists() and manager.latest_step() == 6 and manager.damage(6) is None
+    trainer.close()
+
+    resumed = trainer_at(run_dir, 12)
+    assert resumed.resume(6) and resumed.step == 6
+    restored, later = resumed.model.state_dict(), trainer.model.state_dict()
+    changed = [k for k in expected if not torch.equal(expected[k], local(later[k]))]
+    assert len(changed) > 5, "training after the save changed no weight: the test would prove nothing"
+    for key, value in expected.items():
+        assert torch.equal(local(restored[key]), value), key
+
+
+def local(value: torch.Tensor) -> torch.Tensor:
+    """A ShardedTensor's (one) local shard, or the tensor itself."""
+    return value.local_shards()[0].tensor if hasattr(value, "local_shards") else value

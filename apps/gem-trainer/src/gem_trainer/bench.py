@@ -396,11 +396,20 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
                 metrics = trainer.train_step()
                 return metrics["loss"], metrics["flops"]
 
+            sync(device)
+            started = time.perf_counter()
+            trainer_step(0)
+            sync(device)
+            gem["startup"] = {"setup_s": round(trainer.startup["setup_s"], 2),
+                              "first_step_s": round(time.perf_counter() - started, 2)}
+            log(f"[gem] trainer set-up {gem['startup']['setup_s']} s, first step {gem['startup']['first_step_s']} s")
             warm_up("gem", trainer_step, gem, args, device, log)
             steps = args.steps if data is not None else args.config_steps
             timed_back_to_back("gem", trainer_step, gem, config.data.batch_size, steps, device, log)
             if profile and args.profile_steps > 0:
                 profile_components("gem", trainer.model.module, trainer_step, gem, args, device, log)
+            if args.checkpoint_every > 0:
+                measure_checkpoints(trainer, trainer_step, gem, args, device, log)
 
             host = [next(trainer._batches) for _ in range(args.batches)]
             batches = [b.to(device) for b in host]
@@ -423,6 +432,49 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
             trainer.close()
     del trainer
     return {"gem": gem, "bare": bare, "trainer_overhead": round(gem["step_ms"] / bare["step_ms"], 3)}
+
+
+def measure_checkpoints(trainer, step, result: dict, args, device, log) -> None:
+    """What a checkpoint costs the training: ``args.checkpoint_steps`` steps timed back to back after a save
+    (synchronous, then asynchronous: the step times then include the background write), against the same
+    steps without one. The stall over ``args.checkpoint_every`` steps is the cost share of checkpointing."""
+    n = args.checkpoint_steps
+
+    def timed(mode: str | None) -> tuple[float, float]:
+        sync(device)
+        start = time.perf_counter()
+        if mode is not None:
+            trainer.checkpoints.save(trainer.step, trainer.distributed_state(), trainer.state_dict(),
+                                     asynchronous=mode == "asynchronous")
+        blocked = time.perf_counter() - start
+        for i in range(n):
+            step(i)
+        sync(device)
+        elapsed = time.perf_counter() - start
+        trainer.checkpoints.wait()  # the write is done long before the next save is due (checked below)
+        return elapsed, blocked
+
+    baseline = min(timed(None)[0] for _ in range(2))
+    rows = {}
+    for mode in ("synchronous", "asynchronous"):
+        elapsed, blocked = timed(mode)
+        stall = max(0.0, elapsed - baseline)
+        rows[mode] = {"save_call_ms": round(blocked * 1e3, 1), "stall_ms": round(stall * 1e3, 1),
+                      "cost_share": round(stall / (args.checkpoint_every * result["step_ms"] / 1e3 + stall), 4)}
+    sync(device)
+    start = time.perf_counter()
+    trainer.checkpoints.save(trainer.step, trainer.distributed_state(), trainer.state_dict(), asynchronous=True)
+    trainer.checkpoints.wait()
+    written = time.perf_counter() - start
+    folder = trainer.checkpoints.path(trainer.step)
+    result["checkpoint"] = {
+        "every_steps": args.checkpoint_every, "steps_timed": n,
+        "size_gb": round(sum(f.stat().st_size for f in folder.iterdir()) / 1e9, 3),
+        "write_s": round(written, 2),  # save to marker, nothing else running: must fit between two saves
+        "write_fits_between_saves": written < args.checkpoint_every * result["step_ms"] / 1e3,
+        **rows,
+    }
+    log(f"[checkpoint] {json.dumps(result['checkpoint'])}")
 
 
 def _kernel_of(config) -> str | None:
@@ -616,6 +668,9 @@ def parse_args(argv):
     p.add_argument("--config-steps", type=int, default=200, help="timed steps of each --trainer-configs run")
     p.add_argument("--trainer-override", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="an override for every --trainer-configs run (e.g. data.path=...); repeatable")
+    p.add_argument("--checkpoint-every", type=int, default=200,
+                   help="checkpoint interval the gem variant's checkpoint cost is judged at (0: not measured)")
+    p.add_argument("--checkpoint-steps", type=int, default=20, help="steps timed after each measured save")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=2)
@@ -744,6 +799,9 @@ def main(argv=None) -> dict:
     if "gem" in v and "bare" in v:
         doc["trainer_overhead"] = round(v["gem"]["step_ms"] / v["bare"]["step_ms"], 3)
         targets["trainer_overhead <= 1.10"] = doc["trainer_overhead"] <= 1.10
+    if "checkpoint" in v.get("gem", {}):
+        c = v["gem"]["checkpoint"]
+        targets[f"checkpoint every {c['every_steps']} steps <= 2% of step time"] = c["asynchronous"]["cost_share"] <= 0.02
     doc["targets"] = targets
     doc["log"] = lines
     write()
@@ -767,6 +825,13 @@ def print_table(doc) -> None:
         print(f"\ngem / plain examples/s: {doc['gem_vs_plain']['examples_per_s_ratio']}")
     if "trainer_overhead" in doc:
         print(f"trainer overhead (gem / bare step): {doc['trainer_overhead']}")
+    gem = v.get("gem", {})
+    if "startup" in gem:
+        print(f"start-up: trainer set-up {gem['startup']['setup_s']} s, first step {gem['startup']['first_step_s']} s")
+    if "checkpoint" in gem:
+        c = gem["checkpoint"]
+        print(f"checkpoint ({c['size_gb']} GB, every {c['every_steps']} steps): " + ", ".join(
+            f"{mode} stall {c[mode]['stall_ms']} ms = {100 * c[mode]['cost_share']:.2f}%" for mode in ("synchronous", "asynchronous")))
     print(f"targets: {doc['targets']}")
     if doc["errors"]:
         print("errors:", doc["errors"])

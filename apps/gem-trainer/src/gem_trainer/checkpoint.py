@@ -7,16 +7,25 @@ gone wrong) is never read: the run falls back to the newest intact one and says 
 
 Each rank's local state (step, data position, schedule, RNG) is stored with ``torch.save`` and read back
 with ``weights_only=True``: plain containers and tensors, nothing that runs code when loaded.
+
+Asynchronous saves (``save(..., asynchronous=True)``) stop training only while the state is copied to host
+memory (``stage_on_host``: plain tensors, FSDP's DTensors and TorchRec's ShardedTensors, whose shards DCP's
+own stager cannot copy); ``dcp.save`` then writes the copy, and the marker after it, on a background thread
+that talks over a Gloo group of its own (never the training collectives). Until the marker exists the folder does
+not count, so a run killed mid-write resumes from the previous checkpoint, as with a synchronous save. One
+save is in flight at a time: the next save, ``wait`` and the end of training wait for it.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +47,8 @@ class CheckpointManager:
     def __init__(self, folder: str | Path, keep_latest: int) -> None:
         self.folder = Path(folder)
         self.keep_latest = keep_latest
+        self._in_flight: _InFlight | None = None
+        self._background_group: dist.ProcessGroup | None = None
 
     def complete_steps(self) -> list[int]:
         """Steps whose folder holds the marker (not yet verified: see ``damage``)."""
@@ -57,19 +68,56 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.folder / f"step-{step}"
 
-    def save(self, step: int, distributed_state: dict[str, Any], local_state: dict[str, Any]) -> Path:
+    def save(self, step: int, distributed_state: dict[str, Any], local_state: dict[str, Any],
+             asynchronous: bool = False) -> Path:
+        """Write checkpoint ``step``; with ``asynchronous`` return once the state is staged in host memory
+        (the write finishes in the background: ``wait`` raises its ``CheckpointError``, if any)."""
+        self.wait()
         path = self.path(step)
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0 and path.exists():
             shutil.rmtree(path)  # an incomplete leftover of a killed run
         _barrier()
+        if asynchronous:
+            group = self._group_for_background()
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                _write_synced(path / f"local-rank{rank}.pt", local_state)
+                staged = stage_on_host(distributed_state)
+            except (OSError, RuntimeError) as error:
+                # NOTE: no agreement with the other ranks here: their writes may already wait for this one in
+                # DCP's collectives; this rank's error ends the job (torchrun stops the others)
+                previous = self.latest_step()
+                kept = f"step-{previous} is kept" if previous is not None else "no earlier checkpoint exists"
+                raise CheckpointError(f"could not stage checkpoint {path} ({_first_line(error)}); {kept}") from None
+            alone = not dist.is_initialized() or dist.get_world_size() == 1
+
+            def write() -> None:
+                dcp.save(staged, checkpoint_id=str(path), process_group=group, no_dist=alone)
+
+            self._in_flight = _InFlight(step, write, lambda failure: self._finish(step, failure, group))
+            return path
         failure = None
         try:
             dcp.save(distributed_state, checkpoint_id=str(path))
             _write_synced(path / f"local-rank{rank}.pt", local_state)
         except (OSError, RuntimeError) as error:  # a full disk surfaces as OSError, or wrapped by DCP
             failure = error
-        if _any_rank(failure is not None):
+        self._finish(step, failure, None)
+        _barrier()
+        return path
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any) to be written and marked; raise its ``CheckpointError``."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.join()
+
+    def _finish(self, step: int, failure: BaseException | None, group: dist.ProcessGroup | None) -> None:
+        """Every rank's part written (or failed): rank 0 writes the marker and prunes, or the folder goes."""
+        path = self.path(step)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if _any_rank(failure is not None, group):
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
             previous = self.latest_step()
@@ -80,8 +128,15 @@ class CheckpointManager:
             manifest = {name: _fingerprint(path / name) for name in sorted(os.listdir(path))}
             _write_text_synced(path / MARKER, json.dumps({"step": step, "files": manifest}, indent=1))
             self._prune()
-        _barrier()
-        return path
+
+    def _group_for_background(self) -> dist.ProcessGroup | None:
+        # NOTE: the background writes gather their plans and agree on success over a Gloo group of their own, so
+        # that they never interleave with the training's collectives (NCCL's, or the default group's)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        if self._background_group is None:
+            self._background_group = dist.new_group(backend="gloo")
+        return self._background_group
 
     def damage(self, step: int) -> str | None:
         """Why checkpoint ``step`` cannot be trusted (a file missing, resized or changed), or None."""
@@ -173,13 +228,70 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def _any_rank(flag: bool) -> bool:
+def _any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    on_gpu = group is None and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     value = torch.tensor(int(flag), device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value)
+
+
+def stage_on_host(state: Any) -> Any:
+    """A copy of ``state`` in host memory that training can no longer change: tensors copied, DTensors and
+    ShardedTensors rebuilt around copies of their local parts (same global layout), containers rebuilt."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, ShardedTensor):
+        metadata = copy.deepcopy(state.metadata())
+        for shard in metadata.shards_metadata:  # the copy lives on the host: every shard's placement says so
+            shard.placement = dist._remote_device(f"rank:{shard.placement.rank()}/cpu")
+        by_offsets = {tuple(m.shard_offsets): m for m in metadata.shards_metadata}
+        local = [Shard(_host_copy(s.tensor), by_offsets[tuple(s.metadata.shard_offsets)]) for s in state.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=state._process_group)
+    if isinstance(state, DTensor):
+        return DTensor.from_local(_host_copy(state.to_local()), state.device_mesh, state.placements, run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return _host_copy(state)
+    if isinstance(state, dict):
+        return type(state)((key, stage_on_host(value)) for key, value in state.items())
+    if isinstance(state, (list, tuple)):
+        return type(state)(stage_on_host(value) for value in state)
+    return copy.deepcopy(state)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+class _InFlight:
+    """An asynchronous save: a thread runs ``write()`` (DCP's write of the staged copy), then ``finish(failure)``
+    (the agreement of every rank and the marker)."""
+
+    def __init__(self, step: int, write, finish) -> None:
+        self.step, self.error = step, None
+
+        def run() -> None:
+            failure = None
+            try:
+                write()
+            except (OSError, RuntimeError) as error:
+                failure = error
+            try:
+                finish(failure)
+            except BaseException as error:  # re-raised by join, on the training thread
+                self.error = error
+
+        self.thread = threading.Thread(target=run, name=f"gem-checkpoint-{step}")
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def _barrier() -> None:

@@ -334,6 +334,8 @@ class CheckpointConfig(Section):
     every_steps: int = Field(200, ge=1)
     keep_latest: int = Field(2, ge=1)
     resume: bool = True
+    # training waits only while the state is copied to host memory; the files are written in the background
+    asynchronous: bool = True
 
 
 class MetricsConfig(Section):

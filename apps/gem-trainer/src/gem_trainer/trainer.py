@@ -62,6 +62,7 @@ class Trainer:
 
     def __init__(self, config: TrainerConfig, env: DistributedEnv, data: builders.DataSetup | None = None) -> None:
         """``data``: what to train on instead of what ``config.data`` describes (the training benchmark's batches)."""
+        created = time.perf_counter()
         self.config, self.env = config, env
         set_determinism(config.seed, config.deterministic)
         self.data = data if data is not None else builders.build_data(config, env)
@@ -114,6 +115,9 @@ class Trainer:
             self.logger.log(0, {"bad_rows": float(skipped)}, phase="data", echo=False)
         self.peak = peak_tflops(env.device, config.metrics.peak_tflops)
         self.autocast_dtype = autocast_dtype(config.precision.autocast, env.device)
+        # what delays a job's first step: set-up (data readers, model, sharding plan, optimizers) here, then the
+        # first step itself (first batch, kernel compilation and autotuning), timed in ``train``
+        self.startup = {"setup_s": time.perf_counter() - created}
 
     def _check_ranking_is_possible(self) -> None:
         """Sampled ranking needs ``eval_negatives`` items outside every user's sequence: checked before training
@@ -152,11 +156,13 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.check_divergence()  # never save the update of a step whose loss was not finite
-        self.checkpoints.save(self.step, self.distributed_state(), self.state_dict())
+        self.checkpoints.save(self.step, self.distributed_state(), self.state_dict(),
+                              asynchronous=self.config.checkpoint.asynchronous)
 
     def resume(self, step: int | None = None) -> bool:
         """Load checkpoint ``step`` (None: the newest intact one, skipping damaged newer ones with a line each);
         False when there is none. A damaged or missing ``step`` is a ``CheckpointError``."""
+        self.checkpoints.wait()
         if step is None:
             step, skipped = self.checkpoints.newest_intact()
             for line in skipped:
@@ -243,6 +249,8 @@ class Trainer:
         metrics: dict[str, float] = {}
         while self.step < cfg.schedule.steps:
             metrics = self.train_step()
+            if self.step == self.first_step + 1:
+                self._report_first_step(window_start)
             window_examples += metrics.pop("examples") * self.env.world_size
             window_flops += metrics.pop("flops") * self.env.world_size
             if self.step % cfg.metrics.log_every == 0 or self.step == cfg.schedule.steps:
@@ -269,9 +277,21 @@ class Trainer:
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.schedule.steps:
                 self.evaluate()
         self.check_divergence()
+        self.checkpoints.wait()
         if cfg.checkpoint.enable and self.checkpoints.latest_step() != self.step:
             self.save_checkpoint()
+            self.checkpoints.wait()
         return {k: float(v) for k, v in metrics.items()}
+
+    def _report_first_step(self, started: float) -> None:
+        """Time the first step (once: the host waits for the device here) and log the start-up times."""
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        self.startup["first_step_s"] = time.perf_counter() - started
+        self.startup["time_to_first_step_s"] = self.startup["setup_s"] + self.startup["first_step_s"]
+        self.logger.log(self.step, dict(self.startup), phase="startup", echo=False)
+        self._print(f"first step done {self.startup['time_to_first_step_s']:.1f} s after the trainer was created "
+                    f"(set-up {self.startup['setup_s']:.1f} s, first step {self.startup['first_step_s']:.1f} s)")
 
     def check_divergence(self) -> None:
         """Raise ``TrainingDiverged`` if the newest step not yet checked had a NaN or infinite loss.
@@ -335,8 +355,11 @@ class Trainer:
         return Evaluator(self.model, self.env, self._autocast, self.config.metrics.progress_bar and self.env.rank == 0)
 
     def close(self) -> None:
-        self.input.close()
-        self.logger.close()
+        try:
+            self.checkpoints.wait()  # a save still being written completes (or says why not)
+        finally:
+            self.input.close()
+            self.logger.close()
 
     def _autocast(self):
         return autocast(self.env.device, self.autocast_dtype)
