@@ -162,3 +162,17 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_and_counts_only_once_w
 def local(value: torch.Tensor) -> torch.Tensor:
     """A ShardedTensor's (one) local shard, or the tensor itself."""
     return value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+
+
+def test_host_staging_copies_the_state_and_reuses_its_buffers():
+    from gem_trainer.checkpoint import HostStaging
+
+    weights, steps = torch.randn(4, 3), [torch.tensor(2.0), {"lr": 0.1}]
+    staging = HostStaging()
+    first = staging.stage({"w": weights, "opt": steps})
+    weights.add_(1.0)  # training goes on: the staged copy must not see it
+    assert not torch.equal(first["w"], weights) and first["opt"][1] == {"lr": 0.1}
+    second = staging.stage({"w": weights, "opt": steps})
+    assert torch.equal(second["w"], weights) and second["w"].data_ptr() == first["w"].data_ptr()
+    third = staging.stage({"w": torch.zeros(2, 2), "opt": steps})  # a new shape gets a new buffer
+    assert third["w"].shape == (2, 2)

@@ -38,6 +38,7 @@ import datetime
 import gc
 import json
 import math
+import platform
 import sys
 import time
 import traceback
@@ -644,6 +645,8 @@ def meta(device, argv, program: str = "gem_trainer.bench") -> dict:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        # small models are host-bound: their rates depend on the host's CPU as much as on the GPU
+        "host_cpu": _host_cpu(),
         "peak_tflops_bf16": PEAK_TFLOPS,
     }
     for pkg in ("triton", "torchrec", "fbgemm_gpu"):
@@ -652,6 +655,15 @@ def meta(device, argv, program: str = "gem_trainer.bench") -> dict:
         except Exception:
             info[pkg] = None
     return info
+
+
+def _host_cpu() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"{names[0]} ({len(names)} logical CPUs)" if names else "unknown"
 
 
 # --- main ---------------------------------------------------------------------------------------------------------

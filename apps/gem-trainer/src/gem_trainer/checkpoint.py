@@ -9,8 +9,8 @@ Each rank's local state (step, data position, schedule, RNG) is stored with ``to
 with ``weights_only=True``: plain containers and tensors, nothing that runs code when loaded.
 
 Asynchronous saves (``save(..., asynchronous=True)``) stop training only while the state is copied to host
-memory (``stage_on_host``: plain tensors, FSDP's DTensors and TorchRec's ShardedTensors, whose shards DCP's
-own stager cannot copy); ``dcp.save`` then writes the copy, and the marker after it, on a background thread
+memory (``HostStaging``: plain tensors, FSDP's DTensors and TorchRec's ShardedTensors, whose shards DCP's
+own stager cannot copy, into page-locked buffers kept between saves); ``dcp.save`` then writes the copy, and the marker after it, on a background thread
 that talks over a Gloo group of its own (never the training collectives). Until the marker exists the folder does
 not count, so a run killed mid-write resumes from the previous checkpoint, as with a synchronous save. One
 save is in flight at a time: the next save, ``wait`` and the end of training wait for it.
@@ -48,6 +48,7 @@ class CheckpointManager:
         self.folder = Path(folder)
         self.keep_latest = keep_latest
         self._in_flight: _InFlight | None = None
+        self._staging = HostStaging()
         self._background_group: dist.ProcessGroup | None = None
 
     def complete_steps(self) -> list[int]:
@@ -83,7 +84,7 @@ class CheckpointManager:
             try:
                 path.mkdir(parents=True, exist_ok=True)
                 _write_synced(path / f"local-rank{rank}.pt", local_state)
-                staged = stage_on_host(distributed_state)
+                staged = self._staging.stage(distributed_state)
             except (OSError, RuntimeError) as error:
                 # NOTE: no agreement with the other ranks here: their writes may already wait for this one in
                 # DCP's collectives; this rank's error ends the job (torchrun stops the others)
@@ -238,33 +239,53 @@ def _any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     return bool(value)
 
 
-def stage_on_host(state: Any) -> Any:
-    """A copy of ``state`` in host memory that training can no longer change: tensors copied, DTensors and
-    ShardedTensors rebuilt around copies of their local parts (same global layout), containers rebuilt."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed.tensor import DTensor
+class HostStaging:
+    """Copies of a state in host memory that training can no longer change, made into buffers kept from one save
+    to the next (page-locked when the state is on a GPU: copied at full PCIe speed, without waiting for each
+    tensor). ``stage(state)``: tensors copied, DTensors and ShardedTensors rebuilt around copies of their local
+    parts (same global layout), containers rebuilt. A buffer is overwritten by the next ``stage``: the write of
+    the previous copy must be finished by then (``CheckpointManager.save`` waits for it first)."""
 
-    if isinstance(state, ShardedTensor):
-        metadata = copy.deepcopy(state.metadata())
-        for shard in metadata.shards_metadata:  # the copy lives on the host: every shard's placement says so
-            shard.placement = dist._remote_device(f"rank:{shard.placement.rank()}/cpu")
-        by_offsets = {tuple(m.shard_offsets): m for m in metadata.shards_metadata}
-        local = [Shard(_host_copy(s.tensor), by_offsets[tuple(s.metadata.shard_offsets)]) for s in state.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=state._process_group)
-    if isinstance(state, DTensor):
-        return DTensor.from_local(_host_copy(state.to_local()), state.device_mesh, state.placements, run_check=False,
-                                  shape=state.shape, stride=state.stride())
-    if isinstance(state, torch.Tensor):
-        return _host_copy(state)
-    if isinstance(state, dict):
-        return type(state)((key, stage_on_host(value)) for key, value in state.items())
-    if isinstance(state, (list, tuple)):
-        return type(state)(stage_on_host(value) for value in state)
-    return copy.deepcopy(state)
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
 
+    def stage(self, state: Any) -> Any:
+        staged = self._stage(state, "")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies from the GPU were queued without waiting
+        return staged
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
+    def _stage(self, state: Any, where: str) -> Any:
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(state, ShardedTensor):
+            metadata = copy.deepcopy(state.metadata())
+            for shard in metadata.shards_metadata:  # the copy lives on the host: every shard's placement says so
+                shard.placement = dist._remote_device(f"rank:{shard.placement.rank()}/cpu")
+            by_offsets = {tuple(m.shard_offsets): m for m in metadata.shards_metadata}
+            local = [Shard(self._copy(s.tensor, f"{where}@{tuple(s.metadata.shard_offsets)}"),
+                           by_offsets[tuple(s.metadata.shard_offsets)]) for s in state.local_shards()]
+            return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata,
+                                                                             process_group=state._process_group)
+        if isinstance(state, DTensor):
+            return DTensor.from_local(self._copy(state.to_local(), where), state.device_mesh, state.placements,
+                                      run_check=False, shape=state.shape, stride=state.stride())
+        if isinstance(state, torch.Tensor):
+            return self._copy(state, where)
+        if isinstance(state, dict):
+            return type(state)((key, self._stage(value, f"{where}/{key}")) for key, value in state.items())
+        if isinstance(state, (list, tuple)):
+            return type(state)(self._stage(value, f"{where}/{i}") for i, value in enumerate(state))
+        return copy.deepcopy(state)
+
+    def _copy(self, tensor: torch.Tensor, where: str) -> torch.Tensor:
+        tensor = tensor.detach()
+        buffer = self._buffers.get(where)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self._buffers[where] = buffer
+        return buffer.copy_(tensor, non_blocking=tensor.is_cuda)
 
 
 class _InFlight:
