@@ -1,4 +1,5 @@
-"""The trainer's GPU input path (runs where a CUDA device is; the benchmark sweeps run it on the H200)."""
+"""The trainer's GPU input path and asynchronous checkpoints from the GPU (run where a CUDA device is; the
+benchmark sweeps run them on the H200)."""
 
 import math
 
@@ -29,3 +30,32 @@ def test_batches_reach_the_gpu_from_page_locked_memory_and_train(tmp_path):
         assert all(math.isfinite(x) for x in losses)
     finally:
         trainer.close()
+
+
+def test_an_asynchronous_checkpoint_from_the_gpu_restores_the_state_of_its_step(tmp_path):
+    # staging goes through page-locked buffers (sharded tables, dense parameters, optimizer state)
+    config = load_config(None, [f"--run_dir={tmp_path}", "--device=cuda", "--data.batch_size=64", "--data.eval_batches=1",
+                                "--metrics.tensorboard=false", "--checkpoint.asynchronous=true"])
+    env = init_distributed(config.device, config.parallelism.collectives)
+    trainer = Trainer(config, env)
+    try:
+        for _ in range(2):
+            trainer.train_step()
+        expected = {k: _local(v).detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+        trainer.save_checkpoint()
+        for _ in range(2):  # changes the weights while the write runs
+            trainer.train_step()
+        trainer.checkpoints.wait()
+    finally:
+        trainer.close()
+    resumed = Trainer(config, env)
+    try:
+        assert resumed.resume(2) and resumed.step == 2
+        for key, value in resumed.model.state_dict().items():
+            assert torch.equal(_local(value).cpu(), expected[key]), key
+    finally:
+        resumed.close()
+
+
+def _local(value):
+    return value.local_shards()[0].tensor if hasattr(value, "local_shards") else value

@@ -266,6 +266,8 @@ class HostStaging:
             by_offsets = {tuple(m.shard_offsets): m for m in metadata.shards_metadata}
             local = [Shard(self._copy(s.tensor, f"{where}@{tuple(s.metadata.shard_offsets)}"),
                            by_offsets[tuple(s.metadata.shard_offsets)]) for s in state.local_shards()]
+            # NOTE: ShardedTensor checks that its shards' page-locking matches the global properties
+            metadata.tensor_properties.pin_memory = any(shard.tensor.is_pinned() for shard in local)
             return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata,
                                                                              process_group=state._process_group)
         if isinstance(state, DTensor):
