@@ -60,7 +60,10 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
         assert v["tflops"] >= 0 and 0 <= v["mfu_local"] < 1
         assert v["examples_per_s"] == pytest.approx(4 / v["step_ms"] * 1e3, rel=0.01)
     for name in ("gem", "plain"):
-        assert {"attention", "pffn", "moe", "embedding"} <= set(written["variants"][name]["components_ms_per_step"])
+        components = written["variants"][name]["components_ms_per_step"]
+        assert {"attention", "pffn", "moe", "embedding"} <= set(components)
+        assert all(0 <= c["share_of_step"] for c in components.values())
+        assert "tflops" in components["attention"] and "tflops" not in components["norm"]  # norms count no FLOPs
     assert written["config"]["forward_gflop_per_example"] > 0
     assert doc["gem_vs_plain"]["examples_per_s_ratio"] > 0 and doc["trainer_overhead"] > 0
     assert set(doc["targets"]) == {"mfu_local >= 0.30", "examples_per_s >= 1.5x plain", "trainer_overhead <= 1.10",
@@ -73,6 +76,13 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
     small = written["trainer_configs"][str(other)]
     assert small["gem"]["examples_per_s"] == pytest.approx(8 / small["gem"]["step_ms"] * 1e3, rel=0.01)
     assert small["bare"]["loss_finite"] and small["trainer_overhead"] > 0
+
+
+def test_model_flops_are_summed_per_benchmark_component():
+    table = {"layer0.attention": 3.0, "layer1.attention": 4.0, "layer0.pffn": 1.0, "final_summary": 2.0, "mlp": 0.5,
+             "heads": 0.25, "embedding.dense_proj": 0.125}
+    assert bench.component_flops(table) == {"attention": 7.0, "pffn": 1.0, "final_summary": 2.0, "mlp_heads": 0.75,
+                                            "embedding": 0.125}
 
 
 def test_backward_time_is_attributed_to_the_component_that_ran_forward():

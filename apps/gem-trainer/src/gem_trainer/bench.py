@@ -545,6 +545,12 @@ def profile_components(name: str, model: KunlunModel, step, result: dict, args, 
     # NOTE: on CPU there are no kernels: the ops' own CPU time stands in (the smoke test's path)
     breakdown = attribute_device_time(prof.events(), args.profile_steps,
                                       _device_time if device.type == "cuda" else _cpu_time)
+    # per component: its share of the (unprofiled) step and, where the model counts its FLOPs, the rate it reaches
+    flops = component_flops(args.flop_table) if getattr(args, "flop_table", None) else {}
+    for component, times in breakdown.items():
+        times["share_of_step"] = round(times["total_ms"] / result["step_ms"], 4)
+        if flops.get(component) and times["total_ms"] > 0:
+            times["tflops"] = round(3.0 * flops[component] / (times["total_ms"] / 1e3) / 1e12, 1)
     result["components_ms_per_step"] = breakdown
     result["profiled_gpu_ms_per_step"] = round(sum(v["total_ms"] for v in breakdown.values()), 2)
     result["profiled_wall_ms_per_step"] = round(wall_ms, 2)  # slowed by the profiler's own host work
@@ -552,6 +558,16 @@ def profile_components(name: str, model: KunlunModel, step, result: dict, args, 
     result["gpu_idle_ms_per_step"] = round(max(0.0, result["step_ms"] - result["profiled_gpu_ms_per_step"]), 2)
     result["top_kernels"] = top_kernels(prof, args.profile_steps)
     log(f"[{name}] components (ms/step): " + ", ".join(f"{k} {v['total_ms']}" for k, v in breakdown.items()))
+
+
+def component_flops(table: dict[str, float]) -> dict[str, float]:
+    """``model.flops`` (forward FLOPs per ``layerN.<part>`` and top-level key) summed per benchmark component."""
+    names = {"mlp": "mlp_heads", "heads": "mlp_heads", "embedding.dense_proj": "embedding"}
+    out: dict[str, float] = defaultdict(float)
+    for key, value in table.items():
+        part = key.split(".", 1)[1] if key.startswith("layer") else key
+        out[names.get(part, part)] += value
+    return dict(out)
 
 
 # --- checks on the device ---------------------------------------------------------------------------------------
@@ -737,6 +753,7 @@ def main(argv=None) -> dict:
     batches = [b.to(device) for b in host_batches]
     flops_model = KunlunModel(args.spec, model_config, device=torch.device("meta"))
     table = flops_model.flops(batches[0])
+    args.flop_table = table  # every step has these lengths, hence these FLOPs
     del flops_model
     forward = sum(table.values())
     flops_per_step = 3.0 * forward
@@ -837,9 +854,14 @@ def print_table(doc) -> None:
     profiled = {n: r["components_ms_per_step"] for n, r in v.items() if "components_ms_per_step" in r}
     comps = sorted({c for table in profiled.values() for c in table})
     if comps:
-        print(f"\n{'component (ms/step)':22s} " + " ".join(f"{n:>16s}" for n in profiled))
+        print(f"\n{'component: ms/step (share, TFLOP/s)':36s} " + " ".join(f"{n:>22s}" for n in profiled))
         for c in comps:
-            print(f"{c:22s} " + " ".join(f"{table.get(c, {}).get('total_ms', 0):16.2f}" for table in profiled.values()))
+            cells = []
+            for table in profiled.values():
+                row = table.get(c, {})
+                rate = f", {row['tflops']:.0f}" if "tflops" in row else ""
+                cells.append(f"{row.get('total_ms', 0):.2f} ({100 * row.get('share_of_step', 0):.1f}%{rate})")
+            print(f"{c:36s} " + " ".join(f"{cell:>22s}" for cell in cells))
     if "gem_vs_plain" in doc:
         print(f"\ngem / plain examples/s: {doc['gem_vs_plain']['examples_per_s_ratio']}")
     if "trainer_overhead" in doc:
