@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from gem_kunlun import Batch, EventType, FeatureSpec, SparseFeature
 
-from gem_data.gathering import KeyMap, Piece, SourcePlan, gather_pieces
+from gem_data.gathering import BatchView, KeyMap, Piece, SourcePlan, gather_pieces
 from gem_data.source import spec_difference
 
 
@@ -143,15 +143,17 @@ class FeatureAlignment:
         """``batch`` of source ``name`` in the union spec (a new batch; ``batch`` is left as it was)."""
         return self.gather([(name, batch, 0, batch.batch_size)])
 
-    def gather(self, segments: list[tuple[str, Batch, int, int]]) -> Batch:
+    def gather(self, segments: list[tuple[str, Batch | BatchView, int, int]]) -> Batch:
         """One union batch of rows ``[lo, hi)`` of each ``(source name, batch, lo, hi)``, in order (see
-        ``gem_data.gathering``: slicing and re-keying in one pass)."""
+        ``gem_data.gathering``: slicing and re-keying in one pass). A batch read several times may come as its
+        ``BatchView``, made once."""
+        views = [(name, batch if isinstance(batch, BatchView) else BatchView(batch), lo, hi) for name, batch, lo, hi in segments]
         if len(self.spaces) > 1:
-            for name, batch, _, _ in segments:
-                if batch.next_items is not None:
+            for name, view, _, _ in views:
+                if view.batch.next_items is not None:
                     raise AlignmentError(f"source {name!r} has retrieval targets, which score against one item catalogue: "
                                          f"retrieval needs every source in one id space (the mixture has {list(self.spaces)})")
-        return gather_pieces([Piece(self._plans[name], batch, lo, hi) for name, batch, lo, hi in segments], self.spec)
+        return gather_pieces([Piece(self._plans[name], view, lo, hi) for name, view, lo, hi in views], self.spec)
 
 
 def _ordered(names) -> list[str]:

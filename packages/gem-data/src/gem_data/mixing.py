@@ -42,10 +42,12 @@ import torch
 from gem_kunlun import Batch, FeatureSpec
 
 from gem_data.alignment import FeatureAlignment
+from gem_data.gathering import BatchView
 from gem_data.source import ShardedStream, spec_difference
 from gem_data.stream import SyntheticStream, TableStream
 
 ANCHOR_EVERY = 256  # steps between remembered source positions (backward queries replay at most this many draws)
+DRAW_BLOCK = 64  # steps whose compositions are drawn together (see MixedStream._draw)
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class MixedStream(ShardedStream):
         self._readers = [ExampleReader(source, read_ahead) for source in self.sources]
         self._anchors: dict[int, tuple[int, ...]] = {0: (0,) * len(self.sources)}  # step -> source positions
         self._latest = 0  # the newest anchor that is not a multiple of ANCHOR_EVERY
-        self._composition: dict[int, tuple[int, ...]] = {}
+        self._compositions: tuple[int, list[tuple[int, ...]]] = (0, [])  # the first step of a block of DRAW_BLOCK, theirs
         self._generator = torch.Generator()  # reseeded for every step's draws
 
     @property
@@ -159,21 +161,35 @@ class MixedStream(ShardedStream):
     # -- the composition of a global batch ------------------------------------------------------------------
     def composition(self, step: int) -> tuple[int, ...]:
         """Examples of each source in global batch ``step`` (the draws of ``(seed, step)``, counted)."""
-        cached = self._composition.get(step)
-        if cached is not None:
-            return cached
-        generator = self._generator.manual_seed(self.config.seed * 1_000_003 + step)
-        probabilities = self.config.probabilities(step)
-        if self.config.granularity == "batch":
-            counts = [0] * len(self.sources)
-            counts[int(torch.multinomial(probabilities, 1, generator=generator))] = self.global_batch_size
-        else:
-            draws = torch.multinomial(probabilities, self.global_batch_size, replacement=True, generator=generator)
-            counts = torch.bincount(draws, minlength=len(self.sources)).tolist()
-        if len(self._composition) >= 4:
-            self._composition.pop(next(iter(self._composition)))
-        self._composition[step] = tuple(counts)
-        return self._composition[step]
+        first, counts = self._compositions
+        if not first <= step < first + len(counts):
+            first = step - step % DRAW_BLOCK
+            self._compositions = first, counts = first, self._draw(first, first + DRAW_BLOCK)
+        return counts[step - first]
+
+    def _draw(self, start: int, stop: int) -> list[tuple[int, ...]]:
+        """The compositions of global batches ``[start, stop)``.
+
+        NOTE: each step's draws come from a generator seeded by ``(seed, step)``, so drawing a block of steps in one
+        go gives exactly the per-step draws; it spares each step the set-up of a draw, which costs as much as the
+        draw itself at the batch sizes that matter (a few ops of a few microseconds each). The probabilities
+        change only during a ramp (they are a function of the online share), so they are rebuilt only then.
+        """
+        generator, config, size = self._generator, self.config, self.global_batch_size
+        num_sources = len(self.sources)
+        blocks, share, probabilities = [], object(), None
+        for step in range(start, stop):
+            if config.online_share(step) != share:
+                share, probabilities = config.online_share(step), config.probabilities(step)
+            generator.manual_seed(config.seed * 1_000_003 + step)
+            if config.granularity == "batch":
+                counts = [0] * num_sources
+                counts[int(torch.multinomial(probabilities, 1, generator=generator))] = size
+                blocks.append(tuple(counts))
+            else:
+                draws = torch.multinomial(probabilities, size, replacement=True, generator=generator)
+                blocks.append(tuple(np.bincount(draws.numpy(), minlength=num_sources).tolist()))
+        return blocks
 
     def positions(self, step: int) -> tuple[int, ...]:
         """Examples of each source read by global batches ``0 .. step - 1``."""
@@ -212,21 +228,21 @@ class MixedStream(ShardedStream):
             # every rank checks the whole global batch, so that all ranks end at the same step
             if n and not reader.available(first + n):
                 return None
-        segments, sources, rows = [], [], []
+        segments = []
+        source = np.empty(hi - lo, dtype=np.int64)  # each example's source index
         first_row = 0  # of source i in the global batch
         for i, n in enumerate(total):
             a, b = max(lo, first_row), min(hi, first_row + n)
             if a < b:
                 offset = start[i] - first_row
-                for batch, x, y in self._readers[i].read(a + offset, b + offset):
-                    segments.append((self.names[i], batch, x, y))
-                sources.append(i)
-                rows.append(b - a)
+                for view, x, y in self._readers[i].read(a + offset, b + offset):
+                    segments.append((self.names[i], view, x, y))
+                source[a - lo : b - lo] = i
             first_row += n
         if not segments:
             return None  # a rank's empty share of a global batch smaller than the number of ranks
         batch = self.alignment.gather(segments)
-        batch.source = torch.from_numpy(np.repeat(np.array(sources, dtype=np.int64), rows))
+        batch.source = torch.from_numpy(source)
         return batch
 
     # -- reporting and state --------------------------------------------------------------------------------
@@ -251,11 +267,12 @@ class MixedStream(ShardedStream):
         if self.position:
             self._anchors[self.position] = tuple(int(state["examples"][n]) for n in self.names)
             self._latest = self.position
-        self._composition.clear()
+        self._compositions = (0, [])
 
 
 class ExampleReader:
-    """Reads example ranges of a whole ``ShardedStream``, holding one batch of it at a time.
+    """Reads example ranges of a whole ``ShardedStream``, holding one batch of it at a time (with its NumPy
+    views, made once: one process takes a row range of the held batch at each of several steps).
 
     A ``TableStream`` is read by row: exactly the rows asked for, or ``read_ahead`` rows when fewer are asked
     (one process asks for the next rows of a source step after step, and a table read has a fixed cost worth
@@ -265,18 +282,21 @@ class ExampleReader:
     def __init__(self, stream: ShardedStream, read_ahead: int = 0) -> None:
         self.stream, self.chunk, self.read_ahead = stream, stream.global_batch_size, read_ahead
         self.length = known_length(stream)
-        self._start, self._batch = 0, None  # the held batch covers examples [_start, _start + its size)
+        self._start, self._view = 0, None  # the held batch covers examples [_start, _start + its size)
+
+    def _set(self, start: int, batch: Batch | None) -> None:
+        self._start, self._view = start, None if batch is None else BatchView(batch)
 
     def _hold_chunk(self, index: int) -> Batch | None:
-        if self._batch is None or self._start != index * self.chunk:
-            self._start, self._batch = index * self.chunk, self.stream.global_batch(index)
-        return self._batch
+        if self._view is None or self._start != index * self.chunk:
+            self._set(index * self.chunk, self.stream.global_batch(index))
+        return None if self._view is None else self._view.batch
 
     def _hold(self, start: int, stop: int) -> None:
         if isinstance(self.stream, TableStream):
             # NOTE: TableStream._rows reads any row range of the endless shuffled sequence; batches would not fit here
             stop = min(max(stop, start + self.read_ahead), self.length)
-            self._start, self._batch = start, self.stream._rows(torch.arange(start, stop))
+            self._set(start, self.stream._rows(torch.arange(start, stop)))
         else:
             self._hold_chunk(start // self.chunk)
 
@@ -289,14 +309,14 @@ class ExampleReader:
         batch = self._hold_chunk((stop - 1) // self.chunk)
         return batch is not None and batch.batch_size > (stop - 1) % self.chunk
 
-    def read(self, start: int, stop: int) -> list[tuple[Batch, int, int]]:
-        """Examples ``[start, stop)`` (which must be ``available``) as ``(batch, lo, hi)`` row ranges."""
+    def read(self, start: int, stop: int) -> list[tuple[BatchView, int, int]]:
+        """Examples ``[start, stop)`` (which must be ``available``) as ``(batch view, lo, hi)`` row ranges."""
         segments = []
         while start < stop:
-            if self._batch is None or not self._start <= start < self._start + self._batch.batch_size:
+            if self._view is None or not self._start <= start < self._start + self._view.rows:
                 self._hold(start, stop)
-            end = min(stop, self._start + self._batch.batch_size)
-            segments.append((self._batch, start - self._start, end - self._start))
+            end = min(stop, self._start + self._view.rows)
+            segments.append((self._view, start - self._start, end - self._start))
             start = end
         return segments
 
