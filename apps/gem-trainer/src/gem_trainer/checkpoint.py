@@ -108,11 +108,16 @@ class CheckpointManager:
         _barrier()
         return path
 
-    def wait(self) -> None:
-        """Wait for the save in flight (if any) to be written and marked; raise its ``CheckpointError``."""
+    def wait(self, agree: bool = True) -> None:
+        """Wait for the save in flight (if any) to be written and marked; raise its ``CheckpointError``. ``agree``:
+        then wait for every rank (a barrier: all ranks must call it), so that they all see the marker."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             in_flight.join()
+            # NOTE: rank 0 writes the marker after every rank's part is written: past this barrier every rank sees
+            # it, so that decisions taken from the folder (is the last step saved? which step to resume?) agree
+            if agree:
+                _barrier()
 
     def _finish(self, step: int, failure: BaseException | None, group: dist.ProcessGroup | None) -> None:
         """Every rank's part written (or failed): rank 0 writes the marker and prunes, or the folder goes."""
@@ -301,7 +306,7 @@ class _InFlight:
             failure = None
             try:
                 write()
-            except (OSError, RuntimeError) as error:
+            except Exception as error:  # any failure: this rank must still take part in the agreement
                 failure = error
             try:
                 finish(failure)

@@ -356,7 +356,9 @@ class Trainer:
 
     def close(self) -> None:
         try:
-            self.checkpoints.wait()  # a save still being written completes (or says why not)
+            # a save still being written completes (or says why not); no barrier: on an error path the other ranks
+            # may never get here
+            self.checkpoints.wait(agree=False)
         finally:
             self.input.close()
             self.logger.close()
