@@ -9,11 +9,12 @@ Each rank's local state (step, data position, schedule, RNG) is stored with ``to
 with ``weights_only=True``: plain containers and tensors, nothing that runs code when loaded.
 
 Asynchronous saves (``save(..., asynchronous=True)``) stop training only while the state is copied to host
-memory (``HostStaging``: plain tensors, FSDP's DTensors and TorchRec's ShardedTensors, whose shards DCP's
-own stager cannot copy, into page-locked buffers kept between saves); ``dcp.save`` then writes the copy, and the marker after it, on a background thread
-that talks over a Gloo group of its own (never the training collectives). Until the marker exists the folder does
-not count, so a run killed mid-write resumes from the previous checkpoint, as with a synchronous save. One
-save is in flight at a time: the next save, ``wait`` and the end of training wait for it.
+memory (``HostStaging``: plain tensors, FSDP's DTensors and TorchRec's ShardedTensors, whose shards DCP's own
+stager cannot copy, into page-locked buffers kept between saves); ``dcp.save`` then writes the copy, and the
+marker after it, on a background thread that talks over a Gloo group of its own (never the training
+collectives). Until the marker exists the folder does not count, so a run killed mid-write resumes from the
+previous checkpoint, as with a synchronous save. One save is in flight at a time: the next save, ``wait``
+and the end of training wait for it.
 """
 
 from __future__ import annotations
