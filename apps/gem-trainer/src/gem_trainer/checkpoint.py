@@ -277,8 +277,15 @@ class HostStaging:
             return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata,
                                                                              process_group=state._process_group)
         if isinstance(state, DTensor):
-            return DTensor.from_local(self._copy(state.to_local(), where), state.device_mesh, state.placements,
-                                      run_check=False, shape=state.shape, stride=state.stride())
+            local = state.to_local()
+            if hasattr(local, "local_shards"):  # TorchRec's LocalShardsWrapper (2-D sparse): several shards
+                shards = local.local_shards()
+                local = type(local)([self._copy(t, f"{where}#{i}") for i, t in enumerate(shards)],
+                                    [tuple(o) for o in local.local_offsets()]) if shards else local
+            else:
+                local = self._copy(local, where)
+            return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
+                                      shape=state.shape, stride=state.stride())
         if isinstance(state, torch.Tensor):
             return self._copy(state, where)
         if isinstance(state, dict):
