@@ -163,13 +163,18 @@ def test_a_missing_teacher_is_a_config_error(tmp_path):
         Trainer(config, init_distributed("cpu", "gloo"))
 
 
-def test_log_line_splits_end_to_end_mfu_into_local_mfu_and_scaling_ratio(tmp_path):
+def test_log_line_splits_end_to_end_mfu_into_local_mfu_and_scaling_ratio_and_start_up_is_logged(tmp_path):
     config = small_config(tmp_path, "--schedule.steps=2", "--schedule.warmup_steps=1", "--metrics.log_every=1",
                           "--checkpoint.enable=false", "--metrics.peak_tflops=1.0",
                           "--metrics.single_device_examples_per_s=1000")
     trainer = Trainer(config, init_distributed("cpu", "gloo"))
     trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    startup = [row for row in rows if row["phase"] == "startup"]  # logged once, after the first step
+    assert len(startup) == 1 and startup[0]["step"] == 1 and startup[0]["setup_s"] > 0 and startup[0]["first_step_s"] > 0
+    assert startup[0]["time_to_first_step_s"] == pytest.approx(startup[0]["setup_s"] + startup[0]["first_step_s"])
+    rows = [row for row in rows if row["phase"] == "train"]
+    assert len(rows) == 2
     for row in rows:
         assert row["scaling_ratio"] == pytest.approx(row["examples_per_s"] / 1000)
         assert row["mfu_local"] * row["scaling_ratio"] == pytest.approx(row["mfu"])
