@@ -441,13 +441,17 @@ def measure_checkpoints(trainer, step, result: dict, args, device, log) -> None:
     steps without one. The stall over ``args.checkpoint_every`` steps is the cost share of checkpointing."""
     n = args.checkpoint_steps
 
+    def save(asynchronous: bool) -> float:
+        """Seconds the training waits for a save of the current state."""
+        sync(device)
+        start = time.perf_counter()
+        trainer.checkpoints.save(trainer.step, trainer.distributed_state(), trainer.state_dict(), asynchronous=asynchronous)
+        return time.perf_counter() - start
+
     def timed(mode: str | None) -> tuple[float, float]:
         sync(device)
         start = time.perf_counter()
-        if mode is not None:
-            trainer.checkpoints.save(trainer.step, trainer.distributed_state(), trainer.state_dict(),
-                                     asynchronous=mode == "asynchronous")
-        blocked = time.perf_counter() - start
+        blocked = save(mode == "asynchronous") if mode is not None else 0.0
         for i in range(n):
             step(i)
         sync(device)
@@ -457,10 +461,7 @@ def measure_checkpoints(trainer, step, result: dict, args, device, log) -> None:
 
     baseline = min(timed(None)[0] for _ in range(2))
     # the first asynchronous save also allocates the page-locked staging buffers, once per run: timed apart
-    sync(device)
-    start = time.perf_counter()
-    trainer.checkpoints.save(trainer.step, trainer.distributed_state(), trainer.state_dict(), asynchronous=True)
-    first_call = time.perf_counter() - start
+    first_call = save(asynchronous=True)
     trainer.checkpoints.wait()
     rows = {}
     for mode in ("synchronous", "asynchronous"):
@@ -468,9 +469,8 @@ def measure_checkpoints(trainer, step, result: dict, args, device, log) -> None:
         stall = max(0.0, elapsed - baseline)
         rows[mode] = {"save_call_ms": round(blocked * 1e3, 1), "stall_ms": round(stall * 1e3, 1),
                       "cost_share": round(stall / (args.checkpoint_every * result["step_ms"] / 1e3 + stall), 4)}
-    sync(device)
     start = time.perf_counter()
-    trainer.checkpoints.save(trainer.step, trainer.distributed_state(), trainer.state_dict(), asynchronous=True)
+    save(asynchronous=True)
     trainer.checkpoints.wait()
     written = time.perf_counter() - start
     folder = trainer.checkpoints.path(trainer.step)
@@ -546,7 +546,7 @@ def profile_components(name: str, model: KunlunModel, step, result: dict, args, 
     breakdown = attribute_device_time(prof.events(), args.profile_steps,
                                       _device_time if device.type == "cuda" else _cpu_time)
     # per component: its share of the (unprofiled) step and, where the model counts its FLOPs, the rate it reaches
-    flops = component_flops(args.flop_table) if getattr(args, "flop_table", None) else {}
+    flops = component_flops(args.flop_table)
     for component, times in breakdown.items():
         times["share_of_step"] = round(times["total_ms"] / result["step_ms"], 4)
         if flops.get(component) and times["total_ms"] > 0:

@@ -308,7 +308,7 @@ class _InFlight:
     (the agreement of every rank and the marker)."""
 
     def __init__(self, step: int, write, finish) -> None:
-        self.step, self.error = step, None
+        self.error: BaseException | None = None
 
         def run() -> None:
             failure = None

@@ -184,7 +184,7 @@ class SasrecModel(nn.Module):
         zero_row = history_vectors.shape[0]  # an appended zero vector fills the padding
         vectors = torch.cat([history_vectors, history_vectors.new_zeros(1, c.dim)]) * math.sqrt(c.dim)
         if self._padded(device):
-            order, groups = None, [(torch.arange(b, device=device), c.max_seq_len)]
+            order, groups = None, [(slice(None), c.max_seq_len)]  # every row, in order: no gather
         else:
             order = torch.argsort(kept, stable=True)
             groups = [(rows, None) for rows in order.split(c.rows_per_group)]
@@ -208,7 +208,7 @@ class SasrecModel(nn.Module):
                 # output depends on how many events follow it in the window, as in SASRec's own training
                 every_output = every_output.index_put((source.flatten(),), x.flatten(0, 1))
             else:
-                outputs.append(x[torch.arange(rows.numel(), device=device), (n - 1).clamp(min=0)])
+                outputs.append(x[torch.arange(n.numel(), device=device), (n - 1).clamp(min=0)])
         if every:
             return self.final_norm(every_output[:zero_row])
         last = torch.cat(outputs) if outputs else history_vectors.new_zeros(0, c.dim)
