@@ -84,6 +84,23 @@ def test_bad_top_k_is_rejected():
         MixtureOfExperts(5, 6, num_experts=2, top_k=3)
 
 
+def test_a_capacity_over_the_global_batch_runs_on_fixed_slots_when_its_size_has_a_known_bound():
+    """With a capacity counted over several ranks' batches, an expert keeps at most ``capacity(global)`` of
+    this rank's examples: a host-known size once the global batch has a known bound; without one, the
+    experts gather by mask. A global batch beyond the bound fails rather than dropping (here on the CPU, at
+    once; on a GPU as a device-side assert)."""
+    moe = make(capacity_factor=1.0, experts=8, top_k=1)
+    moe.batch_group = object()  # capacity counted over a global batch (the group is not read by this bound)
+    assert moe._slots(12, torch.tensor(48)) is None
+    moe.global_batch_bound = 48
+    assert moe._slots(12, torch.tensor(48)) == moe.capacity(48) == 6  # fewer than the batch's 12 examples
+    assert moe._slots(4, torch.tensor(40)) == 4  # never more than the local batch
+    with pytest.raises(RuntimeError, match="global_batch_bound = 48"):
+        moe._slots(12, torch.tensor(49))
+    moe.eval()  # evaluation drops nothing: no bound below the batch
+    assert moe._slots(12, torch.tensor(48)) is None
+
+
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.25])
 def test_experts_on_fixed_slots_compute_what_masked_gathers_do(capacity_factor):
     """Training with a capacity runs every expert on a host-known number of rows; the same outputs and

@@ -19,7 +19,8 @@ def test_expert_parallel_equals_the_mixture_on_the_global_batch(tmp_path, ranks)
     owned = sorted(e for r in results for e in r["exact"]["local_experts"])
     assert owned == [0, 1, 2, 3]  # every expert on exactly one rank
     for result in results:
-        for mode in ("exact_drops", "exact", "padded"):
+        # local_*: all experts on every rank, capacity over the global batch, on fixed slots (bound) or by mask
+        for mode in ("exact_drops", "exact", "padded", "local_bound_drops", "local_mask_drops"):
             errors = result[mode]
             assert errors["out"] < 1e-5 and errors["input_grad"] < 1e-5, (mode, errors)
             assert errors["gate_grad"] < 1e-4 and errors["expert_grad_max"] < 1e-4, (mode, errors)
@@ -27,6 +28,8 @@ def test_expert_parallel_equals_the_mixture_on_the_global_batch(tmp_path, ranks)
         assert results[0]["exact_drops"]["assigned"] == 2 * 12 * ranks
         clip = result["clip"]
         assert clip["norm"] == pytest.approx(clip["expected"], rel=1e-5) and clip["gate_after_clip"] < 1e-6
-    kept = sum(r["exact_drops"]["kept"] for r in results)
-    assert kept < 2 * 12 * ranks
+        assert "global_batch_bound" in result["bound_too_small"]
+    for mode in ("exact_drops", "local_bound_drops", "local_mask_drops"):
+        kept = sum(r[mode]["kept"] for r in results)
+        assert kept < 2 * 12 * ranks
 

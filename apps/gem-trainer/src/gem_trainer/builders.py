@@ -142,6 +142,14 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
     return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer)
 
 
+def global_batch_bound(config: TrainerConfig, env: DistributedEnv) -> int:
+    """The most examples one training step's global batch can hold: every stream of ``build_data`` gives a
+    rank at most ``data.batch_size`` examples a step (filters and the end of a finite stream give fewer), except
+    that length balancing moves examples between the steps of its window."""
+    d = config.data
+    return d.batch_size * env.world_size * (d.balance_window if d.balance else 1)
+
+
 def _joined(join, eval_batches: Callable[[], Iterator[Batch]] | None) -> Callable[[], Iterator[Batch]] | None:
     """The held-out batches with ``join``'s feature attached, as the training stream has it."""
     return None if eval_batches is None else lambda: (join.attach(b) for b in eval_batches())
@@ -430,6 +438,7 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
         return parallelize_kunlun(
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,
             sparse_optimizer=sparse_optimizer, sparse_optimizer_kwargs=sparse_kwargs, expert_padded=p.expert_padded,
+            global_batch_bound=global_batch_bound(config, env),
         )
     except LayoutError as error:
         raise ConfigError(f"parallelism.{error}") from None

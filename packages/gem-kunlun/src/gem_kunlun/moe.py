@@ -217,6 +217,11 @@ class MixtureOfExperts(nn.Module):
       counts per training forward: the routing, the drops and the gradients are those of one process
       holding the global batch. With ``capacity_per_rank`` only the fractions do, and each rank may fill
       an expert with ``capacity(local batch)`` of its own examples (fixed-size expert-parallel messages).
+    - ``global_batch_bound``: with ``batch_group``, the most examples a global batch can hold, where the host
+      knows it (set by whoever builds the data: None, unknown). An expert then keeps at most
+      ``min(B, capacity(bound))`` of this rank's examples, a host-known size, so the experts run on fixed
+      shapes instead of gathering their examples by mask (a host wait per expert and per layer, in forward and
+      in backward). A global batch larger than the bound fails a device-side check, never drops silently.
     - ``dispatch(experts, x, routing) -> [B, n, D]``: where experts run (default ``local_dispatch``);
       expert parallelism keeps only its rank's experts in ``experts`` and moves examples to their owners.
     """
@@ -235,6 +240,7 @@ class MixtureOfExperts(nn.Module):
         self.expert_flops = self.experts["0"].flops_per_example()
         self.batch_group = None
         self.capacity_per_rank = False
+        self.global_batch_bound: int | None = None
         self.dispatch = local_dispatch
         self.last_stats: RoutingStats | None = None
 
@@ -267,12 +273,8 @@ class MixtureOfExperts(nn.Module):
         claimants = b if self.capacity_per_rank else counts[0].sum()
         keep = position < self.capacity(claimants) if self.training else torch.ones_like(position, dtype=torch.bool)
 
-        # a host-known bound on any expert's kept assignments where capacity is counted on this batch alone: the
-        # experts then run on fixed shapes (each example picks an expert at most once: never more than b)
-        local_capacity = self.training and self.capacity_factor > 0 and (self.batch_group is None or self.capacity_per_rank)
         routing = Routing(example=torch.arange(b, device=x.device).repeat(k), expert=expert,
-                          weight=weights.t().reshape(-1), keep=keep,
-                          slots=min(b, self.capacity(b)) if local_capacity else None)
+                          weight=weights.t().reshape(-1), keep=keep, slots=self._slots(b, claimants))
         out = self.dispatch(self.experts, x, routing)
         kept = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, expert, keep.long())
         counts = counts.sum(0)  # [E] over the global batch
@@ -280,6 +282,23 @@ class MixtureOfExperts(nn.Module):
         balance = e * (fraction * probs.mean(0)).sum()
         self.last_stats = RoutingStats(assigned=counts.detach(), kept=kept.detach(), balance_loss=balance)
         return out
+
+    def _slots(self, b: int, claimants) -> int | None:
+        """A host-known bound on any expert's kept assignments from this batch of ``b`` (None: none known).
+
+        Each example picks an expert at most once (never more than ``b``) and an expert keeps at most
+        ``capacity(claimants)`` over the batch it counts capacity on: this one, or the global batch, whose size
+        ``claimants`` (a device tensor) is then bounded by ``global_batch_bound``.
+        """
+        if not self.training or self.capacity_factor <= 0:
+            return None
+        if self.batch_group is None or self.capacity_per_rank:
+            return min(b, self.capacity(b))
+        if self.global_batch_bound is None:
+            return None
+        torch._assert_async(claimants <= self.global_batch_bound,
+                            f"MixtureOfExperts: a global batch holds more than global_batch_bound = {self.global_batch_bound} examples")
+        return min(b, self.capacity(self.global_batch_bound))
 
     def _claimed_ahead(self, cell_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[k, E]`` assignments that claim each (slot, expert) cell's capacity before this rank's (earlier

@@ -14,7 +14,8 @@ The order, and why:
    left out: it would shard and reduce nothing, yet copy every parameter into and out of its all-gather
    buffers at every use (on the H200, SASRec on Beauty spent ~20 ms of a ~75 ms step there).
 7. The MoE batch group: the whole world, so that capacity, drops and the balance loss count over the
-   global batch (capacity per rank with padded expert parallelism, see ``gem_parallel.expert_parallel``).
+   global batch (capacity per rank with padded expert parallelism, see ``gem_parallel.expert_parallel``),
+   with the data's bound on the global batch size, which lets experts run on fixed shapes.
 
 A block is a ``KunlunLayer`` (also inside domain-expert trunks), a ``SasrecBlock`` or an
 ``InterFormerLayer``; everything else (input embedding, event encoders, summaries, heads) belongs to the
@@ -58,10 +59,12 @@ def parallelize_kunlun(
     sparse_optimizer: type[torch.optim.Optimizer] | None = None,
     sparse_optimizer_kwargs: dict[str, Any] | None = None,
     expert_padded: bool = False,
+    global_batch_bound: int | None = None,
 ) -> nn.Module:
     """Parallelise ``model`` (built on the meta device) as ``dims`` says; returns TorchRec's
     DistributedModelParallel around it (``.module`` is the model, now FSDP2-wrapped). See the module
-    docstring for the order of the steps."""
+    docstring for the order of the steps. ``global_batch_bound``: the most examples a training step's
+    global batch can hold (None: unknown), see ``MixtureOfExperts``."""
     moes = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
     if dims.expert_enabled:
         for moe in moes:
@@ -87,4 +90,5 @@ def parallelize_kunlun(
         for moe in moes:
             moe.batch_group = dist.group.WORLD
             moe.capacity_per_rank = dims.expert_enabled and expert_padded
+            moe.global_batch_bound = global_batch_bound
     return sharded

@@ -18,7 +18,9 @@ def make(capacity_factor: float) -> MixtureOfExperts:
     return MixtureOfExperts(TOKENS, DIM, EXPERTS, TOP_K, capacity_factor=capacity_factor, rank=3, hidden=16)
 
 
-def compare(capacity_factor: float, padded: bool) -> dict[str, float]:
+def compare(capacity_factor: float, padded: bool, expert_parallel: bool = True, bound: int | None = None) -> dict[str, float]:
+    """``expert_parallel=False``: every rank runs all experts on its slice, capacity still counted over the
+    global batch (``bound``: its ``global_batch_bound``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.randn(world * LOCAL, TOKENS, DIM, generator=torch.Generator().manual_seed(7))
     weight = torch.randn(world * LOCAL, TOKENS, DIM, generator=torch.Generator().manual_seed(8))
@@ -27,8 +29,9 @@ def compare(capacity_factor: float, padded: bool) -> dict[str, float]:
     (reference(whole) * weight).sum().backward()
 
     moe = make(capacity_factor)
-    apply_expert_parallel(moe, dist.group.WORLD, padded=padded)
-    moe.batch_group, moe.capacity_per_rank = dist.group.WORLD, padded
+    if expert_parallel:
+        apply_expert_parallel(moe, dist.group.WORLD, padded=padded)
+    moe.batch_group, moe.capacity_per_rank, moe.global_batch_bound = dist.group.WORLD, padded, bound
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
     local = x[mine].clone().requires_grad_()
     out = moe(local)
@@ -42,13 +45,28 @@ def compare(capacity_factor: float, padded: bool) -> dict[str, float]:
         "kept": int(moe.last_stats.kept.sum()),
         "assigned": int(moe.last_stats.assigned.sum()),
     }
-    # an owner's expert gradient sums the examples every rank sent it
+    # an owner's expert gradient sums the examples every rank sent it (without expert parallelism: every
+    # rank holds its slice's share)
     for key, expert in moe.experts.items():
         for name, p in expert.named_parameters():
             expected = dict(reference.experts[key].named_parameters())[name].grad
+            if not expert_parallel:
+                p.grad = p.grad.clone()
+                dist.all_reduce(p.grad)
             errors["expert_grad_max"] = max(errors.get("expert_grad_max", 0.0), (p.grad - expected).abs().max().item())
     errors["local_experts"] = sorted(int(k) for k in moe.experts)
     return errors
+
+
+def bound_too_small() -> str:
+    """A global batch larger than ``global_batch_bound`` fails (on the CPU at once) instead of dropping."""
+    moe = make(0.75)
+    moe.batch_group, moe.global_batch_bound = dist.group.WORLD, LOCAL  # the global batch holds world * LOCAL
+    try:
+        moe(torch.randn(LOCAL, TOKENS, DIM))
+    except RuntimeError as error:
+        return str(error)
+    return ""
 
 
 def clipped_norm() -> dict[str, float]:
@@ -73,6 +91,9 @@ def main(out_dir: str) -> None:
         "exact_drops": compare(capacity_factor=0.75, padded=False),
         "exact": compare(capacity_factor=0.0, padded=False),
         "padded": compare(capacity_factor=0.0, padded=True),
+        "local_bound_drops": compare(capacity_factor=0.75, padded=False, expert_parallel=False, bound=dist.get_world_size() * LOCAL),
+        "local_mask_drops": compare(capacity_factor=0.75, padded=False, expert_parallel=False),
+        "bound_too_small": bound_too_small(),
         "clip": clipped_norm(),
     }
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
