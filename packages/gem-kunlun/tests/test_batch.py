@@ -5,7 +5,7 @@ import torch
 from gem_kunlun.testing import SPEC, random_batch
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun import EventType, FeatureSpec, SparseFeature
+from gem_kunlun import EventSequence, EventType, FeatureSpec, SparseFeature
 
 
 def test_valid_batch_passes_validation():
@@ -53,3 +53,15 @@ def test_missing_event_type_is_named():
 def test_spec_rejects_duplicate_feature_names():
     with pytest.raises(ValueError, match="unique"):
         FeatureSpec(1, (SparseFeature("a", 3),), (EventType("e", (SparseFeature("a", 3),)),), ("click",))
+
+
+def test_host_lengths_travel_with_the_batch_and_a_stale_copy_is_not_used():
+    batch = random_batch(8, seed=3, max_events=5)
+    sequence = batch.sequences["buy"]
+    expected = sequence.lengths().tolist()
+    moved = batch.to(torch.device("cpu")).sequences["buy"]
+    assert moved.known_lengths == expected and moved.host_lengths() == expected
+    # ids replaced after the copy was taken: the copy no longer matches the shapes the host knows
+    other = random_batch(8, seed=4, max_events=5).sequences["buy"]
+    stale = EventSequence(ids=other.ids, timestamps=other.timestamps, known_lengths=[n + 1 for n in other.lengths().tolist()])
+    assert stale.host_lengths() is None

@@ -16,10 +16,12 @@ from gem_kunlun.testing import SPEC, random_batch
 SCALAR_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"}
 DYNAMIC_SHAPES = {"aten.nonzero.default", "aten.masked_select.default", "aten.bincount.default", "aten.where.default",
                   "aten._unique2.default", "aten.unique_dim.default", "aten.unique_consecutive.default"}
-# what is left, and why: truncation to max_seq_len sizes its output from the offsets. (Experts run on slots of
-# a host-known size in training with a capacity; evaluation, unbounded capacity and a capacity counted over
-# several ranks still gather each expert's examples by mask.)
-KNOWN = {("aten._local_scalar_dense.default", "gem_kunlun/sequence.py", "jagged_slices")}
+# None is left: truncation to max_seq_len sizes its output from the host's copy of the lengths (a batch made
+# on the device has none: it then reads the size back, see the last test), and experts run on slots of a
+# host-known size in training with a capacity (evaluation, unbounded capacity and a capacity counted over
+# several ranks without a bound on the global batch still gather each expert's examples by mask).
+KNOWN: set = set()
+TRUNCATION_READ = ("aten._local_scalar_dense.default", "gem_kunlun/sequence.py", "jagged_slices")
 
 
 class HostSyncs(TorchDispatchMode):
@@ -42,10 +44,12 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+CONFIG = KunlunConfig(d_model=16, num_heads=2, num_summary_tokens=3, num_seeds=2, num_experts=3, top_k=2,
+                      max_seq_len=6)  # shorter than some histories: truncation runs
+
+
 def test_a_kunlun_training_step_makes_no_host_sync_beyond_the_known_ones():
-    config = KunlunConfig(d_model=16, num_heads=2, num_summary_tokens=3, num_seeds=2, num_experts=3, top_k=2,
-                          max_seq_len=6)  # shorter than some histories: truncation runs
-    model = KunlunModel(SPEC, config)
+    model = KunlunModel(SPEC, CONFIG)
     batch = random_batch(32, seed=1, max_events=9)
     spy = HostSyncs()
     with spy:
@@ -54,8 +58,25 @@ def test_a_kunlun_training_step_makes_no_host_sync_beyond_the_known_ones():
     sites = set(spy.sites)
     unknown = sites - KNOWN
     assert not unknown, f"new host synchronisations in the training step: {sorted(unknown)}"
-    assert KNOWN <= sites  # the spy does see syncs
+    assert KNOWN <= sites
     model.eval()  # evaluation keeps every assignment: experts gather theirs by mask, which the spy sees
     with HostSyncs() as spy, torch.no_grad():
         model(batch)
     assert ("aten.index.Tensor", "gem_kunlun/moe.py", "local_dispatch") in spy.sites
+
+
+def test_truncation_without_host_lengths_reads_the_size_back_and_computes_the_same(monkeypatch):
+    """A batch made on the device has no host copy of its lengths: truncation then reads its size from the
+    device (the spy sees it), and the model computes exactly what it does from the host's copy."""
+    from gem_kunlun.batch import EventSequence
+
+    torch.manual_seed(0)
+    model = KunlunModel(SPEC, CONFIG).eval()  # eval: no routing differences between the two passes
+    batch = random_batch(32, seed=1, max_events=9)
+    with torch.no_grad():
+        from_host = model(batch).logits
+        monkeypatch.setattr(EventSequence, "host_lengths", lambda self: None)
+        with HostSyncs() as spy:
+            from_device = model(batch).logits
+    assert TRUNCATION_READ in spy.sites
+    torch.testing.assert_close(from_host, from_device, rtol=0, atol=0)

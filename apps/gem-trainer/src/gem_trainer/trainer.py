@@ -105,7 +105,8 @@ class Trainer:
         if env.world_size > 1:
             self._print(f"parallelism: {env.world_size} ranks, {self.dims.describe()}, collectives "
                         f"{'copy_engine' if env.collectives.copy_engine else env.collectives.backend}")
-        self.task_weights = builders.task_weights(config, self.spec)
+        # on the device once: from pageable host memory, a copy every step would wait for the GPU's queue
+        self.task_weights = builders.task_weights(config, self.spec).to(env.device)
         self.step = self.first_step = 0
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
         self.logger = MetricLogger(config.run_dir, env.rank, tensorboard=config.metrics.tensorboard)

@@ -25,11 +25,25 @@ class EventSequence:
 
     ids: KeyedJaggedTensor
     timestamps: torch.Tensor
+    # the lengths as host ints, taken while the sequence was on the host and kept by ``to``: see host_lengths
+    known_lengths: list[int] | None = field(default=None, compare=False, repr=False)
 
     def lengths(self) -> torch.Tensor:
         """Events per example, ``[B]`` int64."""
         stride = self.ids.stride()
         return self.ids.lengths()[:stride]
+
+    def host_lengths(self) -> list[int] | None:
+        """Events per example as host ints where known without reading the device: the sequence is on the
+        host, or came from there by ``to`` / ``pin_memory``; None otherwise. A model sizes its jagged outputs
+        from them instead of reading sizes back from the GPU, which would wait for its whole queue."""
+        if self.known_lengths is None and self.timestamps.device.type == "cpu":
+            self.known_lengths = self.lengths().tolist()
+        known = self.known_lengths
+        # a stale copy (the ids replaced after it was taken) no longer matches the host-known shapes
+        if known is None or len(known) != self.ids.stride() or sum(known) != self.timestamps.shape[0]:
+            return None
+        return known
 
     def offsets(self) -> torch.Tensor:
         """``[B+1]`` int64 offsets into the event axis."""
@@ -39,10 +53,13 @@ class EventSequence:
         return EventSequence(
             ids=self.ids.to(device, non_blocking=non_blocking),
             timestamps=self.timestamps.to(device, non_blocking=non_blocking),
+            known_lengths=self.host_lengths(),
         )
 
     def pin_memory(self) -> "EventSequence":
-        return EventSequence(ids=self.ids.pin_memory(), timestamps=self.timestamps.pin_memory())
+        # the host lengths are taken here, on the reader's thread, rather than by the training step's `to`
+        return EventSequence(ids=self.ids.pin_memory(), timestamps=self.timestamps.pin_memory(),
+                             known_lengths=self.host_lengths())
 
 
 @dataclass

@@ -205,16 +205,23 @@ class KunlunEncoder(nn.Module):
     def forward(self, batch: Batch):
         c, names = self.config, [e.name for e in self.spec.events]
         sparse, dense, events = self.embedding(batch)
-        values, lengths, times = [], [], []
+        values, lengths, times, host_kept = [], [], [], []
         for name in names:
-            index, kept_offsets = keep_latest(batch.sequences[name].offsets(), c.max_seq_len)
-            t = batch.sequences[name].timestamps[index]
+            sequence = batch.sequences[name]
+            # sizes from the host's copy of the lengths where there is one: no wait for the device
+            host = sequence.host_lengths()
+            host_kept.append(None if host is None else [min(n, c.max_seq_len) for n in host])
+            total = None if host is None else sum(host_kept[-1])
+            index, kept_offsets = keep_latest(sequence.offsets(), c.max_seq_len, total)
+            t = sequence.timestamps[index]
             positions = time_gap_positions(t, kept_offsets)
             values.append(self.event_encoders[name](events[name][index], kept_offsets, positions, c.max_seq_len))
             lengths.append(kept_offsets[1:] - kept_offsets[:-1])
             times.append(t)
         merged, offsets, timestamps, event_type = merge_by_time(values, lengths, times)
-        index, offsets = keep_latest(offsets, c.max_seq_len)
+        known = all(k is not None for k in host_kept)
+        total = sum(min(sum(per_type), c.max_seq_len) for per_type in zip(*host_kept)) if known and host_kept else None
+        index, offsets = keep_latest(offsets, c.max_seq_len, total)
         seq = merged[index] + self.event_type(event_type[index])
         tokens = [sparse, dense[:, None]]
         if self.representations is not None:

@@ -53,23 +53,29 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int) 
     return padded, mask
 
 
-def keep_latest(offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def keep_latest(offsets: torch.Tensor, max_len: int, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of a jagged batch that keep each sequence's last ``max_len`` entries, and the new offsets.
 
     Returns ``(index [T'], offsets [B+1])`` so that ``values[index]`` is the truncated jagged tensor.
+    ``total``: ``T'`` where the host knows it (see ``jagged_slices``).
     """
     kept = (offsets[1:] - offsets[:-1]).clamp(max=max_len)
-    return jagged_slices(offsets[1:] - kept, kept)
+    return jagged_slices(offsets[1:] - kept, kept, total)
 
 
-def jagged_slices(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def jagged_slices(starts: torch.Tensor, lengths: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of a jagged tensor that make sequence ``b`` of a new one from ``lengths[b]`` rows starting at row
     ``starts[b]`` (``starts``, ``lengths``: ``[B]``), and the new offsets.
 
-    Returns ``(index [T'], offsets [B+1])`` so that ``values[index]`` is the new jagged tensor.
+    Returns ``(index [T'], offsets [B+1])`` so that ``values[index]`` is the new jagged tensor. ``total``:
+    ``T' = lengths.sum()`` where the host knows it; otherwise it is read from the device, which waits for
+    the device's queue (checked on the device when given).
     """
     new_offsets = lengths_to_offsets(lengths)
-    total = int(new_offsets[-1])
+    if total is None:
+        total = int(new_offsets[-1])
+    else:
+        torch._assert_async(new_offsets[-1] == total, "jagged_slices: the given total is not the lengths' sum")
     example = segment_ids(lengths, total)
     within = torch.arange(total, device=lengths.device) - new_offsets[:-1][example]
     return starts[example] + within, new_offsets
