@@ -9,8 +9,8 @@ Every measurement runs the trainer itself (``Trainer.train_step``) under torchru
 - **parity**: 1 GPU with the global batch against ``--gpus`` GPUs with a slice each, ``--parity-steps``
   steps, in float32 and in bf16 autocast; the largest loss difference per step.
 - **scaling**: the config at a fixed per-GPU batch on 1 GPU, then on ``--gpus`` GPUs in each layout
-  (FSDP, HSDP, FSDP + expert parallel, FSDP + copy-engine all-gathers, 2-D sparse); examples/s after
-  ``--warmup`` steps over ``--steps`` steps, model TFLOP/s, peak memory. ``scaling_ratio`` = per-GPU
+  (FSDP, HSDP, FSDP + expert parallel, exact or padded, FSDP + copy-engine all-gathers, 2-D sparse);
+  examples/s after ``--warmup`` steps over ``--steps`` steps, model TFLOP/s, peak memory. ``scaling_ratio`` = per-GPU
   examples/s at N over 1 GPU; ``mfu_local`` is the 1-GPU MFU, ``mfu_e2e`` = achieved TFLOP/s over N peaks
   (= ``mfu_local x scaling_ratio``, FLOPs per step being equal).
 - **collectives**: ``gem_parallel.bench_collectives`` (bandwidth and GPU footprint in isolation).
@@ -38,6 +38,8 @@ LAYOUTS = {  # name -> (trainer overrides, what the row reports)
     "hsdp": (["--parallelism.dense_replicate=-1", "--parallelism.dense_shard=1"],
              {"dense": "hsdp (replicate)", "expert": 1, "sparse": "table_wise", "collectives": "nccl"}),
     "expert": (["--parallelism.expert=2"], {"dense": "fsdp", "expert": 2, "sparse": "table_wise", "collectives": "nccl"}),
+    "expert_padded": (["--parallelism.expert=2", "--parallelism.expert_padded=true"],
+                      {"dense": "fsdp", "expert": "2 (padded)", "sparse": "table_wise", "collectives": "nccl"}),
     "copy_engine": (["--parallelism.collectives=copy_engine"],
                     {"dense": "fsdp", "expert": 1, "sparse": "table_wise", "collectives": "copy_engine"}),
     "sparse_2d": (["--parallelism.sparse_group=1"],
