@@ -297,3 +297,15 @@ def test_experts_outside_the_batched_form_keep_the_per_expert_loop(change, monke
     _assert_same_step(batched, looped)
     if change is not _no_norm_bias:  # (its bias was zero) the change shows in the output: batching would miss it
         assert not torch.allclose(batched[0], plain)
+
+
+def test_the_experts_run_in_one_call_of_their_module_which_a_parallel_wrapper_sees():
+    """Slotted dispatch hands all experts' rows to the ``Experts`` module at once: a wrapper on it (FSDP on
+    the expert mesh) gathers every local expert in one collective; a wrong number of row groups is refused."""
+    moe = make(capacity_factor=1.25)
+    calls = []
+    moe.experts.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
+    moe(torch.randn(16, 5, 6))
+    assert calls == [(4, moe.capacity(16), 5, 6)]
+    with pytest.raises(ValueError, match="4 experts here but rows for 3"):
+        moe.experts(torch.randn(3, 2, 5, 6))

@@ -82,7 +82,7 @@ class Routing:
     slots: int | None = None
 
 
-def local_dispatch(experts: nn.ModuleDict, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+def local_dispatch(experts: Experts, x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Run every expert of ``experts`` here on the kept examples routed to it; ``[B, n, D]`` gate-weighted sum.
 
     With ``routing.slots`` every expert runs on exactly that many rows (its kept examples, then padding that
@@ -103,7 +103,7 @@ def local_dispatch(experts: nn.ModuleDict, x: torch.Tensor, routing: Routing) ->
     return out
 
 
-def _slotted_dispatch(experts: nn.ModuleDict, x: torch.Tensor, routing: Routing, slots: int, first: int) -> torch.Tensor:
+def _slotted_dispatch(experts: Experts, x: torch.Tensor, routing: Routing, slots: int, first: int) -> torch.Tensor:
     """``local_dispatch`` on ``slots`` rows per expert; ``experts`` hold experts ``first, first + 1, ...``."""
     b, num = x.shape[0], len(experts)
     expert = routing.expert - first  # index into this module's experts
@@ -119,16 +119,29 @@ def _slotted_dispatch(experts: nn.ModuleDict, x: torch.Tensor, routing: Routing,
     weights = torch.zeros(num * slots + 1, device=x.device).scatter(0, cell, routing.weight.float())
     rows, weights = rows[:-1].view(num, slots), weights[:-1].view(num, slots)
     padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # row b: what padding slots read
-    out = torch.zeros_like(padded)
-    blocks = list(experts.values())
-    if _batchable(blocks):
-        outputs = _batched_wukong(blocks, padded[rows])  # [E, slots, n, D]
-        weighted = outputs * weights.to(x.dtype)[:, :, None, None]
-        out.index_add_(0, rows.flatten(), weighted.flatten(0, 1))
-        return out[:b]
-    for i, block in enumerate(blocks):
-        out.index_add_(0, rows[i], block(padded[rows[i]]) * weights[i].to(x.dtype)[:, None, None])
-    return out[:b]
+    outputs = experts(padded[rows])  # [E, slots, n, D]
+    weighted = outputs * weights.to(x.dtype)[:, :, None, None]
+    return torch.zeros_like(padded).index_add_(0, rows.flatten(), weighted.flatten(0, 1))[:b]
+
+
+class Experts(nn.ModuleDict):
+    """The experts of one ``MixtureOfExperts``, keyed by their global index (under expert parallelism a rank
+    keeps only its own, under the same names).
+
+    ``forward(x [E, S, n, D]) -> [E, S, n, D]``: the ``E`` experts held here, in key order, each on its own
+    ``S`` rows; all at once where they share the form ``_batched_wukong`` computes, else one by one. Being one
+    module, the experts are one unit to a parallel wrapper: FSDP gathers (and reduces) all of a MoE's local
+    experts in one collective each way, and the batched form still applies inside the unit (the hooks sit on
+    this module, not on the experts).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = list(self.values())
+        if len(blocks) != x.shape[0]:
+            raise ValueError(f"Experts: {len(blocks)} experts here but rows for {x.shape[0]}")
+        if _batchable(blocks):
+            return _batched_wukong(blocks, x)
+        return torch.stack([block(rows) for block, rows in zip(blocks, x)])
 
 
 def _batchable(blocks: list[nn.Module]) -> bool:
@@ -234,7 +247,7 @@ class MixtureOfExperts(nn.Module):
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.gate = nn.Linear(num_tokens * dim, num_experts, device=device)
         # keyed by expert index: under expert parallelism a rank keeps only its own, under the same names
-        self.experts = nn.ModuleDict(
+        self.experts = Experts(
             {str(i): WukongBlock(num_tokens, dim, rank, hidden, device=device) for i in range(num_experts)}
         )
         self.expert_flops = self.experts["0"].flops_per_example()

@@ -70,8 +70,9 @@ def apply_fsdp(
     expert_mesh: DeviceMesh | None = None,
     world_size: int = 1,
 ) -> None:
-    """FSDP2 over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP): each expert (on ``expert_mesh``), then
-    each block, then the root with everything left; ``ignored_params`` are left alone.
+    """FSDP2 over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP): each of ``experts`` (on ``expert_mesh``:
+    the local experts of one MoE each), then each block, then the root with everything left;
+    ``ignored_params`` are left alone.
 
     Expert gradients arrive summed over the expert-parallel group by the all-to-all, so their reduction
     divides by the whole ``world_size`` rather than by the ranks of ``expert_mesh``: every parameter ends

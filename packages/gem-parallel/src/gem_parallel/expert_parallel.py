@@ -47,54 +47,69 @@ class ExpertParallel:
         return range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
 
     def __call__(self, experts: nn.ModuleDict, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if self.padded and experts.training:
+            return self._padded(experts, x, routing)
         keep = routing.keep
         order = torch.sort(routing.expert[keep], stable=True).indices
         expert, example, weight = routing.expert[keep][order], routing.example[keep][order], routing.weight[keep][order]
         rows = x[example].flatten(1)  # [A_kept, n * D], sorted by expert
-        if self.padded and experts.training:
-            returned = self._padded(experts, rows, expert, x.shape[0], x.shape[1:])
-        else:
-            returned = self._exact(experts, rows, expert, x.shape[1:])
+        returned = self._exact(experts, rows, expert, x.shape[1:])
         out = torch.zeros_like(x)
         return out.index_add_(0, example, returned.view(-1, *x.shape[1:]) * weight.to(x.dtype)[:, None, None])
 
     def _exact(self, experts, rows, expert, token_shape) -> torch.Tensor:
         p, e = self.size, self.num_experts
-        send_expert = torch.bincount(expert, minlength=e)  # [E], rows for each expert, in owner order
+        # [E], rows for each expert, in owner order (by scatter-add: bincount reads its input's range back)
+        send_expert = torch.zeros(e, dtype=torch.int64, device=rows.device).scatter_add_(0, expert, torch.ones_like(expert))
         received_expert = torch.empty_like(send_expert)
         dist.all_to_all_single(received_expert, send_expert, group=self.group)  # [P sources x per_rank]
         received_expert = received_expert.view(p, self.per_rank)
-        # NOTE: the split sizes of the row all-to-all live on the host: this is the exact mode's one sync
-        send = send_expert.view(p, self.per_rank).sum(1).tolist()
-        receive = received_expert.sum(1).tolist()
+        # NOTE: the split sizes of the row all-to-all live on the host: this is the exact mode's one sync (the
+        # most rows of one expert, which sizes the experts' grid, comes back with them)
+        per_expert = received_expert.sum(0)
+        host = torch.cat([send_expert.view(p, self.per_rank).sum(1), received_expert.sum(1), per_expert.max()[None]]).tolist()
+        send, receive, width = host[:p], host[p : 2 * p], host[-1]
         received = _all_to_all(rows, receive, send, self.group)
-        # received rows come grouped by source, each source's by expert: regroup by expert to run each once
+        # received rows come grouped by source, each source's by expert: regroup by expert to run them together
         local = torch.arange(self.per_rank, device=rows.device).repeat(p)
         owner = torch.repeat_interleave(local, received_expert.flatten(), output_size=received.shape[0])
         by_expert = torch.sort(owner, stable=True).indices
-        outputs = self._run(experts, received[by_expert], received_expert.sum(0).tolist(), token_shape)
+        outputs = self._run_grouped(experts, received[by_expert], owner[by_expert], per_expert, max(width, 1), token_shape)
         return _all_to_all(outputs[torch.argsort(by_expert)], send, receive, self.group)
 
-    def _padded(self, experts, rows, expert, batch_size, token_shape) -> torch.Tensor:
-        e, width = self.num_experts, rows.shape[1]
-        slots = int(self.capacity(batch_size))
-        counts = torch.bincount(expert, minlength=e)
-        position = torch.arange(expert.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[expert]
-        cell = expert * slots + position  # the row's slot in the [E, slots] send buffer
-        send = rows.new_zeros(e * slots, width).index_copy(0, cell, rows)
+    def _padded(self, experts, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Every assignment to its ``(expert, slot)`` cell of an ``[E, slots]`` send buffer by comparisons and
+        sums only (no masks, no counts read back): fixed shapes end to end, no host wait."""
+        e, token_shape = self.num_experts, x.shape[1:]
+        slots = int(self.capacity(x.shape[0]))
+        expert, keep = routing.expert, routing.keep
+        # each kept assignment's slot: how many kept assignments of its expert come before it; the dropped ones
+        # (capacity per rank: a slot >= slots is never kept) go to a trash cell past the end
+        onehot = ((expert.unsqueeze(1) == torch.arange(e, device=x.device)) & keep.unsqueeze(1)).long()
+        slot = (torch.cumsum(onehot, 0) - onehot).gather(1, expert.unsqueeze(1)).squeeze(1)
+        cell = torch.where(keep & (slot < slots), expert * slots + slot, torch.full_like(slot, e * slots))
+        rows = x[routing.example].flatten(1)  # [A, n * D]
+        width = rows.shape[1]
+        send = rows.new_zeros(e * slots + 1, width).index_copy(0, cell, rows)[:-1]
         received = _all_to_all(send, None, None, self.group)  # [P sources x per_rank x slots]
-        # regroup [source, expert, slot] as [expert, source, slot] so each expert runs once on all its rows
-        grouped = received.view(self.size, self.per_rank, slots, width).transpose(0, 1).reshape(-1, width)
-        outputs = self._run(experts, grouped, [self.size * slots] * self.per_rank, token_shape)
+        # regroup [source, expert, slot] as [expert, source, slot] so that the experts run once on all their rows
+        grouped = received.view(self.size, self.per_rank, slots, width).transpose(0, 1)
+        outputs = experts(grouped.reshape(self.per_rank, self.size * slots, *token_shape)).flatten(2)
         back = outputs.view(self.per_rank, self.size, slots, width).transpose(0, 1).reshape(-1, width)
-        return _all_to_all(back, None, None, self.group)[cell]
+        # the dropped assignments read a zero row
+        returned = torch.cat([_all_to_all(back, None, None, self.group), back.new_zeros(1, width)])[cell]
+        weighted = returned.view(-1, *token_shape) * routing.weight.to(x.dtype)[:, None, None]
+        return torch.zeros_like(x).index_add_(0, routing.example, weighted)
 
-    def _run(self, experts, rows, counts, token_shape) -> torch.Tensor:
-        """This rank's experts on ``rows`` grouped by local expert (``counts`` rows each, in expert order)."""
-        chunks = rows.split(counts)
-        outputs = [experts[str(index)](chunk.view(-1, *token_shape)).flatten(1)
-                   for index, chunk in zip(self.local_experts(), chunks)]
-        return torch.cat(outputs) if outputs else rows
+    def _run_grouped(self, experts, rows, expert, counts, width, token_shape) -> torch.Tensor:
+        """This rank's experts on ``rows`` [R, n * D] grouped by local expert (``expert [R]`` each row's,
+        ``counts [E_here]`` rows each, at most ``width``): laid out on an ``[E_here, width]`` grid, zero rows past
+        each expert's count, run at once (one call of the experts' module), each row's output read back."""
+        start = torch.cumsum(counts, 0) - counts
+        cell = expert * width + torch.arange(rows.shape[0], device=rows.device) - start[expert]
+        grid = rows.new_zeros(self.per_rank * width, rows.shape[1]).index_copy(0, cell, rows)
+        outputs = experts(grid.view(self.per_rank, width, *token_shape))
+        return outputs.reshape(self.per_rank * width, -1)[cell]
 
 
 def _all_to_all(tensor: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:

@@ -79,7 +79,8 @@ def parallelize_kunlun(
         apply_activation_checkpointing(slots)
     if dense.compile:
         apply_compile(slots)
-    experts = [e for moe in moes for e in moe.experts.values()] if dims.expert_enabled else []
+    # a MoE's local experts are one FSDP unit (one all-gather and one reduce-scatter each, not one per expert)
+    experts = [moe.experts for moe in moes] if dims.expert_enabled else []
     expert_mesh = meshes.expert["dense_replicate", "expert_shard"] if dims.expert_enabled else None
     # NOTE: tables are TorchRec's (updated in backward); empty parameters (a projection of zero dense
     # features) have nothing to shard and FSDP2 cannot reduce them
