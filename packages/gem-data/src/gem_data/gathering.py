@@ -7,16 +7,16 @@ the wanted values of every piece and key are one contiguous range each (a view, 
 once in key-major order (only keys whose ids shift are copied before that).
 
 The cost is a fixed number of NumPy calls per field and piece, which at a few hundred rows per batch is what a
-mixed batch costs beyond reading its sources: a source batch's NumPy views are made once (``BatchView``: the
-mixer takes a row range of the batch it holds at each of several steps), and an event type's ids, whose keys
-all have the same lengths, are cut as one ``[keys, events]`` matrix rather than key by key.
+mixed batch costs beyond reading its sources (at a thousand rows of long histories, the copy itself): a
+source batch's NumPy views and key offsets are made once, in one go (``BatchView.arrays``: the mixer takes a
+row range of the batch it holds at each of several steps), and a key set's offsets come from one cumulative
+sum, which also places the events' timestamps (the first key of an event type has one id per event).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -56,22 +56,20 @@ class SourcePlan:
 
 class JaggedView:
     """NumPy views of one KeyedJaggedTensor of a batch of ``rows`` rows: key ``k``'s values of rows ``[lo, hi)``
-    are ``values[bounds[k * rows + lo] : bounds[k * rows + hi]]``.
+    are ``values[bounds[k * rows + lo] : bounds[k * rows + hi]]``. An event type's ids also carry the events'
+    ``timestamps`` (every key has one id per event, so the first key's bounds are the events')."""
 
-    ``table``: for an event type's ids, whose keys all have the same lengths (one id per event), the values as a
-    ``[keys, events]`` matrix, so that the values of every key for a row range are one slice, not one per key
-    (None for other key sets, and for event ids that break that rule, which ``Batch.validate`` would refuse)."""
+    __slots__ = ("bounds", "lengths", "num_keys", "rows", "timestamps", "values")
 
-    __slots__ = ("num_keys", "rows", "values", "lengths", "bounds", "table")
-
-    def __init__(self, kjt: KeyedJaggedTensor, rows: int, events: bool = False) -> None:
+    def __init__(self, kjt: KeyedJaggedTensor, rows: int, timestamps: torch.Tensor | None = None) -> None:
         self.num_keys, self.rows = len(kjt.keys()), rows
         self.values = kjt.values().numpy()
-        self.lengths = kjt.lengths().numpy().reshape(self.num_keys, rows)
-        self.bounds = np.zeros(self.lengths.size + 1, dtype=np.int64)
-        np.cumsum(self.lengths, out=self.bounds[1:])
-        rectangular = events and self.num_keys and bool((self.lengths == self.lengths[0]).all())
-        self.table = self.values.reshape(self.num_keys, -1) if rectangular else None
+        lengths = kjt.lengths().numpy()
+        self.lengths = lengths.reshape(self.num_keys, rows)
+        self.bounds = np.empty(lengths.size + 1, dtype=np.int64)
+        self.bounds[0] = 0
+        np.add.accumulate(lengths, dtype=np.int64, out=self.bounds[1:])  # NOTE: np.cumsum's wrapper costs as much as the sum
+        self.timestamps = None if timestamps is None else timestamps.numpy()
 
     def spans(self, lo: int, hi: int) -> tuple[list[int], list[int]]:
         """Where each key's values of rows ``[lo, hi)`` start and stop."""
@@ -79,43 +77,38 @@ class JaggedView:
         return self.bounds[lo:end:self.rows].tolist(), self.bounds[hi : end + 1 : self.rows].tolist()
 
 
-class BatchView:
-    """A batch with NumPy views of its tensors, each made when first needed and then kept: the mixer takes a row
-    range of the source batch it holds at each of several steps, and making a view (with the offsets of a key
-    set) costs as much as cutting the range out of it."""
+class BatchArrays:
+    """NumPy views of every tensor of a batch, made in one go (see ``BatchView``)."""
+
+    __slots__ = ("dense", "labels", "sequences", "source", "sparse", "surface")
 
     def __init__(self, batch: Batch) -> None:
-        self.batch, self.rows = batch, batch.batch_size
+        rows = batch.batch_size
+        self.dense, self.labels, self.surface = batch.dense.numpy(), batch.labels.numpy(), batch.surface.numpy()
+        self.source = None if batch.source is None else batch.source.numpy()
+        self.sparse = JaggedView(batch.sparse, rows)
+        self.sequences = {name: JaggedView(seq.ids, rows, seq.timestamps) for name, seq in batch.sequences.items()}
 
-    @cached_property
-    def dense(self) -> np.ndarray:
-        return self.batch.dense.numpy()
 
-    @cached_property
-    def labels(self) -> np.ndarray:
-        return self.batch.labels.numpy()
+class BatchView:
+    """A batch and, once first needed, the NumPy views of its tensors (``arrays``): the mixer takes a row range
+    of the source batch it holds at each of several steps, and making the views (with the offsets of each key
+    set) costs as much as cutting a range out of them. A batch taken whole needs none."""
 
-    @cached_property
-    def surface(self) -> np.ndarray:
-        return self.batch.surface.numpy()
+    __slots__ = ("_arrays", "batch", "rows")
 
-    @cached_property
-    def source(self) -> np.ndarray | None:
-        return None if self.batch.source is None else self.batch.source.numpy()
+    def __init__(self, batch: Batch) -> None:
+        self.batch, self.rows, self._arrays = batch, batch.batch_size, None
 
-    @cached_property
-    def sparse(self) -> JaggedView:
-        return JaggedView(self.batch.sparse, self.rows)
-
-    @cached_property
-    def sequences(self) -> dict[str, tuple[JaggedView, np.ndarray]]:
-        """Event type -> its ids and timestamps."""
-        return {name: (JaggedView(seq.ids, self.rows, events=True), seq.timestamps.numpy())
-                for name, seq in self.batch.sequences.items()}
+    @property
+    def arrays(self) -> BatchArrays:
+        if self._arrays is None:
+            self._arrays = BatchArrays(self.batch)
+        return self._arrays
 
     def event_span(self, event: str, lo: int, hi: int) -> tuple[int, int]:
-        """The events of rows ``[lo, hi)`` (every key of an event type has the same lengths: the first key's)."""
-        bounds = self.sequences[event][0].bounds
+        """The events of rows ``[lo, hi)`` of event type ``event``."""
+        bounds = self.arrays.sequences[event].bounds
         return int(bounds[lo]), int(bounds[hi])
 
 
@@ -136,34 +129,28 @@ class Piece(NamedTuple):  # NOTE: a tuple, not a frozen dataclass: a few are mad
 
 def gather_pieces(pieces: list[Piece], spec: FeatureSpec) -> Batch:
     """One batch of ``spec`` holding the rows of every piece, in order."""
-    if len(pieces) == 1 and pieces[0].plan.identity and pieces[0].lo == 0 and pieces[0].hi == pieces[0].batch.batch_size:
-        p = pieces[0]
-        surface = p.batch.surface if p.plan.surface is None else torch.full_like(p.batch.surface, p.plan.surface)
-        return Batch(dense=p.batch.dense, sparse=p.batch.sparse, sequences=p.batch.sequences, labels=p.batch.labels,
-                     surface=surface, source=p.batch.source, next_items=p.batch.next_items)
+    first = pieces[0]
+    if len(pieces) == 1 and first.plan.identity and first.lo == 0 and first.hi == first.view.rows:
+        b = first.batch
+        surface = b.surface if first.plan.surface is None else torch.full_like(b.surface, first.plan.surface)
+        return Batch(dense=b.dense, sparse=b.sparse, sequences=b.sequences, labels=b.labels, surface=surface, source=b.source,
+                     next_items=b.next_items)
+    arrays = [p.view.arrays for p in pieces]
     sequences = {}
     for event in spec.events:
-        parts, timestamps = [], []
-        for p in pieces:
-            keys = p.plan.events[event.name]
-            ids, times = p.view.sequences.get(event.name, (None, None)) if keys is not None else (None, None)
-            parts.append((ids, keys, p))
-            if ids is not None:
-                timestamps.append(times[ids.bounds[p.lo] : ids.bounds[p.hi]])  # the first key's bounds: the events'
-        names = [f.name for f in event.features]
-        if all(ids is not None and ids.table is not None and keys.identity for ids, keys, _ in parts):
-            gathered = _gather_table(parts, names)
-        else:
-            gathered = _gather_kjt(parts, names, events=True)
-        sequences[event.name] = EventSequence(gathered, _cat(timestamps) if timestamps else torch.zeros(0))
+        name = event.name
+        parts = [(a.sequences.get(name) if p.plan.events[name] is not None else None, p.plan.events[name], p)
+                 for a, p in zip(arrays, pieces)]
+        sequences[name] = EventSequence(*_gather_kjt(parts, [f.name for f in event.features], events=True))
+    sparse, _ = _gather_kjt([(a.sparse, p.plan.sparse, p) for a, p in zip(arrays, pieces)], [f.name for f in spec.sparse], events=False)
     return Batch(
-        dense=_gather_dense(pieces, spec.num_dense),
-        sparse=_gather_kjt([(p.view.sparse, p.plan.sparse, p) for p in pieces], [f.name for f in spec.sparse], events=False),
+        dense=_gather_dense(pieces, arrays, spec.num_dense),
+        sparse=sparse,
         sequences=sequences,
-        labels=_cat([p.view.labels[p.lo : p.hi] for p in pieces]),
-        surface=_cat([p.view.surface[p.lo : p.hi] if p.plan.surface is None
-                      else np.full(p.rows, p.plan.surface, dtype=np.int64) for p in pieces]),
-        source=None if any(p.view.source is None for p in pieces) else _cat([p.view.source[p.lo : p.hi] for p in pieces]),
+        labels=_cat([a.labels[p.lo : p.hi] for a, p in zip(arrays, pieces)]),
+        surface=_cat([a.surface[p.lo : p.hi] if p.plan.surface is None else np.full(p.rows, p.plan.surface, dtype=np.int64)
+                      for a, p in zip(arrays, pieces)]),
+        source=None if any(a.source is None for a in arrays) else _cat([a.source[p.lo : p.hi] for a, p in zip(arrays, pieces)]),
         next_items=_gather_targets(pieces),
     )
 
@@ -174,9 +161,9 @@ def _cat(arrays: list[np.ndarray], axis: int = 0) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(arrays, axis=axis))
 
 
-def _gather_dense(pieces: list[Piece], num_dense: int) -> torch.Tensor:
-    if all(p.view.dense.shape[1] == num_dense for p in pieces):
-        return _cat([p.view.dense[p.lo : p.hi] for p in pieces])
+def _gather_dense(pieces: list[Piece], arrays: list[BatchArrays], num_dense: int) -> torch.Tensor:
+    if all(a.dense.shape[1] == num_dense for a in arrays):
+        return _cat([a.dense[p.lo : p.hi] for a, p in zip(arrays, pieces)])
     dense = torch.zeros(sum(p.rows for p in pieces), num_dense)
     row = 0
     for p in pieces:
@@ -186,22 +173,13 @@ def _gather_dense(pieces: list[Piece], num_dense: int) -> torch.Tensor:
     return dense
 
 
-def _gather_table(parts: list[tuple[JaggedView, KeyMap, Piece]], keys: list[str]) -> KeyedJaggedTensor:
-    """``_gather_kjt`` for event ids of the union's keys (``JaggedView.table``): each part's events are one
-    ``[keys, events]`` slice, and joining them along the events lays the values out key after key."""
-    values = np.concatenate([ids.table[:, ids.bounds[p.lo] : ids.bounds[p.hi]] for ids, _, p in parts], axis=1)
-    lengths = np.concatenate([ids.lengths[:, p.lo : p.hi] for ids, _, p in parts], axis=1)
-    events = values.shape[1]
-    return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(values.reshape(-1)), lengths=torch.from_numpy(lengths.reshape(-1)),
-                             stride=lengths.shape[1], length_per_key=[events] * len(keys),
-                             offset_per_key=[events * k for k in range(len(keys) + 1)])
-
-
-def _gather_kjt(parts: list[tuple[JaggedView | None, KeyMap | None, Piece]], keys: list[str], events: bool) -> KeyedJaggedTensor:
-    """The union keys ``keys`` over the rows of every part: ``(source key set or None, key map or None, piece)``."""
+def _gather_kjt(parts: list[tuple[JaggedView | None, KeyMap | None, Piece]], keys: list[str],
+                events: bool) -> tuple[KeyedJaggedTensor, torch.Tensor | None]:
+    """The union keys ``keys`` over the rows of every part: ``(source key set or None, key map or None, piece)``;
+    for an event type (``events``) also the events' timestamps."""
     num_keys = len(keys)
     per_part: list[list[np.ndarray]] = []  # per part, per union key: the key's values for the part's rows
-    lengths, sizes = [], [0] * num_keys  # sizes: values per union key
+    lengths, sizes, timestamps = [], [0] * num_keys, []  # sizes: values per union key
     for jagged, keymap, p in parts:
         n = p.rows
         if jagged is None or keymap is None or not jagged.num_keys:
@@ -209,6 +187,8 @@ def _gather_kjt(parts: list[tuple[JaggedView | None, KeyMap | None, Piece]], key
             per_part.append([_EMPTY] * num_keys)
             continue
         first, last = jagged.spans(p.lo, p.hi)
+        if events:
+            timestamps.append(jagged.timestamps[first[0] : last[0]])  # the first key's values: one per event
         wanted = jagged.lengths[:, p.lo : p.hi]
         values = jagged.values
         if keymap.identity:
@@ -236,9 +216,12 @@ def _gather_kjt(parts: list[tuple[JaggedView | None, KeyMap | None, Piece]], key
     # key-major order: key 0 of every part, then key 1 of every part, ...
     pieces = [array for key in zip(*per_part) for array in key]
     # NOTE: the per-key sizes are known here; handing them over spares the constructor a pass over the lengths
-    return KeyedJaggedTensor(keys=keys, values=_cat(pieces) if pieces else torch.from_numpy(_EMPTY),
-                             lengths=torch.from_numpy(np.concatenate(lengths, axis=1).reshape(-1)), stride=sum(p.rows for _, _, p in parts),
-                             length_per_key=sizes, offset_per_key=[0, *itertools.accumulate(sizes)])
+    kjt = KeyedJaggedTensor(keys=keys, values=_cat(pieces) if pieces else torch.from_numpy(_EMPTY),
+                            lengths=torch.from_numpy(np.concatenate(lengths, axis=1).reshape(-1)), stride=sum(p.rows for _, _, p in parts),
+                            length_per_key=sizes, offset_per_key=[0, *itertools.accumulate(sizes)])
+    if not events:
+        return kjt, None
+    return kjt, _cat(timestamps) if timestamps else torch.zeros(0)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -258,7 +241,7 @@ def _gather_targets(pieces: list[Piece]) -> NextItemTargets | None:
     for p, t in zip(pieces, targets):
         lo, hi = p.lo, p.hi
         if t.every:
-            (event,) = p.view.sequences
+            (event,) = p.batch.sequences
             lo, hi = p.view.event_span(event, lo, hi)
         positives.append(t.positives[lo:hi])
         if t.negatives is not None:
