@@ -42,6 +42,8 @@ LAYOUTS = {  # name -> (trainer overrides, what the row reports)
                       {"dense": "fsdp", "expert": "2 (padded)", "sparse": "table_wise", "collectives": "nccl"}),
     "copy_engine": (["--parallelism.collectives=copy_engine"],
                     {"dense": "fsdp", "expert": 1, "sparse": "table_wise", "collectives": "copy_engine"}),
+    "fsdp_dedup": (["--parallelism.sparse_index_dedup=true"],
+                   {"dense": "fsdp", "expert": 1, "sparse": "table_wise, index dedup", "collectives": "nccl"}),
     "sparse_2d": (["--parallelism.sparse_group=1"],
                   {"dense": "fsdp", "expert": 1, "sparse": "2-D (1 x replicas)", "collectives": "nccl"}),
 }

@@ -438,7 +438,7 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
         return parallelize_kunlun(
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,
             sparse_optimizer=sparse_optimizer, sparse_optimizer_kwargs=sparse_kwargs, expert_padded=p.expert_padded,
-            global_batch_bound=global_batch_bound(config, env),
+            global_batch_bound=global_batch_bound(config, env), sparse_index_dedup=p.sparse_index_dedup,
         )
     except LayoutError as error:
         raise ConfigError(f"parallelism.{error}") from None

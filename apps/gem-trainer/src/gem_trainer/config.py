@@ -308,6 +308,7 @@ class ParallelismConfig(Section):
     sparse_group: int = Field(-1, ge=-1)
     sparse_sharding: Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"] = "table_wise"
     sparse_sync_every: int = Field(1, ge=1)  # steps between replica averages (2-D sparse)
+    sparse_index_dedup: bool = False  # sequence ids sent once per distinct id (CUDA)
 
     @model_validator(mode="after")
     def _no_zero_degrees(self) -> "ParallelismConfig":

@@ -60,6 +60,7 @@ def parallelize_kunlun(
     sparse_optimizer_kwargs: dict[str, Any] | None = None,
     expert_padded: bool = False,
     global_batch_bound: int | None = None,
+    sparse_index_dedup: bool = False,
 ) -> nn.Module:
     """Parallelise ``model`` (built on the meta device) as ``dims`` says; returns TorchRec's
     DistributedModelParallel around it (``.module`` is the model, now FSDP2-wrapped). See the module
@@ -72,7 +73,7 @@ def parallelize_kunlun(
                 raise LayoutError(f"expert ({dims.expert}) must divide the number of experts of every MoE ({moe.num_experts})")
         apply_expert_parallel(model, meshes.expert.get_group("expert"), padded=expert_padded)
     sharded = shard_embeddings(model, device, sparse_sharding, sparse_optimizer, sparse_optimizer_kwargs,
-                               mesh=meshes.sparse, seed=seed)
+                               mesh=meshes.sparse, seed=seed, index_dedup=sparse_index_dedup)
     init_dense_parameters(model, seed, device)
     slots = block_slots(model)
     if dense.activation_checkpointing:

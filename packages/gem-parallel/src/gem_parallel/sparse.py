@@ -65,6 +65,7 @@ def shard_embeddings(
     sparse_optimizer_kwargs: dict[str, Any] | None = None,
     mesh: DeviceMesh | None = None,
     seed: int = 0,
+    index_dedup: bool = False,
 ) -> nn.Module:
     """Shard every embedding table of ``model`` (built on the meta device) and return TorchRec's
     DistributedModelParallel around it.
@@ -73,6 +74,10 @@ def shard_embeddings(
     rank. ``sparse_optimizer`` (TorchRec's row-wise Adagrad by default) is fused into the embedding backward,
     so sparse gradients are never materialised. Table rows are initialised from ``seed`` independently of
     the layout (``gem_parallel.init``). Dense parameters stay on the meta device for ``parallelize``.
+
+    ``index_dedup``: sequence tables (EmbeddingCollection) send each distinct id of a batch once through
+    the all-to-all and expand the looked-up rows afterwards (TorchRec's index dedup; CUDA only): histories
+    repeat items, and their rows are the largest message of a sharded step.
     """
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.model_parallel import DMPCollection
@@ -89,6 +94,8 @@ def shard_embeddings(
     ):
         raise LayoutError(f"sparse_sharding = {sharding_type!r} needs GPUs (TorchRec's CPU kernels shard pooled tables "
                          f"only {CPU_SHARDING_TYPES})")
+    if index_dedup and device.type != "cuda":
+        raise LayoutError("sparse_index_dedup needs GPUs (fbgemm's unique-index kernel has no CPU version)")
     configs = table_configs(model)
     apply_optimizer_in_backward(
         sparse_optimizer or RowWiseAdagrad,
@@ -100,9 +107,15 @@ def shard_embeddings(
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=dist.get_world_size(group), compute_device=device.type), constraints=constraints
     )
+    sharders = None
+    if index_dedup:
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+        sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(use_index_dedup=True)]
     # planned once for a group of ranks 0..G-1 (on rank 0, broadcast to all), then placed on each group
-    plan = planner.collective_plan(model, pg=dist.GroupMember.WORLD)
-    keep = dict(init_data_parallel=False, init_parameters=False, data_parallel_wrapper=_NoDataParallel())
+    plan = planner.collective_plan(model, sharders, pg=dist.GroupMember.WORLD)
+    keep = dict(init_data_parallel=False, init_parameters=False, data_parallel_wrapper=_NoDataParallel(), sharders=sharders)
     if mesh is None:
         sharded = DistributedModelParallel(model, device=device, plan=plan, **keep)
     elif device.type == "cuda":
