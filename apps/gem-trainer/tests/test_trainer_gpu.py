@@ -59,3 +59,26 @@ def test_an_asynchronous_checkpoint_from_the_gpu_restores_the_state_of_its_step(
 
 def _local(value):
     return value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+
+
+def test_index_dedup_of_the_sequence_tables_trains_the_same(tmp_path):
+    """TorchRec's index dedup (each distinct sequence id looked up and sent once, rows expanded after) is a
+    different route to the same step: the same losses and tables over a few float32 steps."""
+    env = None
+    losses, tables = {}, {}
+    for dedup in (False, True):
+        config = load_config(None, [f"--run_dir={tmp_path}/{dedup}", "--device=cuda", "--data.batch_size=64",
+                                    "--data.eval_batches=1", "--metrics.tensorboard=false", "--checkpoint.enable=false",
+                                    "--precision.autocast=off", f"--parallelism.sparse_index_dedup={str(dedup).lower()}"])
+        env = env or init_distributed(config.device, config.parallelism.collectives)
+        trainer = Trainer(config, env)
+        try:
+            losses[dedup] = torch.tensor([float(trainer.train_step()["loss"]) for _ in range(4)])
+            tables[dedup] = {k: _local(v).detach().cpu().clone() for k, v in trainer.model.state_dict().items()
+                             if "embedding" in k and "weight" in k}
+        finally:
+            trainer.close()
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+    assert tables[True].keys() == tables[False].keys() and tables[True]
+    for key in tables[True]:
+        torch.testing.assert_close(tables[True][key], tables[False][key], rtol=1e-4, atol=1e-6, msg=key)

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 WORKER = Path(__file__).parent / "workers" / "sparse_worker.py"
 
@@ -23,3 +24,13 @@ def test_tables_are_sharded_over_ranks_and_updated_row_wise_in_backward(tmp_path
         assert result["looked_up_rows_changed"] and result["other_rows_unchanged"]
     # the dense part is data parallel: identical on every rank after the all-reduced steps
     assert ranks[0]["dense_weight"] == ranks[1]["dense_weight"]
+
+
+def test_index_dedup_is_refused_without_a_gpu_in_one_line():
+    from torch import nn
+
+    from gem_parallel.parallel_dims import LayoutError
+    from gem_parallel.sparse import shard_embeddings
+
+    with pytest.raises(LayoutError, match="^sparse_index_dedup needs GPUs"):
+        shard_embeddings(nn.Linear(2, 2), torch.device("cpu"), index_dedup=True)
