@@ -18,25 +18,16 @@ from gem_data import (
     SyntheticConfig,
     SyntheticGenerator,
     TableStream,
-    read_sequence_text,
 )
-from gem_data.testing import equal_batches
-
-
-def corpus(folder, name, users, items, attributes):
-    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k) % items) for k in range(4 + u % 5)) for u in range(1, users + 1)]
-    (folder / f"{name}.txt").write_text("\n".join(lines) + "\n")
-    if attributes:
-        (folder / f"{name}.json").write_text("{" + ", ".join(f'"{i}": [{i % 5}]' for i in range(1, items + 1)) + "}")
-    return read_sequence_text(folder / f"{name}.txt", folder / f"{name}.json" if attributes else None)
+from gem_data.testing import equal_batches, small_corpus
 
 
 @pytest.fixture(scope="module")
 def domains(tmp_path_factory):
     """Two next-item domains with different catalogues; only the first has item attributes."""
     folder = tmp_path_factory.mktemp("domains")
-    shop = NextItemDataset(corpus(folder, "shop", 20, 30, True), NextItemConfig(num_negatives=1))
-    films = NextItemDataset(corpus(folder, "films", 12, 17, False), NextItemConfig(num_negatives=1))
+    shop = NextItemDataset(small_corpus(folder, "shop", 20, 30, True), NextItemConfig(num_negatives=1))
+    films = NextItemDataset(small_corpus(folder, "films", 12, 17, False), NextItemConfig(num_negatives=1))
     return shop, films
 
 
@@ -98,8 +89,8 @@ def test_misaligned_sources_are_rejected_in_one_line(domains):
 def test_retrieval_batches_need_one_id_space(tmp_path):
     folder = tmp_path
     retrieval = NextItemConfig(num_negatives=2, objective="retrieval")
-    a = NextItemDataset(corpus(folder, "a", 10, 20, False), retrieval)
-    b = NextItemDataset(corpus(folder, "b", 10, 25, False), retrieval)
+    a = NextItemDataset(small_corpus(folder, "a", 10, 20, False), retrieval)
+    b = NextItemDataset(small_corpus(folder, "b", 10, 25, False), retrieval)
     alignment = FeatureAlignment({"a": a.spec, "b": b.spec})
     with pytest.raises(AlignmentError, match="retrieval needs every source in one id space"):
         alignment.align("b", b.training_table().take(0, torch.arange(3), 0))

@@ -27,21 +27,13 @@ from gem_data import (
     SyntheticStream,
     TableStream,
     concat_batches,
-    read_sequence_text,
     select_examples,
 )
+from gem_data.testing import small_corpus
 from gem_kunlun import Batch
 
 SPEC = dict(num_ads=2000, max_events=16)
 STEPS = 12
-
-
-def corpus(folder, name, users, items, attributes):
-    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k) % items) for k in range(4 + u % 5)) for u in range(1, users + 1)]
-    (folder / f"{name}.txt").write_text("\n".join(lines) + "\n")
-    if attributes:
-        (folder / f"{name}.json").write_text("{" + ", ".join(f'"{i}": [{i % 5}]' for i in range(1, items + 1)) + "}")
-    return read_sequence_text(folder / f"{name}.txt", folder / f"{name}.json" if attributes else None)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +42,7 @@ def mixtures(tmp_path_factory):
     generators = [SyntheticGenerator(SyntheticConfig(seed=s, **SPEC)) for s in range(3)]
     table = BatchTable(generators[0].batch(0, 100), generators[0].spec)
     folder = tmp_path_factory.mktemp("mixing-exact")
-    shop_corpus, film_corpus = corpus(folder, "shop", 20, 30, True), corpus(folder, "films", 12, 17, False)
+    shop_corpus, film_corpus = small_corpus(folder, "shop", 20, 30, True), small_corpus(folder, "films", 12, 17, False)
     shop = NextItemDataset(shop_corpus, NextItemConfig(num_negatives=1))
     films = NextItemDataset(film_corpus, NextItemConfig(num_negatives=1))
     last = [NextItemDataset(shop_corpus, NextItemConfig(num_negatives=2, objective="retrieval", seed=s)) for s in (1, 2)]

@@ -1,4 +1,5 @@
-"""Helpers for tests of gem-data and its users: where the shared real data lives, batch fingerprints."""
+"""Helpers for tests of gem-data and its users: where the shared real data lives, batch fingerprints, small
+sequence corpora."""
 
 from __future__ import annotations
 
@@ -54,3 +55,16 @@ def equal_batches(a: Batch, b: Batch) -> bool:
         and all(torch.equal(a.representations[k].values, b.representations[k].values)
                 and torch.equal(a.representations[k].lengths, b.representations[k].lengths) for k in a.representations)
     )
+
+
+def small_corpus(folder: str | Path, name: str, users: int, items: int, attributes: bool):
+    """A deterministic sequence corpus of ``users`` histories (4-8 events) over ``items`` items, written to
+    ``folder/name.txt`` (with ``name.json`` item attributes when asked) and read back."""
+    from gem_data.readers.text import read_sequence_text
+
+    folder = Path(folder)
+    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k) % items) for k in range(4 + u % 5)) for u in range(1, users + 1)]
+    (folder / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    if attributes:
+        (folder / f"{name}.json").write_text("{" + ", ".join(f'"{i}": [{i % 5}]' for i in range(1, items + 1)) + "}")
+    return read_sequence_text(folder / f"{name}.txt", folder / f"{name}.json" if attributes else None)
