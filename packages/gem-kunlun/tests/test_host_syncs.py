@@ -58,7 +58,6 @@ def test_a_kunlun_training_step_makes_no_host_sync_beyond_the_known_ones():
     sites = set(spy.sites)
     unknown = sites - KNOWN
     assert not unknown, f"new host synchronisations in the training step: {sorted(unknown)}"
-    assert KNOWN <= sites
     model.eval()  # evaluation keeps every assignment: experts gather theirs by mask, which the spy sees
     with HostSyncs() as spy, torch.no_grad():
         model(batch)

@@ -68,13 +68,13 @@ class ExpertParallel:
         # most rows of one expert, which sizes the experts' grid, comes back with them)
         per_expert = received_expert.sum(0)
         host = torch.cat([send_expert.view(p, self.per_rank).sum(1), received_expert.sum(1), per_expert.max()[None]]).tolist()
-        send, receive, width = host[:p], host[p : 2 * p], host[-1]
+        send, receive, most = host[:p], host[p : 2 * p], host[-1]
         received = _all_to_all(rows, receive, send, self.group)
         # received rows come grouped by source, each source's by expert: regroup by expert to run them together
         local = torch.arange(self.per_rank, device=rows.device).repeat(p)
         owner = torch.repeat_interleave(local, received_expert.flatten(), output_size=received.shape[0])
         by_expert = torch.sort(owner, stable=True).indices
-        outputs = self._run_grouped(experts, received[by_expert], owner[by_expert], per_expert, max(width, 1), token_shape)
+        outputs = self._run_grouped(experts, received[by_expert], owner[by_expert], per_expert, max(most, 1), token_shape)
         return _all_to_all(outputs[torch.argsort(by_expert)], send, receive, self.group)
 
     def _padded(self, experts, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -101,15 +101,15 @@ class ExpertParallel:
         weighted = returned.view(-1, *token_shape) * routing.weight.to(x.dtype)[:, None, None]
         return torch.zeros_like(x).index_add_(0, routing.example, weighted)
 
-    def _run_grouped(self, experts, rows, expert, counts, width, token_shape) -> torch.Tensor:
+    def _run_grouped(self, experts, rows, expert, counts, slots, token_shape) -> torch.Tensor:
         """This rank's experts on ``rows`` [R, n * D] grouped by local expert (``expert [R]`` each row's,
-        ``counts [E_here]`` rows each, at most ``width``): laid out on an ``[E_here, width]`` grid, zero rows past
+        ``counts [E_here]`` rows each, at most ``slots``): laid out on an ``[E_here, slots]`` grid, zero rows past
         each expert's count, run at once (one call of the experts' module), each row's output read back."""
         start = torch.cumsum(counts, 0) - counts
-        cell = expert * width + torch.arange(rows.shape[0], device=rows.device) - start[expert]
-        grid = rows.new_zeros(self.per_rank * width, rows.shape[1]).index_copy(0, cell, rows)
-        outputs = experts(grid.view(self.per_rank, width, *token_shape))
-        return outputs.reshape(self.per_rank * width, -1)[cell]
+        cell = expert * slots + torch.arange(rows.shape[0], device=rows.device) - start[expert]
+        grid = rows.new_zeros(self.per_rank * slots, rows.shape[1]).index_copy(0, cell, rows)
+        outputs = experts(grid.view(self.per_rank, slots, *token_shape))
+        return outputs.reshape(self.per_rank * slots, -1)[cell]
 
 
 def _all_to_all(tensor: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
