@@ -58,17 +58,6 @@ def compare(capacity_factor: float, padded: bool, expert_parallel: bool = True, 
     return errors
 
 
-def bound_too_small() -> str:
-    """A global batch larger than ``global_batch_bound`` fails (on the CPU at once) instead of dropping."""
-    moe = make(0.75)
-    moe.batch_group, moe.global_batch_bound = dist.group.WORLD, LOCAL  # the global batch holds world * LOCAL
-    try:
-        moe(torch.randn(LOCAL, TOKENS, DIM))
-    except RuntimeError as error:
-        return str(error)
-    return ""
-
-
 def clipped_norm() -> dict[str, float]:
     """Experts split over the ranks: the global norm equals torch's over every parameter of one process."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -93,7 +82,6 @@ def main(out_dir: str) -> None:
         "padded": compare(capacity_factor=0.0, padded=True),
         "local_bound_drops": compare(capacity_factor=0.75, padded=False, expert_parallel=False, bound=dist.get_world_size() * LOCAL),
         "local_mask_drops": compare(capacity_factor=0.75, padded=False, expert_parallel=False),
-        "bound_too_small": bound_too_small(),
         "clip": clipped_norm(),
     }
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
