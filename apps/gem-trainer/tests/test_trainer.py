@@ -221,3 +221,25 @@ def test_mxfp8_emulation_reaches_the_flop_heavy_layers_and_keeps_the_rest_in_hig
                                      "--checkpoint.enable=false"), trainer.env)
     exact = [float(reference.train_step()["loss"]) for _ in range(4)]
     assert losses != exact and losses == pytest.approx(exact, rel=0.05)
+
+
+def test_fp8_recipe_reaches_the_wide_layers_and_trains_near_float32(tmp_path):
+    from gem_kernels import Fp8Linear
+
+    steps = ("--schedule.steps=4", "--schedule.warmup_steps=1", "--checkpoint.enable=false")
+    # the small model's layers are narrow: the crossover is lowered so that the recipe reaches them
+    config = small_config(tmp_path, *steps, "--precision.low_precision=fp8", "--precision.fp8_min_features=16",
+                          "--precision.fp8_min_tokens=0", "--precision.fp8_weight_gradient=fp8")
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    converted = trainer.low_precision_modules
+    assert any(n.endswith("attention.qkv") for n in converted) and any(n.endswith("pffn.kv") for n in converted)
+    assert not any(part in ("embedding", "heads", "gate") for n in converted for part in n.split("."))
+    fp8 = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
+    assert fp8 and all(m.recipe.weight_gradient == "fp8" and m.recipe.min_tokens == 0 for m in fp8)
+    losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
+    reference = Trainer(small_config(tmp_path / "fp32", *steps), trainer.env)
+    exact = [float(reference.train_step()["loss"]) for _ in range(4)]
+    assert losses != exact and losses == pytest.approx(exact, rel=0.05)
+    # at the default crossover nothing of this narrow model pays: it stays as it is
+    default = Trainer(small_config(tmp_path / "default", *steps, "--precision.low_precision=fp8"), trainer.env)
+    assert default.low_precision_modules == []

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from gem_kernels.mx import FORMATS, mx_dequantize, mx_fake_quantize, mx_quantize
-from gem_kernels.mx_linear import MXLinear, MXRecipe, convert_to_mx, mx_matmul
+from gem_kernels.low_precision import convert_to_low_precision
+from gem_kernels.mx_linear import MXLinear, MXRecipe, mx_matmul
 
 
 def representable(elem: str) -> torch.Tensor:
@@ -118,7 +119,7 @@ def test_mx_linear_shares_the_linears_parameters_and_convert_keeps_what_it_is_to
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     reference = [p.detach().clone() for p in model.parameters()]
-    converted = convert_to_mx(model, MXRecipe(), keep=lambda name: name == "2")
+    converted = convert_to_low_precision(model, MXRecipe(), keep=lambda name: name == "2")
     assert converted == ["0"] and isinstance(model[0], MXLinear) and type(model[2]) is torch.nn.Linear
     assert all(torch.equal(p, r) for p, r in zip(model.parameters(), reference))
     x = torch.randn(16, 64)

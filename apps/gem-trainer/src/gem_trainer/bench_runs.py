@@ -1,4 +1,4 @@
-"""Running the trainer for CPU benchmarks that compare training setups (bench_mixing, bench_transfer): every run
+"""Running the trainer for benchmarks that compare training setups (bench_mixing, bench_transfer): every run
 goes through ``Trainer.train`` from a config plus overrides and every metric through ``Trainer.evaluate`` on a
 trainer resumed from the run's last checkpoint, so the numbers are what ``gem-trainer train`` / ``eval`` give."""
 
@@ -32,7 +32,7 @@ def train(config_file: Path | None, overrides: list[str], run_dir: Path) -> floa
     config = load_config(config_file, [*overrides, f"--run_dir={run_dir}", "--checkpoint.resume=false"])
     started = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        trainer = Trainer(config, init_distributed("cpu", "gloo"))
+        trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
         write_run_record(config, trainer.spec)  # as `gem-trainer train` does: the run can teach another
         try:
             trainer.train()
@@ -49,7 +49,7 @@ def evaluate(config_file: Path | None, overrides: list[str], run_dir: Path) -> d
 
     config = load_config(config_file, [*overrides, f"--run_dir={run_dir}"])
     with contextlib.redirect_stdout(io.StringIO()):
-        trainer = Trainer(config, init_distributed("cpu", "gloo"))
+        trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
         try:
             if not trainer.resume():
                 raise RuntimeError(f"no checkpoint under {run_dir}")

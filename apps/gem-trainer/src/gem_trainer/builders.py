@@ -38,7 +38,7 @@ from gem_data import (
     read_atomic,
     read_sequence_text,
 )
-from gem_kernels import MXRecipe, convert_to_mx
+from gem_kernels import Fp8Recipe, MXRecipe, convert_to_low_precision
 from gem_kunlun import BaselineRanker, Batch, FeatureSpec, InterFormerModel, KunlunModel, SasrecModel
 from gem_kunlun.event_personalization import check_event_names
 from gem_parallel import (
@@ -365,14 +365,18 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
 
 
 def apply_low_precision(config: TrainerConfig, model: nn.Module) -> list[str]:
-    """``precision.low_precision``: the model's GEMMs outside ``precision.high_precision`` switched to MXFP8
-    (emulated) in place; returns the converted module names (none when off)."""
+    """``precision.low_precision``: the model's GEMMs outside ``precision.high_precision`` switched to FP8 or
+    emulated MXFP8 in place; returns the converted module names (none when off)."""
     p = config.precision
     if p.low_precision == "off":
         return []
-    recipe = MXRecipe(elem=p.mx_elem, grad_elem=p.mx_grad_elem, rounding=p.mx_rounding)
+    if p.low_precision == "fp8":
+        recipe = Fp8Recipe(weight_gradient=p.fp8_weight_gradient, min_features=p.fp8_min_features,
+                           min_tokens=p.fp8_min_tokens)
+    else:
+        recipe = MXRecipe(elem=p.mx_elem, grad_elem=p.mx_grad_elem, rounding=p.mx_rounding)
     kept = set(p.high_precision)
-    return convert_to_mx(model, recipe, keep=lambda name: any(part in kept for part in name.split(".")))
+    return convert_to_low_precision(model, recipe, keep=lambda name: any(part in kept for part in name.split(".")))
 
 
 def build_soft_labels(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) -> SoftLabelStore | None:

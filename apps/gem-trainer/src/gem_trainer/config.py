@@ -320,8 +320,15 @@ class ParallelismConfig(Section):
 
 class PrecisionConfig(Section):
     autocast: Literal["auto", "bf16", "off"] = "auto"
-    # GEMMs in MXFP8 (emulated: the numerics of MX tensor cores, on any device; see gem_kernels.mx_linear)
-    low_precision: Literal["off", "mxfp8_emulated"] = "off"
+    # GEMMs in low precision: "fp8" runs FP8 tensor cores with rowwise scales (Hopper; gem_kernels.fp8_linear),
+    # "mxfp8_emulated" the numerics of MX tensor cores on any device (quality studies; gem_kernels.mx_linear)
+    low_precision: Literal["off", "fp8", "mxfp8_emulated"] = "off"
+    # fp8: the weight-gradient GEMM in the input's precision ("high") or FP8 too
+    fp8_weight_gradient: Literal["high", "fp8"] = "high"
+    # fp8: where it does not pay, layers narrower than this (in or out features) and calls with fewer rows than
+    # fp8_min_tokens stay in high precision (the crossover measured by gem_kernels' bench_fp8)
+    fp8_min_features: int = Field(1024, ge=0)
+    fp8_min_tokens: int = Field(4096, ge=0)
     mx_elem: Literal["e4m3", "e5m2"] = "e4m3"  # activations and weights
     mx_grad_elem: Literal["e4m3", "e5m2"] = "e5m2"  # output gradients
     mx_rounding: Literal["floor", "rceil"] = "floor"  # shared-scale rule

@@ -1,12 +1,16 @@
 """gem-kernels: jagged attention (JFA, GDPA, BlockAttention), fused norms and rotary embedding for recommendation models, and
-MXFP8 numerics (quantisation, an emulated MX linear for training).
+low-precision GEMMs for training: FP8 with rowwise scales on Hopper, and MXFP8 numerics (quantisation, an
+emulated MX linear).
 
 Every attention, norm and rotary op has an exact PyTorch reference and a Triton kernel (forward and backward);
 ``kernel="auto"`` picks Triton on CUDA and the reference elsewhere. Importing this package never touches a GPU.
 """
 
 from gem_kernels.mx import MXTensor, mx_dequantize, mx_fake_quantize, mx_quantize
-from gem_kernels.mx_linear import MXLinear, MXRecipe, convert_to_mx, mx_matmul
+from gem_kernels.fp8 import fp8_dequantize, fp8_rowwise_quantize
+from gem_kernels.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear
+from gem_kernels.low_precision import convert_to_low_precision
+from gem_kernels.mx_linear import MXLinear, MXRecipe, mx_matmul
 
 from gem_kernels.ops import (
     ACTIVATIONS,
@@ -20,11 +24,16 @@ from gem_kernels.ops import (
 
 __all__ = [
     "ACTIVATIONS",
+    "Fp8Linear",
+    "Fp8Recipe",
     "MXLinear",
     "MXRecipe",
     "MXTensor",
     "block_attention",
-    "convert_to_mx",
+    "convert_to_low_precision",
+    "fp8_dequantize",
+    "fp8_linear",
+    "fp8_rowwise_quantize",
     "gdpa",
     "jagged_flash_attention",
     "layer_norm",

@@ -10,12 +10,11 @@ For ``y = a @ b`` (``a [..., M, K]``, ``b [..., K, N]``):
 Activations and weights use ``recipe.elem`` (E4M3 by default), output gradients ``recipe.grad_elem`` (E5M2 by
 default: gradients need range more than precision). This is the numerics of Blackwell-class MX tensor cores,
 available anywhere (CPU tests, quality studies); it is not a speed path: emulation costs more than the GEMM it
-models. ``convert_to_mx`` swaps a model's linear layers (and the matmuls of modules that expose one) for it.
+models. ``gem_kernels.low_precision.convert_to_low_precision`` swaps a model's layers for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,12 @@ class MXRecipe:
             raise ValueError(f"MXRecipe.rounding must be 'floor' or 'rceil', got {self.rounding!r}")
         if self.block < 1:
             raise ValueError(f"MXRecipe.block must be >= 1, got {self.block}")
+
+    def linear(self, linear: nn.Linear) -> "MXLinear":
+        return MXLinear.from_linear(linear, self)
+
+    def matmul(self) -> "MXMatmul":
+        return MXMatmul(self)
 
 
 class _MXMatmul(torch.autograd.Function):
@@ -104,22 +109,3 @@ class MXLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mx={self.recipe.elem}/{self.recipe.grad_elem} {self.recipe.rounding}"
-
-
-def convert_to_mx(model: nn.Module, recipe: MXRecipe, keep: Callable[[str], bool]) -> list[str]:
-    """Swap every ``nn.Linear`` of ``model`` whose qualified name ``keep`` does not claim for an ``MXLinear`` on
-    the same parameters, and give every module with a ``low_precision_matmul`` attribute an MX matmul; returns
-    the converted names. Call before wrapping for data parallelism (the swap replaces submodules)."""
-    converted = []
-    for name, module in list(model.named_modules()):
-        if keep(name):
-            continue
-        if hasattr(module, "low_precision_matmul"):
-            module.low_precision_matmul = MXMatmul(recipe)
-            converted.append(name)
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if type(child) is nn.Linear and not keep(full):
-                setattr(module, child_name, MXLinear.from_linear(child, recipe))
-                converted.append(full)
-    return converted

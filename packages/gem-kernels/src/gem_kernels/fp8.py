@@ -1,0 +1,89 @@
+"""Rowwise FP8 quantisation for Hopper's scaled GEMMs, the PyTorch reference.
+
+A matrix is cut into rows along the dimension a GEMM contracts (``dim``), and each row gets one float32 scale:
+``elements = x / scale`` in E4M3 (round to nearest even), ``x ~ elements * scale``. The result is always laid out
+``[kept, reduced]`` (rows along the kept dimension, each row contiguous along the reduced one): for ``dim=0`` that
+is the transpose, which is what ``torch._scaled_mm`` wants for the GEMMs that contract the other dimension.
+
+The scale is the smallest power of two that brings the row's largest magnitude ``amax`` within E4M3's 448
+(nothing saturates), computed on the bits of ``amax`` so that every implementation gets the same one:
+``amax = m * 2^e`` with ``m`` in [1, 2) gives ``2^(e-8)`` when ``m <= 1.75`` (448 = 1.75 * 2^8), else ``2^(e-7)``.
+Power-of-two scales make scaling and unscaling exact: the only rounding is the element's. The scale's exponent
+is clamped to float32's normal range (down to 2^-126: an all-zero or all-tiny row gets it and zeros). A row
+holding a NaN or an infinity gets a NaN scale and zero elements, so the GEMM's output row is NaN: loud, never a
+silently finite number.
+
+Padding: the kept dimension can be padded to a multiple of ``rows_to`` (zero rows, scale 1) and the reduced one
+to a multiple of ``cols_to`` (zeros), because the scaled GEMM needs sizes divisible by 16; padded rows and
+columns contribute nothing to a product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+_MANTISSA_1_75 = 0x600000  # float32 mantissa bits of 1.75
+_EXP_OF_MAX = 8  # 448 = 1.75 * 2^8
+
+
+def padded(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def scale_exponent_field(amax: torch.Tensor) -> torch.Tensor:
+    """The biased float32 exponent field (int32, in [1, 247]) of each row's power-of-two scale (module docstring)."""
+    bits = amax.float().contiguous().view(torch.int32)
+    field, mantissa = bits >> 23, bits & 0x7FFFFF
+    exponent = torch.where(mantissa <= _MANTISSA_1_75, field - _EXP_OF_MAX, field - _EXP_OF_MAX + 1)
+    return exponent.clamp(min=1)
+
+
+def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int = 1,
+                                   cols_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (2-D, floating point) as E4M3 rows along ``dim`` and their scales: ``([kept, reduced], [kept, 1])``,
+    each padded as the module docstring says."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"fp8 rowwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
+    if dim not in (0, 1, -1, -2):
+        raise ValueError(f"fp8 rowwise quantisation: dim must be 0 or 1 (or -1, -2), got {dim}")
+    rows = (x if dim % 2 == 1 else x.t()).float()  # [kept, reduced]
+    amax = rows.abs().amax(1)
+    finite = torch.isfinite(rows).all(1)
+    field = scale_exponent_field(torch.where(finite, amax, torch.zeros_like(amax)))
+    scale = (field << 23).view(torch.float32)
+    inverse = ((254 - field) << 23).view(torch.float32)  # 1 / scale, exactly
+    elements = torch.where(finite[:, None], rows * inverse[:, None], torch.zeros_like(rows))
+    elements = elements.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    kept, reduced = rows.shape
+    out_kept, out_reduced = padded(kept, rows_to), padded(reduced, cols_to)
+    if (out_kept, out_reduced) != (kept, reduced):
+        full = torch.zeros(out_kept, out_reduced, dtype=torch.float8_e4m3fn, device=x.device)
+        full[:kept, :reduced] = elements
+        elements = full
+        scale = torch.cat([scale, torch.ones(out_kept - kept, device=x.device)])
+    return elements, scale[:, None]
+
+
+def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_to: int = 1,
+                         kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_rowwise_quantize_reference``'s result, from the Triton kernel on CUDA (``kernel="auto"``; ``"triton"``
+    forces it, e.g. under the interpreter) or the reference (``"pytorch"``); both give the same bits."""
+    from gem_kernels.ops import _validation as V
+
+    if kernel not in ("auto", "triton", "pytorch"):
+        raise ValueError(f"kernel must be 'auto', 'triton' or 'pytorch', got {kernel!r}")
+    if V.use_triton(kernel, x.device) and x.numel():
+        V.check_triton_device("x", x)
+        from gem_kernels.ops.triton.triton_fp8 import triton_fp8_rowwise_quantize
+
+        if x.dim() != 2 or not x.is_floating_point():
+            raise ValueError(f"fp8 rowwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
+        return triton_fp8_rowwise_quantize(x, dim, rows_to, cols_to)
+    return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to)
+
+
+def fp8_dequantize(elements: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 values rows of E4M3 ``elements`` with per-row ``scale`` ``[rows, 1]`` stand for."""
+    return elements.float() * scale

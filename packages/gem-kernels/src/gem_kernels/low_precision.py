@@ -1,0 +1,42 @@
+"""Putting a model's GEMMs in low precision: one swap for every recipe (``MXRecipe``: emulated MXFP8;
+``Fp8Recipe``: FP8 on Hopper's tensor cores).
+
+A recipe says what becomes of an ``nn.Linear`` (``recipe.linear``: its low-precision twin on the same
+parameters, or None to leave it) and of a module's ``low_precision_matmul`` (``recipe.matmul``: the matmul of
+token products that use raw parameters, which a swap of linear layers would miss, or None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from torch import nn
+
+
+class LowPrecisionRecipe(Protocol):
+    def linear(self, linear: nn.Linear) -> nn.Module | None: ...
+
+    def matmul(self) -> Callable | None: ...
+
+
+def convert_to_low_precision(model: nn.Module, recipe: LowPrecisionRecipe, keep: Callable[[str], bool]) -> list[str]:
+    """Swap every ``nn.Linear`` of ``model`` whose qualified name ``keep`` does not claim for the recipe's twin,
+    and give every such module with a ``low_precision_matmul`` attribute the recipe's matmul; returns the
+    converted names. Call before wrapping for data parallelism (the swap replaces submodules)."""
+    converted = []
+    for name, module in list(model.named_modules()):
+        if keep(name):
+            continue
+        matmul = recipe.matmul() if hasattr(module, "low_precision_matmul") else None
+        if matmul is not None:
+            module.low_precision_matmul = matmul
+            converted.append(name)
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is nn.Linear and not keep(full):
+                twin = recipe.linear(child)
+                if twin is not None:
+                    setattr(module, child_name, twin)
+                    converted.append(full)
+    return converted

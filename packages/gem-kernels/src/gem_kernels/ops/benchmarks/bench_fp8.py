@@ -1,0 +1,152 @@
+"""FP8 linear layers against bfloat16 on the GPU: checks, then the MLP GEMMs at recommendation shapes.
+
+Checks first: the Triton quantisation against the PyTorch reference (same bits), the FP8 linear against its
+emulated twin (outputs and both gradients), and its error against the bfloat16 linear. Then, for M tokens and
+square K = N layers, one linear forward and forward+backward, quantisation included: bfloat16 (``F.linear``),
+FP8 with the weight gradient in bfloat16 (the default recipe) and FP8 throughout; and the quantisation alone
+(GB/s against the 4.2 TB/s copy). The summary gives each FP8 variant's speed-up over bfloat16 and the crossover
+(the narrowest layer where FP8 pays), from which ``Fp8Recipe``'s defaults come. Writes JSON with provenance.
+
+    PYTHONPATH=packages/gem-kernels/src python -m gem_kernels.ops.benchmarks.bench_fp8 --out fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from torch.nn import functional as F
+
+from gem_kernels.fp8 import fp8_rowwise_quantize, fp8_rowwise_quantize_reference
+from gem_kernels.fp8_linear import Fp8Recipe, fp8_linear
+from gem_kernels.ops.benchmarks.run_all import Recorder, bench_ms, guarded
+
+TOKENS = (65536, 262144, 1048576)
+WIDTHS = (512, 1024, 2048, 4096)
+TARGETS = {1024: 1.15, 2048: 1.3, 4096: 1.3}  # speed-up over bfloat16 asked at K = N
+VARIANTS = {"fp8": Fp8Recipe(min_features=0, min_tokens=0),
+            "fp8_wgrad_fp8": Fp8Recipe(weight_gradient="fp8", min_features=0, min_tokens=0)}
+
+
+class FP8Recorder(Recorder):
+    def summary(self):
+        out = []
+        cases = list(dict.fromkeys((r["case"], r["pass"]) for r in self.rows if r["op"] == "linear"))
+        for case, pas in cases:
+            rows = {r["impl"]: r for r in self.rows if (r["op"], r["case"], r["pass"]) == ("linear", case, pas)}
+            if "bf16" not in rows:
+                continue
+            entry = {"case": case, "pass": pas, "bf16_ms": rows["bf16"]["ms"], "target": rows["bf16"].get("target")}
+            for impl in VARIANTS:
+                if impl in rows:
+                    entry[f"{impl}_ms"] = rows[impl]["ms"]
+                    entry[f"{impl}_speedup"] = round(rows["bf16"]["ms"] / rows[impl]["ms"], 3)
+            out.append(entry)
+        return out
+
+
+def run_checks(rec: Recorder) -> None:
+    torch.manual_seed(0)
+    for shape, dim, rows_to, cols_to in [((4097, 1024), -1, 16, 1), ((4097, 1024), 0, 1, 16), ((1024, 4096), -1, 1, 1),
+                                         ((1024, 4096), 0, 1, 1), ((300, 12288), -1, 16, 1)]:
+        x = (torch.randn(shape, device="cuda") * torch.logspace(-4, 4, shape[0], device="cuda")[:, None]).bfloat16()
+        x[7, 3] = float("inf")
+        fast = fp8_rowwise_quantize(x, dim, rows_to, cols_to)
+        ref = fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to)
+        same = torch.equal(fast[0].float(), ref[0].float()) and torch.equal(fast[1].nan_to_num(-1.0), ref[1].nan_to_num(-1.0))
+        rec.checks.append({"name": f"quantize {shape} dim={dim}", "same_bits": same, "ok": same})
+        print(f"  quantize {shape} dim={dim}: same bits {same}", flush=True)
+    for weight_gradient in ("high", "fp8"):
+        recipe = Fp8Recipe(weight_gradient=weight_gradient, min_features=0, min_tokens=0)
+        x = torch.randn(8195, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(2048, 1024, device="cuda") * 0.03).requires_grad_()
+        g = torch.randn(8195, 2048, device="cuda", dtype=torch.bfloat16)
+        got = {}
+        for name, fn in [("fast", lambda: fp8_linear(x, w, recipe)), ("twin", lambda: fp8_linear(x, w, recipe, emulate=True)),
+                         ("bf16", lambda: F.linear(x, w.bfloat16()))]:
+            y = fn()
+            got[name] = (y.float(), *(t.float() for t in torch.autograd.grad(y, (x, w), g)))
+
+        def rel(a, b):
+            return [round(float((p - q).norm() / q.norm()), 5) for p, q in zip(a, b)]
+
+        twin, bf16 = rel(got["fast"], got["twin"]), rel(got["fast"], got["bf16"])
+        ok = max(twin) < 0.01 and max(bf16) < 0.1
+        rec.checks.append({"name": f"fp8_linear weight_gradient={weight_gradient}", "rel_err_vs_twin [y, dx, dw]": twin,
+                           "rel_err_vs_bf16 [y, dx, dw]": bf16, "ok": ok})
+        print(f"  fp8_linear wgrad={weight_gradient}: vs twin {twin}, vs bf16 {bf16}", flush=True)
+
+
+def bench_linear(rec: Recorder, m: int, width: int) -> None:
+    case = f"M={m} K=N={width}"
+    x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(width, width, device="cuda") * width**-0.5).bfloat16().requires_grad_()
+    g = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
+    flops = 2.0 * m * width * width
+    impls = {"bf16": lambda: F.linear(x, w)}
+    for name, recipe in VARIANTS.items():
+        impls[name] = lambda recipe=recipe: fp8_linear(x, w, recipe)
+    for name, fn in impls.items():
+        extra = {"target": TARGETS.get(width)} if name == "bf16" else {}
+        if name != "fp8_wgrad_fp8":  # the same forward as fp8
+            with torch.no_grad():
+                rec.add("linear", case, name, "fwd", bench_ms(fn), flops, **extra)
+        rec.add("linear", case, name, "fwd+bwd", bench_ms(lambda fn=fn: torch.autograd.grad(fn(), (x, w), g)), 3 * flops, **extra)
+    for dim in (-1, 0):
+        nbytes = m * width * 2 + m * width  # read bf16, write e4m3 (the chunked kernel reads twice: not counted)
+        rec.add("quantize", case, "gem", f"dim={dim}", bench_ms(lambda dim=dim: fp8_rowwise_quantize(x.detach(), dim, 16, 16)),
+                nbytes=nbytes)
+
+
+def crossover(summary: list[dict], impl: str) -> dict:
+    """Per token count: the narrowest K = N whose forward+backward is faster in ``impl`` than in bfloat16."""
+    out = {}
+    for m in TOKENS:
+        wins = [w for w in WIDTHS for e in summary
+                if e["case"] == f"M={m} K=N={w}" and e["pass"] == "fwd+bwd" and e.get(f"{impl}_speedup", 0) > 1.0]
+        out[str(m)] = min(wins) if wins else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="the smallest token count only")
+    a = p.parse_args(argv)
+    t0 = time.time()
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = commit or os.environ.get("GEM_COMMIT", "unknown")  # a tree copied without its repository
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m gem_kernels.ops.benchmarks.bench_fp8 " + " ".join(argv or sys.argv[1:]),
+            "dtype": "bfloat16 activations, float8_e4m3fn rowwise (power-of-two scales)",
+            "flops_note": "2*M*K*N forward, 3x that forward+backward; quantisation included in the FP8 times",
+            "peak_bw_TBps": 4.2}
+    rec = FP8Recorder(a.out, meta)
+    print("== checks ==", flush=True)
+    guarded(rec, "checks", lambda: run_checks(rec))
+    print("== linear: bf16 vs fp8 ==", flush=True)
+    for m in TOKENS[:1] if a.quick else TOKENS:
+        for width in WIDTHS:
+            guarded(rec, f"linear M={m} K=N={width}", lambda m=m, width=width: bench_linear(rec, m, width))
+            torch.cuda.empty_cache()  # the next shape's tensors differ in size
+    summary = rec.summary()
+    rec.meta["crossover_fwd_bwd"] = {impl: crossover(summary, impl) for impl in VARIANTS}
+    rec.meta["wall_s"] = round(time.time() - t0, 1)
+    rec.write()
+    print(f"\n{'case':24s} {'pass':8s} {'bf16 ms':>9s} " + " ".join(f"{v + ' x':>16s}" for v in VARIANTS) + "  target")
+    for e in summary:
+        print(f"{e['case']:24s} {e['pass']:8s} {e['bf16_ms']:9.3f} "
+              + " ".join(f"{e.get(f'{v}_speedup', float('nan')):16.3f}" for v in VARIANTS) + f"  {e['target']}")
+    print("crossover (narrowest K=N where fp8 fwd+bwd beats bf16):", rec.meta["crossover_fwd_bwd"])
+
+
+if __name__ == "__main__":
+    main()

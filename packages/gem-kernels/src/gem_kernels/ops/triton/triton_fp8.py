@@ -1,0 +1,137 @@
+"""Rowwise FP8 quantisation in Triton: the bits of ``gem_kernels.fp8.fp8_rowwise_quantize_reference``.
+
+Two shapes of work:
+
+- rows along the contiguous dimension (``dim=-1`` of a row-major matrix, the forward's activations and the
+  output gradient), up to 8192 wide: one pass, each program holds a few whole rows in registers, reads them
+  once and writes elements and scales;
+- anything else (``dim=0``: a column's amax runs over all rows, e.g. the weight for the input-gradient GEMM):
+  the reduced dimension is cut into chunks, one program per (row block, chunk) writes a partial amax, torch
+  takes the max over chunks, and a second grid of the same shape scales and casts its chunk. Every program has
+  work however long the reduced dimension is.
+
+The scale comes from the bits of ``amax`` (``_scale_fields``), the same integer arithmetic as the reference,
+so both produce the same scale and, with an exact power-of-two scaling, the same elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.fp8 import E4M3_MAX, padded
+
+_ONE_PASS_MAX = 8192  # widest contiguous row kept whole in registers
+_ONE_PASS_ELEMENTS = 8192  # elements per program in the one-pass kernel
+_CHUNK_ROWS, _CHUNK_COLS = 64, 128  # tile of the chunked kernels
+
+
+@triton.jit
+def _scale_fields(amax, bad):
+    """Per row: the biased exponent field of the power-of-two scale (see gem_kernels.fp8)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    field = bits >> 23
+    mantissa = bits & 0x7FFFFF
+    exponent = tl.where(mantissa <= 0x600000, field - 8, field - 7)
+    exponent = tl.maximum(exponent, 1)
+    return tl.where(bad != 0, 127, exponent)  # a non-finite row: any finite field (its scale is set to NaN)
+
+
+@triton.jit
+def _round_to_e4m3(q):
+    """``q`` (float32, within +-448) rounded to E4M3's precision, ties to even, so that the cast after it is exact.
+
+    Why not leave it to the cast: it rounds the same on the GPU, but the Triton interpreter's FP8 conversion
+    does not (a value just below a binade's top goes down a binade), and the CPU tests compare bits."""
+    magnitude = tl.abs(q)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # keep 3 of 23 mantissa bits
+    subnormal = ((magnitude + 24576.0) - 24576.0).to(tl.int32, bitcast=True)  # multiples of 2^-9 (ulp of 1.5 * 2^14)
+    rounded = tl.where(magnitude >= 0.015625, normal, subnormal)
+    sign = (q.to(tl.int32, bitcast=True) >> 31) << 31
+    return (rounded | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_scales(S, rows, fields, bad, R, R_out):
+    scale = (fields << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(bad != 0, float("nan"), scale)
+    scale = tl.where(rows < R, scale, 1.0)
+    tl.store(S + rows, scale, mask=rows < R_out)
+
+
+@triton.jit
+def fp8_rows_kernel(X, Q, S, R, C, R_out, C_out, stride_r, MAX: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(X + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    amax = tl.max(ax, 1)
+    bad = tl.max(tl.where(ax < float("inf"), 0, 1), 1)  # NaN compares false: counted
+    fields = _scale_fields(amax, bad)
+    _store_scales(S, rows, fields, bad, R, R_out)
+    inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
+    q = tl.where((bad == 0)[:, None], x * inverse[:, None], 0.0)
+    q = _round_to_e4m3(tl.minimum(tl.maximum(q, -MAX), MAX))
+    out = (rows < R_out)[:, None] & (cols < C_out)[None, :]
+    tl.store(Q + rows[:, None] * C_out + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
+
+
+@triton.jit
+def fp8_chunk_amax_kernel(X, AMAX, BAD, R, C, stride_r, stride_c, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    out = tl.program_id(1) * R + rows
+    tl.store(AMAX + out, tl.max(ax, 1), mask=rows < R)
+    tl.store(BAD + out, tl.max(tl.where(ax < float("inf"), 0, 1), 1), mask=rows < R)
+
+
+@triton.jit
+def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, R, C, R_out, C_out, stride_r, stride_c, MAX: tl.constexpr,
+                          ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
+    amax = tl.load(AMAX + rows, mask=rows < R, other=0.0)
+    bad = tl.load(BAD + rows, mask=rows < R, other=0)
+    fields = _scale_fields(amax, bad)
+    if tl.program_id(1) == 0:
+        _store_scales(S, rows, fields, bad, R, R_out)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+    inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
+    q = tl.where((bad == 0)[:, None], x * inverse[:, None], 0.0)
+    q = _round_to_e4m3(tl.minimum(tl.maximum(q, -MAX), MAX))
+    out = (rows < R_out)[:, None] & (cols < C_out)[None, :]
+    tl.store(Q + rows[:, None] * C_out + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
+
+
+def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to: int) -> tuple[torch.Tensor, torch.Tensor]:
+    along_rows = dim % 2 == 1
+    R, C = x.shape if along_rows else (x.shape[1], x.shape[0])  # kept, reduced
+    stride_r, stride_c = (x.stride(0), x.stride(1)) if along_rows else (x.stride(1), x.stride(0))
+    R_out, C_out = padded(R, rows_to), padded(C, cols_to)
+    q = torch.empty(R_out, C_out, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(R_out, dtype=torch.float32, device=x.device)
+    if stride_c == 1 and C_out <= _ONE_PASS_MAX:
+        block_c = triton.next_power_of_2(C_out)
+        rows = max(1, min(64, _ONE_PASS_ELEMENTS // block_c))
+        fp8_rows_kernel[(triton.cdiv(R_out, rows),)](x, q, s, R, C, R_out, C_out, stride_r, MAX=E4M3_MAX,
+                                                     ROWS=rows, BLOCK_C=block_c, num_warps=8 if block_c >= 2048 else 4)
+        return q, s[:, None]
+    chunks = triton.cdiv(C_out, _CHUNK_COLS)
+    grid = (triton.cdiv(R_out, _CHUNK_ROWS), chunks)
+    amax = torch.empty(chunks, R, dtype=torch.float32, device=x.device)
+    bad = torch.empty(chunks, R, dtype=torch.int32, device=x.device)
+    fp8_chunk_amax_kernel[(grid[0], triton.cdiv(C, _CHUNK_COLS))](x, amax, bad, R, C, stride_r, stride_c,
+                                                                 ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
+    used = triton.cdiv(C, _CHUNK_COLS)  # chunks wholly in the padding hold nothing
+    amax, bad = amax[:used].amax(0), bad[:used].amax(0)
+    fp8_chunk_cast_kernel[grid](x, amax, bad, q, s, R, C, R_out, C_out, stride_r, stride_c, MAX=E4M3_MAX,
+                                ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
+    return q, s[:, None]

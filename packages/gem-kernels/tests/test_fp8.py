@@ -1,0 +1,129 @@
+"""Rowwise FP8: the Triton quantisation (interpreter on CPU) against the reference, bit for bit; the reference's
+rules; the FP8 linear (``torch._scaled_mm``, which runs on CPU too) against its emulated twin; the swap."""
+
+import pytest
+import torch
+from conftest import requires_triton
+
+from gem_kernels import Fp8Linear, Fp8Recipe, convert_to_low_precision, fp8_dequantize, fp8_linear, fp8_rowwise_quantize
+from gem_kernels.fp8 import fp8_rowwise_quantize_reference
+from gem_kernels.mx import FORMATS, _blocks, shared_exponents
+
+
+def _awkward(shape, dtype, seed):
+    """Rows spanning 2^-40 .. 2^40, with a zero row, an infinity, a NaN and values at E4M3 rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-40, 40, (shape[0], 1), generator=g).float())
+    x[0] = 0.0
+    x[1, 2] = float("inf")
+    x[2, 0] = float("nan")
+    x[3, : shape[1] // 2] = 1.0625 * 2.0 ** torch.arange(-8, -8 + shape[1] // 2).clamp(max=8)  # exact ties after scaling
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4).nan_to_num(nan=float("nan"), posinf=float("inf")) * 1e-6
+        x[1, 2], x[2, 0] = float("inf"), float("nan")
+    return x.to(dtype)
+
+
+def _same(a, b):
+    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1].nan_to_num(-1.0), b[1].nan_to_num(-1.0))
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape,dim,rows_to,cols_to", [
+    ((37, 48), -1, 16, 1),  # one pass, kept dimension padded
+    ((37, 48), 0, 1, 16),  # chunked (a column's rows), reduced dimension padded
+    ((70, 300), -1, 1, 1),
+    ((300, 70), 0, 16, 16),  # several chunks along the reduced dimension
+    ((5, 9000), -1, 16, 1),  # wider than one pass holds: chunked
+])
+def test_triton_quantisation_gives_the_reference_bits(shape, dim, rows_to, cols_to, dtype):
+    x = _awkward(shape, dtype, seed=shape[0])
+    fast = fp8_rowwise_quantize(x, dim, rows_to, cols_to, kernel="triton")
+    assert _same(fast, fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to))
+    # a strided view quantises as its contiguous copy
+    assert _same(fp8_rowwise_quantize(x.t().contiguous().t(), dim, rows_to, cols_to, kernel="triton"), fast)
+
+
+def test_reference_rules_scales_saturation_non_finite_and_padding():
+    x = _awkward((24, 64), torch.float32, seed=1)
+    q, s = fp8_rowwise_quantize_reference(x, -1, rows_to=32)
+    assert q.shape == (32, 64) and s.shape == (32, 1)
+    finite = torch.isfinite(x).all(1)
+    # the scale is the smallest power of two bringing the row within 448: MX's "rceil" rule over the whole row
+    exponent, _ = shared_exponents(_blocks(x[finite], -1, 64)[0], FORMATS["e4m3"], "rceil")
+    expected = torch.exp2(exponent.float().squeeze(-1).clamp(min=-126))
+    nonzero = x[finite].abs().amax(1) > 0
+    assert torch.equal(s[:24][finite].squeeze(1)[nonzero], expected[nonzero])
+    values = fp8_dequantize(q[:24], s[:24])
+    assert (q[:24][finite].float().abs() <= 448).all()
+    err = (values[finite] - x[finite]).abs()
+    assert (err <= x[finite].abs() * 2.0**-4 + 2.0**-9 * s[:24][finite]).all()  # half an E4M3 ulp, or subnormal
+    assert torch.isnan(s[1]) and torch.isnan(s[2]) and (q[1].float() == 0).all() and (q[2].float() == 0).all()
+    assert (q[0].float() == 0).all() and torch.isfinite(s[0]).all()
+    assert (q[24:].float() == 0).all() and (s[24:] == 1).all()
+    # along dim 0: the transpose's rows
+    qt, st = fp8_rowwise_quantize_reference(x, 0)
+    assert _same((qt, st), fp8_rowwise_quantize_reference(x.t().contiguous(), -1))
+
+
+def test_quantisation_rejects_what_it_cannot_take():
+    with pytest.raises(ValueError, match="2-D float tensor"):
+        fp8_rowwise_quantize(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="2-D float tensor"):
+        fp8_rowwise_quantize(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="dim must be 0 or 1"):
+        fp8_rowwise_quantize(torch.zeros(2, 3), dim=2)
+
+
+@pytest.mark.parametrize("weight_gradient", ["high", "fp8"])
+def test_fp8_linear_matches_its_emulated_twin_and_stays_near_float32(weight_gradient):
+    torch.manual_seed(0)
+    recipe = Fp8Recipe(weight_gradient=weight_gradient, min_features=0, min_tokens=0)
+    x = torch.randn(203, 64, requires_grad=True)  # 203 rows: the token count is padded to 16 inside
+    w = (torch.randn(48, 64) * 0.1).requires_grad_()
+    g = torch.randn(203, 48)
+    results = {}
+    for name, fn in [("fast", lambda: fp8_linear(x, w, recipe)), ("twin", lambda: fp8_linear(x, w, recipe, emulate=True)),
+                     ("exact", lambda: x @ w.t())]:
+        y = fn()
+        assert y.dtype == torch.float32 and y.shape == (203, 48)
+        results[name] = (y, *torch.autograd.grad(y, (x, w), g))
+
+    def rel(a, b):
+        return float((a - b).detach().norm() / b.detach().norm())
+
+    for fast, twin, exact in zip(results["fast"], results["twin"], results["exact"]):
+        assert rel(fast, twin) < 1e-2  # the same operands: only accumulation order and bf16 rounding differ
+        assert rel(fast, exact) < 0.1  # E4M3 keeps 3 mantissa bits
+    if weight_gradient == "high":  # the weight gradient is the plain product
+        assert torch.allclose(results["fast"][2], results["exact"][2], rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_linear_rejects_unaligned_features():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_linear(torch.randn(4, 40), torch.randn(32, 40))
+    with pytest.raises(ValueError, match=r"x \[M, K\] and weight \[N, K\]"):
+        fp8_linear(torch.randn(4, 32), torch.randn(32, 48))
+    with pytest.raises(ValueError, match="weight_gradient"):
+        Fp8Recipe(weight_gradient="e5m2")
+
+
+def test_swap_converts_wide_aligned_layers_only_and_short_calls_run_plain():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 40),
+                                torch.nn.Linear(40, 64), torch.nn.Linear(64, 64))
+    reference = [p.detach().clone() for p in model.parameters()]
+    recipe = Fp8Recipe(min_features=64, min_tokens=32)
+    converted = convert_to_low_precision(model, recipe, keep=lambda name: name == "4")
+    assert converted == ["0"]  # 2 and 3 have 40 features (below 64, not a multiple of 16); 4 is kept
+    assert isinstance(model[0], Fp8Linear) and all(type(model[i]) is torch.nn.Linear for i in (2, 3, 4))
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), reference))
+    short = torch.randn(2, 8, 64)  # 16 rows: below min_tokens, a plain linear
+    assert torch.equal(model[0](short), torch.nn.functional.linear(short, reference[0], reference[1]))
+    long = torch.randn(4, 10, 64)
+    y = model[0](long)
+    exact = torch.nn.functional.linear(long, reference[0], reference[1])
+    assert y.shape == exact.shape and not torch.equal(y, exact) and float((y - exact).norm() / exact.norm()) < 0.1
+    y.sum().backward()
+    assert model[0].weight.grad is not None and model[0].bias.grad is not None
