@@ -26,7 +26,7 @@ from gem_kernels.fp8 import fp8_rowwise_quantize, fp8_rowwise_quantize_reference
 from gem_kernels.fp8_linear import Fp8Recipe, fp8_linear
 from gem_kernels.ops.benchmarks.run_all import Recorder, bench_ms, guarded
 
-TOKENS = (65536, 262144, 1048576)
+TOKENS = (16384, 65536, 262144, 1048576)
 WIDTHS = (512, 1024, 2048, 4096)
 TARGETS = {1024: 1.15, 2048: 1.3, 4096: 1.3}  # speed-up over bfloat16 asked at K = N
 VARIANTS = {"fp8": Fp8Recipe(min_features=0, min_tokens=0),
@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()  # the next shape's tensors differ in size
     summary = rec.summary()
     rec.meta["crossover_fwd_bwd"] = {impl: crossover(summary, impl) for impl in VARIANTS}
+    from gem_kernels.ops.triton import _tuning
+
+    rec.meta["autotune"] = os.environ.get("GEM_KERNELS_AUTOTUNE", "0")
+    rec.meta["tuned_configs"] = {repr(k): v for k, v in _tuning.tuned_configs().items()}
     rec.meta["wall_s"] = round(time.time() - t0, 1)
     rec.write()
     print(f"\n{'case':24s} {'pass':8s} {'bf16 ms':>9s} " + " ".join(f"{v + ' x':>16s}" for v in VARIANTS) + "  target")

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.fp8 import E4M3_MAX, padded
+from gem_kernels.ops.triton._tuning import launch
 
 _ONE_PASS_MAX = 8192  # widest contiguous row kept whole in registers
 _ONE_PASS_ELEMENTS = 8192  # elements per program in the one-pass kernel
@@ -111,6 +112,15 @@ def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, R, C, R_out, C_out, stride_r, stri
     tl.store(Q + rows[:, None] * C_out + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
 
 
+def _one_pass_configs(block_c: int) -> list[dict]:
+    """Launch configs of the one-pass kernel: the default first (``_ONE_PASS_ELEMENTS`` per program), then the
+    alternatives GEM_KERNELS_AUTOTUNE=1 times."""
+    default = dict(ROWS=max(1, min(64, _ONE_PASS_ELEMENTS // block_c)), num_warps=8 if block_c >= 2048 else 4)
+    others = [dict(ROWS=rows, num_warps=warps) for rows in (1, 2, 4, 8, 16, 32, 64) for warps in (2, 4, 8, 16)
+              if 512 <= rows * block_c <= 32768 and rows * block_c >= 32 * warps * 4]
+    return [default] + [c for c in others if c != default]
+
+
 def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to: int) -> tuple[torch.Tensor, torch.Tensor]:
     along_rows = dim % 2 == 1
     R, C = x.shape if along_rows else (x.shape[1], x.shape[0])  # kept, reduced
@@ -120,9 +130,8 @@ def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to
     s = torch.empty(R_out, dtype=torch.float32, device=x.device)
     if stride_c == 1 and C_out <= _ONE_PASS_MAX:
         block_c = triton.next_power_of_2(C_out)
-        rows = max(1, min(64, _ONE_PASS_ELEMENTS // block_c))
-        fp8_rows_kernel[(triton.cdiv(R_out, rows),)](x, q, s, R, C, R_out, C_out, stride_r, MAX=E4M3_MAX,
-                                                     ROWS=rows, BLOCK_C=block_c, num_warps=8 if block_c >= 2048 else 4)
+        launch(fp8_rows_kernel, lambda c: (triton.cdiv(R_out, c["ROWS"]),), (x, q, s, R, C, R_out, C_out, stride_r),
+               dict(MAX=E4M3_MAX, BLOCK_C=block_c), ("fp8_rows", block_c, x.dtype), _one_pass_configs(block_c))
         return q, s[:, None]
     chunks = triton.cdiv(C_out, _CHUNK_COLS)
     grid = (triton.cdiv(R_out, _CHUNK_ROWS), chunks)
