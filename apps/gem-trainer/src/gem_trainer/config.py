@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from gem_kernels import Fp8Recipe
 from gem_kunlun import KUNLUN_SIZES, BaselineConfig, InterFormerConfig, KunlunConfig, SasrecConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
@@ -326,9 +327,9 @@ class PrecisionConfig(Section):
     # fp8: the weight-gradient GEMM in the input's precision ("high") or FP8 too
     fp8_weight_gradient: Literal["high", "fp8"] = "high"
     # fp8: where it does not pay, layers narrower than this (in or out features) and calls with fewer rows than
-    # fp8_min_tokens stay in high precision (the crossover measured by gem_kernels' bench_fp8)
-    fp8_min_features: int = Field(1024, ge=0)
-    fp8_min_tokens: int = Field(4096, ge=0)
+    # fp8_min_tokens stay in high precision (default: the crossover measured on an H200, see Fp8Recipe)
+    fp8_min_features: int = Field(Fp8Recipe.min_features, ge=0)
+    fp8_min_tokens: int = Field(Fp8Recipe.min_tokens, ge=0)
     mx_elem: Literal["e4m3", "e5m2"] = "e4m3"  # activations and weights
     mx_grad_elem: Literal["e4m3", "e5m2"] = "e5m2"  # output gradients
     mx_rounding: Literal["floor", "rceil"] = "floor"  # shared-scale rule
