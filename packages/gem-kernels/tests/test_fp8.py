@@ -127,3 +127,46 @@ def test_swap_converts_wide_aligned_layers_only_and_short_calls_run_plain():
     assert y.shape == exact.shape and not torch.equal(y, exact) and float((y - exact).norm() / exact.norm()) < 0.1
     y.sum().backward()
     assert model[0].weight.grad is not None and model[0].bias.grad is not None
+
+
+# --- FP8 attention forward -----------------------------------------------------------------------------------------
+
+def _jagged_qkv(lengths, heads=2, dim=32, dtype=torch.float32):
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    q, k, v = (torch.randn(int(offsets[-1]), heads, dim).to(dtype) for _ in range(3))
+    return q, k, v, offsets
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window": 7}, "block"])
+def test_fp8_attention_kernel_matches_its_twin_and_stays_near_the_exact_attention(mask, dtype):
+    from gem_kernels import block_attention, jagged_flash_attention
+
+    q, k, v, offsets = _jagged_qkv([5, 40, 17, 64, 1], dtype=dtype)
+    with torch.no_grad():
+        if mask == "block":
+            run = lambda kernel, fp8: block_attention(q, k, v, offsets, block_size=16, window_blocks=2,  # noqa: E731
+                                                      max_seq_len=64, kernel=kernel, fp8=fp8)
+        else:
+            run = lambda kernel, fp8: jagged_flash_attention(q, k, v, offsets, 64, kernel=kernel, fp8=fp8, **mask)  # noqa: E731
+        fast, twin, exact = run("triton", True), run("pytorch", True), run("pytorch", False)
+    assert fast.dtype == dtype and fast.shape == q.shape
+    # the twin rounds Q, K, V as the kernel does but keeps P exact: P's E4M3 rounding is the difference
+    assert _rel(fast, twin) < 0.03
+    assert _rel(twin, exact) < 0.1 and _rel(fast, exact) < 0.1
+
+
+def test_fp8_attention_is_forward_only_and_softmax_only():
+    from gem_kernels import block_attention, jagged_flash_attention
+
+    q, k, v, offsets = _jagged_qkv([4, 8])
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="forward-only"):
+        jagged_flash_attention(q, k, v, offsets, 8, kernel="pytorch", fp8=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="softmax heads only"):
+        block_attention(q, k, v, offsets, block_size=4, activation="silu", max_seq_len=8, kernel="pytorch", fp8=True)

@@ -84,6 +84,16 @@ def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_
     return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to)
 
 
+def fp8_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str = "auto"):
+    """Attention's FP8 operands from ``[T, H, D]`` q, k, v: Q and K rows per token and head ``([T * H, D],
+    [T * H, 1])``, V per head channel over the tokens (its product contracts them), transposed ``([H * D, T],
+    [H * D, 1])``."""
+    t, h, d = q.shape
+    return (fp8_rowwise_quantize(q.reshape(t * h, d), -1, kernel=kernel),
+            fp8_rowwise_quantize(k.reshape(t * h, d), -1, kernel=kernel),
+            fp8_rowwise_quantize(v.reshape(t, h * d), 0, kernel=kernel))
+
+
 def fp8_dequantize(elements: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 values rows of E4M3 ``elements`` with per-row ``scale`` ``[rows, 1]`` stand for."""
     return elements.float() * scale

@@ -39,8 +39,11 @@ def run_attention(
     window_right: int | None = None,
     block_size: int | None = None,
     window_blocks: int | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     head_dim = q.shape[2]
+    if fp8:
+        return _run_fp8(q, k, v, kv_offsets, max_kv, sm_scale, kernel, window_left, window_right, block_size, window_blocks)
     if kernel == "builtin":
         from gem_kernels.ops.pytorch.builtin import builtin_attention
 
@@ -73,6 +76,38 @@ def run_attention(
         kv_index=kv_index, window_left=window_left, window_right=window_right, block_size=block_size,
         window_blocks=window_blocks,
     )
+
+
+def _run_fp8(q, k, v, offsets, max_len, sm_scale, kernel, window_left, window_right, block_size, window_blocks):
+    """Softmax self-attention forward with FP8 Q, K, V (``ops/triton/triton_fp8_attention``); the reference twin
+    (``kernel="pytorch"``, and ``"auto"`` off CUDA) runs the exact reference on the dequantised operands."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("fp8=True attention is forward-only (evaluation, teacher and serving passes): "
+                         "call it under torch.no_grad()")
+    if kernel == "builtin":
+        raise ValueError("fp8=True runs kernel 'auto', 'triton' or 'pytorch', not 'builtin'")
+    from gem_kernels.ops.triton.triton_attention import AttnSpec
+
+    spec = AttnSpec(max_q=max_len, max_kv=max_len, nq=None, activations=("softmax",) * q.shape[1],
+                    sm_scale=float(sm_scale), pw_scale=1.0, window_left=window_left, window_right=window_right,
+                    block_size=block_size, window_blocks=window_blocks)
+    if V.use_triton(kernel, q.device) and q.shape[0]:
+        V.check_triton_head_dim("q", q.shape[2])
+        V.check_triton_device("q", q)
+        from gem_kernels.ops.triton.triton_fp8_attention import triton_fp8_attention
+
+        return triton_fp8_attention(q.contiguous(), k.contiguous(), v.contiguous(), offsets, max_len, float(sm_scale),
+                                    spec.mask_args, block_size)
+    from gem_kernels.fp8 import fp8_attention_operands, fp8_dequantize
+
+    (q8, qs), (k8, ks), (vt8, vs) = fp8_attention_operands(q, k, v, kernel="pytorch")
+    T, H, D = q.shape
+    dq, dk = (fp8_dequantize(t, s).view(T, H, D) for t, s in ((q8, qs), (k8, ks)))
+    dv = fp8_dequantize(vt8, vs).t().reshape(T, H, D)
+    out = pt_attention(dq, dk, dv, offsets, offsets, max_len, max_len, list(spec.activations), spec.sm_scale, 1.0,
+                       window_left=window_left, window_right=window_right, block_size=block_size,
+                       window_blocks=window_blocks)
+    return out.to(q.dtype)
 
 
 def default_sm_scale(head_dim: int) -> float:

@@ -1,7 +1,8 @@
-"""FP8 linear layers against bfloat16 on the GPU: checks, then the MLP GEMMs at recommendation shapes.
+"""FP8 against bfloat16 on the GPU: checks, FP8 attention forward, then the MLP GEMMs at recommendation shapes.
 
 Checks first: the Triton quantisation against the PyTorch reference (same bits), the FP8 linear against its
-emulated twin (outputs and both gradients), and its error against the bfloat16 linear. Then, for M tokens and
+emulated twin (outputs and both gradients), and its error against the bfloat16 linear. The attention forward
+with FP8 Q, K, V against our bf16 JFA forward on run_all's JFA cases (quantisation included). Then, for M tokens and
 square K = N layers, one linear forward and forward+backward, quantisation included: bfloat16 (``F.linear``),
 FP8 with the weight gradient in bfloat16 (the default recipe) and FP8 throughout; and the quantisation alone
 (GB/s against the 4.2 TB/s copy). The summary gives each FP8 variant's speed-up over bfloat16 and the crossover
@@ -24,18 +25,21 @@ from torch.nn import functional as F
 
 from gem_kernels.fp8 import fp8_rowwise_quantize, fp8_rowwise_quantize_reference
 from gem_kernels.fp8_linear import Fp8Recipe, fp8_linear
-from gem_kernels.ops.benchmarks.run_all import Recorder, bench_ms, guarded
+from gem_kernels.ops.benchmarks.run_all import Recorder, bench_ms, guarded, lognormal_lengths, offsets, pairs_self
 
 TOKENS = (16384, 65536, 262144, 1048576)
 WIDTHS = (512, 1024, 2048, 4096)
 TARGETS = {1024: 1.15, 2048: 1.3, 4096: 1.3}  # speed-up over bfloat16 asked at K = N
+ATTENTION_CASES = [("jfa_self", 256, 512, 4096, {}), ("jfa_causal", 256, 512, 4096, {"causal": True}),
+                   ("jfa_long", 64, 2048, 16384, {})]  # as run_all's: B, mean length, max length
+ATTENTION_TARGET = 1.2  # FP8 forward over our bf16 forward, jfa_self
 VARIANTS = {"fp8": Fp8Recipe(min_features=0, min_tokens=0),
             "fp8_wgrad_fp8": Fp8Recipe(weight_gradient="fp8", min_features=0, min_tokens=0)}
 
 
 class FP8Recorder(Recorder):
     def summary(self):
-        out = []
+        out = self.attention_summary()
         cases = list(dict.fromkeys((r["case"], r["pass"]) for r in self.rows if r["op"] == "linear"))
         for case, pas in cases:
             rows = {r["impl"]: r for r in self.rows if (r["op"], r["case"], r["pass"]) == ("linear", case, pas)}
@@ -47,6 +51,16 @@ class FP8Recorder(Recorder):
                     entry[f"{impl}_ms"] = rows[impl]["ms"]
                     entry[f"{impl}_speedup"] = round(rows["bf16"]["ms"] / rows[impl]["ms"], 3)
             out.append(entry)
+        return out
+
+    def attention_summary(self):
+        out = []
+        for case in dict.fromkeys(r["case"] for r in self.rows if r["op"] == "attention"):
+            rows = {r["impl"]: r for r in self.rows if (r["op"], r["case"]) == ("attention", case)}
+            if "bf16" in rows and "fp8" in rows:
+                out.append({"case": case, "pass": "fwd", "bf16_ms": rows["bf16"]["ms"], "fp8_ms": rows["fp8"]["ms"],
+                            "fp8_speedup": round(rows["bf16"]["ms"] / rows["fp8"]["ms"], 3),
+                            "target": rows["bf16"].get("target")})
         return out
 
 
@@ -103,6 +117,39 @@ def bench_linear(rec: Recorder, m: int, width: int) -> None:
                 nbytes=nbytes)
 
 
+def bench_attention(rec: Recorder) -> None:
+    """FP8 against our bf16 JFA forward (H=4, D=128, log-normal lengths as run_all's cases), the quantisation of
+    Q, K, V included; with the relative error against the fp32 reference on the first case."""
+    from gem_kernels import jagged_flash_attention
+
+    heads, dim = 4, 128
+    for case, batch, mean, longest, mask in ATTENTION_CASES:
+        lengths = lognormal_lengths(batch, mean, longest)
+        off = offsets(lengths)
+        tokens = int(off[-1])
+        q, k, v = (torch.randn(tokens, heads, dim, device="cuda").bfloat16() for _ in range(3))
+        name = f"{case} B={batch} mean={mean} max={longest} T={tokens}"
+        flops = 4 * heads * dim * pairs_self(lengths, mask.get("causal", False))
+        with torch.no_grad():
+            for impl, fp8 in (("bf16", False), ("fp8", True)):
+                run = lambda fp8=fp8: jagged_flash_attention(q, k, v, off, longest, kernel="triton", validate=False,  # noqa: E731
+                                                             fp8=fp8, **mask)
+                extra = {"target": ATTENTION_TARGET} if impl == "bf16" and case == "jfa_self" else {}
+                rec.add("attention", name, impl, "fwd", bench_ms(run), flops, **extra)
+            if case == "jfa_self":
+                exact = jagged_flash_attention(q.float(), k.float(), v.float(), off, longest, kernel="triton", validate=False)
+                def rel(out, ref):
+                    return round(float((out.float() - ref.float()).norm() / ref.float().norm()), 5)
+
+                fp8_out = jagged_flash_attention(q, k, v, off, longest, kernel="triton", validate=False, fp8=True)
+                twin = jagged_flash_attention(q, k, v, off, longest, kernel="pytorch", validate=False, fp8=True)
+                errors = {"bf16": rel(jagged_flash_attention(q, k, v, off, longest, kernel="triton", validate=False), exact),
+                          "fp8": rel(fp8_out, exact), "fp8_vs_twin": rel(fp8_out, twin)}
+                rec.checks.append({"name": f"attention {name}: relative error against fp32", **errors,
+                                   "ok": errors["fp8"] < 0.1 and errors["fp8_vs_twin"] < 0.03})
+                print(f"  attention error vs fp32: {errors}", flush=True)
+
+
 def crossover(summary: list[dict], impl: str) -> dict:
     """Per token count: the narrowest K = N whose forward+backward is faster in ``impl`` than in bfloat16."""
     out = {}
@@ -117,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="the smallest token count only")
+    p.add_argument("--parts", default="attention,linear", help="a comma list of attention, linear")
     a = p.parse_args(argv)
     t0 = time.time()
     import triton
@@ -132,8 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     rec = FP8Recorder(a.out, meta)
     print("== checks ==", flush=True)
     guarded(rec, "checks", lambda: run_checks(rec))
+    parts = a.parts.split(",")
+    if "attention" in parts:
+        print("== attention: bf16 vs fp8 forward ==", flush=True)
+        guarded(rec, "attention", lambda: bench_attention(rec))
     print("== linear: bf16 vs fp8 ==", flush=True)
-    for m in TOKENS[:1] if a.quick else TOKENS:
+    for m in (TOKENS[:1] if a.quick else TOKENS) if "linear" in parts else ():
         for width in WIDTHS:
             guarded(rec, f"linear M={m} K=N={width}", lambda m=m, width=width: bench_linear(rec, m, width))
             torch.cuda.empty_cache()  # the next shape's tensors differ in size
@@ -145,8 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     rec.meta["tuned_configs"] = {repr(k): v for k, v in _tuning.tuned_configs().items()}
     rec.meta["wall_s"] = round(time.time() - t0, 1)
     rec.write()
+    for e in rec.attention_summary():
+        print(f"{e['case']:44s} fwd  bf16 {e['bf16_ms']:.3f} ms  fp8 {e['fp8_ms']:.3f} ms  x{e['fp8_speedup']}  target {e['target']}")
     print(f"\n{'case':24s} {'pass':8s} {'bf16 ms':>9s} " + " ".join(f"{v + ' x':>16s}" for v in VARIANTS) + "  target")
     for e in summary:
+        if "K=N" not in e["case"]:  # the attention rows, printed above
+            continue
         print(f"{e['case']:24s} {e['pass']:8s} {e['bf16_ms']:9.3f} "
               + " ".join(f"{e.get(f'{v}_speedup', float('nan')):16.3f}" for v in VARIANTS) + f"  {e['target']}")
     print("crossover (narrowest K=N where fp8 fwd+bwd beats bf16):", rec.meta["crossover_fwd_bwd"])

@@ -1,0 +1,126 @@
+"""Softmax self-attention forward on FP8 tensor cores (JFA and BlockAttention masks), for passes without gradients.
+
+Q and K are E4M3 with one power-of-two scale per token and head (rows along the head dimension, the contraction of
+``Q K^T``); V is E4M3 with one scale per head channel over all tokens (the contraction of ``P V`` runs over
+tokens, so its scale must not vary along them), stored transposed ``[H * D, T]`` so that a tile is contiguous
+along the contracted tokens, as Hopper's FP8 products want their second operand. All three come from
+``gem_kernels.fp8``'s quantiser in one pass each. Inside, ``S = (Q8 K8^T) * q_scale * k_scale`` in float32, the
+online softmax as in the bf16 kernel, and ``P`` (in [0, 1]) is multiplied by 256 and rounded to E4M3 for the
+second product; the output is divided by 256 and V's channel scales at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.fp8 import fp8_attention_operands
+from gem_kernels.ops.triton._tuning import interpreting, launch
+from gem_kernels.ops.triton.triton_attention_kernels import _key_tiles, _load_cols, _store_rows, _visible
+from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
+
+P_SCALE = 256.0  # P in [0, 1] -> [0, 256]: E4M3's largest power of two below 448
+
+
+@triton.jit
+def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, stride_ks, T_total, offs_m, offs_d,
+               start, end, k_len, Wl, Wr, BS, KB, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
+               EXACT_CAST: tl.constexpr, BLOCK_N: tl.constexpr):
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kmask = offs_n < k_len
+        kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)  # [D, BLOCK_N]
+        v_ptrs = VT_base + offs_n[:, None] + offs_d[None, :].to(tl.int64) * T_total  # [BLOCK_N, D] of V^T
+        if MASKED:
+            ks = tl.load(KS_base + offs_n * stride_ks, mask=kmask, other=0.0)
+            v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
+        else:
+            ks = tl.load(KS_base + offs_n * stride_ks)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, kt) * q_scale[:, None] * ks[None, :]
+        if MASKED:
+            s = tl.where(_visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND), s, -1.0e6)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+        p = p * 256.0
+        if EXACT_CAST:  # the interpreter's FP8 cast rounds wrongly; the GPU's is exact
+            p = _round_to_e4m3(p)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attn_fwd_fp8_kernel(
+    Q, QS, K, KS, VT, VS, O, OFF, T_total, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+    H, qk_scale, Wl, Wr, BS, KB,
+    MASK_KIND: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    start = tl.load(OFF + b)
+    n = (tl.load(OFF + b + 1) - start).to(tl.int32)
+    m0 = pid_m * BLOCK_M
+    if m0 < n:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        qmask = offs_m < n
+        rows = start + offs_m
+        q = tl.load(Q + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :], mask=qmask[:, None], other=0.0)
+        q_scale = tl.load(QS + rows * H + h, mask=qmask, other=0.0) * qk_scale
+        K_base = K + h * stride_kh + start * stride_kt
+        KS_base = KS + start * H + h
+        VT_base = VT + (h * BLOCK_D).to(tl.int64) * T_total + start
+        lo_al, fs, fe, hi = _key_tiles(m0, n, n, Wl, Wr, BS, KB, MASK_KIND, BLOCK_M, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, T_total,
+                                   offs_m, offs_d, lo_al, fs, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, BLOCK_N)
+        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, T_total,
+                                   offs_m, offs_d, fs, fe, n, Wl, Wr, BS, KB, MASK_KIND, False, EXACT_CAST, BLOCK_N)
+        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, T_total,
+                                   offs_m, offs_d, fe, hi, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, BLOCK_N)
+        v_scale = tl.load(VS + h * BLOCK_D + offs_d) / 256.0
+        seen = m_i > -5.0e5  # a row with no visible key outputs 0, as in the bf16 kernel
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = tl.where(seen[:, None], acc / l_safe[:, None] * v_scale[None, :], 0.0)
+        _store_rows(O + h * stride_oh, rows, stride_ot, offs_d, out.to(O.dtype.element_ty), qmask)
+
+
+def _candidates(block_size: int | None) -> list[dict]:
+    if interpreting():
+        return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
+    cands = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 4)]
+    out = []
+    for bm, bn, w, st in cands:
+        if block_size is not None and block_size % 32 == 0:
+            bm, bn = min(bm, block_size), min(bn, block_size)  # tiles inside blocks stay unmasked
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def triton_fp8_attention(q, k, v, offsets, max_len: int, sm_scale: float, mask_args: tuple[int, int, int, int, int],
+                         block_size: int | None) -> torch.Tensor:
+    """q, k, v ``[T, H, D]`` jagged by ``offsets``; ``mask_args`` as ``AttnSpec.mask_args``; returns ``[T, H, D]`` in
+    q's dtype."""
+    T, H, D = q.shape
+    (q8, qs), (k8, ks), (vt8, vs) = fp8_attention_operands(q, k, v, kernel="triton")
+    o = torch.empty_like(q)
+    mask_kind, wl, wr, bs, kb = mask_args
+    B = offsets.shape[0] - 1
+    args = (q8, qs, k8, ks, vt8, vs, o, offsets, T, H * D, D, H * D, D, o.stride(0), o.stride(1), H,
+            sm_scale * 1.4426950408889634, wl, wr, bs, kb)
+    consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), BLOCK_D=D)
+    key = ("fwd_fp8", mask_kind, D, q.dtype, triton.next_power_of_2(max_len), block_size)
+    launch(attn_fwd_fp8_kernel, lambda c: (triton.cdiv(max_len, c["BLOCK_M"]), B, H), args, consts, key,
+           _candidates(block_size))
+    return o
