@@ -79,13 +79,14 @@ def _gemm(a, a_scale, b, b_scale, emulate: bool) -> torch.Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe, emulate: bool, out_dtype: torch.dtype, grad_dtype: torch.dtype):
+    def forward(ctx, x, weight, recipe: Fp8Recipe, emulate: bool, dtype: torch.dtype):
+        """``dtype``: the output's, and the high-precision weight gradient's (autocast's, else the input's)."""
         m = x.shape[0]
         xq, xs = _quantize(x, -1, _ALIGN, 1, recipe.kernel, emulate)
         wq, ws = _quantize(weight, -1, 1, 1, recipe.kernel, emulate)
         ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.emulate, ctx.grad_dtype = recipe, emulate, grad_dtype
-        return _gemm(xq, xs, wq, ws, emulate)[:m].to(out_dtype)
+        ctx.recipe, ctx.emulate, ctx.dtype = recipe, emulate, dtype
+        return _gemm(xq, xs, wq, ws, emulate)[:m].to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -104,10 +105,9 @@ class _Fp8Linear(torch.autograd.Function):
                 xtq, xts = _quantize(x, 0, 1, _ALIGN, recipe.kernel, emulate)  # [K, M]
                 grad_w = _gemm(gtq, gts, xtq, xts, emulate)
             else:
-                dtype = ctx.grad_dtype
-                grad_w = grad.t().to(dtype) @ x.to(dtype)
+                grad_w = grad.t().to(ctx.dtype) @ x.to(ctx.dtype)
             grad_w = grad_w.to(weight.dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Recipe(), emulate: bool = False) -> torch.Tensor:
@@ -119,8 +119,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Rec
         raise ValueError(f"fp8_linear: in and out features must be multiples of {_ALIGN}, got {tuple(weight.shape)}")
     device = x.device.type
     autocast = torch.is_autocast_enabled(device)
-    out_dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
-    return _Fp8Linear.apply(x, weight, recipe, emulate, out_dtype, out_dtype)
+    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    return _Fp8Linear.apply(x, weight, recipe, emulate, dtype)
 
 
 class Fp8Linear(nn.Linear):
