@@ -7,6 +7,11 @@ with ``loopfm.store``, a compact representation of every example to the represen
 ``gem_transfer.representation_store``); either may be written alone. Each rank scores its rows; rank 0
 gathers every rank's rows of a step and writes them, so each example of each step is written once.
 
+A retrieval teacher's scores of every sampled candidate are stored as they are; with ``top_k`` it scores the
+whole catalogue instead and only its ``top_k`` best items other than the true next item are stored, with the
+next item's logit (``gem_transfer.TopKLogits``): a store of catalogue-wide logits would hold ``num_items``
+values per query.
+
 A pass cut short leaves no soft-label store, but the representation store keeps every finished part: run
 again with the same config, it continues at the first step it lacks (the teacher reruns the earlier steps
 only when soft labels are being written too). Each example is stored once, also where ``schedule.steps``
@@ -15,6 +20,7 @@ covers a finite data set more than once (the repeats of later epochs are left ou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -33,19 +39,29 @@ from gem_transfer import (
     RepresentationTap,
     RepresentationWriter,
     SoftLabelWriter,
+    TopKLogits,
     example_fingerprints,
     example_times,
     example_users,
     queries_per_example,
+    top_k_logits,
 )
 
 
-def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
-    """Writes the stores; returns what was written (folders, steps, rows)."""
+def posttrain(config: TrainerConfig, env: DistributedEnv, top_k: int | None = None) -> dict:
+    """Writes the stores; returns what was written (folders, steps, rows). ``top_k``: a retrieval teacher
+    scores the catalogue and its ``top_k`` best items per query are stored (None: the batch's candidates)."""
     d, loop = config.distillation, config.loopfm
     if d.teacher_run_dir is None or (d.soft_labels is None and loop.store is None):
         raise ConfigError("posttrain needs distillation.teacher_run_dir (the finished teacher) and a folder to write: "
                           "distillation.soft_labels (its logits) and/or loopfm.store (its representations)")
+    if top_k is not None:
+        retrieval = config.data.source in ("sequence_text", "atomic") and config.data.sequential.objective == "retrieval"
+        if not retrieval or d.soft_labels is None:
+            raise ConfigError(f"top_k: {top_k} applies to the soft labels (distillation.soft_labels) of retrieval data "
+                              f"(data.sequential.objective = \"retrieval\")")
+        if top_k < 1:
+            raise ConfigError(f"top_k: must be >= 1, got {top_k}")
     if d.soft_labels is not None and Path(d.soft_labels).exists():
         raise ConfigError(f"distillation.soft_labels: {d.soft_labels} already exists: remove it or choose another folder")
     data = builders.build_data(config, env, representations=False)
@@ -90,21 +106,28 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
             if d.soft_labels is None and not represent:
                 continue  # stored by the pass that was cut short: the data moves on, the teacher rests
             fingerprints, queries = example_fingerprints(batch), queries_per_example(batch)
+            scored = batch if top_k is None else _against_catalogue(batch)
             with torch.no_grad(), autocast(env.device, precision):
-                output = teacher(batch.to(env.device))
-            logits = output.logits.float().cpu()
-            rank_rows = [fingerprints, logits, queries]
+                output = teacher(scored.to(env.device))
+            logits, items = output.logits.float().cpu(), torch.empty(0, dtype=torch.int64)
+            if top_k is not None:
+                try:
+                    best = top_k_logits(logits, batch.next_items.positives, top_k)
+                except ValueError as error:
+                    raise ConfigError(f"top_k: {error}") from None
+                logits, items = best.logits, best.items
+            rank_rows = [fingerprints, logits, queries, items]
             if represent:
                 rank_rows += [example_users(batch, loop.user_feature), example_times(batch), _vectors(tap, output, batch)]
             if env.world_size > 1:
                 gathered: list = [None] * env.world_size
                 dist.all_gather_object(gathered, tuple(rank_rows))
                 rank_rows = [torch.cat(parts) for parts in zip(*gathered)]
-            fingerprints, logits, queries = rank_rows[:3]
+            fingerprints, logits, queries, items = rank_rows[:4]
             if labels is not None:
-                labels.append(step, fingerprints, logits, queries)
+                labels.append(step, fingerprints, logits if top_k is None else TopKLogits(items, logits), queries)
             if represent and memory is not None:
-                users, times, vectors = rank_rows[3:]
+                users, times, vectors = rank_rows[4:]
                 memory.append(step, users, _first_times(users, times, fingerprints, stored), vectors)
             rows += fingerprints.numel()
             represented += fingerprints.numel() if represent else 0
@@ -126,6 +149,12 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
     if loop.store is not None:
         written["representations"] = {"folder": str(loop.store), "resumed_at": first_missing, "rows": represented}
     return written
+
+
+def _against_catalogue(batch):
+    """``batch`` with each query scored against every item (the teacher's view for its top-k)."""
+    targets = dataclasses.replace(batch.next_items, negatives=None, loss="softmax")
+    return dataclasses.replace(batch, next_items=targets)
 
 
 def _representation_writer(config: TrainerConfig, env: DistributedEnv, meta: dict) -> tuple[RepresentationWriter | None, str | None]:

@@ -18,7 +18,15 @@ from gem_transfer.representation_store import (
     random_projection,
 )
 from gem_transfer.representation_tap import RepresentationTap
-from gem_transfer.soft_labels import SoftLabelError, SoftLabelStore, SoftLabelWriter, example_fingerprints, queries_per_example
+from gem_transfer.soft_labels import (
+    SoftLabelError,
+    SoftLabelStore,
+    SoftLabelWriter,
+    TopKLogits,
+    example_fingerprints,
+    queries_per_example,
+    top_k_logits,
+)
 
 __all__ = [
     "DistillationOutput",
@@ -33,6 +41,7 @@ __all__ = [
     "SoftLabelStore",
     "SoftLabelWriter",
     "StudentAdapter",
+    "TopKLogits",
     "example_fingerprints",
     "example_times",
     "example_users",
@@ -40,4 +49,5 @@ __all__ = [
     "queries_per_example",
     "random_projection",
     "soft_label_loss",
+    "top_k_logits",
 ]

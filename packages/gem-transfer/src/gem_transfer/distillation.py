@@ -16,10 +16,14 @@ Retrieval students (``batch.next_items`` set) distil listwise: each query's scor
 positive and the sampled negatives, the same for teacher and student) become a softmax, and the student's
 auxiliary query head is trained on the teacher's distribution (``listwise_soft_label_loss``); the adapter is
 then a learned sharpness of the teacher's scores (``ListwiseAdapter``), fitted on which candidate came next.
+A teacher stored as its top-k (``TopKLogits``: its best items of the catalogue, other than the next one) gives
+each query its own candidates: the next item and those k, which the student's auxiliary head scores with the
+student's own item vectors, whatever the serving head is trained against (sampled items or the catalogue).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.nn import functional as F
 
 from gem_kunlun import ModelOutput, MultiTaskHeads, retrieval_logits
+from gem_transfer.soft_labels import TopKLogits
 
 
 def _check_pair(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> None:
@@ -146,7 +151,8 @@ class DistilledStudent(nn.Module):
 
     ``retrieval``: the student scores next-item candidates; the auxiliary head is then a query map (starting
     at the identity) whose queries score the student's own item vectors, and the teacher's logits are its
-    scores of the same candidates (``[queries, 1 + negatives]``).
+    scores of the same candidates (``[queries, 1 + negatives]``), or ``TopKLogits``: its scores of each query's
+    next item and its own top k items (``[queries, 1 + k]``), which the student then scores as well.
     """
 
     def __init__(self, student: nn.Module, representation_dim: int, num_tasks: int, num_surfaces: int,
@@ -161,8 +167,18 @@ class DistilledStudent(nn.Module):
             self.auxiliary_head = MultiTaskHeads(representation_dim, num_tasks, num_surfaces, device=device)
             self.adapter = StudentAdapter(num_tasks, num_surfaces, device=device) if adapter else None
         self.weight, self.temperature = weight, temperature
+        if hasattr(student, "candidate_input"):
+            # NOTE: the student's ranking path (the request side once per user) is the served model's: evaluation
+            # takes it through this wrapper (gem_kunlun.CandidateScorer) rather than one row per candidate
+            self.candidate_input = student.candidate_input
 
-    def forward(self, batch, teacher_logits: torch.Tensor | None = None) -> DistillationOutput:
+    def score_candidates(self, requests, candidates: torch.Tensor, **inputs) -> torch.Tensor:
+        """The serving model's ``[U, C]`` scores of ``candidates`` (``gem_kunlun.CandidateScorer``)."""
+        return self.student.score_candidates(requests, candidates, **inputs)
+
+    def forward(self, batch, teacher_logits: torch.Tensor | TopKLogits | None = None) -> DistillationOutput:
+        if isinstance(teacher_logits, TopKLogits):
+            return self._forward_top_k(batch, teacher_logits)
         out = self.student(batch)
         if out.representation is None:
             raise ValueError(f"{type(self.student).__name__} returns no representation for an auxiliary head")
@@ -182,20 +198,56 @@ class DistilledStudent(nn.Module):
         if teacher_logits.shape != auxiliary.shape:
             raise ValueError(f"teacher logits {tuple(teacher_logits.shape)} do not match the student's "
                              f"{tuple(auxiliary.shape)} (the same candidates, queries and tasks)")
-        teacher_logits = teacher_logits.detach().float()
-        corrected = teacher_logits
-        loss = out.aux_loss.new_zeros(())
         if self.retrieval:
             if targets.negatives is None:
-                raise ValueError("retrieval distillation scores sampled candidates: batches need negatives")
-            if self.adapter is not None:
-                corrected = self.adapter(teacher_logits)
-                loss = loss + self.adapter.fit_loss(teacher_logits)
-            loss = loss + self.weight * listwise_soft_label_loss(auxiliary, corrected.detach(), self.temperature)
-        else:
-            if self.adapter is not None:
-                corrected = self.adapter(teacher_logits, batch.surface)
-                loss = loss + self.adapter.fit_loss(teacher_logits, batch.surface, batch.labels)
-            loss = loss + self.weight * soft_label_loss(auxiliary, corrected.detach(), self.temperature)
+                raise ValueError("retrieval distillation scores sampled candidates: batches need negatives "
+                                 "(or a teacher stored as its top-k)")
+            return self._listwise(out, auxiliary, teacher_logits, plain)
+        teacher_logits = teacher_logits.detach().float()
+        corrected, loss = teacher_logits, out.aux_loss.new_zeros(())
+        if self.adapter is not None:
+            corrected = self.adapter(teacher_logits, batch.surface)
+            loss = loss + self.adapter.fit_loss(teacher_logits, batch.surface, batch.labels)
+        loss = loss + self.weight * soft_label_loss(auxiliary, corrected.detach(), self.temperature)
         return DistillationOutput(aux_loss=out.aux_loss + loss, corrected_teacher_logits=corrected, distillation_loss=loss,
                                   **plain)
+
+    def _listwise(self, out: ModelOutput, auxiliary: torch.Tensor, teacher_logits: torch.Tensor, plain: dict) -> DistillationOutput:
+        """The retrieval terms: the adapter's fit and the listwise loss of ``auxiliary`` against the (corrected)
+        teacher, both ``[queries, candidates]`` with the next item in column 0."""
+        teacher_logits = teacher_logits.detach().float()
+        corrected, loss = teacher_logits, out.aux_loss.new_zeros(())
+        if self.adapter is not None:
+            corrected = self.adapter(teacher_logits)
+            loss = loss + self.adapter.fit_loss(teacher_logits)
+        loss = loss + self.weight * listwise_soft_label_loss(auxiliary, corrected.detach(), self.temperature)
+        return DistillationOutput(aux_loss=out.aux_loss + loss, corrected_teacher_logits=corrected, distillation_loss=loss,
+                                  **plain)
+
+    def _forward_top_k(self, batch, teacher: TopKLogits) -> DistillationOutput:
+        """A retrieval step against a teacher's top-k: the student scores each query's next item and the
+        teacher's k items with its auxiliary head. Against the catalogue the student's item vectors hold them
+        all; against sampled items the student runs once on a batch whose candidates also hold the teacher's
+        items, and its serving scores are cut back to the batch's own candidates (the same values)."""
+        targets = batch.next_items
+        if not self.retrieval or targets is None:
+            raise ValueError("a teacher's top-k (TopKLogits) distils retrieval students on retrieval batches")
+        queries, k = targets.num_queries, teacher.top_k
+        if teacher.items.shape[0] != queries:
+            raise ValueError(f"the teacher's top-k holds {teacher.items.shape[0]} queries, the batch {queries}")
+        widened = targets if targets.negatives is None else dataclasses.replace(
+            targets, negatives=torch.cat([targets.negatives, teacher.items], 1))
+        out = self.student(dataclasses.replace(batch, next_items=widened))
+        if out.representation is None or out.item_vectors is None:
+            raise ValueError(f"{type(self.student).__name__} returns no representation and item vectors for an auxiliary retrieval head")
+        if targets.negatives is None:  # the item vectors are the catalogue's
+            logits, plain_vectors = out.logits, out.item_vectors
+            vectors = out.item_vectors[torch.cat([targets.positives.view(-1, 1), teacher.items], 1)]  # [Q, 1 + k, D]
+        else:
+            served = 1 + targets.negatives.shape[1]
+            every = out.item_vectors.view(queries, served + k, -1)
+            logits, plain_vectors = out.logits[:, :served], every[:, :served].reshape(queries * served, -1)
+            vectors = torch.cat([every[:, :1], every[:, served:]], 1)
+        auxiliary = torch.einsum("nd,nkd->nk", self.auxiliary_head(out.representation), vectors)
+        plain = dict(logits=logits, representation=out.representation, item_vectors=plain_vectors, auxiliary_logits=auxiliary)
+        return self._listwise(out, auxiliary, teacher.logits, plain)

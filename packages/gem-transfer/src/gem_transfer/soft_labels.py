@@ -13,10 +13,16 @@ An example holds one query (pointwise: one logit per task) or several (retrieval
 event), each with ``width`` logits (retrieval: the positive and the sampled negatives); its row stores them
 all, so the lookup of a batch returns one row of logits per query, in the batch's query order.
 
+A retrieval teacher that scores the whole catalogue would store ``num_items`` logits per query (Amazon Beauty:
+12,101 per query, ~37 GB for its 3,000 steps of 256): a **top-k store** keeps, per query, the teacher's
+``k`` best items other than the true next item and ``1 + k`` logits (the next item's, then theirs), where the
+teacher's distribution carries nearly all of its mass; its lookup returns ``TopKLogits``.
+
 Layout of a store folder: ``part-00000.parquet`` ... (columns ``step`` int64, ``fingerprint`` int64,
-``logits`` list of float32, queries x ``width`` values; each part holds whole steps, in order) and
-``meta.json``, written last, which lists the parts with their step ranges and row counts. A folder without
-``meta.json`` is incomplete. The writer fills a temporary sibling folder and renames it into place, so a
+``logits`` list of float32, queries x ``width`` values, and in a top-k store ``items`` list of int32,
+queries x ``top_k`` ids; each part holds whole steps, in order) and ``meta.json``, written last, which lists
+the parts with their step ranges and row counts (and ``top_k``: null, or k). A folder without ``meta.json`` is
+incomplete. The writer fills a temporary sibling folder and renames it into place, so a
 pass cut short leaves no store that looks complete.
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +39,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from torch.utils import _pytree as pytree
 from torchrec import KeyedJaggedTensor
 
 from gem_kunlun import Batch, segment_ids
 
-FORMAT = 1
+FORMAT = 2  # 2 added top-k stores (``items``, ``meta["top_k"]``); format 1 stores read as before
+READABLE = (1, 2)
 META = "meta.json"
 
 
@@ -133,6 +142,50 @@ def example_fingerprints(batch: Batch) -> torch.Tensor:
     return h
 
 
+# -- top-k teacher logits (retrieval against the catalogue) --------------------------------------------------
+
+@dataclass
+class TopKLogits:
+    """A retrieval teacher's scores, cut to what distillation needs, for ``Q`` queries:
+
+    - ``items [Q, k]`` int64: the teacher's ``k`` highest-scored items other than the query's true next item,
+      best first;
+    - ``logits [Q, 1 + k]`` float32: the teacher's logit of the true next item (column 0, as in a batch of
+      sampled candidates), then those of ``items``.
+    """
+
+    items: torch.Tensor
+    logits: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.items.dim() != 2 or self.logits.shape != (self.items.shape[0], 1 + self.items.shape[1]):
+            raise ValueError(f"TopKLogits: items {tuple(self.items.shape)} must be [Q, k] and logits "
+                             f"{tuple(self.logits.shape)} [Q, 1 + k]")
+
+    @property
+    def top_k(self) -> int:
+        return self.items.shape[1]
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "TopKLogits":
+        return TopKLogits(self.items.to(device, non_blocking=non_blocking), self.logits.to(device, non_blocking=non_blocking))
+
+
+pytree.register_dataclass(TopKLogits)  # a model input: data-parallel wrappers move its tensors
+
+
+def top_k_logits(catalogue_logits: torch.Tensor, positives: torch.Tensor, k: int) -> TopKLogits:
+    """``catalogue_logits [Q, num_items]`` (a teacher's score of every item per query) and ``positives [Q]``
+    (each query's true next item) -> the positive's logit and the ``k`` best other items' (``TopKLogits``)."""
+    num_items = catalogue_logits.shape[-1]
+    if not 1 <= k < num_items:
+        raise ValueError(f"k must lie in [1, {num_items - 1}] (the catalogue's items but the next one), got {k}")
+    scores = catalogue_logits.float()
+    positive = scores.gather(1, positives.long().view(-1, 1))
+    others = scores.scatter(1, positives.long().view(-1, 1), float("-inf"))  # the next item is column 0, not a rival
+    best, items = others.topk(k, dim=1)
+    return TopKLogits(items, torch.cat([positive, best], 1))
+
+
 # -- writing -----------------------------------------------------------------------------------------------
 
 class SoftLabelWriter:
@@ -143,6 +196,7 @@ class SoftLabelWriter:
     """
 
     def __init__(self, folder: str | Path, meta: dict[str, Any], steps_per_part: int = 256) -> None:
+        # NOTE: whether the store is a top-k store follows from the first ``append`` (with ``items`` or not)
         self.folder = Path(folder)
         if self.folder.exists():
             raise SoftLabelError(f"{self.folder} already exists: remove it or write the soft labels to another folder")
@@ -151,20 +205,30 @@ class SoftLabelWriter:
         self.staging.mkdir(parents=True)
         self.meta, self.steps_per_part = meta, steps_per_part
         self.width: int | None = None
+        self.top_k: int | None = None
         self.parts: list[dict[str, Any]] = []
-        self._pending: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pending: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
         self._last_step = -1
 
-    def append(self, step: int, fingerprints: torch.Tensor, logits: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+    def append(self, step: int, fingerprints: torch.Tensor, logits: torch.Tensor | TopKLogits,
+               queries: torch.Tensor | None = None) -> None:
         """Every example of global batch ``step``: ``fingerprints [N]``, ``logits [Q, width]`` (each example's
-        queries in turn) and ``queries [N]`` per example (None: one each)."""
+        queries in turn; a top-k store: ``TopKLogits`` of the Q queries) and ``queries [N]`` per example
+        (None: one each)."""
         if step <= self._last_step:
             raise ValueError(f"steps are appended in increasing order: {step} after {self._last_step}")
+        items = None
+        if isinstance(logits, TopKLogits):
+            items, logits = logits.items, logits.logits
+        top_k = None if items is None else items.shape[1]
+        if self._last_step >= 0 and top_k != self.top_k:
+            raise ValueError(f"a store holds one kind of row: top-k {top_k} after {self.top_k}")
         queries = torch.ones(fingerprints.numel(), dtype=torch.int64) if queries is None else queries.long()
         if logits.dim() != 2 or logits.shape[0] != int(queries.sum()) or (self.width not in (None, logits.shape[1])):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {int(queries.sum())} queries x {self.width or 'a'} width")
-        self.width = logits.shape[1]
-        self._pending.append((step, fingerprints.numpy().astype(np.int64), logits.float().numpy(), queries.numpy()))
+        self.width, self.top_k = logits.shape[1], top_k
+        self._pending.append((step, fingerprints.numpy().astype(np.int64), logits.float().numpy(), queries.numpy(),
+                              None if items is None else items.numpy().astype(np.int32)))
         self._last_step = step
         if len(self._pending) >= self.steps_per_part:
             self._flush()
@@ -172,14 +236,16 @@ class SoftLabelWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        steps = np.concatenate([np.full(len(f), s, dtype=np.int64) for s, f, _, _ in self._pending])
-        fingerprints = np.concatenate([f for _, f, _, _ in self._pending])
-        values = np.concatenate([x.reshape(-1) for _, _, x, _ in self._pending])
-        sizes = np.concatenate([q for _, _, _, q in self._pending]) * self.width
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
-        logits = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.float32()))
+        steps = np.concatenate([np.full(len(f), s, dtype=np.int64) for s, f, _, _, _ in self._pending])
+        fingerprints = np.concatenate([f for _, f, _, _, _ in self._pending])
+        queries = np.concatenate([q for _, _, _, q, _ in self._pending])
+        columns = {"step": steps, "fingerprint": fingerprints,
+                   "logits": _lists(np.concatenate([x.reshape(-1) for _, _, x, _, _ in self._pending]), queries * self.width,
+                                    pa.float32())}
+        if self.top_k is not None:
+            columns["items"] = _lists(np.concatenate([i.reshape(-1) for *_, i in self._pending]), queries * self.top_k, pa.int32())
         name = f"part-{len(self.parts):05d}.parquet"
-        pq.write_table(pa.table({"step": steps, "fingerprint": fingerprints, "logits": logits}), self.staging / name)
+        pq.write_table(pa.table(columns), self.staging / name)
         self.parts.append({"file": name, "first_step": self._pending[0][0], "last_step": self._pending[-1][0],
                            "rows": len(steps)})
         self._pending = []
@@ -187,7 +253,7 @@ class SoftLabelWriter:
     def close(self) -> Path:
         """Writes the last part and ``meta.json`` and moves the store into place; returns its folder."""
         self._flush()
-        meta = {"format": FORMAT, "width": self.width, "steps": self._last_step + 1,
+        meta = {"format": FORMAT, "width": self.width, "top_k": self.top_k, "steps": self._last_step + 1,
                 "rows": sum(p["rows"] for p in self.parts), "parts": self.parts, **self.meta}
         (self.staging / META).write_text(json.dumps(meta, indent=1) + "\n")
         self.staging.rename(self.folder)
@@ -195,6 +261,12 @@ class SoftLabelWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _lists(values: np.ndarray, sizes: np.ndarray, kind: pa.DataType) -> pa.ListArray:
+    """A Parquet list column: row i holds the next ``sizes[i]`` of ``values``."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, kind))
 
 
 # -- reading -----------------------------------------------------------------------------------------------
@@ -213,13 +285,14 @@ class SoftLabelStore:
             self.meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as error:
             raise SoftLabelError(f"{meta_path}: not valid JSON ({error})") from None
-        if self.meta.get("format") != FORMAT:
-            raise SoftLabelError(f"{meta_path}: store format {self.meta.get('format')!r}, this gem-transfer reads {FORMAT}")
+        if self.meta.get("format") not in READABLE:
+            raise SoftLabelError(f"{meta_path}: store format {self.meta.get('format')!r}, this gem-transfer reads {READABLE}")
         self.width, self.steps = int(self.meta["width"] or 0), int(self.meta["steps"])
+        self.top_k: int | None = self.meta.get("top_k")
         self._first_steps = [p["first_step"] for p in self.meta["parts"]]
-        self._held: tuple | None = None  # part index, steps, fingerprints, value offsets, values
+        self._held: tuple | None = None  # part index, steps, fingerprints, value offsets, values, item values
 
-    def _part(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _part(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         index = int(np.searchsorted(self._first_steps, step, side="right")) - 1
         if self._held is None or self._held[0] != index:
             part = self.meta["parts"][index]
@@ -231,19 +304,23 @@ class SoftLabelStore:
                 logits = table["logits"].combine_chunks()
                 offsets = logits.offsets.to_numpy().astype(np.int64)
                 values = logits.values.to_numpy()
+                items = None if self.top_k is None else table["items"].combine_chunks().values.to_numpy()
             except (OSError, pa.ArrowException, KeyError, ValueError) as error:
                 raise SoftLabelError(f"{path}: unreadable soft-label part ({error})") from None
             if len(steps) != part["rows"]:
                 raise SoftLabelError(f"{path}: {len(steps)} rows where {META} records {part['rows']}")
-            self._held = (index, steps, fingerprints, offsets, values)
+            if items is not None and len(items) != len(values) // self.width * self.top_k:
+                raise SoftLabelError(f"{path}: {len(items)} top-k items for {len(values) // self.width} queries of {self.top_k}")
+            self._held = (index, steps, fingerprints, offsets, values, items)
         return self._held[1:]
 
-    def lookup(self, step: int, fingerprints: torch.Tensor) -> torch.Tensor:
+    def lookup(self, step: int, fingerprints: torch.Tensor) -> torch.Tensor | TopKLogits:
         """``[Q, width]`` float32: the teacher's logits of the examples ``fingerprints [N]`` of global batch
-        ``step``, each example's queries in turn (one row each for pointwise examples)."""
+        ``step``, each example's queries in turn (one row each for pointwise examples); a top-k store returns
+        them as ``TopKLogits`` (``logits [Q, 1 + k]``, ``items [Q, k]``)."""
         if not 0 <= step < self.steps:
             raise SoftLabelError(f"{self.folder}: holds steps 0..{self.steps - 1}, asked for step {step}")
-        steps, stored, offsets, values = self._part(step)
+        steps, stored, offsets, values, items = self._part(step)
         lo, hi = np.searchsorted(steps, step, side="left"), np.searchsorted(steps, step, side="right")
         order = np.argsort(stored[lo:hi], kind="stable")
         ranked = stored[lo:hi][order]
@@ -257,5 +334,11 @@ class SoftLabelStore:
         starts, sizes = offsets[rows], offsets[rows + 1] - offsets[rows]
         # each wanted row's values, in the order asked: its start repeated over its size, plus 0, 1, ...
         first = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
-        gathered = values[first + np.arange(int(sizes.sum()))]
-        return torch.from_numpy(gathered.reshape(-1, self.width).copy())
+        positions = first + np.arange(int(sizes.sum()))
+        logits = torch.from_numpy(values[positions].reshape(-1, self.width).copy())
+        if items is None:
+            return logits
+        # the items of a query sit at the same place as its logits, less its positive's column
+        query = positions.reshape(-1, self.width)[:, 0] // self.width
+        ids = items[(query[:, None] * self.top_k + np.arange(self.top_k)).reshape(-1)]
+        return TopKLogits(torch.from_numpy(ids.reshape(-1, self.top_k).astype(np.int64)), logits)

@@ -1,0 +1,48 @@
+"""bench_transfer's Beauty section, shortened (a few steps, 100 users evaluated) on the real data beside the
+project; skipped when ../shared/data/beauty is absent."""
+
+import json
+
+import pytest
+
+from gem_trainer import bench_transfer
+from gem_trainer.bench_runs import write_section
+
+BEAUTY = bench_transfer.beauty_data()
+SHORT = ["--data.batch_size=32", "--schedule.warmup_steps=2", "--data.sequential.eval_users=100"]
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (BEAUTY / "Beauty.txt").is_file(), reason=f"the Beauty data set is not at {BEAUTY}")]
+
+
+def test_the_beauty_section_trains_every_arm_from_one_teacher_and_writes_its_table(tmp_path, capsys):
+    result = bench_transfer.beauty([0], tmp_path, student_steps=8, teacher_steps=10, top_k=5, extra=SHORT)
+    arms = ["student_alone", "distillation", "distillation_adapter", "student_alone_catalogue"]
+    assert [r["arm"] for r in result["rows"]] == arms
+    assert set(result["summary"]) == {*arms, "teacher"}
+    for row in [*result["rows"], *result["teacher"]["rows"]]:
+        assert all(0 <= row[m] <= 1 for m in bench_transfer.BEAUTY_METRICS)
+    store = json.loads((tmp_path / "beauty" / "seed0" / "soft-labels" / "meta.json").read_text())
+    assert store["top_k"] == 5 and store["steps"] == 8
+    assert result["teacher"]["rows"][0]["reused_finished_run"] is False
+    # the finished teacher is found again (the same config and steps), and only then
+    config = bench_transfer.ROOT / "apps" / "gem-trainer" / "configs" / bench_transfer.BEAUTY_TEACHER
+    teacher = [f"--data.path={BEAUTY}", "--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false",
+               *SHORT, "--seed=0", "--schedule.steps=10"]
+    teacher_dir = tmp_path / "beauty" / "teacher"
+    assert bench_transfer.finished_run(config, teacher, teacher_dir, 10)
+    assert not bench_transfer.finished_run(config, teacher, teacher_dir, 20)
+    assert not bench_transfer.finished_run(config, [*teacher, "--model.kunlun.dropout=0.5"], teacher_dir, 10)
+    out = tmp_path / "transfer.json"
+    out.write_text(json.dumps({"synthetic": {"kept": True}}))
+    write_section(out, "beauty", {}, 0.0, result)
+    assert set(json.loads(out.read_text())) == {"synthetic", "beauty"}
+
+
+def test_the_beauty_section_names_the_missing_data(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_transfer, "beauty_data", lambda: tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"the Beauty data set is not at .*nowhere"):
+        bench_transfer.beauty([0], tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        bench_transfer.main(["--out", str(tmp_path / "out.json"), "--sections", "beauty", "--work", str(tmp_path)])
+    assert stopped.value.code == 2

@@ -1,0 +1,105 @@
+"""`posttrain` with top_k: a retrieval teacher scores the whole catalogue and only its k best items per query
+(other than the next one) are stored; the student then distils on them while its serving head trains on its
+own candidates. A Kunlun two-tower teacher and a narrower Kunlun student, as in bench_transfer's Beauty section."""
+
+import json
+
+import pytest
+import torch
+
+from gem_trainer import builders
+from gem_trainer.config import ConfigError, load_config
+from gem_trainer.distributed import init_distributed
+from gem_trainer.posttrain import posttrain
+from gem_trainer.run_folder import write_run_record
+from gem_trainer.trainer import Trainer
+from gem_transfer import SoftLabelStore, TopKLogits, example_fingerprints, top_k_logits
+
+SMALL = ["--data.batch_size=16", "--metrics.tensorboard=false", "--device=cpu", "--schedule.warmup_steps=2",
+         "--metrics.progress_bar=false", "--data.source=sequence_text", "--model.name=kunlun",
+         "--model.kunlun.two_tower=true", "--model.kunlun.max_seq_len=16", "--data.sequential.max_history=12",
+         "--data.sequential.objective=retrieval", "--data.sequential.queries=last", "--data.sequential.loss=softmax",
+         "--data.sequential.eval_protocols=[\"sampled\"]", "--data.sequential.eval_negatives=20"]
+STUDENT = ["--model.kunlun.d_model=16", "--model.kunlun.num_layers=1", "--model.kunlun.hidden=[16]",
+           "--data.sequential.num_negatives=3"]
+STEPS, K = 6, 5
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small next-item corpus (80 users with 5 to 12 items out of 60) and a Kunlun teacher trained on it
+    against the whole catalogue."""
+    folder = tmp_path_factory.mktemp("top-k")
+    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k + k * k) % 60) for k in range(5 + u % 8)) for u in range(1, 81)]
+    (folder / "corpus.txt").write_text("\n".join(lines) + "\n")
+    data = [f"--data.path={folder / 'corpus.txt'}", *SMALL]
+    config = load_config(None, [f"--run_dir={folder / 'teacher'}", "--schedule.steps=12", "--data.sequential.num_negatives=0", *data])
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    write_run_record(config, trainer.spec)
+    trainer.train()
+    trainer.close()
+    return folder, data
+
+
+def student_config(run_dir, data, *extra):
+    return load_config(None, [f"--run_dir={run_dir}", f"--schedule.steps={STEPS}", *data, *STUDENT, *extra])
+
+
+def losses(config) -> list[float]:
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    try:
+        return [float(trainer.train_step()["loss"]) for _ in range(STEPS)]
+    finally:
+        trainer.close()
+
+
+def test_posttrain_stores_the_teachers_top_k_of_the_catalogue_and_the_student_distils_on_it(corpus, tmp_path):
+    folder, data = corpus
+    env = init_distributed("cpu", "gloo")
+    labels = tmp_path / "labels"
+    config = student_config(tmp_path / "pass", data, f"--distillation.teacher_run_dir={folder / 'teacher'}",
+                            f"--distillation.soft_labels={labels}")
+    written = posttrain(config, env, top_k=K)
+    assert written["steps"] == STEPS and written["rows"] == STEPS * 16
+    meta = json.loads((labels / "meta.json").read_text())
+    assert meta["top_k"] == K and meta["width"] == 1 + K
+
+    # step 0's rows are the teacher's own scores of every item for the student's first batch, cut to its top k
+    trainer = Trainer(student_config(tmp_path / "look", data), env)
+    batch = next(trainer._batches)
+    teacher, _ = builders.build_teacher(config, trainer.spec, env)
+    trainer.close()
+    targets = batch.next_items
+    assert targets.negatives.shape == (16, 3)  # the student trains against 3 sampled items; the teacher saw all 60
+    with torch.no_grad():
+        catalogue = teacher(dataclasses_replace_catalogue(batch)).logits.float()
+    expected = top_k_logits(catalogue, targets.positives, K)
+    stored = SoftLabelStore(labels).lookup(0, example_fingerprints(batch))
+    assert isinstance(stored, TopKLogits)
+    assert torch.equal(stored.items, expected.items)
+    torch.testing.assert_close(stored.logits, expected.logits)
+    assert not (stored.items == targets.positives[:, None]).any()
+
+    distilled = losses(student_config(tmp_path / "distilled", data, f"--distillation.soft_labels={labels}"))
+    plain = losses(student_config(tmp_path / "plain", data))
+    assert all(torch.isfinite(torch.tensor(distilled))) and distilled != pytest.approx(plain, rel=1e-3)
+
+
+def dataclasses_replace_catalogue(batch):
+    import dataclasses
+
+    return dataclasses.replace(batch, next_items=dataclasses.replace(batch.next_items, negatives=None, loss="softmax"))
+
+
+def test_bad_top_k_is_a_one_line_error_naming_it(corpus, tmp_path):
+    folder, data = corpus
+    env = init_distributed("cpu", "gloo")
+    teacher = f"--distillation.teacher_run_dir={folder / 'teacher'}"
+    with pytest.raises(ConfigError, match=r"^top_k: must be >= 1, got 0$"):
+        posttrain(student_config(tmp_path / "a", data, teacher, f"--distillation.soft_labels={tmp_path / 'a-labels'}"), env, top_k=0)
+    with pytest.raises(ConfigError, match=r"^top_k: k must lie in \[1, \d+\] \(the catalogue's items but the next one\), got 500$"):
+        posttrain(student_config(tmp_path / "b", data, teacher, f"--distillation.soft_labels={tmp_path / 'b-labels'}"), env, top_k=500)
+    assert not (tmp_path / "b-labels").exists()  # the pass stopped: no store that looks complete
+    pointwise = load_config(None, [f"--run_dir={tmp_path / 'c'}", teacher, f"--distillation.soft_labels={tmp_path / 'c-labels'}"])
+    with pytest.raises(ConfigError, match=r"^top_k: 5 applies to the soft labels \(distillation.soft_labels\) of retrieval data"):
+        posttrain(pointwise, env, top_k=5)
