@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gem_kernels.fp8 import fp8_dequantize, fp8_rowwise_quantize, fp8_rowwise_quantize_reference
+from gem_kernels.low_precision import LowPrecisionLinear
 
 _ALIGN = 16  # the scaled GEMM's size multiple
 
@@ -123,21 +124,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Rec
     return _Fp8Linear.apply(x, weight, recipe, emulate, dtype)
 
 
-class Fp8Linear(nn.Linear):
+class Fp8Linear(LowPrecisionLinear):
     """``nn.Linear`` whose GEMMs run in FP8 with rowwise scales (``fp8_linear``); the bias is added after, in the
     output's precision. Calls with fewer than ``recipe.min_tokens`` rows run as a plain linear."""
 
     recipe: Fp8Recipe = Fp8Recipe()
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe) -> "Fp8Linear":
-        """The same parameters (not copies) behind an FP8 forward."""
-        fp8 = cls.__new__(cls)
-        nn.Module.__init__(fp8)
-        fp8.in_features, fp8.out_features = linear.in_features, linear.out_features
-        fp8.weight, fp8.bias = linear.weight, linear.bias
-        fp8.recipe = recipe
-        return fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -14,6 +14,21 @@ from typing import Protocol
 from torch import nn
 
 
+class LowPrecisionLinear(nn.Linear):
+    """An ``nn.Linear`` whose GEMMs follow a recipe; built on an existing layer's parameters (not copies)."""
+
+    recipe = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe) -> "LowPrecisionLinear":
+        twin = cls.__new__(cls)
+        nn.Module.__init__(twin)
+        twin.in_features, twin.out_features = linear.in_features, linear.out_features
+        twin.weight, twin.bias = linear.weight, linear.bias
+        twin.recipe = recipe
+        return twin
+
+
 class LowPrecisionRecipe(Protocol):
     def linear(self, linear: nn.Linear) -> nn.Module | None: ...
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gem_kernels.low_precision import LowPrecisionLinear
 from gem_kernels.mx import BLOCK, ScaleRounding, element_format, mx_fake_quantize
 
 
@@ -85,20 +86,10 @@ class MXMatmul:
         return mx_matmul(a, b, self.recipe)
 
 
-class MXLinear(nn.Linear):
+class MXLinear(LowPrecisionLinear):
     """``nn.Linear`` whose GEMMs run in emulated MXFP8 (the bias is added in the input's precision)."""
 
     recipe: MXRecipe = MXRecipe()
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: MXRecipe) -> "MXLinear":
-        """The same parameters (not copies) behind an MX forward."""
-        mx = cls.__new__(cls)
-        nn.Module.__init__(mx)
-        mx.in_features, mx.out_features = linear.in_features, linear.out_features
-        mx.weight, mx.bias = linear.weight, linear.bias
-        mx.recipe = recipe
-        return mx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -176,6 +176,16 @@ def _load_softmax_stats(LSE_base, DELTA_base, rows, stride_lt, mask, MASKED: tl.
 
 
 @triton.jit
+def _online_softmax(s, m_i, l_i, acc):
+    """One key tile of the online softmax (scores in the log2 domain): the tile's probabilities against the new
+    running max, and the running max, sum and output accumulator moved to it."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, start, end, k_len,
     qk_scale, Wl, Wr, BS, KB,
@@ -194,12 +204,7 @@ def _fwd_tiles(
             s = s * qk_scale
             if MASKED:
                 s = tl.where(allowed, s, -1.0e6)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
         else:
             p = _act(s, ACT)
             if MASKED:

@@ -17,10 +17,10 @@ import triton.language as tl
 
 from gem_kernels.fp8 import fp8_attention_operands
 from gem_kernels.ops.triton._tuning import interpreting, launch
-from gem_kernels.ops.triton.triton_attention_kernels import _key_tiles, _load_cols, _store_rows, _visible
+from gem_kernels.ops.triton.triton_attention_kernels import _key_tiles, _load_cols, _online_softmax, _store_rows, _visible
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
 
-P_SCALE = 256.0  # P in [0, 1] -> [0, 256]: E4M3's largest power of two below 448
+P_SCALE: tl.constexpr = 256.0  # P in [0, 1] -> [0, 256]: E4M3's largest power of two below 448
 
 
 @triton.jit
@@ -41,13 +41,8 @@ def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, s
         s = tl.dot(q, kt) * q_scale[:, None] * ks[None, :]
         if MASKED:
             s = tl.where(_visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND), s, -1.0e6)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
-        p = p * 256.0
+        p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
+        p = p * P_SCALE
         if EXACT_CAST:  # the interpreter's FP8 cast rounds wrongly; the GPU's is exact
             p = _round_to_e4m3(p)
         acc = tl.dot(p.to(v.dtype), v, acc)
@@ -87,7 +82,7 @@ def attn_fwd_fp8_kernel(
                                    offs_m, offs_d, fs, fe, n, Wl, Wr, BS, KB, MASK_KIND, False, EXACT_CAST, BLOCK_N)
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, T_total,
                                    offs_m, offs_d, fe, hi, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, BLOCK_N)
-        v_scale = tl.load(VS + h * BLOCK_D + offs_d) / 256.0
+        v_scale = tl.load(VS + h * BLOCK_D + offs_d) / P_SCALE
         seen = m_i > -5.0e5  # a row with no visible key outputs 0, as in the bf16 kernel
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = tl.where(seen[:, None], acc / l_safe[:, None] * v_scale[None, :], 0.0)
