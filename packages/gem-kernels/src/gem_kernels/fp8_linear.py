@@ -41,7 +41,7 @@ _ALIGN = 16  # the scaled GEMM's size multiple
 class Fp8Recipe:
     weight_gradient: Literal["high", "fp8"] = "high"
     # the crossover on an H200 (benchmarks/results/fp8-h200.json, forward+backward, quantisation included):
-    # K = N = 2048 pays from 64k tokens on (1.09-1.13x), 1024 never (0.93-0.97x); at 16k tokens only 4096 (1.21x)
+    # K = N = 2048 pays from 64k tokens on (1.09-1.13x), 1024 never (at most 0.97x); at 16k tokens only 4096 (1.21x)
     min_features: int = 2048  # layers with in or out features below it stay in high precision
     min_tokens: int = 65536  # calls with fewer rows run in high precision
     kernel: str = "auto"  # the quantisation kernel: "auto" (Triton on CUDA), "triton", "pytorch"
