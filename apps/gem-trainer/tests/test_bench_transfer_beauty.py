@@ -11,10 +11,11 @@ from gem_trainer.bench_runs import write_section
 BEAUTY = bench_transfer.beauty_data()
 SHORT = ["--data.batch_size=32", "--schedule.warmup_steps=2", "--data.sequential.eval_users=100"]
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (BEAUTY / "Beauty.txt").is_file(), reason=f"the Beauty data set is not at {BEAUTY}")]
+needs_beauty = pytest.mark.skipif(not (BEAUTY / "Beauty.txt").is_file(), reason=f"the Beauty data set is not at {BEAUTY}")
 
 
+@pytest.mark.slow
+@needs_beauty
 def test_the_beauty_section_trains_every_arm_from_one_teacher_and_writes_its_table(tmp_path, capsys):
     result = bench_transfer.beauty([0], tmp_path, student_steps=8, teacher_steps=10, top_k=5, extra=SHORT)
     arms = ["student_alone", "distillation", "distillation_adapter", "student_alone_catalogue"]
@@ -46,3 +47,11 @@ def test_the_beauty_section_names_the_missing_data(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         bench_transfer.main(["--out", str(tmp_path / "out.json"), "--sections", "beauty", "--work", str(tmp_path)])
     assert stopped.value.code == 2
+
+
+def test_large_blocks_are_mapped_from_a_fixed_threshold():
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert bench_transfer.fixed_mmap_threshold()
