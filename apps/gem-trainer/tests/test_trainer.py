@@ -28,6 +28,32 @@ def small_config(tmp_path, *extra):
     return load_config(None, [f"--run_dir={tmp_path}", *SMALL, *extra])
 
 
+def test_nan_loss_waits_for_the_checkpoint_still_being_written_and_names_it(tmp_path, monkeypatch):
+    import time
+
+    from gem_trainer import checkpoint
+
+    save = checkpoint.dcp.save
+
+    def slow_save(*args, **kwargs):  # the background write of step 10 is still running when step 11 diverges
+        time.sleep(1.0)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", slow_save)
+    config = small_config(tmp_path, "--schedule.steps=30", "--schedule.warmup_steps=2", "--checkpoint.every_steps=10")
+    assert config.checkpoint.asynchronous
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    for _ in range(10):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    first = next(iter(trainer.stream))
+    trainer._batches = iter([dataclasses.replace(first, dense=torch.full_like(first.dense, float("nan")))])
+    trainer.train_step()
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 11; stopping, the last good checkpoint is .*step-10$"):
+        trainer.check_divergence()
+    assert trainer.checkpoints.latest_step() == 10
+
+
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     config = small_config(tmp_path, "--schedule.steps=30", "--schedule.warmup_steps=2", "--checkpoint.every_steps=10")
     trainer = Trainer(config, init_distributed("cpu", "gloo"))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from gem_data import ReadAhead, rank_imbalance
 from gem_kunlun import MixtureOfExperts
 from gem_trainer import builders
-from gem_trainer.checkpoint import CheckpointManager
+from gem_trainer.checkpoint import CheckpointError, CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluators import Evaluator
@@ -308,9 +308,15 @@ class Trainer:
         if math.isfinite(value):
             self._unchecked_loss = None
         else:  # kept: every later check (a checkpoint, the next step) stops again
+            failed = ""
+            try:
+                # a checkpoint still being written holds a step before this one: it is the good one to keep
+                self.checkpoints.wait(agree=False)
+            except CheckpointError as error:
+                failed = f" (the checkpoint being written failed: {error})"
             last = self.checkpoints.latest_step()
             kept = f"the last good checkpoint is {self.checkpoints.path(last)}" if last is not None else "no checkpoint was written"
-            raise TrainingDiverged(f"loss is {value} at step {step}; stopping, {kept}")
+            raise TrainingDiverged(f"loss is {value} at step {step}; stopping, {kept}{failed}")
 
     def data_report(self) -> dict[str, float]:
         """What the readers skipped under ``data.skip_bad_rows`` (nothing when none were skipped)."""
