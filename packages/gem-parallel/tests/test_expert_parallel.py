@@ -12,9 +12,13 @@ WORKER = Path(__file__).parent / "workers" / "moe_worker.py"
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_expert_parallel_equals_the_mixture_on_the_global_batch(tmp_path, ranks):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(tmp_path)]
+    logs = tmp_path / "logs"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               f"--log-dir={logs}", "--redirects=3", str(WORKER), str(tmp_path)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
+    # each rank's own output (torchrun's tail names only the signal a rank died of)
+    ranks_said = "".join(f"\n--- {f.relative_to(logs)}:\n{f.read_text()[-1500:]}" for f in sorted(logs.rglob("std*.log")))
+    assert run.returncode == 0, run.stderr[-1500:] + ranks_said
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
     owned = sorted(e for r in results for e in r["exact"]["local_experts"])
     assert owned == [0, 1, 2, 3]  # every expert on exactly one rank
