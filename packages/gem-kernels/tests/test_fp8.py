@@ -72,8 +72,9 @@ def test_quantisation_rejects_what_it_cannot_take():
         fp8_rowwise_quantize(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match="2-D float tensor"):
         fp8_rowwise_quantize(torch.zeros(2, 3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="dim must be 0 or 1"):
-        fp8_rowwise_quantize(torch.zeros(2, 3), dim=2)
+    for kernel in ("pytorch", "triton"):
+        with pytest.raises(ValueError, match="dim must be 0 or 1"):
+            fp8_rowwise_quantize(torch.zeros(2, 3), dim=2, kernel=kernel)
 
 
 @pytest.mark.parametrize("weight_gradient", ["high", "fp8"])

@@ -39,14 +39,18 @@ def scale_exponent_field(amax: torch.Tensor) -> torch.Tensor:
     return exponent.clamp(min=1)
 
 
-def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int = 1,
-                                   cols_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (2-D, floating point) as E4M3 rows along ``dim`` and their scales: ``([kept, reduced], [kept, 1])``,
-    each padded as the module docstring says."""
+def _check_input(x: torch.Tensor, dim: int) -> None:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"fp8 rowwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
     if dim not in (0, 1, -1, -2):
         raise ValueError(f"fp8 rowwise quantisation: dim must be 0 or 1 (or -1, -2), got {dim}")
+
+
+def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int = 1,
+                                   cols_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (2-D, floating point) as E4M3 rows along ``dim`` and their scales: ``([kept, reduced], [kept, 1])``,
+    each padded as the module docstring says."""
+    _check_input(x, dim)
     rows = (x if dim % 2 == 1 else x.t()).float()  # [kept, reduced]
     amax = rows.abs().amax(1)
     finite = torch.isfinite(rows).all(1)
@@ -74,12 +78,11 @@ def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_
 
     if kernel not in ("auto", "triton", "pytorch"):
         raise ValueError(f"kernel must be 'auto', 'triton' or 'pytorch', got {kernel!r}")
+    _check_input(x, dim)
     if V.use_triton(kernel, x.device) and x.numel():
         V.check_triton_device("x", x)
         from gem_kernels.ops.triton.triton_fp8 import triton_fp8_rowwise_quantize
 
-        if x.dim() != 2 or not x.is_floating_point():
-            raise ValueError(f"fp8 rowwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
         return triton_fp8_rowwise_quantize(x, dim, rows_to, cols_to)
     return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to)
 
