@@ -62,11 +62,7 @@ BEAUTY_TEACHER = "beauty-kunlun.toml"
 BEAUTY_STUDENT = ["--model.kunlun.d_model=16", "--model.kunlun.num_layers=1", "--model.kunlun.hidden=[32]"]
 BEAUTY_STUDENT_STEPS = 1500  # about 3 passes over the 131k training prefixes (the teacher: 6)
 BEAUTY_NEGATIVES, BEAUTY_TOP_K = 256, 100
-BEAUTY_ARMS = {
-    "student_alone": [],
-    "distillation": ["--distillation.adapter=false"],
-    "distillation_adapter": ["--distillation.adapter=true"],
-}
+BEAUTY_ARMS = ARMS  # the same three arms as on the synthetic data
 # the student trained against the whole catalogue, as the teacher is (no distillation: it needs sampled items)
 BEAUTY_REFERENCE = {"student_alone_catalogue": ["--data.sequential.num_negatives=0"]}
 BEAUTY_METRICS = ("full/hr@10", "full/ndcg@10", "sampled/hr@10", "sampled/ndcg@10")
