@@ -1,4 +1,4 @@
-"""`posttrain` with top_k: a retrieval teacher scores the whole catalogue and only its k best items per query
+"""`posttrain` with distillation.top_k: a retrieval teacher scores the whole catalogue and only its k best items per query
 (other than the next one) are stored; the student then distils on them while its serving head trains on its
 own candidates. A Kunlun two-tower teacher and a narrower Kunlun student, as in bench_transfer's Beauty section."""
 
@@ -58,8 +58,8 @@ def test_posttrain_stores_the_teachers_top_k_of_the_catalogue_and_the_student_di
     env = init_distributed("cpu", "gloo")
     labels = tmp_path / "labels"
     config = student_config(tmp_path / "pass", data, f"--distillation.teacher_run_dir={folder / 'teacher'}",
-                            f"--distillation.soft_labels={labels}")
-    written = posttrain(config, env, top_k=K)
+                            f"--distillation.soft_labels={labels}", f"--distillation.top_k={K}")
+    written = posttrain(config, env)
     assert written["steps"] == STEPS and written["rows"] == STEPS * 16
     meta = json.loads((labels / "meta.json").read_text())
     assert meta["top_k"] == K and meta["width"] == 1 + K
@@ -95,11 +95,14 @@ def test_bad_top_k_is_a_one_line_error_naming_it(corpus, tmp_path):
     folder, data = corpus
     env = init_distributed("cpu", "gloo")
     teacher = f"--distillation.teacher_run_dir={folder / 'teacher'}"
-    with pytest.raises(ConfigError, match=r"^top_k: must be >= 1, got 0$"):
-        posttrain(student_config(tmp_path / "a", data, teacher, f"--distillation.soft_labels={tmp_path / 'a-labels'}"), env, top_k=0)
-    with pytest.raises(ConfigError, match=r"^top_k: k must lie in \[1, \d+\] \(the catalogue's items but the next one\), got 500$"):
-        posttrain(student_config(tmp_path / "b", data, teacher, f"--distillation.soft_labels={tmp_path / 'b-labels'}"), env, top_k=500)
+    with pytest.raises(ConfigError, match=r"^override --distillation.top_k=0: distillation.top_k: Input should be greater than or equal to 1 \(got 0\)$"):
+        student_config(tmp_path / "a", data, teacher, "--distillation.top_k=0")
+    config = student_config(tmp_path / "b", data, teacher, f"--distillation.soft_labels={tmp_path / 'b-labels'}", "--distillation.top_k=500")
+    with pytest.raises(ConfigError, match=r"^distillation.top_k: k must lie in \[1, \d+\] \(the catalogue's items but the next one\), got 500$"):
+        posttrain(config, env)
     assert not (tmp_path / "b-labels").exists()  # the pass stopped: no store that looks complete
-    pointwise = load_config(None, [f"--run_dir={tmp_path / 'c'}", teacher, f"--distillation.soft_labels={tmp_path / 'c-labels'}"])
-    with pytest.raises(ConfigError, match=r"^top_k: 5 applies to the soft labels \(distillation.soft_labels\) of retrieval data"):
-        posttrain(pointwise, env, top_k=5)
+    with pytest.raises(ConfigError, match=r"distillation.top_k applies to next-item data with data.sequential.objective"):
+        load_config(None, [f"--run_dir={tmp_path / 'd'}", teacher, "--distillation.top_k=5"])
+    with pytest.raises(ConfigError, match=r"distillation.top_k applies to data.sequential.objective = \"retrieval\""):
+        load_config(None, [f"--run_dir={tmp_path / 'e'}", *data, "--model.kunlun.two_tower=false",
+                                 "--data.sequential.objective=pointwise", "--data.sequential.loss=binary", "--distillation.top_k=5"])

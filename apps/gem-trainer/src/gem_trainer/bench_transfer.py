@@ -21,7 +21,7 @@ Beauty Kunlun config (``configs/beauty-kunlun.toml``, two-tower, softmax over th
 once with seed 0 (a finished run of the same config in the work folder is reused); the student is a narrower,
 shallower Kunlun (``BEAUTY_STUDENT``: 4.6x fewer FLOPs per example, 2.3x fewer parameters, item vectors 32-wide
 rather than 128) trained ``BEAUTY_STUDENT_STEPS``. The teacher's pass stores its top ``BEAUTY_TOP_K`` items of the
-catalogue per query (``posttrain(top_k=...)``), once per seed (each seed is another stream). Distillation needs
+catalogue per query (``distillation.top_k``), once per seed (each seed is another stream). Distillation needs
 the student's own candidates sampled (``data.sequential.num_negatives >= 1``), so every arm trains the student
 against ``BEAUTY_NEGATIVES`` uniform negatives; one more arm trains it alone against the whole catalogue, as the
 teacher's config does. HR@10 and NDCG@10 on the test split, sampled-99 (mean of three draws) and full ranking,
@@ -68,7 +68,7 @@ BEAUTY_REFERENCE = {"student_alone_catalogue": ["--data.sequential.num_negatives
 BEAUTY_METRICS = ("full/hr@10", "full/ndcg@10", "sampled/hr@10", "sampled/ndcg@10")
 
 
-def posttrain_pass(overrides: list[str], run_dir: Path, config_file: Path | None = None, top_k: int | None = None) -> float:
+def posttrain_pass(overrides: list[str], run_dir: Path, config_file: Path | None = None) -> float:
     """``gem-trainer posttrain`` of ``config_file`` (None: the default config) plus ``overrides``; returns the
     wall time."""
     import contextlib
@@ -81,7 +81,7 @@ def posttrain_pass(overrides: list[str], run_dir: Path, config_file: Path | None
     config = load_config(config_file, [*overrides, f"--run_dir={run_dir}", "--metrics.progress_bar=false"])
     started = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        posttrain(config, init_distributed("cpu", "gloo"), top_k=top_k)
+        posttrain(config, init_distributed("cpu", "gloo"))
     return time.perf_counter() - started
 
 
@@ -165,7 +165,7 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
     result = evaluate(config, teacher, teacher_dir)
     teacher_row = {"seed": 0, "train_s": None if wall is None else round(wall, 1), "reused_finished_run": reused,
                    "eval_s": round(time.perf_counter() - started, 1), **{m: result[m] for m in BEAUTY_METRICS}}
-    print(f"beauty teacher: " + "  ".join(f"{m} {teacher_row[m]:.4f}" for m in BEAUTY_METRICS), flush=True)
+    print("beauty teacher: " + "  ".join(f"{m} {teacher_row[m]:.4f}" for m in BEAUTY_METRICS), flush=True)
     arms = {**BEAUTY_ARMS, **BEAUTY_REFERENCE}
     rows = []
     for seed in seeds:
@@ -173,8 +173,8 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
                    f"--data.sequential.num_negatives={BEAUTY_NEGATIVES}"]
         shutil.rmtree(folder / f"seed{seed}", ignore_errors=True)  # a store left by an earlier call is never reused
         labels = folder / f"seed{seed}" / "soft-labels"
-        pass_s = posttrain_pass([*student, f"--distillation.teacher_run_dir={teacher_dir}", f"--distillation.soft_labels={labels}"],
-                                folder / f"seed{seed}" / "posttrain", config, top_k=top_k)
+        pass_s = posttrain_pass([*student, f"--distillation.teacher_run_dir={teacher_dir}", f"--distillation.soft_labels={labels}",
+                                 f"--distillation.top_k={top_k}"], folder / f"seed{seed}" / "posttrain", config)
         for arm, more in arms.items():
             overrides = [*student, *more] + ([f"--distillation.soft_labels={labels}"] if arm in BEAUTY_ARMS and arm != "student_alone" else [])
             run_dir = folder / f"seed{seed}" / arm

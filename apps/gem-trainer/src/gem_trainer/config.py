@@ -367,10 +367,15 @@ class DistillationConfig(Section):
 
     Online, the teacher runs inside every student step. Offline, ``gem-trainer posttrain`` runs it once over
     this config's training stream and writes its logits to ``soft_labels`` (a folder); ``train`` / ``distill``
-    with ``soft_labels`` set then read them from there and never load the teacher."""
+    with ``soft_labels`` set then read them from there and never load the teacher.
+
+    ``top_k`` (retrieval data, offline): the teacher scores the whole catalogue in the ``posttrain`` pass and
+    its ``top_k`` best items per query other than the next one are stored (with the next item's logit), in
+    place of its scores of the student's sampled candidates; the student distils on those items."""
 
     teacher_run_dir: str | None = None
     soft_labels: str | None = None
+    top_k: int | None = Field(None, ge=1)
     weight: float = Field(1.0, ge=0)
     temperature: float = Field(1.0, gt=0)
     adapter: bool = True
@@ -480,6 +485,9 @@ class TrainerConfig(Section):
         if m.kunlun.two_tower and m.name != "kunlun":
             raise ValueError(f"model.kunlun.two_tower applies to model.name = \"kunlun\", not {m.name!r}")
         if self.data.source not in ("sequence_text", "atomic"):
+            if self.distillation.top_k is not None:
+                raise ValueError("distillation.top_k applies to next-item data with data.sequential.objective = "
+                                 "\"retrieval\" (the teacher ranks the catalogue)")
             if m.name == "sasrec":
                 raise ValueError("model.name = \"sasrec\" needs next-item data (data.source = \"sequence_text\" or \"atomic\")")
             if s.objective == "retrieval" or two_tower:
@@ -495,6 +503,9 @@ class TrainerConfig(Section):
             raise ValueError(f"data.sequential.max_history ({s.max_history}) must not exceed model.sasrec.max_seq_len "
                              f"({m.sasrec.max_seq_len}) with queries = \"every\"")
         distilling = self.distillation.teacher_run_dir is not None or self.distillation.soft_labels is not None
+        if self.distillation.top_k is not None and s.objective != "retrieval":
+            raise ValueError("distillation.top_k applies to data.sequential.objective = \"retrieval\" (the teacher ranks "
+                             "the catalogue)")
         if s.objective == "retrieval" and distilling and s.num_negatives < 1:
             raise ValueError("distillation of retrieval scores sampled candidates: set data.sequential.num_negatives >= 1")
 

@@ -7,9 +7,9 @@ with ``loopfm.store``, a compact representation of every example to the represen
 ``gem_transfer.representation_store``); either may be written alone. Each rank scores its rows; rank 0
 gathers every rank's rows of a step and writes them, so each example of each step is written once.
 
-A retrieval teacher's scores of every sampled candidate are stored as they are; with ``top_k`` it scores the
-whole catalogue instead and only its ``top_k`` best items other than the true next item are stored, with the
-next item's logit (``gem_transfer.TopKLogits``): a store of catalogue-wide logits would hold ``num_items``
+A retrieval teacher's scores of every sampled candidate are stored as they are; with ``distillation.top_k`` it
+scores the whole catalogue instead and only its ``top_k`` best items other than the true next item are stored,
+with the next item's logit (``gem_transfer.TopKLogits``): a store of catalogue-wide logits would hold ``num_items``
 values per query.
 
 A pass cut short leaves no soft-label store, but the representation store keeps every finished part: run
@@ -48,20 +48,13 @@ from gem_transfer import (
 )
 
 
-def posttrain(config: TrainerConfig, env: DistributedEnv, top_k: int | None = None) -> dict:
-    """Writes the stores; returns what was written (folders, steps, rows). ``top_k``: a retrieval teacher
-    scores the catalogue and its ``top_k`` best items per query are stored (None: the batch's candidates)."""
+def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
+    """Writes the stores; returns what was written (folders, steps, rows)."""
     d, loop = config.distillation, config.loopfm
+    top_k = d.top_k  # a retrieval teacher ranks the catalogue (the config checked the objective)
     if d.teacher_run_dir is None or (d.soft_labels is None and loop.store is None):
         raise ConfigError("posttrain needs distillation.teacher_run_dir (the finished teacher) and a folder to write: "
                           "distillation.soft_labels (its logits) and/or loopfm.store (its representations)")
-    if top_k is not None:
-        retrieval = config.data.source in ("sequence_text", "atomic") and config.data.sequential.objective == "retrieval"
-        if not retrieval or d.soft_labels is None:
-            raise ConfigError(f"top_k: {top_k} applies to the soft labels (distillation.soft_labels) of retrieval data "
-                              f"(data.sequential.objective = \"retrieval\")")
-        if top_k < 1:
-            raise ConfigError(f"top_k: must be >= 1, got {top_k}")
     if d.soft_labels is not None and Path(d.soft_labels).exists():
         raise ConfigError(f"distillation.soft_labels: {d.soft_labels} already exists: remove it or choose another folder")
     data = builders.build_data(config, env, representations=False)
@@ -114,7 +107,7 @@ def posttrain(config: TrainerConfig, env: DistributedEnv, top_k: int | None = No
                 try:
                     best = top_k_logits(logits, batch.next_items.positives, top_k)
                 except ValueError as error:
-                    raise ConfigError(f"top_k: {error}") from None
+                    raise ConfigError(f"distillation.top_k: {error}") from None
                 logits, items = best.logits, best.items
             rank_rows = [fingerprints, logits, queries, items]
             if represent:
