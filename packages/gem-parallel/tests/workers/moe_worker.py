@@ -6,6 +6,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from teardown import finish
 
 from gem_kunlun import MixtureOfExperts
 from gem_parallel import apply_expert_parallel, clip_grad_norm_
@@ -86,8 +87,7 @@ def main(out_dir: str) -> None:
     }
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

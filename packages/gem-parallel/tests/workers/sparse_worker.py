@@ -5,6 +5,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from teardown import finish
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 from gem_parallel import ParallelDims, dense_parameters, parallelize_kunlun, table_placement
@@ -55,9 +56,7 @@ def main(out_dir: str) -> None:
     }
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
-    # NOTE: a barrier first, so no rank tears Gloo down while another still talks to it
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 def _local_tables(model) -> dict[str, torch.Tensor]:
