@@ -167,3 +167,15 @@ def test_backward_is_deterministic():
         runs.append(grads(out, [q, k, v], do))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("T,H,D", [(0, 2, 16), (1, 1, 16), (37, 3, 48), (70, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_softmax_delta_pre_pass_matches_its_definition(T, H, D, dtype):
+    """The backward's ``delta = rowsum(dO * O)`` kernel (row counts no multiple of its tile, D no power of two)."""
+    from gem_kernels.ops.triton.triton_attention import softmax_delta
+
+    do, o = rand(T, H, D, dtype=dtype), rand(T, H, D, dtype=dtype)
+    delta = softmax_delta(do, o)
+    assert delta.shape == (T, H) and delta.dtype == torch.float32
+    assert_close(delta, (do.double() * o.double()).sum(-1).float(), 1e-5, "delta")

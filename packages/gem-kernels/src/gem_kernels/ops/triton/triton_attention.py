@@ -12,6 +12,7 @@ import triton
 from gem_kernels.ops.triton._tuning import interpreting, launch
 from gem_kernels.ops.triton.triton_attention_kernels import (
     ACT_CODES,
+    attn_bwd_delta_kernel,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
     attn_fwd_kernel,
@@ -130,12 +131,26 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
     return o, lse
 
 
+_DELTA_CANDIDATES = [dict(BLOCK_R=32, num_warps=4), dict(BLOCK_R=64, num_warps=8), dict(BLOCK_R=16, num_warps=4)]
+
+
+def softmax_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """``(do.float() * o.float()).sum(-1)`` for contiguous ``[T, H, D]`` tensors, in one Triton pass."""
+    T, H, D = o.shape
+    delta = torch.empty((T, H), dtype=torch.float32, device=o.device)
+    rows = T * H
+    if rows:
+        launch(attn_bwd_delta_kernel, lambda c: (triton.cdiv(rows, c["BLOCK_R"]),), (do, o, delta, rows),
+               dict(D=D, BLOCK_D=triton.next_power_of_2(D)), ("delta", D, o.dtype), _DELTA_CANDIDATES)
+    return delta
+
+
 def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
     H, D = q.shape[1], q.shape[2]
     R = kv_offsets.shape[0] - 1
     B = q_offsets.shape[0] - 1 if spec.nq is None else R
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1)  # [T_out, H]: only the softmax heads read it
+    delta = softmax_delta(do, o)  # [T_out, H]: only the softmax heads read it
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     # NOTE: broadcast queries collect one partial dQ per example, summed afterwards (deterministic).

@@ -1,7 +1,7 @@
 """Triton kernels shared by JFA, GDPA and BlockAttention.
 
 One forward kernel and two backward kernels (dK/dV per key tile, dQ per query tile; no atomics, so the backward
-is deterministic) cover every attention op of the package:
+is deterministic), after a pre-pass for the softmax's ``delta``, cover every attention op of the package:
 
 - queries are jagged (``Q_JAGGED``) or a few broadcast rows (PMA, ``NQ`` rows shared by every example);
 - example ``b`` reads kv sequence ``KV_IDX[b]`` (cross attention where one request serves many candidates);
@@ -454,3 +454,16 @@ def attn_bwd_dq_kernel(
                           k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
         _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, (dq * dq_scale).to(DQ.dtype.element_ty),
                     qmask)
+
+
+@triton.jit
+def attn_bwd_delta_kernel(DO, O, DELTA, R, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``delta[r] = sum_d dO[r, d] * O[r, d]`` over the ``R = T * H`` rows of contiguous ``[T, H, D]`` tensors, in
+    float32: one read of each, where the same sum in PyTorch ops writes and rereads float32 copies of both."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    at = rows[:, None] * D + cols[None, :]
+    do = tl.load(DO + at, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(O + at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + rows, tl.sum(do * o, axis=1), mask=rows < R)
