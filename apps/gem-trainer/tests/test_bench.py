@@ -64,6 +64,10 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
         assert {"attention", "pffn", "moe", "embedding"} <= set(components)
         assert all(0 <= c["share_of_step"] for c in components.values())
         assert "tflops" in components["attention"] and "tflops" not in components["norm"]  # norms count no FLOPs
+        # each component names its costliest launching ops, their times within its own
+        ops = components["attention"]["ops"]
+        assert ops and all(name.split(" ")[0] in ("fwd", "bwd") and " < " in name for name in ops)
+        assert sum(ops.values()) <= components["attention"]["total_ms"] + 0.01
     assert written["config"]["forward_gflop_per_example"] > 0
     assert doc["gem_vs_plain"]["examples_per_s_ratio"] > 0 and doc["trainer_overhead"] > 0
     assert set(doc["targets"]) == {"mfu_local >= 0.30", "examples_per_s >= 1.5x plain", "trainer_overhead <= 1.10",

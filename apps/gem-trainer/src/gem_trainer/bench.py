@@ -290,7 +290,8 @@ def attribute_device_time(events, steps: int, time_of=_device_time) -> dict[str,
 
     A kernel belongs to the innermost ``gem::`` range around the op that launched it (forward, loss, optimizer);
     a backward kernel belongs to the component whose forward op created its autograd node (same sequence
-    number). What matches neither is ``other``.
+    number). What matches neither is ``other``. ``ops`` names each component's costliest launching ops (the op
+    and the op that called it), so that casts and copies are found where they are made.
     """
     by_sequence: dict[int, str] = {}
     for e in events:
@@ -300,6 +301,7 @@ def attribute_device_time(events, steps: int, time_of=_device_time) -> dict[str,
             if component is not None:
                 by_sequence.setdefault(seq, component)
     table: dict[str, dict[str, float]] = defaultdict(lambda: {"fwd_ms": 0.0, "bwd_ms": 0.0})
+    ops: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for e in events:
         # NOTE: only host-side ops: a kernel's time is counted once, as its launching op's own device time (the
         # device-side copies of kernels and of the gem:: ranges would count it again)
@@ -319,10 +321,13 @@ def attribute_device_time(events, steps: int, time_of=_device_time) -> dict[str,
             if node is None:
                 phase = "fwd_ms"
         table[component][phase] += t / 1000.0 / steps
+        caller = e.cpu_parent.name if e.cpu_parent is not None else "-"
+        ops[component][f"{phase[:3]} {e.name} < {caller}"] += t / 1000.0 / steps
     out = {}
     for k, v in sorted(table.items(), key=lambda kv: -(kv[1]["fwd_ms"] + kv[1]["bwd_ms"])):
+        costliest = sorted(ops[k].items(), key=lambda kv: -kv[1])[:8]
         out[k] = {"fwd_ms": round(v["fwd_ms"], 3), "bwd_ms": round(v["bwd_ms"], 3),
-                  "total_ms": round(v["fwd_ms"] + v["bwd_ms"], 3)}
+                  "total_ms": round(v["fwd_ms"] + v["bwd_ms"], 3), "ops": {n: round(t, 3) for n, t in costliest}}
     return out
 
 
