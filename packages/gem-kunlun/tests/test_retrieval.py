@@ -15,6 +15,7 @@ from gem_kunlun import (
     SasrecConfig,
     SasrecModel,
     SparseFeature,
+    dot_scores,
     next_item_loss,
     retrieval_logits,
 )
@@ -76,6 +77,22 @@ def test_sampled_logits_are_columns_of_the_catalogue_logits():
     scored = targets.scored_items()
     full = retrieval_logits(queries, items, NextItemTargets(False, targets.positives, None, "softmax"))
     torch.testing.assert_close(retrieval_logits(queries, items[scored.reshape(-1)], targets), full.gather(1, scored))
+
+
+def test_scores_stay_float32_under_bf16_autocast():
+    """Ranking compares thousands of close scores: under autocast they are computed and returned in float32
+    (bf16's 8 significant bits would tie and swap them), equal to the float32 products."""
+    g = torch.Generator().manual_seed(2)
+    queries, items = torch.randn(6, 32, generator=g) * 4, torch.randn(NUM_ITEMS, 32, generator=g) * 4
+    per_query = torch.randn(6, 5, 32, generator=g)
+    targets = NextItemTargets(False, torch.randint(NUM_ITEMS, (6,), generator=g), None, "softmax")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rounded = queries @ items.t()  # what autocast makes of a plain product
+        catalogue, own = retrieval_logits(queries, items, targets), dot_scores(queries, per_query)
+    assert rounded.dtype == torch.bfloat16 and catalogue.dtype == own.dtype == torch.float32
+    torch.testing.assert_close(catalogue, queries @ items.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(own, torch.einsum("nd,nkd->nk", queries, per_query), rtol=1e-5, atol=1e-5)
+    assert (rounded.float() != catalogue).float().mean() > 0.5  # the bf16 scores are another ranking's input
 
 
 def test_targets_are_checked():

@@ -11,7 +11,7 @@ from gem_kunlun.interformer import InterFormerConfig, InterFormerLayer, InterFor
 from gem_kunlun.kunlun import KUNLUN_SIZES, KunlunConfig, KunlunEncoder, KunlunLayer, KunlunModel, KunlunTrunk
 from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatch
 from gem_kunlun.representation_summary import RepresentationSummary
-from gem_kunlun.retrieval import next_item_loss, retrieval_logits, scored_item_ids
+from gem_kunlun.retrieval import dot_scores, next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
 from gem_kunlun.sequence import (
@@ -68,6 +68,7 @@ __all__ = [
     "multitask_loss",
     "next_item_loss",
     "retrieval_logits",
+    "dot_scores",
     "scored_item_ids",
     "segment_ids",
     "segment_positions",

@@ -44,7 +44,7 @@ from gem_kunlun.moe import MixtureOfExperts
 from gem_kunlun.norm import LayerNorm
 from gem_kunlun.pffn import PersonalizedFFN
 from gem_kunlun.representation_summary import RepresentationSummary
-from gem_kunlun.retrieval import retrieval_logits, scored_item_ids
+from gem_kunlun.retrieval import dot_scores, retrieval_logits, scored_item_ids
 from gem_kunlun.rote import time_gap_positions
 from gem_kunlun.sequence import keep_latest, merge_by_time
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling
@@ -395,7 +395,7 @@ class KunlunModel(nn.Module):
             raise ValueError("a two-tower Kunlun needs the catalogue to score candidates")
         representation, _ = self.trunk(*self.encoder(requests))
         vectors = self.item_tower(catalogue)
-        return torch.einsum("ud,ucd->uc", self.query(representation), vectors[candidates])
+        return dot_scores(self.query(representation), vectors[candidates])
 
     def flops(self, batch: Batch) -> dict[str, float]:
         """Forward model FLOPs of ``batch`` per component (real lengths; active experts only; embedding

@@ -27,7 +27,7 @@ from gem_kunlun.candidates import CandidateInput
 from gem_kunlun.config_checks import check_at_least
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput
-from gem_kunlun.retrieval import retrieval_logits, scored_item_ids
+from gem_kunlun.retrieval import dot_scores, retrieval_logits, scored_item_ids
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,7 @@ class SasrecModel(nn.Module):
         history = requests.sequences[self.config.history]
         history_vectors, candidate_vectors = self._lookup(history.ids, candidates)
         user = self.user_representation(history_vectors, history.lengths())
-        return torch.einsum("ud,ucd->uc", user, candidate_vectors.view(*candidates.shape, -1))
+        return dot_scores(user, candidate_vectors.view(*candidates.shape, -1))
 
     def flops(self, batch: Batch) -> dict[str, float]:
         """Forward FLOPs per component over real lengths (embedding lookups excluded); multiply by 3 for training."""

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.nn import functional as F
 
-from gem_kunlun import ModelOutput, MultiTaskHeads, retrieval_logits
+from gem_kunlun import ModelOutput, MultiTaskHeads, dot_scores, retrieval_logits
 from gem_transfer.soft_labels import TopKLogits
 
 
@@ -248,6 +248,6 @@ class DistilledStudent(nn.Module):
             every = out.item_vectors.view(queries, served + k, -1)
             logits, plain_vectors = out.logits[:, :served], every[:, :served].reshape(queries * served, -1)
             vectors = torch.cat([every[:, :1], every[:, served:]], 1)
-        auxiliary = torch.einsum("nd,nkd->nk", self.auxiliary_head(out.representation), vectors)
+        auxiliary = dot_scores(self.auxiliary_head(out.representation), vectors)
         plain = dict(logits=logits, representation=out.representation, item_vectors=plain_vectors, auxiliary_logits=auxiliary)
         return self._listwise(out, auxiliary, teacher.logits, plain)
