@@ -8,7 +8,7 @@ import torch
 from conftest import requires_triton
 from gem_kernels_testing import assert_close
 
-from gem_kernels import rotary
+from gem_kernels import qkv_rotary, rotary
 from gem_kernels.ops.pytorch.pt_rotary import pt_rotary
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
@@ -34,6 +34,41 @@ def test_triton_matches_reference(T, H, D, dtype):
         assert_close(a, e, TOL[dtype], "out")
     assert_close(grads["triton"], grads["pytorch"], TOL[dtype], "dqkv")
     assert grads["triton"][:, 2].abs().max() == 0  # v is untouched
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,H,D", [(1, 1, 2), (37, 4, 16), (70, 2, 12)])
+def test_fused_qkv_rotary_matches_rotary_on_the_split_projection(T, H, D, dtype):
+    """``qkv_rotary`` (one pass: q, k rotated and v copied contiguous; one pass back into the projection's
+    gradient) against the reference ``rotary`` on ``qkv.unbind(1)``, outputs and gradients; an output that
+    reaches no loss gets a zero gradient."""
+    projection = torch.randn(T, 3, H, D).to(dtype)
+    positions = torch.rand(T) * 15
+    seeds = [torch.randn(T, H, D).to(dtype) for _ in range(3)]
+    outs, grads = {}, {}
+    for kernel in ("triton", "pytorch"):
+        qkv = projection.clone().requires_grad_()
+        out = qkv_rotary(qkv, positions, kernel=kernel)
+        assert all(o.dtype == dtype and o.shape == (T, H, D) for o in out)
+        outs[kernel] = out
+        grads[kernel] = torch.autograd.grad(out, qkv, seeds)[0]
+    assert all(o.is_contiguous() for o in outs["triton"])
+    for a, e, name in zip(outs["triton"], outs["pytorch"], "qkv"):
+        assert_close(a, e, TOL[dtype], f"{name} out")
+    assert_close(grads["triton"], grads["pytorch"], TOL[dtype], "dqkv")
+    assert torch.equal(outs["triton"][2], projection[:, 2])  # v travels unchanged
+    qkv = projection.clone().requires_grad_()
+    q, _, v = qkv_rotary(qkv, positions, kernel="triton")
+    (q.float().sum() + v.float().sum()).backward()
+    assert qkv.grad[:, 1].abs().max() == 0 and torch.equal(qkv.grad[:, 2], torch.ones_like(v))
+
+
+def test_qkv_rotary_bad_shapes_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"qkv must be \[T, 3, H, D\] with an even head dim D, got \(4, 2, 1, 8\)"):
+        qkv_rotary(torch.randn(4, 2, 1, 8), torch.zeros(4), kernel="pytorch")
+    with pytest.raises(ValueError, match=r"positions must be a tensor of shape \[4\]"):
+        qkv_rotary(torch.randn(4, 3, 1, 8), torch.zeros(5), kernel="pytorch")
 
 
 @requires_triton

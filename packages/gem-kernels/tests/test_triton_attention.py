@@ -179,3 +179,27 @@ def test_softmax_delta_pre_pass_matches_its_definition(T, H, D, dtype):
     delta = softmax_delta(do, o)
     assert delta.shape == (T, H) and delta.dtype == torch.float32
     assert_close(delta, (do.double() * o.double()).sum(-1).float(), 1e-5, "delta")
+
+
+def test_views_of_a_fused_projection_are_read_in_place():
+    """k and v split from one ``[T, 2, H, D]`` projection (PMA's layout), q from a ``[T, 3, H, D]`` one: the
+    kernels read the strided views; outputs and gradients equal those of contiguous copies."""
+    off = offsets_of([19, 0, 33, 5])
+    T, H, D = int(off[-1]), 2, 16
+    kv = rand(T, 2, H, D).requires_grad_()
+    seeds = rand(4, H, D).requires_grad_()
+    k, v = kv.unbind(1)
+    assert not k.is_contiguous()
+    out = gdpa(seeds, k, v, None, off, max_seq_len_kv=40, kernel="triton")
+    copies = [x.detach().contiguous().requires_grad_() for x in (k, v)]
+    expected = gdpa(seeds.detach(), *copies, None, off, max_seq_len_kv=40, kernel="triton")
+    assert_close(out, expected, 1e-6, "out")
+    do = torch.randn_like(out)
+    dkv, = torch.autograd.grad(out, kv, do)
+    for got, want, name in zip(dkv.unbind(1), torch.autograd.grad(expected, copies, do), "kv"):
+        assert_close(got, want, 1e-6, f"d{name}")
+    qkv = rand(T, 3, H, D)
+    q, k, v = qkv.unbind(1)
+    assert_close(jagged_flash_attention(q, k, v, off, 40, causal=True, kernel="triton"),
+                 jagged_flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), off, 40, causal=True, kernel="triton"),
+                 1e-6, "jfa out")

@@ -584,7 +584,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_ops(device) -> list[dict]:
     """Our kernels and the builtin route against the fp32 reference on random jagged inputs (fwd and grads)."""
-    from gem_kernels import block_attention, gdpa, layer_norm, rotary
+    from gem_kernels import block_attention, gdpa, layer_norm, qkv_rotary, rotary
 
     g = torch.Generator(device="cpu").manual_seed(1)
     lengths = [700, 1, 64, 129, 0, 333, 1500]
@@ -645,6 +645,18 @@ def check_ops(device) -> list[dict]:
                "dq_rel_err": round(rel_err(grads[0], ref_grads[0]), 5), "dk_rel_err": round(rel_err(grads[1], ref_grads[1]), 5)}
         row["ok"] = all(v < 1e-2 for key, v in row.items() if key.endswith("rel_err"))
         checks.append(row)
+    # the fused projection split: q, k rotated and v copied in one pass, the projection's gradient in one pass
+    qkv = torch.stack([q.detach(), k.detach(), rand(T, H, D)], 1).requires_grad_()
+    ref = qkv_rotary(qkv, positions, kernel="pytorch")
+    seeds.append(rand(T, H, D))
+    ref_grad = torch.autograd.grad(ref, qkv, seeds)[0]
+    fused_in = qkv.detach().bfloat16().requires_grad_()
+    out = qkv_rotary(fused_in, positions, kernel="auto")
+    grad = torch.autograd.grad(out, fused_in, [s.bfloat16() for s in seeds])[0]
+    row = {"op": "qkv_rotary", "kernel": "auto", "out_rel_err": round(max(rel_err(a, b) for a, b in zip(out, ref)), 5),
+           "dqkv_rel_err": round(rel_err(grad, ref_grad), 5)}
+    row["ok"] = all(v < 1e-2 for key, v in row.items() if key.endswith("rel_err"))
+    checks.append(row)
     return checks
 
 

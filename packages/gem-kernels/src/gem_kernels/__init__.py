@@ -18,6 +18,7 @@ from gem_kernels.ops import (
     gdpa,
     jagged_flash_attention,
     layer_norm,
+    qkv_rotary,
     rms_norm,
     rotary,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "mx_fake_quantize",
     "mx_matmul",
     "mx_quantize",
+    "qkv_rotary",
     "rms_norm",
     "rotary",
 ]

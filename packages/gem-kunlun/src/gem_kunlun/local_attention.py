@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem_kernels import block_attention, jagged_flash_attention, rotary
+from gem_kernels import block_attention, jagged_flash_attention, qkv_rotary
 from gem_kunlun.norm import LayerNorm
 from gem_kunlun.rote import ROTE_BASE
 
@@ -29,9 +29,8 @@ class LocalAttention(nn.Module):
 
     def forward(self, seq: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
         h, d = self.num_heads, self.dim // self.num_heads
-        q, k, v = self.qkv(self.norm(seq)).view(-1, 3, h, d).unbind(1)
-        if self.rote:
-            q, k = rotary(q, k, positions, ROTE_BASE, kernel=self.kernel)
+        qkv = self.qkv(self.norm(seq)).view(-1, 3, h, d)
+        q, k, v = qkv_rotary(qkv, positions, ROTE_BASE, kernel=self.kernel) if self.rote else qkv.unbind(1)
         if self.mode == "block":
             o = block_attention(q, k, v, offsets, block_size=self.block_size, window_blocks=self.window_blocks,
                                 max_seq_len=max_len, kernel=self.kernel, validate=False)

@@ -4,7 +4,10 @@ One program takes a tile of tokens: it computes the tile's angles, cosines and s
 rotates every head of q and of k with them, reading each input once (its pair partners again, from cache) and
 writing each output once. The backward is the same rotation by the opposite angle (a rotation's transpose), so
 one kernel serves both.
-Inputs may be strided views (q and k split from one fused projection); outputs are contiguous.
+Inputs may be strided views (q and k split from one fused projection); outputs are contiguous. ``qkv_rotary``
+takes the fused projection ``[T, 3, H, D]`` whole: the same pass also writes v contiguous, and its backward
+writes the projection's gradient in one buffer (where separate rotation, copy and stacking passes would each
+read and write it again).
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from gem_kernels.ops.triton._tuning import launch
 
 @triton.jit
 def rotary_kernel(
-    Q, K, QO, KO, POS, T, stride_qt, stride_qh, stride_kt, stride_kh, log2_base, sign,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q, K, V, QO, KO, VO, POS, T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, log2_base, sign,
+    H: tl.constexpr, D: tl.constexpr, HAS_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # QO, KO (and VO) share the output strides ``stride_ot, stride_oh``; with HAS_V, v is copied along
     # NOTE: every load and store covers whole rows of D channels (wide, coalesced accesses); the pair partner
     # of each channel (2i <-> 2i + 1) is a second load of the same row, served from L1. Loading even and odd
     # channels apart and storing them apart (stride-2 accesses) ran at a sixteenth of the bandwidth.
@@ -39,7 +44,7 @@ def rotary_kernel(
     sin = tl.sin(angle) * tl.where(cols % 2 == 0, -sign, sign)[None, :]
     for h in tl.static_range(H):
         q_at = rows[:, None] * stride_qt + h * stride_qh
-        o_at = rows[:, None] * (H * D) + h * D + cols[None, :]
+        o_at = rows[:, None] * stride_ot + h * stride_oh + cols[None, :]
         q = tl.load(Q + q_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q_partner = tl.load(Q + q_at + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(QO + o_at, (q * cos + q_partner * sin).to(QO.dtype.element_ty), mask=mask)
@@ -47,22 +52,29 @@ def rotary_kernel(
         k = tl.load(K + k_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         k_partner = tl.load(K + k_at + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(KO + o_at, (k * cos + k_partner * sin).to(KO.dtype.element_ty), mask=mask)
+        if HAS_V:
+            v = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=mask, other=0.0)
+            tl.store(VO + o_at, v.to(VO.dtype.element_ty), mask=mask)
 
 
 _CANDIDATES = [dict(BLOCK_T=16, num_warps=4), dict(BLOCK_T=32, num_warps=8), dict(BLOCK_T=8, num_warps=4)]
 
 
-def _rotate(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, base: float, sign: float):
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
+def _rotate(q, k, v, outputs, positions: torch.Tensor, base: float, sign: float) -> None:
+    """Rotate ``q``, ``k`` (and copy ``v``, when given) ``[T, H, D]`` into ``outputs``, views with one layout."""
     T, H, D = q.shape
-    q_out, k_out = torch.empty(T, H, D, dtype=q.dtype, device=q.device), torch.empty(T, H, D, dtype=k.dtype, device=k.device)
-    args = (q, k, q_out, k_out, positions, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            math.log2(base), sign)
-    consts = dict(H=H, D=D, BLOCK_D=triton.next_power_of_2(D))
+    qo = outputs[0]
+    assert all(o.stride() == qo.stride() for o in outputs) and all(x.stride(-1) == 1 for x in (q, k, *outputs))
+    vv = v if v is not None else q
+    args = (q, k, vv, *outputs[:2], outputs[2] if v is not None else qo, positions, T, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), qo.stride(0), qo.stride(1), math.log2(base), sign)
+    consts = dict(H=H, D=D, HAS_V=v is not None, BLOCK_D=triton.next_power_of_2(D))
     launch(rotary_kernel, lambda c: (triton.cdiv(T, c["BLOCK_T"]),), args, consts,
-           ("rotary", H, D, q.dtype), _CANDIDATES)
-    return q_out, k_out
+           ("rotary", H, D, q.dtype, v is not None), _CANDIDATES)
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class _TritonRotary(torch.autograd.Function):
@@ -71,14 +83,47 @@ class _TritonRotary(torch.autograd.Function):
         positions = positions.contiguous()
         ctx.save_for_backward(positions)
         ctx.base = base
-        return _rotate(q, k, positions, base, 1.0)
+        q, k = _unit_stride(q), _unit_stride(k)
+        outputs = (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device))
+        _rotate(q, k, None, outputs, positions, base, 1.0)
+        return outputs
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
         (positions,) = ctx.saved_tensors
-        dq, dk = _rotate(dq_out, dk_out, positions, ctx.base, -1.0)
-        return dq, dk, None, None
+        dq_out, dk_out = _unit_stride(dq_out), _unit_stride(dk_out)
+        grads = tuple(torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in (dq_out, dk_out))
+        _rotate(dq_out, dk_out, None, grads, positions, ctx.base, -1.0)
+        return grads[0], grads[1], None, None
+
+
+class _TritonQkvRotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, positions, base):
+        positions = positions.contiguous()
+        ctx.save_for_backward(positions)
+        ctx.base = base
+        qkv = _unit_stride(qkv)
+        T, _, H, D = qkv.shape
+        outputs = tuple(torch.empty((T, H, D), dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+        _rotate(qkv[:, 0], qkv[:, 1], qkv[:, 2], outputs, positions, base, 1.0)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        (positions,) = ctx.saved_tensors
+        # an output that reached no loss has no gradient: zeros stand in
+        given = next(g for g in (dq, dk, dv) if g is not None)
+        dq, dk, dv = (_unit_stride(g) if g is not None else torch.zeros_like(given) for g in (dq, dk, dv))
+        T, H, D = dq.shape
+        dqkv = torch.empty((T, 3, H, D), dtype=dq.dtype, device=dq.device)
+        _rotate(dq, dk, dv, (dqkv[:, 0], dqkv[:, 1], dqkv[:, 2]), positions, ctx.base, -1.0)
+        return dqkv, None, None
 
 
 def triton_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, base: float):
     return _TritonRotary.apply(q, k, positions, base)
+
+
+def triton_qkv_rotary(qkv: torch.Tensor, positions: torch.Tensor, base: float):
+    return _TritonQkvRotary.apply(qkv, positions, base)
