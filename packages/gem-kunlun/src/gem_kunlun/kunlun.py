@@ -215,16 +215,14 @@ class KunlunEncoder(nn.Module):
             index, kept_offsets = keep_latest(sequence.offsets(), c.max_seq_len, total)
             t = sequence.timestamps[index]
             positions = time_gap_positions(t, kept_offsets)
-            # index_select: rows kept once each, gradients added back without a sort (see merge_by_time)
-            kept = events[name].index_select(0, index)
-            values.append(self.event_encoders[name](kept, kept_offsets, positions, c.max_seq_len))
+            values.append(self.event_encoders[name](events[name][index], kept_offsets, positions, c.max_seq_len))
             lengths.append(kept_offsets[1:] - kept_offsets[:-1])
             times.append(t)
         merged, offsets, timestamps, event_type = merge_by_time(values, lengths, times)
         known = all(k is not None for k in host_kept)
         total = sum(min(sum(per_type), c.max_seq_len) for per_type in zip(*host_kept)) if known and host_kept else None
         index, offsets = keep_latest(offsets, c.max_seq_len, total)
-        seq = merged.index_select(0, index) + self.event_type(event_type[index])
+        seq = merged[index] + self.event_type(event_type[index])
         tokens = [sparse, dense[:, None]]
         if self.representations is not None:
             tokens.append(self.representations(batch).to(sparse.dtype))

@@ -33,9 +33,7 @@ def merge_by_time(
     by_example = torch.sort(example[by_time], stable=True).indices
     order = by_time[by_example]
     merged_lengths = torch.stack(lengths, 0).sum(0)
-    # NOTE: index_select, not [order]: its backward adds rows back (index_add), where advanced indexing's
-    # backward runs a sorting accumulate; ``order`` is a permutation, so both give the same gradient
-    return torch.cat(values).index_select(0, order), lengths_to_offsets(merged_lengths), time[order], event_type[order]
+    return torch.cat(values)[order], lengths_to_offsets(merged_lengths), time[order], event_type[order]
 
 
 def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
