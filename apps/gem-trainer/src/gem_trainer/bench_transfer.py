@@ -32,7 +32,6 @@ fixed before any run).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 import torch
 
 from gem_trainer.bench_runs import ROOT, evaluate, mean_std, provenance, train, write_section
+from gem_trainer.evaluators import fixed_mmap_threshold
 
 SECTIONS = ("synthetic", "synthetic_users", "beauty")
 NUM_USERS = 2000  # with 600 student steps of 256 examples: ~77 examples per user, ~380 in the teacher's stream
@@ -208,17 +208,6 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
                      for arm, more in arms.items()},
             "rows": rows, "summary": summary, "paired_gain_over_student_alone": paired,
             "beats_student_alone_beyond_spread": beats}
-
-
-def fixed_mmap_threshold(size: int = 1 << 20) -> bool:
-    """glibc: blocks of ``size`` bytes or more are mapped and returned to the system when freed."""
-    # NOTE: glibc raises its mmap threshold to the largest block freed so far; the full-ranking evaluation then
-    # serves its ~25 MB temporaries from the heap, which fragments: one process running the 13 Beauty runs grew
-    # past the machine's 23 GB. A fixed threshold keeps every evaluation flat (~0.8 GB).
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, size))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False  # not glibc
 
 
 def main(argv: list[str] | None = None) -> int:
