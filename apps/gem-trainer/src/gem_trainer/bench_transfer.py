@@ -25,8 +25,8 @@ catalogue per query (``distillation.top_k``), once per seed (each seed is anothe
 the student's own candidates sampled (``data.sequential.num_negatives >= 1``), so every arm trains the student
 against ``BEAUTY_NEGATIVES`` uniform negatives; one more arm trains it alone against the whole catalogue, as the
 teacher's config does. HR@10 and NDCG@10 on the test split, sampled-99 (mean of three draws) and full ranking,
-each run evaluated once; no knob was chosen on the test split (weight, temperature, k and the negatives were
-fixed before any run).
+each run evaluated once; no knob was chosen on the test split (k and the negatives were fixed before any run;
+the teacher's weight and temperature, ``BEAUTY_WEIGHT`` and ``BEAUTY_TEMPERATURE``, on the validation split).
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ BEAUTY_TEACHER = "beauty-kunlun.toml"
 BEAUTY_STUDENT = ["--model.kunlun.d_model=16", "--model.kunlun.num_layers=1", "--model.kunlun.hidden=[32]"]
 BEAUTY_STUDENT_STEPS = 1500  # about 3 passes over the 131k training prefixes (the teacher: 6)
 BEAUTY_NEGATIVES, BEAUTY_TOP_K = 256, 100
+# the teacher's weight and temperature in the distillation arms, chosen on the validation split (seed 0's store,
+# the student alone and a grid of weight x temperature: transfer.json's beauty_validation_sweep); 1 / 1 before
+BEAUTY_WEIGHT, BEAUTY_TEMPERATURE = 4.0, 3.0
 BEAUTY_ARMS = ARMS  # the same three arms as on the synthetic data
 # the student trained against the whole catalogue, as the teacher is (no distillation: it needs sampled items)
 BEAUTY_REFERENCE = {"student_alone_catalogue": ["--data.sequential.num_negatives=0"]}
@@ -176,7 +179,9 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
         pass_s = posttrain_pass([*student, f"--distillation.teacher_run_dir={teacher_dir}", f"--distillation.soft_labels={labels}",
                                  f"--distillation.top_k={top_k}"], folder / f"seed{seed}" / "posttrain", config)
         for arm, more in arms.items():
-            overrides = [*student, *more] + ([f"--distillation.soft_labels={labels}"] if arm in BEAUTY_ARMS and arm != "student_alone" else [])
+            distilled = arm in BEAUTY_ARMS and arm != "student_alone"
+            overrides = [*student, *more] + ([f"--distillation.soft_labels={labels}", f"--distillation.weight={BEAUTY_WEIGHT}",
+                                              f"--distillation.temperature={BEAUTY_TEMPERATURE}"] if distilled else [])
             run_dir = folder / f"seed{seed}" / arm
             wall = train(config, overrides, run_dir)
             started = time.perf_counter()
@@ -203,7 +208,8 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
                                 "against 1.24M, 32-wide item vectors against 128"},
             "transfer": {"soft_labels": f"the teacher's top {top_k} items of the catalogue per query (other than the "
                                         "next item) and the next item's logit, written by posttrain once per seed",
-                         "weight": 1.0, "temperature": 1.0, "chosen_on": "fixed before any run (no knob read the test split)"},
+                         "weight": BEAUTY_WEIGHT, "temperature": BEAUTY_TEMPERATURE,
+                         "chosen_on": "the validation split (beauty_validation_sweep); k and the negatives fixed before any run"},
             "arms": {arm: more + (["--distillation.soft_labels=<the seed's top-k store>"] if arm in ("distillation", "distillation_adapter") else [])
                      for arm, more in arms.items()},
             "rows": rows, "summary": summary, "paired_gain_over_student_alone": paired,
