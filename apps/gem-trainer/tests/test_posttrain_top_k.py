@@ -97,6 +97,8 @@ def test_bad_top_k_is_a_one_line_error_naming_it(corpus, tmp_path):
     teacher = f"--distillation.teacher_run_dir={folder / 'teacher'}"
     with pytest.raises(ConfigError, match=r"^override --distillation.top_k=0: distillation.top_k: Input should be greater than or equal to 1 \(got 0\)$"):
         student_config(tmp_path / "a", data, teacher, "--distillation.top_k=0")
+    with pytest.raises(ConfigError, match=r"distillation.top_k chooses what posttrain stores in distillation.soft_labels"):
+        student_config(tmp_path / "a", data, teacher, "--distillation.top_k=5")  # online: nothing to choose
     config = student_config(tmp_path / "b", data, teacher, f"--distillation.soft_labels={tmp_path / 'b-labels'}", "--distillation.top_k=500")
     with pytest.raises(ConfigError, match=r"^distillation.top_k: k must lie in \[1, \d+\] \(the catalogue's items but the next one\), got 500$"):
         posttrain(config, env)

@@ -506,6 +506,9 @@ class TrainerConfig(Section):
         if self.distillation.top_k is not None and s.objective != "retrieval":
             raise ValueError("distillation.top_k applies to data.sequential.objective = \"retrieval\" (the teacher ranks "
                              "the catalogue)")
+        if self.distillation.top_k is not None and self.distillation.soft_labels is None:
+            raise ValueError("distillation.top_k chooses what posttrain stores in distillation.soft_labels: set it (online "
+                             "distillation scores the student's own candidates)")
         if s.objective == "retrieval" and distilling and s.num_negatives < 1:
             raise ValueError("distillation of retrieval scores sampled candidates: set data.sequential.num_negatives >= 1")
 
