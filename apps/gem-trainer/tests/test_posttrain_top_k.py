@@ -105,6 +105,6 @@ def test_bad_top_k_is_a_one_line_error_naming_it(corpus, tmp_path):
     assert not (tmp_path / "b-labels").exists()  # the pass stopped: no store that looks complete
     with pytest.raises(ConfigError, match=r"distillation.top_k applies to next-item data with data.sequential.objective"):
         load_config(None, [f"--run_dir={tmp_path / 'd'}", teacher, "--distillation.top_k=5"])
-    with pytest.raises(ConfigError, match=r"distillation.top_k applies to data.sequential.objective = \"retrieval\""):
+    with pytest.raises(ConfigError, match=r"distillation.top_k applies to next-item data with data.sequential.objective = \"retrieval\""):
         load_config(None, [f"--run_dir={tmp_path / 'e'}", *data, "--model.kunlun.two_tower=false",
                                  "--data.sequential.objective=pointwise", "--data.sequential.loss=binary", "--distillation.top_k=5"])

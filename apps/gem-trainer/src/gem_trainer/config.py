@@ -482,12 +482,16 @@ class TrainerConfig(Section):
         """Retrieval examples need a model whose request side ignores the candidate."""
         s, m = self.data.sequential, self.model
         two_tower = m.name == "kunlun" and m.kunlun.build().two_tower
+        if self.distillation.top_k is not None:
+            if self.data.source not in ("sequence_text", "atomic") or s.objective != "retrieval":
+                raise ValueError("distillation.top_k applies to next-item data with data.sequential.objective = "
+                                 "\"retrieval\" (the teacher ranks the catalogue)")
+            if self.distillation.soft_labels is None:
+                raise ValueError("distillation.top_k chooses what posttrain stores in distillation.soft_labels: set it "
+                                 "(online distillation scores the student's own candidates)")
         if m.kunlun.two_tower and m.name != "kunlun":
             raise ValueError(f"model.kunlun.two_tower applies to model.name = \"kunlun\", not {m.name!r}")
         if self.data.source not in ("sequence_text", "atomic"):
-            if self.distillation.top_k is not None:
-                raise ValueError("distillation.top_k applies to next-item data with data.sequential.objective = "
-                                 "\"retrieval\" (the teacher ranks the catalogue)")
             if m.name == "sasrec":
                 raise ValueError("model.name = \"sasrec\" needs next-item data (data.source = \"sequence_text\" or \"atomic\")")
             if s.objective == "retrieval" or two_tower:
@@ -503,12 +507,6 @@ class TrainerConfig(Section):
             raise ValueError(f"data.sequential.max_history ({s.max_history}) must not exceed model.sasrec.max_seq_len "
                              f"({m.sasrec.max_seq_len}) with queries = \"every\"")
         distilling = self.distillation.teacher_run_dir is not None or self.distillation.soft_labels is not None
-        if self.distillation.top_k is not None and s.objective != "retrieval":
-            raise ValueError("distillation.top_k applies to data.sequential.objective = \"retrieval\" (the teacher ranks "
-                             "the catalogue)")
-        if self.distillation.top_k is not None and self.distillation.soft_labels is None:
-            raise ValueError("distillation.top_k chooses what posttrain stores in distillation.soft_labels: set it (online "
-                             "distillation scores the student's own candidates)")
         if s.objective == "retrieval" and distilling and s.num_negatives < 1:
             raise ValueError("distillation of retrieval scores sampled candidates: set data.sequential.num_negatives >= 1")
 

@@ -11,10 +11,10 @@ from gem_kernels import layer_norm
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state dict) whose forward runs gem-kernels' fused norm.
 
-    NOTE: the output stays in the input's dtype under autocast. Writing the autocast dtype directly
-    (``out_dtype``) removed the matmuls' cast passes, but the norm's backward kernel then read bf16 gradients
-    beside float32 inputs and ran 3x slower on the H200 (32.9 vs 11.0 ms a step of the training benchmark),
-    more than the casts saved."""
+    NOTE: the output stays in the input's dtype under autocast. Writing the autocast dtype from the kernel
+    removed the matmuls' cast passes, but the norm's backward kernel then read bf16 gradients beside float32
+    inputs and ran 3x slower on the H200 (32.9 vs 11.0 ms a step of the training benchmark), more than the casts
+    saved."""
 
     def __init__(self, dim: int, eps: float = 1e-5, kernel: str = "auto", device=None) -> None:
         super().__init__(dim, eps=eps, device=device)

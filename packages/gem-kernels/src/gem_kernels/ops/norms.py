@@ -9,10 +9,8 @@ from gem_kernels.ops.pytorch.builtin import builtin_layer_norm, builtin_rms_norm
 from gem_kernels.ops.pytorch.pt_norms import pt_layer_norm, pt_rms_norm
 
 
-def _check(x, weight, bias, residual, kernel, out_dtype=None) -> bool:
+def _check(x, weight, bias, residual, kernel) -> bool:
     V.check_kernel(kernel)
-    if out_dtype is not None and out_dtype not in V.SUPPORTED_DTYPES:
-        raise ValueError(f"out_dtype must be None, float16, bfloat16 or float32, got {out_dtype}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError("x must be a tensor of rank >= 1 ([..., N])")
     if x.dtype not in V.SUPPORTED_DTYPES:
@@ -54,22 +52,18 @@ def layer_norm(
     eps: float = 1e-5,
     residual: torch.Tensor | None = None,
     kernel: str = "auto",
-    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm over the last dim of x [..., N] with weight / bias [N] (bias may be None). With a residual
     (x's shape and dtype) it normalises h = x + residual in one pass and returns (y, h), h in x's dtype, so the
-    residual stream needs no separate add; otherwise returns y. Statistics are fp32; y is in ``out_dtype``
-    (default: x's dtype), written so by the kernel (no cast pass after it; its gradient then arrives in that
-    dtype: on the H200 the backward kernel reading bf16 gradients beside float32 inputs ran ~3x slower than
-    with float32 ones). kernel: "triton", "pytorch", "auto" (Triton on CUDA) or "builtin" (torch's unfused
-    ops)."""
-    if _check(x, weight, bias, residual, kernel, out_dtype):
+    residual stream needs no separate add; otherwise returns y. Statistics are fp32; y is in x's dtype.
+    kernel: "triton", "pytorch", "auto" (Triton on CUDA) or "builtin" (torch's unfused ops)."""
+    if _check(x, weight, bias, residual, kernel):
         from gem_kernels.ops.triton.triton_norms import triton_layer_norm
 
-        return triton_layer_norm(x, weight, bias, eps, residual, out_dtype)
+        return triton_layer_norm(x, weight, bias, eps, residual)
     if kernel == "builtin":
-        return _cast(builtin_layer_norm(x, weight, bias, eps, residual), out_dtype)
-    return _cast(pt_layer_norm(x, weight, bias, eps, residual), out_dtype)
+        return builtin_layer_norm(x, weight, bias, eps, residual)
+    return pt_layer_norm(x, weight, bias, eps, residual)
 
 
 def rms_norm(
@@ -78,23 +72,13 @@ def rms_norm(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     kernel: str = "auto",
-    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x [..., N]: y = h / sqrt(mean(h^2) + eps) * weight, h = x (+ residual).
     Returns y, or (y, h) when a residual is given; see layer_norm."""
-    if _check(x, weight, None, residual, kernel, out_dtype):
+    if _check(x, weight, None, residual, kernel):
         from gem_kernels.ops.triton.triton_norms import triton_rms_norm
 
-        return triton_rms_norm(x, weight, eps, residual, out_dtype)
+        return triton_rms_norm(x, weight, eps, residual)
     if kernel == "builtin":
-        return _cast(builtin_rms_norm(x, weight, eps, residual), out_dtype)
-    return _cast(pt_rms_norm(x, weight, eps, residual), out_dtype)
-
-
-def _cast(result, out_dtype):
-    """y (the first output) in ``out_dtype``; the residual sum keeps its dtype."""
-    if out_dtype is None:
-        return result
-    if isinstance(result, tuple):
-        return result[0].to(out_dtype), result[1]
-    return result.to(out_dtype)
+        return builtin_rms_norm(x, weight, eps, residual)
+    return pt_rms_norm(x, weight, eps, residual)

@@ -65,9 +65,9 @@ def _rotate(q, k, v, outputs, positions: torch.Tensor, base: float, sign: float)
     T, H, D = q.shape
     qo = outputs[0]
     assert all(o.stride() == qo.stride() for o in outputs) and all(x.stride(-1) == 1 for x in (q, k, *outputs))
-    vv = v if v is not None else q
-    args = (q, k, vv, *outputs[:2], outputs[2] if v is not None else qo, positions, T, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), qo.stride(0), qo.stride(1), math.log2(base), sign)
+    vi, vo = (v, outputs[2]) if v is not None else (q, qo)  # not read without HAS_V
+    args = (q, k, vi, outputs[0], outputs[1], vo, positions, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            vi.stride(0), vi.stride(1), qo.stride(0), qo.stride(1), math.log2(base), sign)
     consts = dict(H=H, D=D, HAS_V=v is not None, BLOCK_D=triton.next_power_of_2(D))
     launch(rotary_kernel, lambda c: (triton.cdiv(T, c["BLOCK_T"]),), args, consts,
            ("rotary", H, D, q.dtype, v is not None), _CANDIDATES)
