@@ -35,6 +35,7 @@ from gem_kunlun.batch import Batch
 from gem_kunlun.candidates import CandidateInput
 from gem_kunlun.compskip import check_skip_schedule, skipped_components
 from gem_kunlun.config_checks import check_activation_and_kernel, check_at_least
+from gem_kunlun.contrastive import two_views, view_contrastive_loss
 from gem_kunlun.embedding import FeatureEmbedding, ItemTower
 from gem_kunlun.event_personalization import EventEncoder, EventPersonalization, check_event_names
 from gem_kunlun.features import FeatureSpec
@@ -77,6 +78,10 @@ class KunlunConfig:
     hidden: tuple[int, ...] = (128,)
     recent_tokens: int = 0  # the newest events of the updated history that join the final summary as tokens
     dropout: float = 0.0  # on the trunk's inputs (non-sequence tokens, events) and its MLP's hidden units
+    # training encodes each example twice (two dropout masks) and adds this weight x the InfoNCE loss that
+    # pulls the two representations together (``gem_kunlun.contrastive``); needs dropout
+    contrastive_weight: float = 0.0
+    contrastive_temperature: float = 1.0  # of the cosine similarities in that loss
     max_seq_len: int = 256
     kernel: str = "auto"
     two_tower: bool = False  # see KunlunModel
@@ -85,7 +90,7 @@ class KunlunConfig:
         check_at_least(self, {"d_model": 2, "num_layers": 1, "num_heads": 1, "num_summary_tokens": 1, "num_seeds": 1,
                               "hsp_expansion": 1, "hsp_rank": 1, "num_experts": 1, "expert_rank": 1, "expert_hidden": 1,
                               "balance_loss_weight": 0, "block_size": 1, "window_blocks": 1, "window": 0, "max_seq_len": 1,
-                              "recent_tokens": 0})
+                              "recent_tokens": 0, "contrastive_weight": 0})
         check_activation_and_kernel(self)
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
@@ -99,6 +104,10 @@ class KunlunConfig:
             raise ValueError(f"attention must be 'block' or 'window', got {self.attention!r}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        if self.contrastive_weight and not self.dropout:
+            raise ValueError("contrastive_weight needs dropout > 0: without it the two views are the same")
+        if self.contrastive_temperature <= 0:
+            raise ValueError(f"contrastive_temperature must be > 0, got {self.contrastive_temperature}")
         check_skip_schedule(self.skip, self.num_layers)
 
     def skipped(self, layer: int) -> set[str]:
@@ -359,8 +368,14 @@ class KunlunModel(nn.Module):
         return self.trunk.layers
 
     def forward(self, batch: Batch) -> ModelOutput:
-        representation, aux = self.trunk(*self.encoder(batch))
-        if not self.config.two_tower:
+        c = self.config
+        inputs = self.encoder(batch)
+        contrast = self.training and c.contrastive_weight > 0
+        representation, aux = self.trunk(*(two_views(*inputs) if contrast else inputs))
+        if contrast:
+            representation, second_view = representation.chunk(2)
+            aux = aux + c.contrastive_weight * view_contrastive_loss(representation, second_view, c.contrastive_temperature)
+        if not c.two_tower:
             if batch.next_items is not None:
                 raise ValueError("retrieval examples (batch.next_items) need model.kunlun.two_tower = true")
             return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
