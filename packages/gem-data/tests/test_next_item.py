@@ -97,6 +97,33 @@ def test_validation_history_stops_before_the_second_to_last_item(corpus):
     assert ranking.targets()[0] == seq[-2] and kept == seq[:-2][-2:]
 
 
+@pytest.mark.parametrize("split", ["valid", "test"])
+def test_full_ranking_leaves_out_every_item_of_the_whole_history_but_the_target(corpus, split):
+    # max_history=2: the model reads two events, the protocol still leaves out the whole history
+    dataset = NextItemDataset(corpus, NextItemConfig(max_history=2))
+    ranking = dataset.ranking_examples(split, "full")
+    rows = ranking.history_length.argsort(descending=True)[:3]  # the longest histories, beyond max_history
+    scores = ranking.mask_seen(torch.randn(3, corpus.num_items), rows)
+    for i, row in enumerate(rows.tolist()):
+        seq = sequence(corpus, int(ranking.users[row]))
+        history, target = seq[: int(ranking.history_length[row])], int(ranking.targets()[row])
+        masked = set(torch.isinf(scores[i]).nonzero().squeeze(1).tolist())
+        assert masked == set(history) - {target} and len(history) > 2
+    # the sampled protocol's candidates are outside the sequence already: nothing to leave out
+    sampled = dataset.ranking_examples(split, "sampled", num_negatives=5)
+    assert sampled.seen_rows is None and torch.equal(sampled.mask_seen(torch.ones(2, 6), rows[:2]), torch.ones(2, 6))
+
+
+def test_a_target_repeating_an_earlier_item_stays_rankable(tmp_path):
+    (tmp_path / "s.txt").write_text("1 5 6 5 7 5\n2 1 2 3 4\n")
+    corpus = read_sequence_text(tmp_path / "s.txt")
+    ranking = NextItemDataset(corpus).ranking_examples("test", "full")
+    scores = ranking.mask_seen(torch.zeros(2, corpus.num_items), torch.arange(2))
+    target = ranking.targets()
+    assert bool(torch.isfinite(scores[torch.arange(2), target]).all())
+    assert int(torch.isinf(scores[0]).sum()) == 2  # user 1's history 5 6 5 7: 6 and 7 left out, 5 is the target
+
+
 def test_scoring_batches_cover_users_times_candidates(corpus):
     dataset = NextItemDataset(corpus, NextItemConfig(with_user_id=True))
     ranking = dataset.ranking_examples("test", "sampled", num_negatives=9)

@@ -91,6 +91,12 @@ def test_next_period_ranks_every_later_event_from_the_history_before_it(corpus):
     users = torch.repeat_interleave(torch.arange(corpus.num_users), corpus.lengths())
     assert torch.equal(forgetting.users, users[data.held_out_events])
     assert forgetting.candidates.shape == (forgetting.num_users, corpus.num_items)
+    # full ranking leaves out each user's items before the ranked event
+    row = int(forgetting.history_length.argmax())
+    scores = forgetting.mask_seen(torch.zeros(1, corpus.num_items), torch.tensor([row]))
+    start = int(corpus.offsets[forgetting.users[row]])
+    before = set(corpus.items[start : start + int(forgetting.history_length[row])].tolist()) - {int(forgetting.targets()[row])}
+    assert set(torch.isinf(scores[0]).nonzero().squeeze(1).tolist()) == before and before
 
 
 def test_a_time_split_is_checked():

@@ -86,7 +86,9 @@ class Evaluator:
                     chosen = torch.randperm(ranking.num_users, generator=torch.Generator().manual_seed(seed))
                     users = chosen[: settings.eval_users].sort().values
                 mine = users[self.env.rank :: self.env.world_size]
-                ranks = target_ranks(self.score(dataset, ranking, mine, settings.eval_chunk), ranking.target_index[mine])
+                # full ranking leaves out what the user interacted with before (the published protocol)
+                scores = ranking.mask_seen(self.score(dataset, ranking, mine, settings.eval_chunk), mine)
+                ranks = target_ranks(scores, ranking.target_index[mine])
                 ranks = torch.cat(self.gather(ranks))
                 metrics = ranking_metrics(ranks, ks)
                 per_seed.append(metrics)

@@ -80,6 +80,15 @@ class NextItemConfig:
             raise ValueError(f"surface must lie in [0, num_surfaces), got {self.surface}, {self.num_surfaces}")
 
 
+def seen_items(corpus: SequenceCorpus, users: torch.Tensor, history_length: torch.Tensor, target: torch.Tensor):
+    """``(rows, items)``: each user's first ``history_length`` items (row ``i`` for ``users[i]``), the
+    held-out ``target`` left out where the history repeats it."""
+    rows = torch.repeat_interleave(torch.arange(users.numel()), history_length)
+    items = corpus.items[jagged_index(corpus.offsets[users], history_length)]
+    keep = items != target[rows]
+    return rows[keep], items[keep]
+
+
 @dataclass
 class RankingExamples:
     """Ranking-evaluation inputs for ``U`` users.
@@ -90,6 +99,10 @@ class RankingExamples:
     - ``candidates [U, C]`` item indices; ``target_index [U]``: the column of the held-out item.
       ``sampled``: the target plus ``C - 1`` distinct items outside the user's sequence, target at a seeded
       random column; ``full``: every item (``C = num_items``, target column = target item).
+    - ``full`` only: ``seen_rows [S]``, ``seen_columns [S]``: the candidates each user interacted with before
+      (the user's whole history, not only the ``max_history`` the model reads), which the published full-ranking
+      protocol leaves out (S3-Rec's and ICLRec's evaluations drop the training items from the ranking); the
+      held-out item itself is never among them. ``mask_seen`` applies it to scores.
     """
 
     split: str
@@ -99,10 +112,24 @@ class RankingExamples:
     history_length: torch.Tensor
     candidates: torch.Tensor
     target_index: torch.Tensor
+    seen_rows: torch.Tensor | None = None
+    seen_columns: torch.Tensor | None = None
 
     @property
     def num_users(self) -> int:
         return self.users.numel()
+
+    def mask_seen(self, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``scores [len(rows), C]`` of the users ``rows`` with their seen candidates at -inf (in place; the
+        sampled protocol's candidates are unseen by construction, so its scores come back unchanged)."""
+        if self.seen_rows is None:
+            return scores
+        position = torch.full((self.num_users,), -1, dtype=torch.int64)
+        position[rows] = torch.arange(rows.numel())
+        at = position[self.seen_rows]
+        mine = at >= 0
+        scores[at[mine], self.seen_columns[mine]] = float("-inf")
+        return scores
 
     def targets(self) -> torch.Tensor:
         """``[U]`` the held-out item of each user."""
@@ -223,15 +250,15 @@ class NextItemDataset:
         target = self.corpus.items[self.corpus.offsets[users] + history_length]
         if protocol == "full":
             candidates = torch.arange(self.corpus.num_items).expand(users.numel(), -1)
-            target_index = target
-        else:
-            generator = torch.Generator().manual_seed(salt_of(seed, 0 if split == "valid" else 1))
-            negatives = self.sampler.draw_distinct(users, num_negatives, generator)
-            target_index = torch.randint(num_negatives + 1, (users.numel(),), generator=generator)
-            columns = torch.arange(num_negatives + 1)[None, :]
-            # negatives fill every column but the target's, in order
-            source = (columns - (columns > target_index[:, None]).long()).clamp(max=num_negatives - 1)
-            candidates = torch.where(columns == target_index[:, None], target[:, None], negatives.gather(1, source.clamp(min=0)))
+            seen = seen_items(self.corpus, users, history_length, target)
+            return RankingExamples(split, protocol, users, self.history(users, history_length), history_length, candidates, target, *seen)
+        generator = torch.Generator().manual_seed(salt_of(seed, 0 if split == "valid" else 1))
+        negatives = self.sampler.draw_distinct(users, num_negatives, generator)
+        target_index = torch.randint(num_negatives + 1, (users.numel(),), generator=generator)
+        columns = torch.arange(num_negatives + 1)[None, :]
+        # negatives fill every column but the target's, in order
+        source = (columns - (columns > target_index[:, None]).long()).clamp(max=num_negatives - 1)
+        candidates = torch.where(columns == target_index[:, None], target[:, None], negatives.gather(1, source.clamp(min=0)))
         return RankingExamples(split, protocol, users, self.history(users, history_length), history_length, candidates, target_index)
 
     def scoring_batches(self, ranking: RankingExamples, chunk_size: int = 8192) -> Iterator[tuple[int, Batch]]:

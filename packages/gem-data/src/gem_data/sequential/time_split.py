@@ -28,7 +28,7 @@ import torch
 from gem_kunlun import segment_ids
 
 from gem_data.sequential.corpus import SequenceCorpus
-from gem_data.sequential.examples import NextItemConfig, NextItemDataset, RankingExamples
+from gem_data.sequential.examples import NextItemConfig, NextItemDataset, RankingExamples, seen_items
 from gem_data.sequential.sampling import NegativeSampler, salt_of
 
 Period = Literal["offline", "online", "before_next"]
@@ -104,16 +104,16 @@ class TimeSplitDataset(NextItemDataset):
         target = self.corpus.items[events]
         if protocol == "full":
             candidates = torch.arange(self.corpus.num_items).expand(users.numel(), -1)
-            target_index = target
-        else:
-            # NOTE: the same construction as NextItemDataset.ranking_examples: distinct negatives outside the
-            # user's sequence, the target at a seeded random column so that ties cannot favour it
-            generator = torch.Generator().manual_seed(salt_of(seed, 2 if split == "next_period" else 3))
-            negatives = self.sampler.draw_distinct(users, num_negatives, generator)
-            target_index = torch.randint(num_negatives + 1, (users.numel(),), generator=generator)
-            columns = torch.arange(num_negatives + 1)[None, :]
-            source = (columns - (columns > target_index[:, None]).long()).clamp(max=num_negatives - 1)
-            candidates = torch.where(columns == target_index[:, None], target[:, None], negatives.gather(1, source.clamp(min=0)))
+            seen = seen_items(self.corpus, users, history_length, target)
+            return RankingExamples(split, protocol, users, self.history(users, history_length), history_length, candidates, target, *seen)
+        # NOTE: the same construction as NextItemDataset.ranking_examples: distinct negatives outside the
+        # user's sequence, the target at a seeded random column so that ties cannot favour it
+        generator = torch.Generator().manual_seed(salt_of(seed, 2 if split == "next_period" else 3))
+        negatives = self.sampler.draw_distinct(users, num_negatives, generator)
+        target_index = torch.randint(num_negatives + 1, (users.numel(),), generator=generator)
+        columns = torch.arange(num_negatives + 1)[None, :]
+        source = (columns - (columns > target_index[:, None]).long()).clamp(max=num_negatives - 1)
+        candidates = torch.where(columns == target_index[:, None], target[:, None], negatives.gather(1, source.clamp(min=0)))
         return RankingExamples(split, protocol, users, self.history(users, history_length), history_length, candidates, target_index)
 
     def describe(self) -> dict[str, float]:
