@@ -106,6 +106,8 @@ def test_printed_config_loads_back_to_the_same_config(tmp_path):
         (["--data.sequential.num_negatives=0"], r"num_negatives must be >= 1 for loss = \"binary\""),
         (["--data.source=synthetic"], r"needs? next-item data"),
         (["--model.name=baseline", "--model.kunlun.two_tower=true"], r"two_tower applies to model.name = \"kunlun\""),
+        (["--model.name=domain_experts", "--model.kunlun.dropout=0.1", "--model.kunlun.contrastive_weight=0.1"],
+         r"contrastive_weight applies to model.name = \"kunlun\", not 'domain_experts'"),
     ],
 )
 def test_retrieval_objective_needs_a_model_that_can_answer_it(tmp_path, overrides, message):

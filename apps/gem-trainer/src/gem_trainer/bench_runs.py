@@ -33,7 +33,7 @@ def train(config_file: Path | None, overrides: list[str], run_dir: Path) -> floa
     started = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
-        write_run_record(config, trainer.spec)  # as `gem-trainer train` does: the run can teach another
+        write_run_record(trainer.config, trainer.spec)  # as `gem-trainer train` does: the run can teach another
         try:
             trainer.train()
         finally:

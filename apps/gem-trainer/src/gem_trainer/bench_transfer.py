@@ -17,7 +17,7 @@ teacher's pass also writes its representations (``[loopfm]``), and one more arm 
 (distillation and adapter as before, plus each example's earlier representations of its user as an input).
 
 ``beauty`` (Amazon Beauty from ``../shared/data/beauty``, next-item retrieval, leave-one-out): the teacher is the
-Beauty Kunlun config (``configs/beauty-kunlun.toml``, two-tower, softmax over the catalogue, 3,000 steps), trained
+Beauty Kunlun config (``configs/beauty-kunlun.toml``, two-tower, softmax over the catalogue, 6 epochs), trained
 once with seed 0 (a finished run of the same config in the work folder is reused); the student is a narrower,
 shallower Kunlun (``BEAUTY_STUDENT``: 4.6x fewer FLOPs per example, 2.3x fewer parameters, item vectors 32-wide
 rather than 128) trained ``BEAUTY_STUDENT_STEPS``. The teacher's pass stores its top ``BEAUTY_TOP_K`` items of the
@@ -134,17 +134,23 @@ def beauty_data() -> Path:
     return shared_data_dir(find_repo_root(Path(__file__))) / "beauty"
 
 
-def finished_run(config_file: Path, overrides: list[str], run_dir: Path, steps: int) -> bool:
-    """Whether ``run_dir`` already holds a run of ``config_file`` + ``overrides`` trained to ``steps`` (the
-    config as ``bench_runs.train`` would write it)."""
+def finished_run(config_file: Path, overrides: list[str], run_dir: Path, steps: int | None = None) -> bool:
+    """Whether ``run_dir`` already holds a run of ``config_file`` + ``overrides`` trained to ``steps`` (None: to its
+    ``schedule.steps``, as ``schedule.epochs`` resolved them where set; the config as ``bench_runs.train`` would
+    write it)."""
     from gem_trainer.checkpoint import CheckpointManager
-    from gem_trainer.config import load_config
+    from gem_trainer.config import load_config, with_schedule_steps
 
     record = run_dir / "config.toml"
-    if not record.is_file() or CheckpointManager(run_dir / "checkpoints", keep_latest=1).latest_step() != steps:
+    if not record.is_file():
         return False
+    recorded = load_config(record)
     wanted = load_config(config_file, [*overrides, f"--run_dir={run_dir}", "--checkpoint.resume=false"])
-    return load_config(record).model_dump() == wanted.model_dump()
+    if wanted.schedule.epochs is not None:  # the steps of epochs are known once the run has read its data
+        wanted = with_schedule_steps(wanted, recorded.schedule.steps)
+    steps = recorded.schedule.steps if steps is None else steps
+    return (CheckpointManager(run_dir / "checkpoints", keep_latest=1).latest_step() == steps
+            and recorded.model_dump() == wanted.model_dump())
 
 
 def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STEPS, teacher_steps: int | None = None,
@@ -161,9 +167,9 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
     folder = work / "beauty"
     teacher_dir = folder / "teacher"
     teacher = [*common, "--seed=0"] + ([f"--schedule.steps={teacher_steps}"] if teacher_steps else [])
-    teacher_steps = load_config(config, teacher).schedule.steps
-    reused = finished_run(config, teacher, teacher_dir, teacher_steps)
+    reused = finished_run(config, teacher, teacher_dir)
     wall = None if reused else train(config, teacher, teacher_dir)
+    teacher_steps = load_config(teacher_dir / "config.toml").schedule.steps  # as the run resolved them
     started = time.perf_counter()
     result = evaluate(config, teacher, teacher_dir)
     teacher_row = {"seed": 0, "train_s": None if wall is None else round(wall, 1), "reused_finished_run": reused,

@@ -90,6 +90,8 @@ class DataSetup:
     ranking: NextItemDataset | None = None
     mixer: MixedStream | None = None
     balancer: LengthBalancedStream | None = None
+    # rows of one pass over the training data, all ranks together (None: an endless stream, synthetic or mixed)
+    rows_per_epoch: int | None = None
 
 
 def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool = True) -> DataSetup:
@@ -101,7 +103,7 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
     # with balancing or a surface filter every rank reads the same global batches and keeps its share of them
     whole = d.balance or d.train_surfaces is not None
     rank, world, batch_size = (0, 1, d.batch_size * env.world_size) if whole else (env.rank, env.world_size, d.batch_size)
-    mixer = ranking = eval_fn = None
+    mixer = ranking = eval_fn = rows_per_epoch = None
     if d.mixture.sources:
         mixer, ranking, eval_fn = _build_mixture(config, env, rank, world, batch_size)
         train = mixer
@@ -112,10 +114,12 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
     elif d.source in ("sequence_text", "atomic"):
         ranking = build_next_item_dataset(config)
         train = TableStream(ranking.training_table(), batch_size, rank, world, shuffle=True, seed=config.seed)
+        rows_per_epoch = train.rows_per_epoch
     else:
         table = ParquetTable(_files(d.path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
         held_out = _held_out_table(config, table, d.eval_path)
         train = TableStream(table, batch_size, rank, world, shuffle=True, seed=config.seed)
+        rows_per_epoch = train.rows_per_epoch
         eval_fn = lambda: iter(TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False, num_epochs=1))  # noqa: E731
     if d.num_workers:
         train = WorkerLoader(train, num_workers=d.num_workers)
@@ -139,7 +143,27 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         # joined last, on this rank's own rows: the join depends on (user, time) only, so nothing before it changes
         train = build_representation_join(config, train)
         eval_fn = _joined(train, eval_fn)
-    return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer)
+    return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer, rows_per_epoch)
+
+
+def resolve_schedule(config: TrainerConfig, data: DataSetup, env: DistributedEnv) -> TrainerConfig:
+    """``config`` with ``schedule.steps`` decided by ``schedule.epochs`` (unchanged without it): enough global
+    batches of ``data.batch_size x ranks`` examples to pass ``epochs`` times over ``data``'s training rows, the
+    last batch possibly straddling into the next pass."""
+    from gem_trainer.config import ConfigError, with_schedule_steps
+
+    s = config.schedule
+    if s.epochs is None:
+        return config
+    if data.rows_per_epoch is None:
+        raise ConfigError("schedule.epochs needs a finite data set, but this run's training stream is endless: set schedule.steps")
+    # NOTE: the same in every case of build_data: with balancing or a surface filter each rank reads whole global
+    # batches of this size and keeps its share
+    steps = math.ceil(s.epochs * data.rows_per_epoch / (config.data.batch_size * env.world_size))
+    if s.warmup_steps >= steps:
+        raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be below the {steps} steps of schedule.epochs "
+                          f"({s.epochs:g} passes over {data.rows_per_epoch:,} rows)")
+    return with_schedule_steps(config, steps)
 
 
 def global_batch_bound(config: TrainerConfig, env: DistributedEnv) -> int:

@@ -110,7 +110,7 @@ def _train(config: TrainerConfig, args, overrides) -> int:
     try:
         trainer = Trainer(config, env)
         if env.rank == 0:
-            write_run_record(config, trainer.spec)
+            write_run_record(trainer.config, trainer.spec)  # schedule.steps as resolved from schedule.epochs
         started = time.perf_counter()
         trainer.train()
         trained = time.perf_counter()

@@ -283,6 +283,9 @@ class OptimizerConfig(Section):
 
 class ScheduleConfig(Section):
     steps: int = Field(600, ge=1)
+    # training length in passes over the training data; set, it decides schedule.steps from the data's size (when the
+    # data is built: builders.resolve_schedule), so that a recipe carries across data sets of other sizes
+    epochs: float | None = Field(None, gt=0)  # of steps and epochs the later layer wins (config._drop_replaced_length)
     warmup_steps: int = Field(50, ge=0)
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -454,10 +457,14 @@ class TrainerConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainerConfig":
-        if self.schedule.warmup_steps >= self.schedule.steps:
+        # NOTE: with schedule.epochs the steps are known once the data is built; builders.resolve_schedule checks then
+        if self.schedule.epochs is None and self.schedule.warmup_steps >= self.schedule.steps:
             raise ValueError(
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be below schedule.steps ({self.schedule.steps})"
             )
+        if self.schedule.epochs is not None and (self.data.mixture.sources or self.data.source == "synthetic"):
+            source = "data.mixture" if self.data.mixture.sources else "data.source = \"synthetic\""
+            raise ValueError(f"schedule.epochs needs a finite data set, but {source} is an endless stream: set schedule.steps")
         synthetic = self.data.synthetic
         if synthetic.min_events > synthetic.max_events:
             raise ValueError("data.synthetic.min_events must not exceed data.synthetic.max_events")
@@ -491,6 +498,8 @@ class TrainerConfig(Section):
                                  "(online distillation scores the student's own candidates)")
         if m.kunlun.two_tower and m.name != "kunlun":
             raise ValueError(f"model.kunlun.two_tower applies to model.name = \"kunlun\", not {m.name!r}")
+        if m.kunlun.build().contrastive_weight and m.name != "kunlun":  # the domain experts' model encodes one view only
+            raise ValueError(f"model.kunlun.contrastive_weight applies to model.name = \"kunlun\", not {m.name!r}")
         if self.data.source not in ("sequence_text", "atomic"):
             if m.name == "sasrec":
                 raise ValueError("model.name = \"sasrec\" needs next-item data (data.source = \"sequence_text\" or \"atomic\")")
@@ -509,6 +518,11 @@ class TrainerConfig(Section):
         distilling = self.distillation.teacher_run_dir is not None or self.distillation.soft_labels is not None
         if s.objective == "retrieval" and distilling and s.num_negatives < 1:
             raise ValueError("distillation of retrieval scores sampled candidates: set data.sequential.num_negatives >= 1")
+
+
+def with_schedule_steps(config: TrainerConfig, steps: int) -> TrainerConfig:
+    """``config`` with ``schedule.steps = steps`` (what ``schedule.epochs`` resolved to once the data was read)."""
+    return config.model_copy(update={"schedule": config.schedule.model_copy(update={"steps": steps})})
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
@@ -571,6 +585,8 @@ def _read_with_bases(path: Path, chain: tuple[Path, ...], origins: dict[tuple[st
             raise ConfigError(f"{path}: base: must be a file path string (got {base!r})")
         parent = _read_with_bases(path.parent / base, (*chain, resolved), origins)
     _record(origins, data, (), str(path))
+    if isinstance(data.get("schedule"), dict):
+        _drop_replaced_length(parent, data["schedule"])
     return _merge(parent, data)
 
 
@@ -580,6 +596,16 @@ def _record(origins: dict[tuple[str, ...], str], data: dict[str, Any], prefix: t
             _record(origins, value, (*prefix, key), source)
         else:
             origins[(*prefix, key)] = source
+
+
+def _drop_replaced_length(earlier: dict[str, Any], schedule: dict[str, Any]) -> None:
+    """``schedule.steps`` and ``schedule.epochs`` are two ways to give the training length: a later layer that
+    gives one (a file over its base, an override over its file) drops the other from ``earlier``, so that
+    ``--schedule.steps=40`` shortens a recipe given in epochs. Inside one layer the epochs win (a run record
+    holds both: the steps are what its epochs resolved to)."""
+    given = [key for key in ("steps", "epochs") if key in schedule]
+    if len(given) == 1 and isinstance(earlier.get("schedule"), dict):
+        earlier["schedule"].pop("epochs" if given == ["steps"] else "steps", None)
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -610,6 +636,8 @@ def _apply_override(raw: dict[str, Any], item: str, origins: dict[tuple[str, ...
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: {key} is not a section")
         node = child
+    if keys[0] == "schedule":
+        _drop_replaced_length(raw, value if len(keys) == 1 and isinstance(value, dict) else {keys[-1]: None})
     node[keys[-1]] = value
     origins[tuple(keys)] = f"override {item}"
 

@@ -1,10 +1,11 @@
 """``gem-trainer posttrain``: the teacher's pass of offline distillation and LoopFM.
 
 The finished teacher (``distillation.teacher_run_dir``) runs once, forward only, over this config's training
-stream (the global batches the student will read, ``schedule.steps`` of them). From that one forward pass
-its logits go to the soft-label store ``distillation.soft_labels`` (see ``gem_transfer.soft_labels``) and,
-with ``loopfm.store``, a compact representation of every example to the representation store (see
-``gem_transfer.representation_store``); either may be written alone. Each rank scores its rows; rank 0
+stream (the global batches the student will read, ``schedule.steps`` of them, resolved from ``schedule.epochs``
+as the student's training resolves them). From that one forward pass its logits go to the soft-label store
+``distillation.soft_labels`` (see ``gem_transfer.soft_labels``) and, with ``loopfm.store``, a compact
+representation of every example to the representation store (see ``gem_transfer.representation_store``); either
+may be written alone. Each rank scores its rows; rank 0
 gathers every rank's rows of a step and writes them, so each example of each step is written once.
 
 A retrieval teacher's scores of every sampled candidate are stored as they are; with ``distillation.top_k`` it
@@ -58,6 +59,7 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
     if d.soft_labels is not None and Path(d.soft_labels).exists():
         raise ConfigError(f"distillation.soft_labels: {d.soft_labels} already exists: remove it or choose another folder")
     data = builders.build_data(config, env, representations=False)
+    config = builders.resolve_schedule(config, data, env)  # the steps the student's training will resolve to
     if loop.store is not None and loop.user_feature not in {f.name for f in data.spec.sparse}:
         raise ConfigError(f"loopfm.user_feature: {loop.user_feature!r} is not a sparse feature of the data "
                           f"({[f.name for f in data.spec.sparse]}); synthetic data has user ids with data.synthetic.num_users")

@@ -66,6 +66,11 @@ class Trainer:
         self.config, self.env = config, env
         set_determinism(config.seed, config.deterministic)
         self.data = data if data is not None else builders.build_data(config, env)
+        # NOTE: from here on every part (loop, LR schedule, logging, checkpoints, soft labels) sees the resolved steps
+        config = self.config = builders.resolve_schedule(config, self.data, env)
+        if config.schedule.epochs is not None:
+            self._print(f"schedule.epochs {config.schedule.epochs:g} = {config.schedule.steps:,} steps of "
+                        f"{config.data.batch_size * env.world_size:,} examples ({self.data.rows_per_epoch:,} rows per epoch)")
         self.spec = self.data.spec
         self.stream = self.data.train
         # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
