@@ -20,10 +20,12 @@ from typing import Any
 
 from gem_trainer.provenance import git_commit
 
-# S3-Rec (CIKM 2020) tables for this exact data, as quoted in ../shared/data/README.md
+# for this exact data: S3-Rec's (CIKM 2020) tables, as quoted in ../shared/data/README.md; the full ranking (the
+# user's history left out) of ICLRec (WWW 2022) and ICSRec (2024), the best published
 PUBLISHED_BEAUTY = {
     "sampled": {"SASRec": {"hr@10": 0.4696, "ndcg@10": 0.3156}, "S3-Rec": {"hr@10": 0.5506, "ndcg@10": 0.3732}},
-    "full": {"SASRec": {"hr@10": 0.0605, "ndcg@10": 0.0318}, "S3-Rec": {"hr@10": 0.0647, "ndcg@10": 0.0327}},
+    "full": {"SASRec": {"hr@10": 0.0605, "ndcg@10": 0.0318}, "S3-Rec": {"hr@10": 0.0647, "ndcg@10": 0.0327},
+             "ICLRec": {"hr@10": 0.0744, "ndcg@10": 0.0403}, "ICSRec": {"hr@10": 0.0959, "ndcg@10": 0.0578}},
 }
 _PER_SEED = re.compile(r"^(?P<protocol>sampled|full)/seed(?P<seed>\d+)/(?P<metric>[^/]+)$")
 
