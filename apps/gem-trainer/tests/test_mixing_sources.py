@@ -3,6 +3,7 @@ at once, exact resume mid-ramp, the ranks' view of the mixture, and one-line err
 
 import dataclasses
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,18 @@ def test_parquet_and_synthetic_sources_mix_in_one_declared_id_space(tmp_path):
     disjoint = config_for(tmp_path / "d", sources.replace('id_space = "ads", ', "").replace(', id_space = "ads"', ""))
     spec = builders.build_data(disjoint, init_distributed("cpu", "gloo")).spec
     assert {f.name: f.num_embeddings for f in spec.sparse}["ad_id"] == 2 * generator.config.num_ads
+
+
+def test_the_log_shows_each_sources_share_along_the_ramp(tmp_path, capsys):
+    needs(ML)
+    trainer = trainer_for(tmp_path, *TIME_SPLIT)
+    trainer.train()
+    rows = [row for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if row["phase"] == "train"]
+    # the TIME_SPLIT ramp: online from 0 to 0.8 over global batches 0..6; step t trained on batch t - 1
+    assert [round(row["share_online"], 6) for row in rows] == [round(0.8 * (t - 1) / 6, 6) for t in range(1, 7)]
+    assert all(row["share_online"] + row["share_offline"] == pytest.approx(1.0) for row in rows)
+    assert rows[-1]["source_offline"] + rows[-1]["source_online"] == 6 * 32
+    assert "share_online" in capsys.readouterr().out  # the log line too
 
 
 def test_resume_mid_ramp_continues_exactly(tmp_path):

@@ -329,11 +329,14 @@ class Trainer:
         return {"data/bad_rows": float(count)} if count else {}
 
     def _reader_report(self) -> dict[str, float]:
-        """Examples read per mixed source and the balancer's last report; called by the reading thread after each
-        batch (the readers belong to it), delivered with the batch as ``self.input.observed``."""
+        """Per mixed source, the examples read so far and its scheduled share of the batch just read (the
+        offline/online ramp); the balancer's last report. Called by the reading thread after each batch (the
+        readers belong to it), delivered with the batch as ``self.input.observed``."""
         values: dict[str, float] = {}
         if self.data.mixer is not None:
-            values.update({f"source_{name}": float(n) for name, n in self.data.mixer.counts().items()})
+            mixer = self.data.mixer
+            values.update({f"source_{name}": float(n) for name, n in mixer.counts().items()})
+            values.update({f"share_{name}": share for name, share in mixer.shares(mixer.position - 1).items()})
         if self.data.balancer is not None:
             values.update({f"balance_{k}": v for k, v in self.data.balancer.last_report.items()})
         return values

@@ -250,9 +250,9 @@ class MixedStream(ShardedStream):
         """Examples read so far per source by the whole job (every rank), name -> count."""
         return dict(zip(self.names, self.positions(self.position)))
 
-    def shares(self) -> dict[str, float]:
-        """The scheduled share of each source at the next step, name -> probability."""
-        return dict(zip(self.names, self.config.probabilities(self.position).tolist()))
+    def shares(self, step: int | None = None) -> dict[str, float]:
+        """The scheduled share of each source at global batch ``step`` (None: the next), name -> probability."""
+        return dict(zip(self.names, self.config.probabilities(self.position if step is None else step).tolist()))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "examples": self.counts()}
