@@ -1,5 +1,7 @@
 """Retrieval training: every-position SASRec queries, the two-tower Kunlun, the next-item losses."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -182,13 +184,18 @@ def test_sasrec_every_position_training_rejects_histories_longer_than_the_model_
         m(batch)
 
 
-def two_tower() -> KunlunModel:
+SHARED_SPEC = dataclasses.replace(SPEC, shared_ids=(("item_id", "history_item_id"),))
+
+
+def two_tower(shared: bool = False) -> KunlunModel:
     torch.manual_seed(0)
-    return KunlunModel(SPEC, KunlunConfig(max_seq_len=8, block_size=4, window=4, two_tower=True)).eval()
+    return KunlunModel(SHARED_SPEC if shared else SPEC,
+                       KunlunConfig(max_seq_len=8, block_size=4, window=4, two_tower=True, share_item_table=shared)).eval()
 
 
-def test_two_tower_kunlun_scores_by_dot_product_the_same_on_every_path():
-    m = two_tower()
+@pytest.mark.parametrize("shared", [False, True], ids=["own_item_table", "shared_item_table"])
+def test_two_tower_kunlun_scores_by_dot_product_the_same_on_every_path(shared):
+    m = two_tower(shared)
     requests = random_batch(5, seed=7, max_events=10, spec=SPEC)
     candidates = torch.randint(NUM_ITEMS, (5, 6), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
@@ -230,3 +237,30 @@ def test_two_tower_needs_candidate_features_and_crossing_kunlun_rejects_retrieva
     every.next_items = NextItemTargets(True, torch.zeros(t, dtype=torch.int64), None, "softmax", catalogue=catalogue())
     with pytest.raises(ValueError, match="queries"):
         two_tower()(every)
+
+
+def test_a_shared_item_table_embeds_the_candidate_id_through_the_history_table():
+    m = two_tower(shared=True).train()
+    history_table = m.encoder.embedding.events["width32"].embeddings["t_history_item_id"].weight
+    assert [c.name for c in m.item_tower.bags.embedding_bag_configs()] == ["item_tower_t_item_attributes"]  # no id table of its own
+    table = catalogue()
+    attributes = m.item_tower.bags(KeyedJaggedTensor.from_lengths_sync(
+        keys=["item_attributes"], values=table["item_attributes"].values(), lengths=table["item_attributes"].lengths()))
+    expected = m.item_tower.project(torch.cat([history_table, attributes["item_attributes"]], 1))
+    torch.testing.assert_close(m.item_vectors(table), expected)
+    # training reads the catalogue's ids in the history's lookup: the softmax's gradient reaches every item's row
+    requests = random_batch(4, seed=5, max_events=6, spec=SHARED_SPEC)
+    requests.next_items = NextItemTargets(False, torch.tensor([1, 2, 3, 4]), None, "softmax", catalogue=table)
+    next_item_loss(m(requests).logits, requests.next_items).backward()
+    seen = requests.sequences["history"].ids["history_item_id"].values().unique()
+    unseen = torch.tensor(sorted(set(range(NUM_ITEMS)) - set(seen.tolist())))
+    assert unseen.numel() > 0 and (history_table.grad[unseen].abs().sum(1) > 0).all()
+
+
+def test_a_shared_item_table_is_checked():
+    with pytest.raises(ValueError, match="share_item_table needs two_tower"):
+        KunlunConfig(share_item_table=True)
+    with pytest.raises(ValueError, match="FeatureSpec.shared_ids is empty"):
+        KunlunModel(SPEC, KunlunConfig(max_seq_len=8, block_size=4, window=4, two_tower=True, share_item_table=True))
+    with pytest.raises(ValueError, match="has 30 ids, 'history_attributes_0' 7"):
+        dataclasses.replace(SPEC, shared_ids=(("item_id", "history_attributes_0"),))

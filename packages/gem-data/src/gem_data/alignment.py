@@ -110,6 +110,10 @@ class FeatureAlignment:
             tasks=specs[self.names[0]].tasks,
             num_surfaces=num_surfaces,
             candidate=tuple(_ordered(c for spec in space_specs.values() for c in spec.candidate)),
+            # ids two features share in every space still name the same things in the union (same offsets)
+            shared_ids=tuple(pair for pair in space_specs[next(iter(space_specs))].shared_ids
+                             if all(pair in spec.shared_ids for spec in space_specs.values())
+                             and vocab[pair[0]] == vocab[pair[1]] + (pair[1] in padded)),
         )
         plans = {}
         for name in self.names:

@@ -43,21 +43,39 @@ def pooled_in_order(pooled: KeyedTensor, keys: list[str]) -> list[torch.Tensor]:
     return [by_key[k] for k in keys]
 
 
+def mean_per_row(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[R, D]``: the mean of each row's ``lengths[r]`` consecutive vectors of ``values [N, D]`` (zeros for an
+    empty row), as a mean-pooled bag."""
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths, output_size=values.shape[0])
+    sums = values.new_zeros(lengths.numel(), values.shape[1]).index_add_(0, rows, values)
+    return sums / lengths.clamp(min=1).to(values.dtype)[:, None]
+
+
 class FeatureEmbedding(nn.Module):
     """Non-sequence ids through an EmbeddingBagCollection (mean-pooled bags), event ids through an
     EmbeddingCollection (one vector per event, jagged), dense floats through a linear projection.
 
     ``forward`` returns ``sparse [B, F, D]``, ``dense [B, D]`` and, per event type, ``[T_e, D]`` event
     vectors (the sum of that event's id embeddings; ``event_dims`` may give an event type its own width).
+
+    ``shared`` (extra feature -> event feature) lets other ids read an event feature's table (a two-tower item
+    side embedding candidate ids through the history's item table): ``embed(batch, ids)`` looks them up in the
+    same call as the events (one lookup, one fused update of the table), ``lookup_shared(ids)`` alone.
     """
 
     def __init__(
-        self, spec: FeatureSpec, dim: int, event_dims: dict[str, int] | None = None, device: torch.device | None = None
+        self, spec: FeatureSpec, dim: int, event_dims: dict[str, int] | None = None, device: torch.device | None = None,
+        shared: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         event_dims = event_dims or {}
         self.spec = spec
         self.dim = dim
+        self.shared = dict(shared or {})
+        event_features = {f.name: e.name for e in spec.events for f in e.features}
+        unknown = sorted(set(self.shared.values()) - set(event_features))
+        if unknown:
+            raise ValueError(f"shared tables must be event features' tables, {unknown} is not an event feature")
         # NOTE: a model may read only some of a batch's non-sequence features (a two-tower request side);
         # with none at all there is no bag collection (TorchRec cannot shard an empty one)
         self.bags = None if not spec.sparse else EmbeddingBagCollection(
@@ -79,18 +97,27 @@ class FeatureEmbedding(nn.Module):
         for width in sorted(set(self.event_widths.values())):
             self.events[f"width{width}"] = EmbeddingCollection(
                 tables=[
-                    EmbeddingConfig(
-                        name=table_name(f.name), embedding_dim=width, num_embeddings=f.num_embeddings, feature_names=[f.name]
-                    )
+                    EmbeddingConfig(name=table_name(f.name), embedding_dim=width, num_embeddings=f.num_embeddings,
+                                    feature_names=[f.name, *(k for k, v in self.shared.items() if v == f.name)])
                     for e in spec.events
                     if self.event_widths[e.name] == width
                     for f in e.features
                 ],
                 device=device,
             )
+        # the collection that holds each shared feature's table
+        self.shared_collection = {k: f"width{self.event_widths[event_features[v]]}" for k, v in self.shared.items()}
         self.dense = nn.Linear(spec.num_dense, dim, device=device)
 
+    def shared_width(self, name: str) -> int:
+        return int(self.shared_collection[name].removeprefix("width"))
+
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        return self.embed(batch)[:3]
+
+    def embed(self, batch: Batch, shared_ids: dict[str, torch.Tensor] | None = None):
+        """``forward``'s three outputs and ``{name: [N, D]}``: the vectors of ``shared_ids`` (name -> ``[N]`` ids,
+        any N), looked up with the events."""
         b = batch.batch_size
         if self.bags is None:
             sparse = batch.dense.new_zeros(b, 0, self.dim)
@@ -98,37 +125,89 @@ class FeatureEmbedding(nn.Module):
             features = select_keys(batch.sparse, [f.name for f in self.spec.sparse])
             sparse = torch.stack(pooled_in_order(self.bags(features), [f.name for f in self.spec.sparse]), 1)
         dense = self.dense(batch.dense)
-        events = {}
+        events, shared = {}, {}
         for key, collection in self.events.items():
             width = int(key.removeprefix("width"))
             types = [e for e in self.spec.events if self.event_widths[e.name] == width]
             # one lookup per collection: a sharded EmbeddingCollection takes a single KJT
-            looked_up = collection(KeyedJaggedTensor.concat([batch.sequences[e.name].ids for e in types]))
+            inputs = [batch.sequences[e.name].ids for e in types]
+            names = [k for k, c in self.shared_collection.items() if c == key]
+            if names:
+                inputs.append(self._shared_input(names, shared_ids or {}, b, batch.dense.device))
+            looked_up = collection(KeyedJaggedTensor.concat(inputs))
             for e in types:
                 events[e.name] = torch.stack([looked_up[f.name].values() for f in e.features], 0).sum(0)
-        return sparse, dense, events
+            shared.update({name: looked_up[name].values() for name in names if shared_ids and name in shared_ids})
+        return sparse, dense, events, shared
+
+    def lookup_shared(self, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{name: [N, D]}``: the vectors of ``ids`` (name -> ``[N]``) through the tables they share, the
+        collections called with their event features empty (the same keys, in the same order, as ``embed``)."""
+        shared = {}
+        for key, collection in self.events.items():
+            names = [k for k, c in self.shared_collection.items() if c == key and k in ids]
+            if not names:
+                continue
+            device = next(iter(ids.values())).device
+            events = [e for e in self.spec.events if f"width{self.event_widths[e.name]}" == key]
+            empty = KeyedJaggedTensor.from_lengths_sync(
+                keys=[f.name for e in events for f in e.features],
+                values=torch.zeros(0, dtype=torch.int64, device=device),
+                lengths=torch.zeros(sum(len(e.features) for e in events), dtype=torch.int64, device=device))
+            every = [k for k, c in self.shared_collection.items() if c == key]
+            looked_up = collection(KeyedJaggedTensor.concat([empty, self._shared_input(every, ids, 1, device)]))
+            shared.update({name: looked_up[name].values() for name in names})
+        return shared
+
+    @staticmethod
+    def _shared_input(names: list[str], ids: dict[str, torch.Tensor], rows: int, device) -> KeyedJaggedTensor:
+        """The shared features' ids as ``rows`` examples: all of a feature's ids in the first (a lookup without
+        pooling returns them in order whatever the rows), none where a feature has no ids."""
+        values, lengths = [], torch.zeros(len(names), rows, dtype=torch.int64, device=device)
+        for i, name in enumerate(names):
+            if name in ids:
+                values.append(ids[name].to(device=device, dtype=torch.int64))
+                lengths[i, 0] = ids[name].numel()
+        values = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
+        return KeyedJaggedTensor.from_lengths_sync(keys=names, values=values, lengths=lengths.reshape(-1))
 
 
 class ItemTower(nn.Module):
     """The item side of a two-tower model: an item's candidate features (its id, its attribute bags), each
-    mean-pooled to ``dim``, concatenated and projected to ``out_dim``. ``forward(kjt [M rows]) -> [M, out_dim]``."""
+    mean-pooled to ``dim``, concatenated and projected to ``out_dim``. ``forward(kjt [M rows]) -> [M, out_dim]``.
 
-    def __init__(self, features: tuple, dim: int, out_dim: int, device: torch.device | None = None) -> None:
+    The features named in ``shared`` have no table here: ``forward`` takes their ids' vectors, looked up
+    elsewhere (``FeatureEmbedding.embed``: the history's table of the same ids), and mean-pools them alike."""
+
+    def __init__(self, features: tuple, dim: int, out_dim: int, device: torch.device | None = None,
+                 shared: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.names = [f.name for f in features]
+        self.shared = tuple(shared)
         self.dim = dim
-        self.bags = EmbeddingBagCollection(
+        owned = [f for f in features if f.name not in self.shared]
+        self.bags = None if not owned else EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(name=f"item_tower_{table_name(f.name)}", embedding_dim=dim, num_embeddings=f.num_embeddings,
                                    feature_names=[f.name], pooling=PoolingType.MEAN)
-                for f in features
+                for f in owned
             ],
             device=device,
         )
         self.project = nn.Linear(len(features) * dim, out_dim, device=device)
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.project(torch.cat(pooled_in_order(self.bags(select_keys(features, self.names)), self.names), 1))
+    def shared_ids(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
+        """The ids of the shared features, whose vectors ``forward`` needs."""
+        return {name: features[name].values() for name in self.shared}
+
+    def forward(self, features: KeyedJaggedTensor, shared_vectors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        owned = [n for n in self.names if n not in self.shared]
+        pooled = {} if self.bags is None else dict(zip(owned, pooled_in_order(self.bags(select_keys(features, owned)), owned)))
+        for name in self.shared:
+            if shared_vectors is None or name not in shared_vectors:
+                raise ValueError(f"the item tower embeds {name!r} through a shared table: pass its vectors")
+            pooled[name] = mean_per_row(shared_vectors[name], features[name].lengths())
+        return self.project(torch.cat([pooled[n] for n in self.names], 1))
 
     def flops(self, num_items: int) -> float:
         return 2.0 * self.project.in_features * self.project.out_features * num_items

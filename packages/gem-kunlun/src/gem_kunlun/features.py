@@ -48,6 +48,9 @@ class FeatureSpec:
     candidate: tuple[str, ...] = ()
     # float vector sequences per example (``Batch.representations``), read by the models that support them
     representations: tuple[RepresentationFeature, ...] = ()
+    # (sparse feature, event feature) pairs whose ids name the same things (the candidate's item id and the
+    # history's): a model may embed both through one table
+    shared_ids: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.sparse] + [f.name for e in self.events for f in e.features]
@@ -64,3 +67,10 @@ class FeatureSpec:
             raise ValueError(f"FeatureSpec.representations names must be unique, got {vectors}")
         if self.num_surfaces < 1:
             raise ValueError(f"FeatureSpec.num_surfaces must be >= 1, got {self.num_surfaces}")
+        sizes = {f.name: f.num_embeddings for f in self.sparse}
+        event_sizes = {f.name: f.num_embeddings for e in self.events for f in e.features}
+        for sparse, event in self.shared_ids:
+            if sparse not in sizes or event not in event_sizes:
+                raise ValueError(f"FeatureSpec.shared_ids pairs a sparse feature with an event feature, got ({sparse!r}, {event!r})")
+            if sizes[sparse] != event_sizes[event]:
+                raise ValueError(f"FeatureSpec.shared_ids: {sparse!r} has {sizes[sparse]} ids, {event!r} {event_sizes[event]}")

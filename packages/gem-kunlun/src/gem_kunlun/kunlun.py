@@ -85,6 +85,9 @@ class KunlunConfig:
     max_seq_len: int = 256
     kernel: str = "auto"
     two_tower: bool = False  # see KunlunModel
+    # two-tower: the item tower embeds the candidate's id through the history's table of the same ids
+    # (FeatureSpec.shared_ids), so that an item's vector learns from its place in histories too
+    share_item_table: bool = False
 
     def __post_init__(self) -> None:
         check_at_least(self, {"d_model": 2, "num_layers": 1, "num_heads": 1, "num_summary_tokens": 1, "num_seeds": 1,
@@ -106,6 +109,8 @@ class KunlunConfig:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
         if self.contrastive_weight and not self.dropout:
             raise ValueError("contrastive_weight needs dropout > 0: without it the two views are the same")
+        if self.share_item_table and not self.two_tower:
+            raise ValueError("share_item_table needs two_tower: only the item tower reads the history's item table")
         if self.contrastive_temperature <= 0:
             raise ValueError(f"contrastive_temperature must be > 0, got {self.contrastive_temperature}")
         check_skip_schedule(self.skip, self.num_layers)
@@ -195,14 +200,16 @@ class KunlunEncoder(nn.Module):
     tokens are the sparse features', the dense features' and one per representation feature (LoopFM).
     """
 
-    def __init__(self, spec: FeatureSpec, config: KunlunConfig, device: torch.device | None = None) -> None:
+    def __init__(self, spec: FeatureSpec, config: KunlunConfig, device: torch.device | None = None,
+                 shared: dict[str, str] | None = None) -> None:
         super().__init__()
         c, d = config, config.d_model
         check_event_names(c.events, spec)
         self.spec, self.config = spec, config
         personal = {e.name: c.events.get(e.name) or EventPersonalization() for e in spec.events}
         widths = {name: p.width or d for name, p in personal.items()}
-        self.embedding = FeatureEmbedding(spec, d, event_dims=widths, device=device)
+        # ``shared``: other features (the candidate's id) embedded through an event feature's table (FeatureEmbedding)
+        self.embedding = FeatureEmbedding(spec, d, event_dims=widths, device=device, shared=shared)
         self.event_encoders = nn.ModuleDict(
             {name: EventEncoder(widths[name], d, p, c.rote, c.kernel, device=device) for name, p in personal.items()}
         )
@@ -212,8 +219,13 @@ class KunlunEncoder(nn.Module):
         self.num_tokens = len(spec.sparse) + 1 + len(spec.representations)
 
     def forward(self, batch: Batch):
+        return self.encode(batch)[0]
+
+    def encode(self, batch: Batch, shared_ids: dict[str, torch.Tensor] | None = None):
+        """``(forward's outputs, {name: [N, D]})``: the vectors of ``shared_ids`` come from the same lookup as
+        the events' (``FeatureEmbedding.embed``)."""
         c, names = self.config, [e.name for e in self.spec.events]
-        sparse, dense, events = self.embedding(batch)
+        sparse, dense, events, shared = self.embedding.embed(batch, shared_ids)
         values, lengths, times, host_kept = [], [], [], []
         for name in names:
             sequence = batch.sequences[name]
@@ -236,7 +248,7 @@ class KunlunEncoder(nn.Module):
         if self.representations is not None:
             tokens.append(self.representations(batch).to(sparse.dtype))
         x = torch.cat(tokens, 1)
-        return x, seq, offsets, time_gap_positions(timestamps[index], offsets)
+        return (x, seq, offsets, time_gap_positions(timestamps[index], offsets)), shared
 
     def merged_lengths(self, batch: Batch) -> torch.Tensor:
         """Events per example after truncation and merge, ``[B]`` on the CPU."""
@@ -349,15 +361,23 @@ class KunlunModel(nn.Module):
             if len(spec.tasks) != 1:
                 raise ValueError(f"two_tower scores one task, the data has {list(spec.tasks)}")
             request = tuple(f for f in spec.sparse if f.name not in spec.candidate)
-            request_spec = dataclasses.replace(spec, sparse=request, candidate=())
-        self.encoder = KunlunEncoder(request_spec, config, device=device)
+            request_spec = dataclasses.replace(spec, sparse=request, candidate=(), shared_ids=())
+        # the candidate features embedded through the history's tables: looked up by the encoder, pooled by the item tower
+        shared = {s: e for s, e in spec.shared_ids if s in spec.candidate} if config.share_item_table else {}
+        if config.share_item_table and not shared:
+            raise ValueError("share_item_table needs candidate ids that the history shares (FeatureSpec.shared_ids is empty)")
+        self.encoder = KunlunEncoder(request_spec, config, device=device, shared=shared)
         self.trunk = KunlunTrunk(config, self.encoder.num_tokens, device=device)
         self.representation_dim = self.trunk.representation_dim
         if config.two_tower:
             candidate = {f.name: f for f in spec.sparse}
             self.query = nn.Linear(self.representation_dim, self.representation_dim, device=device)
+            for name in shared:
+                if self.encoder.embedding.shared_width(name) != config.d_model:
+                    raise ValueError(f"share_item_table: the history's table for {name!r} is "
+                                     f"{self.encoder.embedding.shared_width(name)} wide, the item tower's {config.d_model}")
             self.item_tower = ItemTower(tuple(candidate[n] for n in spec.candidate), config.d_model,
-                                        self.representation_dim, device=device)
+                                        self.representation_dim, device=device, shared=tuple(shared))
             self.candidate_input = CandidateInput.CATALOGUE
         else:
             self.heads = MultiTaskHeads(self.representation_dim, len(spec.tasks), spec.num_surfaces, device=device)
@@ -369,7 +389,9 @@ class KunlunModel(nn.Module):
 
     def forward(self, batch: Batch) -> ModelOutput:
         c = self.config
-        inputs = self.encoder(batch)
+        items = self._item_features(batch)
+        # NOTE: shared ids are looked up with the history, in one call: one fused update of the table per step
+        inputs, shared = self.encoder.encode(batch, None if items is None else self.item_tower.shared_ids(items))
         contrast = self.training and c.contrastive_weight > 0
         representation, aux = self.trunk(*(two_views(*inputs) if contrast else inputs))
         if contrast:
@@ -382,17 +404,32 @@ class KunlunModel(nn.Module):
         query = self.query(representation)
         targets = batch.next_items
         if targets is None:
-            items = self.item_tower(batch.sparse)
-            return ModelOutput(logits=(query * items).sum(-1, keepdim=True), aux_loss=aux, representation=query)
-        if targets.every:
-            raise ValueError("Kunlun encodes a whole history per query: retrieval needs data.sequential.queries = \"last\"")
-        if targets.catalogue is None:
-            raise ValueError("batch.next_items.catalogue is missing: the item tower needs every item's features")
-        vectors = self.item_tower(targets.catalogue)
+            vectors = self.item_tower(items, shared)
+            return ModelOutput(logits=(query * vectors).sum(-1, keepdim=True), aux_loss=aux, representation=query)
+        vectors = self.item_tower(items, shared)
         if targets.negatives is not None:
             vectors = vectors[scored_item_ids(targets, vectors.shape[0])]
         return ModelOutput(logits=retrieval_logits(query, vectors, targets), aux_loss=aux, representation=query,
                            item_vectors=vectors)
+
+    def _item_features(self, batch: Batch):
+        """What the item tower embeds for ``batch`` (None without one): each example's candidate, or, for
+        retrieval, the catalogue."""
+        if not self.config.two_tower:
+            return None
+        targets = batch.next_items
+        if targets is None:
+            return batch.sparse
+        if targets.every:
+            raise ValueError("Kunlun encodes a whole history per query: retrieval needs data.sequential.queries = \"last\"")
+        if targets.catalogue is None:
+            raise ValueError("batch.next_items.catalogue is missing: the item tower needs every item's features")
+        return targets.catalogue
+
+    def item_vectors(self, features) -> torch.Tensor:
+        """``[M, D]``: the item tower's vectors of ``features`` (M items' candidate features), shared ids looked
+        up on their own."""
+        return self.item_tower(features, self.encoder.embedding.lookup_shared(self.item_tower.shared_ids(features)))
 
     def score_candidates(self, requests: Batch, candidates: torch.Tensor, candidate_features: Batch | None = None,
                          catalogue: KeyedJaggedTensor | None = None) -> torch.Tensor:
@@ -409,7 +446,7 @@ class KunlunModel(nn.Module):
         if catalogue is None:
             raise ValueError("a two-tower Kunlun needs the catalogue to score candidates")
         representation, _ = self.trunk(*self.encoder(requests))
-        vectors = self.item_tower(catalogue)
+        vectors = self.item_vectors(catalogue)
         return dot_scores(self.query(representation), vectors[candidates])
 
     def flops(self, batch: Batch) -> dict[str, float]:

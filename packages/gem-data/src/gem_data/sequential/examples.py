@@ -161,6 +161,7 @@ class NextItemDataset:
             tasks=(c.task,),
             num_surfaces=c.num_surfaces,
             candidate=tuple(f.name for f in sparse[: 1 + len(self.item_fields)]),
+            shared_ids=(("item_id", "history_item_id"),),
         )
         lengths = corpus.lengths()
         # training prefixes: users with n >= 3 items train on items[:n-2], prefixes k = 1 .. n-3
