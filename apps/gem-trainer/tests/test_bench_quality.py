@@ -58,3 +58,10 @@ def test_a_group_runs_chooses_on_validation_and_tables(tmp_path, monkeypatch):
     assert row["metrics"]["sampled/hr@10"] == pytest.approx(arms["long"]["eval"]["sampled/hr@10"], abs=1e-5)
     assert section["groups"][0]["chosen"] == results["chosen"] and section["finding"] == "a finding"
     assert section["summary"] == []  # one seed per recipe: nothing to average
+    assert "unfinished" not in section["groups"][0]  # the broken arm ran: its log is kept instead
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    partial = {**results, "arms": {"short": results["arms"]["short"]}}  # a group ended by a time limit
+    (cut / "results.json").write_text(json.dumps(partial))
+    main(["table", str(cut), "--out", str(quality)])
+    assert json.loads(quality.read_text())["history_excluded"]["groups"][0]["unfinished"] == ["long", "broken"]

@@ -34,7 +34,7 @@ def test_a_run_without_results_is_named(tmp_path):
         main(["--run", f"x={tmp_path / 'empty'}", "--out", str(tmp_path / "t.json")])
 
 
-def test_the_commit_of_a_result_is_dirty_for_code_changes_but_not_for_result_files(tmp_path):
+def test_the_commit_of_a_result_is_dirty_for_code_changes_but_not_for_result_files(tmp_path, monkeypatch):
     import subprocess
 
     from gem_trainer.provenance import git_commit
@@ -42,6 +42,7 @@ def test_the_commit_of_a_result_is_dirty_for_code_changes_but_not_for_result_fil
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
 
+    monkeypatch.delenv("GEM_COMMIT", raising=False)
     git("init", "-q")
     (tmp_path / "module.py").write_text("x = 1\n")
     git("add", "module.py")
@@ -56,3 +57,6 @@ def test_the_commit_of_a_result_is_dirty_for_code_changes_but_not_for_result_fil
     (tmp_path / "new_module.py").unlink()
     (tmp_path / "module.py").write_text("x = 2\n")
     assert git_commit(tmp_path) == head + "+dirty"
+    # a tree copied to another machine names its commit, whatever repository came with it
+    monkeypatch.setenv("GEM_COMMIT", "0" * 40)
+    assert git_commit(tmp_path) == "0" * 40

@@ -119,7 +119,11 @@ def table(result_dirs: list[Path], out: Path, finding: str | None = None) -> dic
     groups, rows = [], []
     for folder in result_dirs:
         results = json.loads((folder / "results.json").read_text())
-        groups.append({key: results[key] for key in ("group", "spec", "provenance", "scores", "chosen") if key in results})
+        group = {key: results[key] for key in ("group", "spec", "provenance", "scores", "chosen") if key in results}
+        unfinished = [arm["name"] for arm in results["spec"]["arms"] if arm["name"] not in results["arms"]]
+        if unfinished:  # cut short (a time limit): the group's file still names them
+            group["unfinished"] = unfinished
+        groups.append(group)
         for name, arm in results["arms"].items():
             if "eval" not in arm:
                 continue
