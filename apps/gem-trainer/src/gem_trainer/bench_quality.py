@@ -61,14 +61,15 @@ def run_group(group_file: Path, data: Path, out: Path, device: str = "cuda") -> 
     for arm in group["arms"]:
         command = [sys.executable, "-m", "gem_trainer.cli", "train", "--config", arm["config"], f"--data.path={data}",
                    f"--run_dir={runs / arm['name']}", f"--device={device}", "--metrics.tensorboard=false", *arm["overrides"]]
-        log = open(runs / f"{arm['name']}.log", "w")
-        started[arm["name"]] = (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), command, time.time())
+        log = open(runs / f"{arm['name']}.log", "w")  # closed when the run ends
+        started[arm["name"]] = (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log, command, time.time())
     while started:
         time.sleep(5)
-        for name, (process, command, began) in list(started.items()):
+        for name, (process, log, command, began) in list(started.items()):
             if process.poll() is None:
                 continue
             del started[name]
+            log.close()
             row = {"rc": process.returncode, "wall_s": round(time.time() - began, 1),
                    "command": " ".join(part if not part.startswith("--data.path") else "--data.path=<Beauty folder>"
                                        for part in command[2:])}
