@@ -5,8 +5,8 @@ stream (the global batches the student will read, ``schedule.steps`` of them, re
 as the student's training resolves them). From that one forward pass its logits go to the soft-label store
 ``distillation.soft_labels`` (see ``gem_transfer.soft_labels``) and, with ``loopfm.store``, a compact
 representation of every example to the representation store (see ``gem_transfer.representation_store``); either
-may be written alone. Each rank scores its rows; rank 0
-gathers every rank's rows of a step and writes them, so each example of each step is written once.
+may be written alone. Each rank scores its rows; rank 0 gathers every rank's rows of a step and writes them, so
+each example of each step is written once.
 
 A retrieval teacher's scores of every sampled candidate are stored as they are; with ``distillation.top_k`` it
 scores the whole catalogue instead and only its ``top_k`` best items other than the true next item are stored,
