@@ -59,8 +59,9 @@ class FeatureEmbedding(nn.Module):
     vectors (the sum of that event's id embeddings; ``event_dims`` may give an event type its own width).
 
     ``shared`` (extra feature -> event feature) lets other ids read an event feature's table (a two-tower item
-    side embedding candidate ids through the history's item table): ``embed(batch, ids)`` looks them up in the
-    same call as the events (one lookup, one fused update of the table), ``lookup_shared(ids)`` alone.
+    side embedding candidate ids through the history's item table): ``forward(batch, shared_ids)`` looks them up
+    in the same call as the events (one lookup, one fused update of the table) and returns their ``{name: [N,
+    D]}`` vectors fourth; ``lookup_shared(ids)`` looks them up alone.
     """
 
     def __init__(
@@ -112,12 +113,8 @@ class FeatureEmbedding(nn.Module):
     def shared_width(self, name: str) -> int:
         return int(self.shared_collection[name].removeprefix("width"))
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        return self.embed(batch)[:3]
-
-    def embed(self, batch: Batch, shared_ids: dict[str, torch.Tensor] | None = None):
-        """``forward``'s three outputs and ``{name: [N, D]}``: the vectors of ``shared_ids`` (name -> ``[N]`` ids,
-        any N), looked up with the events."""
+    def forward(self, batch: Batch, shared_ids: dict[str, torch.Tensor] | None = None):
+        """``(sparse, dense, events)``; with ``shared_ids`` (name -> ``[N]`` ids, any N) also their vectors."""
         b = batch.batch_size
         if self.bags is None:
             sparse = batch.dense.new_zeros(b, 0, self.dim)
@@ -138,11 +135,11 @@ class FeatureEmbedding(nn.Module):
             for e in types:
                 events[e.name] = torch.stack([looked_up[f.name].values() for f in e.features], 0).sum(0)
             shared.update({name: looked_up[name].values() for name in names if shared_ids and name in shared_ids})
-        return sparse, dense, events, shared
+        return (sparse, dense, events) if shared_ids is None else (sparse, dense, events, shared)
 
     def lookup_shared(self, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{name: [N, D]}``: the vectors of ``ids`` (name -> ``[N]``) through the tables they share, the
-        collections called with their event features empty (the same keys, in the same order, as ``embed``)."""
+        collections called with their event features empty (the same keys, in the same order, as ``forward``)."""
         shared = {}
         for key, collection in self.events.items():
             names = [k for k, c in self.shared_collection.items() if c == key and k in ids]
@@ -177,7 +174,7 @@ class ItemTower(nn.Module):
     mean-pooled to ``dim``, concatenated and projected to ``out_dim``. ``forward(kjt [M rows]) -> [M, out_dim]``.
 
     The features named in ``shared`` have no table here: ``forward`` takes their ids' vectors, looked up
-    elsewhere (``FeatureEmbedding.embed``: the history's table of the same ids), and mean-pools them alike."""
+    elsewhere (``FeatureEmbedding``: the history's table of the same ids), and mean-pools them alike."""
 
     def __init__(self, features: tuple, dim: int, out_dim: int, device: torch.device | None = None,
                  shared: tuple[str, ...] = ()) -> None:

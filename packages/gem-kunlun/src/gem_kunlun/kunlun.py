@@ -218,14 +218,11 @@ class KunlunEncoder(nn.Module):
         self.representations = RepresentationSummary(spec.representations, d, device=device) if spec.representations else None
         self.num_tokens = len(spec.sparse) + 1 + len(spec.representations)
 
-    def forward(self, batch: Batch):
-        return self.encode(batch)[0]
-
-    def encode(self, batch: Batch, shared_ids: dict[str, torch.Tensor] | None = None):
-        """``(forward's outputs, {name: [N, D]})``: the vectors of ``shared_ids`` come from the same lookup as
-        the events' (``FeatureEmbedding.embed``)."""
+    def forward(self, batch: Batch, shared_ids: dict[str, torch.Tensor] | None = None):
+        """The four inputs of the trunk; with ``shared_ids`` (the item tower's ids of shared tables) ``(those four,
+        {name: [N, D]})``, the vectors looked up with the events (``FeatureEmbedding``)."""
         c, names = self.config, [e.name for e in self.spec.events]
-        sparse, dense, events, shared = self.embedding.embed(batch, shared_ids)
+        sparse, dense, events, *shared = self.embedding(batch, shared_ids)
         values, lengths, times, host_kept = [], [], [], []
         for name in names:
             sequence = batch.sequences[name]
@@ -248,7 +245,8 @@ class KunlunEncoder(nn.Module):
         if self.representations is not None:
             tokens.append(self.representations(batch).to(sparse.dtype))
         x = torch.cat(tokens, 1)
-        return (x, seq, offsets, time_gap_positions(timestamps[index], offsets)), shared
+        inputs = x, seq, offsets, time_gap_positions(timestamps[index], offsets)
+        return inputs if shared_ids is None else (inputs, shared[0])
 
     def merged_lengths(self, batch: Batch) -> torch.Tensor:
         """Events per example after truncation and merge, ``[B]`` on the CPU."""
@@ -390,8 +388,12 @@ class KunlunModel(nn.Module):
     def forward(self, batch: Batch) -> ModelOutput:
         c = self.config
         items = self._item_features(batch)
-        # NOTE: shared ids are looked up with the history, in one call: one fused update of the table per step
-        inputs, shared = self.encoder.encode(batch, None if items is None else self.item_tower.shared_ids(items))
+        shared = {}
+        if items is not None and self.item_tower.shared:
+            # NOTE: shared ids are looked up with the history, in one call: one fused update of the table per step
+            inputs, shared = self.encoder(batch, shared_ids=self.item_tower.shared_ids(items))
+        else:
+            inputs = self.encoder(batch)
         contrast = self.training and c.contrastive_weight > 0
         representation, aux = self.trunk(*(two_views(*inputs) if contrast else inputs))
         if contrast:
