@@ -15,7 +15,6 @@ its section ``history_excluded`` (full ranking leaves each user's history out) w
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import json
 import os
@@ -26,7 +25,6 @@ import tarfile
 import time
 from pathlib import Path
 
-from gem_trainer.provenance import git_commit
 from gem_trainer.quality import PUBLISHED_BEAUTY
 
 # what Kunlun must reach on the test split (S3-Rec's sampled-99, ICLRec's full ranking: PUBLISHED_BEAUTY)
@@ -54,9 +52,9 @@ def run_group(group_file: Path, data: Path, out: Path, device: str = "cuda") -> 
     group = json.loads(group_file.read_text())
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    commit = git_commit(Path(__file__).resolve().parent)
-    env = dict(os.environ, GEM_COMMIT=commit, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    results = {"group": group_file.stem, "spec": group, "provenance": provenance(commit, group_file, data), "arms": {}}
+    results = {"group": group_file.stem, "spec": group, "provenance": provenance(group_file), "arms": {}}
+    # the runs record the commit this benchmark runs at (a copied tree's own git may not know it)
+    env = dict(os.environ, GEM_COMMIT=results["provenance"]["commit"], PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     started = {}
     for arm in group["arms"]:
         command = [sys.executable, "-m", "gem_trainer.cli", "train", "--config", arm["config"], f"--data.path={data}",
@@ -92,17 +90,18 @@ def run_group(group_file: Path, data: Path, out: Path, device: str = "cuda") -> 
     return results
 
 
-def provenance(commit: str, group_file: Path, data: Path) -> dict:
+def provenance(group_file: Path) -> dict:
+    """``bench_runs.provenance`` (machine, torch, commit, date, command) and the device and Triton it ran with."""
     import torch
+
+    from gem_trainer.bench_runs import provenance as run_provenance
 
     try:
         triton_version = importlib.metadata.version("triton")  # the kernels' compiler (no import: the trainer needs none)
     except importlib.metadata.PackageNotFoundError:
         triton_version = None
-    return {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-            "triton": triton_version, "commit": commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": f"python -m gem_trainer.bench_quality run {group_file} --data <Beauty folder> --out DIR"}
+    return {**run_provenance("gem_trainer.bench_quality", ["run", str(group_file), "--data", "<Beauty folder>", "--out", "DIR"]),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "triton": triton_version}
 
 
 def _write(results: dict, runs: Path, out: Path) -> None:

@@ -14,6 +14,7 @@ from torchrec import (
     PoolingType,
 )
 
+from gem_kernels.jagged import segment_ids
 from gem_kunlun.batch import Batch
 from gem_kunlun.features import FeatureSpec
 
@@ -46,8 +47,7 @@ def pooled_in_order(pooled: KeyedTensor, keys: list[str]) -> list[torch.Tensor]:
 def mean_per_row(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``[R, D]``: the mean of each row's ``lengths[r]`` consecutive vectors of ``values [N, D]`` (zeros for an
     empty row), as a mean-pooled bag."""
-    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths, output_size=values.shape[0])
-    sums = values.new_zeros(lengths.numel(), values.shape[1]).index_add_(0, rows, values)
+    sums = values.new_zeros(lengths.numel(), values.shape[1]).index_add_(0, segment_ids(lengths, values.shape[0]), values)
     return sums / lengths.clamp(min=1).to(values.dtype)[:, None]
 
 
@@ -181,13 +181,13 @@ class ItemTower(nn.Module):
         super().__init__()
         self.names = [f.name for f in features]
         self.shared = tuple(shared)
+        self.owned = [n for n in self.names if n not in self.shared]  # the features with a table here
         self.dim = dim
-        owned = [f for f in features if f.name not in self.shared]
-        self.bags = None if not owned else EmbeddingBagCollection(
+        self.bags = None if not self.owned else EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(name=f"item_tower_{table_name(f.name)}", embedding_dim=dim, num_embeddings=f.num_embeddings,
                                    feature_names=[f.name], pooling=PoolingType.MEAN)
-                for f in owned
+                for f in features if f.name in self.owned
             ],
             device=device,
         )
@@ -198,7 +198,7 @@ class ItemTower(nn.Module):
         return {name: features[name].values() for name in self.shared}
 
     def forward(self, features: KeyedJaggedTensor, shared_vectors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        owned = [n for n in self.names if n not in self.shared]
+        owned = self.owned
         pooled = {} if self.bags is None else dict(zip(owned, pooled_in_order(self.bags(select_keys(features, owned)), owned)))
         for name in self.shared:
             if shared_vectors is None or name not in shared_vectors:

@@ -405,10 +405,9 @@ class KunlunModel(nn.Module):
             return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
         query = self.query(representation)
         targets = batch.next_items
-        if targets is None:
-            vectors = self.item_tower(items, shared)
-            return ModelOutput(logits=(query * vectors).sum(-1, keepdim=True), aux_loss=aux, representation=query)
         vectors = self.item_tower(items, shared)
+        if targets is None:
+            return ModelOutput(logits=(query * vectors).sum(-1, keepdim=True), aux_loss=aux, representation=query)
         if targets.negatives is not None:
             vectors = vectors[scored_item_ids(targets, vectors.shape[0])]
         return ModelOutput(logits=retrieval_logits(query, vectors, targets), aux_loss=aux, representation=query,
