@@ -187,15 +187,16 @@ def test_sasrec_every_position_training_rejects_histories_longer_than_the_model_
 SHARED_SPEC = dataclasses.replace(SPEC, shared_ids=(("item_id", "history_item_id"),))
 
 
-def two_tower(shared: bool = False) -> KunlunModel:
+def two_tower(shared: bool = False, score: str = "dot") -> KunlunModel:
     torch.manual_seed(0)
     return KunlunModel(SHARED_SPEC if shared else SPEC,
-                       KunlunConfig(max_seq_len=8, block_size=4, window=4, two_tower=True, share_item_table=shared)).eval()
+                       KunlunConfig(max_seq_len=8, block_size=4, window=4, two_tower=True, share_item_table=shared, score=score)).eval()
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["own_item_table", "shared_item_table"])
-def test_two_tower_kunlun_scores_by_dot_product_the_same_on_every_path(shared):
-    m = two_tower(shared)
+@pytest.mark.parametrize("shared,score", [(False, "dot"), (True, "dot"), (False, "cosine")],
+                         ids=["own_item_table", "shared_item_table", "cosine"])
+def test_two_tower_kunlun_scores_the_same_on_every_path(shared, score):
+    m = two_tower(shared, score)
     requests = random_batch(5, seed=7, max_events=10, spec=SPEC)
     candidates = torch.randint(NUM_ITEMS, (5, 6), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
@@ -255,6 +256,28 @@ def test_a_shared_item_table_embeds_the_candidate_id_through_the_history_table()
     seen = requests.sequences["history"].ids["history_item_id"].values().unique()
     unseen = torch.tensor(sorted(set(range(NUM_ITEMS)) - set(seen.tolist())))
     assert unseen.numel() > 0 and (history_table.grad[unseen].abs().sum(1) > 0).all()
+
+
+def test_the_cosine_score_is_the_scaled_cosine_of_the_two_towers_and_learns_its_scale():
+    dot, cosine = two_tower(), two_tower(score="cosine")  # the same weights (same seed), plus the scale
+    cosine.cosine.log_scale.data.fill_(1.5)
+    requests = random_batch(4, seed=3, max_events=6, spec=SPEC)
+    requests.next_items = NextItemTargets(False, torch.tensor([1, 2, 3, 4]), None, "softmax", catalogue=catalogue())
+    with torch.no_grad():
+        query = dot(requests).representation
+        items = dot.item_vectors(catalogue())
+    expected = torch.exp(torch.tensor(1.5)) * F.normalize(query, dim=-1) @ F.normalize(items, dim=-1).t()
+    out = cosine(requests)  # eval mode, as dot: training-mode MoE capacity would differ between the two
+    torch.testing.assert_close(out.logits, expected)
+    next_item_loss(out.logits, requests.next_items).backward()
+    assert cosine.cosine.log_scale.grad is not None and cosine.cosine.log_scale.grad.abs().item() > 0
+    cosine.cosine.log_scale.data.fill_(10.0)  # capped: the softmax cannot sharpen without bound
+    with torch.no_grad():
+        torch.testing.assert_close(cosine(requests).logits, 100.0 * expected / torch.exp(torch.tensor(1.5)))
+    with pytest.raises(ValueError, match="score must be 'dot' or 'cosine'"):
+        KunlunConfig(two_tower=True, score="l2")
+    with pytest.raises(ValueError, match="'cosine' needs two_tower"):
+        KunlunConfig(score="cosine")
 
 
 def test_a_shared_item_table_is_checked():

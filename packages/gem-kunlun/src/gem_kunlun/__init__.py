@@ -11,7 +11,7 @@ from gem_kunlun.interformer import InterFormerConfig, InterFormerLayer, InterFor
 from gem_kunlun.kunlun import KUNLUN_SIZES, KunlunConfig, KunlunEncoder, KunlunLayer, KunlunModel, KunlunTrunk
 from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatch
 from gem_kunlun.representation_summary import RepresentationSummary
-from gem_kunlun.retrieval import dot_scores, next_item_loss, retrieval_logits, scored_item_ids
+from gem_kunlun.retrieval import CosineScore, dot_scores, next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling, SumKronLinear
 from gem_kunlun.sequence import (
@@ -29,6 +29,7 @@ __all__ = [
     "Batch",
     "CandidateInput",
     "CandidateScorer",
+    "CosineScore",
     "NextItemTargets",
     "EventSequence",
     "EventPersonalization",

@@ -45,7 +45,7 @@ from gem_kunlun.moe import MixtureOfExperts
 from gem_kunlun.norm import LayerNorm
 from gem_kunlun.pffn import PersonalizedFFN
 from gem_kunlun.representation_summary import RepresentationSummary
-from gem_kunlun.retrieval import dot_scores, retrieval_logits, scored_item_ids
+from gem_kunlun.retrieval import CosineScore, dot_scores, retrieval_logits, scored_item_ids
 from gem_kunlun.rote import time_gap_positions
 from gem_kunlun.sequence import keep_latest, merge_by_time
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling
@@ -88,6 +88,10 @@ class KunlunConfig:
     # two-tower: the item tower embeds the candidate's id through the history's table of the same ids
     # (FeatureSpec.shared_ids), so that an item's vector learns from its place in histories too
     share_item_table: bool = False
+    # two-tower: how a query meets an item. "dot": the dot product. "cosine": both unit-normalised, times a learned
+    # scale (initialised and capped as CLIP's: 1/0.07, at most 100), so that an item's score no longer grows with
+    # its vector's norm, which a whole-catalogue softmax pushes on every item at every step
+    score: str = "dot"
 
     def __post_init__(self) -> None:
         check_at_least(self, {"d_model": 2, "num_layers": 1, "num_heads": 1, "num_summary_tokens": 1, "num_seeds": 1,
@@ -111,6 +115,10 @@ class KunlunConfig:
             raise ValueError("contrastive_weight needs dropout > 0: without it the two views are the same")
         if self.share_item_table and not self.two_tower:
             raise ValueError("share_item_table needs two_tower: only the item tower reads the history's item table")
+        if self.score not in ("dot", "cosine"):
+            raise ValueError(f"score must be 'dot' or 'cosine', got {self.score!r}")
+        if self.score == "cosine" and not self.two_tower:
+            raise ValueError("score = 'cosine' needs two_tower: only the two towers' vectors meet in a score")
         if self.contrastive_temperature <= 0:
             raise ValueError(f"contrastive_temperature must be > 0, got {self.contrastive_temperature}")
         check_skip_schedule(self.skip, self.num_layers)
@@ -376,6 +384,7 @@ class KunlunModel(nn.Module):
                                      f"{self.encoder.embedding.shared_width(name)} wide, the item tower's {config.d_model}")
             self.item_tower = ItemTower(tuple(candidate[n] for n in spec.candidate), config.d_model,
                                         self.representation_dim, device=device, shared=tuple(shared))
+            self.cosine = CosineScore(device=device) if config.score == "cosine" else None
             self.candidate_input = CandidateInput.CATALOGUE
         else:
             self.heads = MultiTaskHeads(self.representation_dim, len(spec.tasks), spec.num_surfaces, device=device)
@@ -403,9 +412,11 @@ class KunlunModel(nn.Module):
             if batch.next_items is not None:
                 raise ValueError("retrieval examples (batch.next_items) need model.kunlun.two_tower = true")
             return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
-        query = self.query(representation)
+        query = self.query_vectors(representation)
         targets = batch.next_items
         vectors = self.item_tower(items, shared)
+        if self.cosine is not None:
+            vectors = self.cosine.items(vectors)
         if targets is None:
             return ModelOutput(logits=(query * vectors).sum(-1, keepdim=True), aux_loss=aux, representation=query)
         if targets.negatives is not None:
@@ -427,10 +438,16 @@ class KunlunModel(nn.Module):
             raise ValueError("batch.next_items.catalogue is missing: the item tower needs every item's features")
         return targets.catalogue
 
+    def query_vectors(self, representation: torch.Tensor) -> torch.Tensor:
+        """``[N, D]``: the query side of the two-tower score of ``representation`` (the trunk's output)."""
+        query = self.query(representation)
+        return query if self.cosine is None else self.cosine.queries(query)
+
     def item_vectors(self, features) -> torch.Tensor:
         """``[M, D]``: the item tower's vectors of ``features`` (M items' candidate features), shared ids looked
         up on their own."""
-        return self.item_tower(features, self.encoder.embedding.lookup_shared(self.item_tower.shared_ids(features)))
+        vectors = self.item_tower(features, self.encoder.embedding.lookup_shared(self.item_tower.shared_ids(features)))
+        return vectors if self.cosine is None else self.cosine.items(vectors)
 
     def score_candidates(self, requests: Batch, candidates: torch.Tensor, candidate_features: Batch | None = None,
                          catalogue: KeyedJaggedTensor | None = None) -> torch.Tensor:
@@ -448,7 +465,7 @@ class KunlunModel(nn.Module):
             raise ValueError("a two-tower Kunlun needs the catalogue to score candidates")
         representation, _ = self.trunk(*self.encoder(requests))
         vectors = self.item_vectors(catalogue)
-        return dot_scores(self.query(representation), vectors[candidates])
+        return dot_scores(self.query_vectors(representation), vectors[candidates])
 
     def flops(self, batch: Batch) -> dict[str, float]:
         """Forward model FLOPs of ``batch`` per component (real lengths; active experts only; embedding

@@ -8,7 +8,10 @@ items ``NextItemTargets`` names (its positive and sampled negatives, or the whol
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from gem_kunlun.batch import NextItemTargets
@@ -33,6 +36,30 @@ def dot_scores(queries: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
         if vectors.dim() == 2:
             return queries.float() @ vectors.float().t()
         return torch.einsum("nd,nkd->nk", queries.float(), vectors.float())
+
+
+class CosineScore(nn.Module):
+    """Puts queries and item vectors where their dot product is a scaled cosine: items unit-normalised, queries
+    unit-normalised and multiplied by ``exp(log_scale)``, learned, initialised at 1/0.07 and capped at 100 (as
+    CLIP's logit scale). Ranking reads the cosine alone; the scale sets how sharp the softmax over items is."""
+
+    MAX_SCALE = 100.0
+
+    def __init__(self, device=None) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.empty(1, device=device))  # NOTE: [1], not a 0-d scalar: FSDP shards dim 0
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.log_scale.fill_(math.log(1 / 0.07))
+
+    def queries(self, queries: torch.Tensor) -> torch.Tensor:
+        scale = self.log_scale.clamp(max=math.log(self.MAX_SCALE)).exp()
+        return F.normalize(queries, dim=-1) * scale.to(queries.dtype)
+
+    def items(self, vectors: torch.Tensor) -> torch.Tensor:
+        return F.normalize(vectors, dim=-1)
 
 
 def retrieval_logits(queries: torch.Tensor, item_vectors: torch.Tensor, targets: NextItemTargets) -> torch.Tensor:
