@@ -63,5 +63,17 @@ def test_a_group_runs_chooses_on_validation_and_tables(tmp_path, monkeypatch):
     cut.mkdir()
     partial = {**results, "arms": {"short": results["arms"]["short"]}}  # a group ended by a time limit
     (cut / "results.json").write_text(json.dumps(partial))
-    main(["table", str(cut), "--out", str(quality)])
-    assert json.loads(quality.read_text())["history_excluded"]["groups"][0]["unfinished"] == ["long", "broken"]
+    main(["table", str(cut), "--out", str(quality)])  # the same group again: replaced
+    section = json.loads(quality.read_text())["history_excluded"]
+    assert len(section["groups"]) == 1 and section["groups"][0]["unfinished"] == ["long", "broken"]
+    assert [row["arm"] for row in section["rows"]] == ["short"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "results.json").write_text(json.dumps({**partial, "group": "test-x"}))
+    main(["table", str(other), "--out", str(quality)])  # another group: added beside the first, whose folder is not given
+    section = json.loads(quality.read_text())["history_excluded"]
+    assert [g["group"] for g in section["groups"]] == ["valid-x", "test-x"]
+    # the same recipe (config file at the same commit) on the same split: averaged over the two rows
+    (mean,) = section["summary"]
+    assert mean["recipe"] == row["recipe"].replace("--schedule.epochs=2", "--schedule.steps=3") and mean["split"] == "valid"
+    assert mean["config_version"] == section["rows"][0]["config_version"] != ""

@@ -8,8 +8,9 @@ processes on this machine's GPU (small models leave it mostly idle: one run alon
 validation group may name the arms to ``choose`` from and the ``rule``; the chosen arm is then the recipe its
 test group trains (``choose`` and ``rule`` are fixed before the group runs: the test split plays no part in a
 choice). ``run`` writes ``results.json`` (provenance, each arm's command, wall time and ``eval.json``) and
-``runs.tgz`` (each run's eval, resolved config, metrics and log). ``table`` adds the groups to the quality file as
-its section ``history_excluded`` (full ranking leaves each user's history out) with per-model means over seeds.
+``runs.tgz`` (each run's eval, resolved config, metrics and log). ``table`` adds the groups to the quality file's
+section ``history_excluded`` (full ranking leaves each user's history out), keeping the groups already there, with
+means over seeds per model, recipe (config and overrides) and version of the config file.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def _write(results: dict, runs: Path, out: Path) -> None:
 
 
 def table(result_dirs: list[Path], out: Path, finding: str | None = None) -> dict:
-    """Add the groups of ``result_dirs`` to ``out`` as its section ``history_excluded``."""
+    """Add the groups of ``result_dirs`` to ``out``'s section ``history_excluded``: a group already there is
+    replaced by the folder of the same group, the others stay (their folders need not be at hand)."""
     groups, rows = [], []
     for folder in result_dirs:
         results = json.loads((folder / "results.json").read_text())
@@ -133,17 +135,23 @@ def table(result_dirs: list[Path], out: Path, finding: str | None = None) -> dic
                          "step": int(e["step"]), "wall_s": arm["wall_s"], "train_s": round(e["train_s"], 1),
                          "commit": results["provenance"]["commit"], "command": arm["command"],
                          "metrics": {k: round(e[k], 5) for k in sorted(e) if k.startswith(("sampled/", "full/")) and "seed" not in k}})
+    document = json.loads(out.read_text()) if out.is_file() else {}
+    earlier, given = document.get("history_excluded", {}), {g["group"] for g in groups}
+    groups = [g for g in earlier.get("groups", []) if g["group"] not in given] + groups
+    rows = [r for r in earlier.get("rows", []) if r["group"] not in given] + rows
+    for row in rows:
+        row["config_version"] = _config_version(row)
     summary = []
-    for key in sorted({(r["model"], r["recipe"], r["split"]) for r in rows}):
-        chosen = [r for r in rows if (r["model"], r["recipe"], r["split"]) == key]
+    for key in sorted({(r["model"], r["recipe"], r["config_version"], r["split"]) for r in rows}):
+        chosen = [r for r in rows if (r["model"], r["recipe"], r["config_version"], r["split"]) == key]
         if len(chosen) < 2:
             continue
         values = {m: [r["metrics"][m] for r in chosen] for m in HEADLINE}
-        summary.append({"model": key[0], "recipe": key[1], "split": key[2], "seeds": sorted(r["seed"] for r in chosen),
+        summary.append({"model": key[0], "recipe": key[1], "config_version": key[2], "split": key[3],
+                        "seeds": sorted(r["seed"] for r in chosen),
                         "mean": {m: round(statistics.mean(v), 4) for m, v in values.items()},
                         "std": {m: round(statistics.pstdev(v), 4) for m, v in values.items()},
                         "meets_targets": {m: statistics.mean(v) >= TARGETS[m] for m, v in values.items()}})
-    document = json.loads(out.read_text()) if out.is_file() else {}
     document["history_excluded"] = {
         "protocol": "leave-one-out; sampled-99: 99 uniform negatives outside the user's sequence, 3 draws; full: every item "
                     "but the user's earlier items (the held-out item never left out), as ICLRec, ICSRec and S3-Rec evaluate. "
@@ -172,6 +180,15 @@ def _recipe(command: str) -> str:
     return " ".join([config, *(p for p in parts if p.startswith("--") and p != "--config" and not p.startswith(skip))])
 
 
+def _config_version(row: dict) -> str:
+    """The config file's git blob at the run's commit: a recipe names its config and overrides, and the same
+    name may hold other settings at another commit (the commit itself when git cannot say)."""
+    parts = row["command"].split()
+    config = parts[parts.index("--config") + 1]
+    found = subprocess.run(["git", "rev-parse", "--short", f"{row['commit']}:{config}"], capture_output=True, text=True)
+    return found.stdout.strip() if found.returncode == 0 else row["commit"][:12]
+
+
 def _seed(command: str) -> int:
     return int(_option(command, "seed") or 0)
 
@@ -193,9 +210,9 @@ def main(argv: list[str] | None = None) -> None:
         run_group(args.group, args.data, args.out, args.device)
         return
     section = table(args.results, args.out, args.finding)
-    print(f"{'model':8} {'recipe':70} {'split':6} " + " ".join(f"{m:>16}" for m in HEADLINE))
+    print(f"{'model':8} {'recipe':70} {'config':9} {'split':6} " + " ".join(f"{m:>16}" for m in HEADLINE))
     for s in section["summary"]:
-        print(f"{s['model']:8} {s['recipe'][:70]:70} {s['split']:6} "
+        print(f"{s['model']:8} {s['recipe'][:70]:70} {s['config_version']:9} {s['split']:6} "
               + " ".join(f"{s['mean'][m]:.4f}±{s['std'][m]:.4f}".rjust(16) for m in HEADLINE))
     print(f"wrote section history_excluded of {args.out}")
 
