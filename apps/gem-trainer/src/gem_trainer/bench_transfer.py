@@ -17,7 +17,7 @@ teacher's pass also writes its representations (``[loopfm]``), and one more arm 
 (distillation and adapter as before, plus each example's earlier representations of its user as an input).
 
 ``beauty`` (Amazon Beauty from ``../shared/data/beauty``, next-item retrieval, leave-one-out): the teacher is the
-Beauty Kunlun config (``configs/beauty-kunlun.toml``, two-tower, softmax over the catalogue, 6 epochs), trained
+Beauty Kunlun config (``configs/beauty-kunlun.toml``, two-tower, softmax over the catalogue), trained
 once with seed 0 (a finished run of the same config in the work folder is reused); the student is a narrower,
 shallower Kunlun (``BEAUTY_STUDENT``: 4.6x fewer FLOPs per example, 2.3x fewer parameters, item vectors 32-wide
 rather than 128) trained ``BEAUTY_STUDENT_STEPS``. The teacher's pass stores its top ``BEAUTY_TOP_K`` items of the
@@ -60,7 +60,7 @@ METRICS = ("click/all/ne", "click/all/auc", "conversion/all/ne", "conversion/all
 BEAUTY_TEACHER = "beauty-kunlun.toml"
 # a Kunlun half as wide, with one layer and a 32-wide head: what a latency-bound serving model can afford
 BEAUTY_STUDENT = ["--model.kunlun.d_model=16", "--model.kunlun.num_layers=1", "--model.kunlun.hidden=[32]"]
-BEAUTY_STUDENT_STEPS = 1500  # about 3 passes over the 131k training prefixes (the teacher: 6)
+BEAUTY_STUDENT_STEPS = 1500  # about 3 passes over the 131k training prefixes (the teacher: its config's schedule.epochs)
 BEAUTY_NEGATIVES, BEAUTY_TOP_K = 256, 100
 # the teacher's weight and temperature in the distillation arms, chosen on the validation split (seed 0's store,
 # the student alone and a grid of weight x temperature: transfer.json's beauty_validation_sweep); 1 / 1 before
