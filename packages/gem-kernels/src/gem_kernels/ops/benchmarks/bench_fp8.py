@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 import time
 
@@ -25,6 +24,7 @@ from torch.nn import functional as F
 
 from gem_kernels.fp8 import fp8_attention_operands, fp8_rowwise_quantize, fp8_rowwise_quantize_reference
 from gem_kernels.fp8_linear import Fp8Recipe, fp8_linear
+from gem_kernels.ops.benchmarks.provenance import git_commit
 from gem_kernels.ops.benchmarks.run_all import Recorder, bench_ms, guarded, lognormal_lengths, offsets, pairs_self
 
 TOKENS = (16384, 65536, 262144, 1048576)
@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    commit = commit or os.environ.get("GEM_COMMIT", "unknown")  # a tree copied without its repository
+    commit = git_commit()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python -m gem_kernels.ops.benchmarks.bench_fp8 " + " ".join(argv or sys.argv[1:]),

@@ -20,12 +20,13 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
 
 import torch
+
+from gem_kernels.ops.benchmarks.provenance import git_commit
 
 H, D = 4, 128
 PEAK_BW = 4.2e12  # measured device-to-device copy on the H200 (ENVIRONMENT.md)
@@ -594,13 +595,7 @@ def main(argv=None):
     t0 = time.time()
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        # NOTE: a tree copied to another machine without its repository names its commit in GEM_COMMIT
-        commit = (commit + ("+dirty" if dirty else "")) if commit else os.environ.get("GEM_COMMIT", "unknown")
-    except Exception:
-        commit = "unknown"
+    commit = git_commit()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python -m gem_kernels.ops.benchmarks.run_all " + " ".join(argv or sys.argv[1:]),
