@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,10 +34,13 @@ from gem_data.synthetic import SyntheticConfig, SyntheticGenerator
 from gem_data.testing import find_repo_root, shared_data_dir
 
 
-def measure(name: str, stream, seconds: float, batch_size: int, note: str = "") -> dict:
-    """Run ``stream`` for about ``seconds`` after one warm-up batch; rates per core (one thread)."""
+def measure(name: str, stream, seconds: float, batch_size: int, note: str = "", started: Callable[[], None] | None = None) -> dict:
+    """Run ``stream`` for about ``seconds`` after one warm-up batch; rates per core (one thread). ``started``, if
+    given, is called when the timing starts (after the warm-up)."""
     batches = iter(stream)
     next(batches)
+    if started is not None:
+        started()
     examples = tokens = steps = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
