@@ -16,6 +16,7 @@ means over seeds per model, recipe (config and overrides) and version of the con
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -184,9 +185,13 @@ def _config_version(row: dict) -> str:
     """The config file's git blob at the run's commit: a recipe names its config and overrides, and the same
     name may hold other settings at another commit (the commit itself when git cannot say)."""
     parts = row["command"].split()
-    config = parts[parts.index("--config") + 1]
-    found = subprocess.run(["git", "rev-parse", "--short", f"{row['commit']}:{config}"], capture_output=True, text=True)
-    return found.stdout.strip() if found.returncode == 0 else row["commit"][:12]
+    return _blob(row["commit"], parts[parts.index("--config") + 1])
+
+
+@functools.cache  # NOTE: a group's rows share one commit and config: one git call each
+def _blob(commit: str, path: str) -> str:
+    found = subprocess.run(["git", "rev-parse", "--short", f"{commit}:{path}"], capture_output=True, text=True)
+    return found.stdout.strip() if found.returncode == 0 else commit[:12]
 
 
 def _seed(command: str) -> int:

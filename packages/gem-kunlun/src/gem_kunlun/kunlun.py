@@ -414,9 +414,7 @@ class KunlunModel(nn.Module):
             return ModelOutput(logits=self.heads(representation, batch.surface), aux_loss=aux, representation=representation)
         query = self.query_vectors(representation)
         targets = batch.next_items
-        vectors = self.item_tower(items, shared)
-        if self.cosine is not None:
-            vectors = self.cosine.items(vectors)
+        vectors = self.item_vectors(items, shared)
         if targets is None:
             return ModelOutput(logits=(query * vectors).sum(-1, keepdim=True), aux_loss=aux, representation=query)
         if targets.negatives is not None:
@@ -443,10 +441,12 @@ class KunlunModel(nn.Module):
         query = self.query(representation)
         return query if self.cosine is None else self.cosine.queries(query)
 
-    def item_vectors(self, features) -> torch.Tensor:
-        """``[M, D]``: the item tower's vectors of ``features`` (M items' candidate features), shared ids looked
-        up on their own."""
-        vectors = self.item_tower(features, self.encoder.embedding.lookup_shared(self.item_tower.shared_ids(features)))
+    def item_vectors(self, features, shared: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """``[M, D]``: the item tower's vectors of ``features`` (M items' candidate features) in the score's space;
+        ``shared``: the shared ids' vectors as the history's lookup returned them (None: looked up on their own)."""
+        if shared is None:
+            shared = self.encoder.embedding.lookup_shared(self.item_tower.shared_ids(features))
+        vectors = self.item_tower(features, shared)
         return vectors if self.cosine is None else self.cosine.items(vectors)
 
     def score_candidates(self, requests: Batch, candidates: torch.Tensor, candidate_features: Batch | None = None,

@@ -14,7 +14,7 @@ event), each with ``width`` logits (retrieval: the positive and the sampled nega
 all, so the lookup of a batch returns one row of logits per query, in the batch's query order.
 
 A retrieval teacher that scores the whole catalogue would store ``num_items`` logits per query (Amazon Beauty:
-12,101 per query, ~38 GB for 6 epochs of its 131k queries): a **top-k store** keeps, per query, the teacher's
+12,101 per query, ~6.3 GB for each pass over its 131k queries): a **top-k store** keeps, per query, the teacher's
 ``k`` best items other than the true next item and ``1 + k`` logits (the next item's, then theirs), where the
 teacher's distribution carries nearly all of its mass; its lookup returns ``TopKLogits``.
 
