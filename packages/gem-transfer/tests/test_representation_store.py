@@ -1,11 +1,13 @@
 """LoopFM's representation store: per-user time order, the memory bound, no leakage, exactly-once resume, bad stores,
 and the student-side join."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
+from gem_kunlun import RepresentationFeature
 from gem_kunlun.testing import SPEC, random_batch
 
 from gem_transfer import (
@@ -17,6 +19,7 @@ from gem_transfer import (
     example_times,
     example_users,
     random_projection,
+    without_sparse_feature,
 )
 
 USER = "ad"  # random_batch gives its first sparse feature exactly one id per example
@@ -194,6 +197,26 @@ def test_the_join_gives_each_example_its_users_earlier_representations_and_resum
     assert torch.equal(next(iter(again)).representations["loopfm"].values, joined[2].representations["loopfm"].values)
     with pytest.raises(RepresentationError, match=r"user feature 'user_id' is not among the data's sparse features"):
         RepresentationJoin(Listed(batches), store, "user_id", max_events=5)
+
+
+
+def test_a_key_only_join_keeps_every_other_feature_and_drops_the_user_from_spec_and_batches(tmp_path):
+    batches = [random_batch(8, seed=s) for s in range(2)]
+    data = [(s, example_users(b, USER), example_times(b), torch.randn(8, 3)) for s, b in enumerate(batches)]
+    store = RepresentationStore(write(tmp_path / "store", data))
+    keyed = list(RepresentationJoin(Listed(batches), store, USER, max_events=5))
+    join = RepresentationJoin(Listed(batches), store, USER, max_events=5, key_only=True)
+    assert [f.name for f in join.spec.sparse] == [f.name for f in SPEC.sparse if f.name != USER]
+    for batch, full in zip(join, keyed):
+        batch.validate(join.spec)
+        assert batch.sparse.keys() == [k for k in full.sparse.keys() if k != USER]
+        for key in batch.sparse.keys():  # the other features' ids untouched
+            assert torch.equal(batch.sparse[key].values(), full.sparse[key].values())
+            assert torch.equal(batch.sparse[key].lengths(), full.sparse[key].lengths())
+        assert torch.equal(batch.representations["loopfm"].values, full.representations["loopfm"].values)
+    assert join.spec == dataclasses.replace(without_sparse_feature(SPEC, USER), representations=(RepresentationFeature("loopfm", 3),))
+    with pytest.raises(RepresentationError, match=r"'nowhere' is not among the data's sparse features"):
+        without_sparse_feature(SPEC, "nowhere")
 
 
 def test_the_tap_projects_the_chosen_layer_with_a_fixed_seeded_matrix():

@@ -18,6 +18,7 @@ from gem_data import (
     BatchSource,
     DomainExpertModel,
     FeatureAlignment,
+    JoinedRanking,
     LengthBalancedStream,
     MixedStream,
     MixingConfig,
@@ -59,6 +60,7 @@ from gem_transfer import (
     RepresentationStore,
     SoftLabelError,
     SoftLabelStore,
+    without_sparse_feature,
 )
 from gem_trainer.distributed import DistributedEnv
 
@@ -87,7 +89,7 @@ class DataSetup:
     spec: FeatureSpec
     train: BatchSource
     eval_batches: Callable[[], Iterator[Batch]] | None = None
-    ranking: NextItemDataset | None = None
+    ranking: NextItemDataset | AlignedRanking | JoinedRanking | None = None
     mixer: MixedStream | None = None
     balancer: LengthBalancedStream | None = None
     # rows of one pass over the training data, all ranks together (None: an endless stream, synthetic or mixed)
@@ -143,6 +145,7 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         # joined last, on this rank's own rows: the join depends on (user, time) only, so nothing before it changes
         train = build_representation_join(config, train)
         eval_fn = _joined(train, eval_fn)
+        ranking = None if ranking is None else JoinedRanking(ranking, train.spec, train.attach)
     return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer, rows_per_epoch)
 
 
@@ -185,6 +188,18 @@ def teacher_spec(spec: FeatureSpec) -> FeatureSpec:
     return dataclasses.replace(spec, representations=())
 
 
+def model_spec(config: TrainerConfig, spec: FeatureSpec) -> FeatureSpec:
+    """The features the models read of data with ``spec``: without LoopFM's user feature where it is a key only."""
+    loop = config.loopfm
+    return without_sparse_feature(spec, loop.user_feature) if loop.store is not None and loop.key_only else spec
+
+
+def user_feature_missing(name: str, spec: FeatureSpec) -> str:
+    """The one line saying the data has no user feature ``name``, and where each data source has one."""
+    return (f"user feature {name!r} is not among the data's sparse features {[f.name for f in spec.sparse]} (synthetic data "
+            f"has user ids with data.synthetic.num_users, next-item data with data.sequential.with_user_id = true)")
+
+
 def build_representation_join(config: TrainerConfig, source: BatchSource) -> RepresentationJoin:
     """``source`` with LoopFM's histories from ``loopfm.store``, checked against the data: the store must have
     been written over data with the same features (its user ids are this data's)."""
@@ -193,15 +208,18 @@ def build_representation_join(config: TrainerConfig, source: BatchSource) -> Rep
 
     loop = config.loopfm
     try:
+        if loop.user_feature not in {f.name for f in source.spec.sparse}:
+            raise RepresentationError(user_feature_missing(loop.user_feature, source.spec))
         store = RepresentationStore(loop.store)
-        # NOTE: the store was written over the data without representation inputs (posttrain reads it so); the
-        # Solaris join, which runs before this one, adds its own feature to the spec
-        if store.meta.get("spec") != spec_record(teacher_spec(source.spec)):
+        # NOTE: the store was written over the data without representation inputs (posttrain reads it so, and
+        # without the user feature where it is a key only); the Solaris join, which runs before this one, adds its
+        # own feature to the spec
+        if store.meta.get("spec") != spec_record(teacher_spec(model_spec(config, source.spec))):
             raise RepresentationError(f"{loop.store} was written over data with other features than this run's")
         if store.meta.get("user_feature") != loop.user_feature:
             raise RepresentationError(f"{loop.store} is keyed by user feature {store.meta.get('user_feature')!r}, "
                                       f"loopfm.user_feature is {loop.user_feature!r}")
-        return RepresentationJoin(source, store, loop.user_feature, loop.max_events)
+        return RepresentationJoin(source, store, loop.user_feature, loop.max_events, key_only=loop.key_only)
     except RepresentationError as error:
         raise ConfigError(f"loopfm.store: {error}") from None
 

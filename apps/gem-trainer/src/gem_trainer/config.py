@@ -393,7 +393,12 @@ class LoopFMConfig(Section):
     submodule name) projected to ``dim`` values by the fixed Gaussian matrix of ``projection_seed``, keyed by
     the sparse feature ``user_feature`` and the example's time; a pass cut short continues when run again.
     ``train`` / ``distill`` with ``store`` set give every example the newest ``max_events`` representations of
-    its user strictly before its time, as the representation feature ``loopfm``."""
+    its user strictly before its time, as the representation feature ``loopfm``; ranking evaluation joins them
+    to every request it scores.
+
+    ``key_only``: ``user_feature`` keys the store and is no model's input: the teacher's pass and the student
+    read the data without it. Next-item data has user ids with ``data.sequential.with_user_id = true``, as a
+    sparse feature the models would otherwise embed; there a teacher trained without user ids needs it."""
 
     store: str | None = None
     layer: str = "representation"
@@ -401,6 +406,7 @@ class LoopFMConfig(Section):
     projection_seed: int = 0
     user_feature: str = "user_id"
     max_events: int = Field(32, ge=1)
+    key_only: bool = False
 
 
 class SolarisConfig(Section):
@@ -475,15 +481,18 @@ class TrainerConfig(Section):
         return self
 
     def _check_loopfm(self) -> None:
-        """The LoopFM input reaches the models that read representation features, through pointwise evaluation."""
+        """The LoopFM input reaches the models that read representation features; on next-item data each stored
+        example must be one event of its user."""
         if self.loopfm.store is None:
             return
         if self.model.name == "sasrec":
             raise ValueError("loopfm.store: SASRec reads item ids only; use model.name = \"kunlun\", \"interformer\", "
                              "\"domain_experts\" or \"baseline\"")
-        if self.data.source in ("sequence_text", "atomic"):
-            raise ValueError("loopfm.store: next-item data is evaluated by ranking, which does not join representations; "
-                             "use pointwise data (data.source = \"synthetic\" or \"parquet\")")
+        if self.data.source in ("sequence_text", "atomic") and self.data.sequential.objective != "retrieval":
+            # NOTE: a pointwise next-item example is one of 1 + num_negatives rows, mostly sampled candidates the user
+            # never met; a retrieval example is the request itself
+            raise ValueError("loopfm.store on next-item data needs data.sequential.objective = \"retrieval\" (pointwise "
+                             "rows are sampled candidates, not the user's events)")
 
     def _check_retrieval(self) -> None:
         """Retrieval examples need a model whose request side ignores the candidate."""

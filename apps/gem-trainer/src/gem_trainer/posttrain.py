@@ -46,6 +46,7 @@ from gem_transfer import (
     example_users,
     queries_per_example,
     top_k_logits,
+    without_sparse_key,
 )
 
 
@@ -61,12 +62,17 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
     data = builders.build_data(config, env, representations=False)
     config = builders.resolve_schedule(config, data, env)  # the steps the student's training will resolve to
     if loop.store is not None and loop.user_feature not in {f.name for f in data.spec.sparse}:
-        raise ConfigError(f"loopfm.user_feature: {loop.user_feature!r} is not a sparse feature of the data "
-                          f"({[f.name for f in data.spec.sparse]}); synthetic data has user ids with data.synthetic.num_users")
-    teacher, _ = builders.build_teacher(config, data.spec, env)
+        raise ConfigError(f"loopfm.user_feature: {builders.user_feature_missing(loop.user_feature, data.spec)}")
+    # what the teacher and the stores see: the data without the user feature where it is a key only
+    key_only = loop.store is not None and loop.key_only
+    try:
+        spec = builders.model_spec(config, data.spec)
+    except RepresentationError as error:
+        raise ConfigError(f"loopfm.key_only: {error}") from None
+    teacher, _ = builders.build_teacher(config, spec, env)
     teacher_step = CheckpointManager(Path(d.teacher_run_dir) / "checkpoints", keep_latest=1).latest_step()
     global_batch = config.data.batch_size * env.world_size
-    meta = {"teacher": {"run_dir": str(d.teacher_run_dir), "step": teacher_step}, "spec": spec_record(data.spec),
+    meta = {"teacher": {"run_dir": str(d.teacher_run_dir), "step": teacher_step}, "spec": spec_record(spec),
             "global_batch_size": global_batch, "seed": config.seed,
             # the whole data section: a resumed pass must read the same stream (surfaces, balance, mixture, ...)
             "data": config.data.model_dump(mode="json")}
@@ -96,8 +102,11 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
                 break  # the stream ended (a finite source): the stores hold the steps it had
             steps = step + 1
             represent = tap is not None and step >= first_missing
+            users = example_users(batch, loop.user_feature) if tap is not None else None
+            if key_only:
+                batch = without_sparse_key(batch, loop.user_feature)
             if tap is not None and not represent:
-                _example_keys(env, batch, loop.user_feature, stored)  # stored by the pass cut short
+                _example_keys(env, users, batch, stored)  # stored by the pass cut short
             if d.soft_labels is None and not represent:
                 continue  # stored by the pass that was cut short: the data moves on, the teacher rests
             fingerprints, queries = example_fingerprints(batch), queries_per_example(batch)
@@ -113,7 +122,7 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
                 logits, items = best.logits, best.items
             rank_rows = [fingerprints, logits, queries, items]
             if represent:
-                rank_rows += [example_users(batch, loop.user_feature), example_times(batch), _vectors(tap, output, batch)]
+                rank_rows += [users, example_times(batch), _vectors(tap, output, batch), _event_keys(batch, fingerprints)]
             if env.world_size > 1:
                 gathered: list = [None] * env.world_size
                 dist.all_gather_object(gathered, tuple(rank_rows))
@@ -122,8 +131,8 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
             if labels is not None:
                 labels.append(step, fingerprints, logits if top_k is None else TopKLogits(items, logits), queries)
             if represent and memory is not None:
-                users, times, vectors = rank_rows[4:]
-                memory.append(step, users, _first_times(users, times, fingerprints, stored), vectors)
+                users, times, vectors, events = rank_rows[4:]
+                memory.append(step, users, _first_times(users, times, events, stored), vectors)
             rows += fingerprints.numel()
             represented += fingerprints.numel() if represent else 0
         folder = labels.close() if labels is not None else d.soft_labels
@@ -173,9 +182,15 @@ def _vectors(tap: RepresentationTap, output, batch) -> torch.Tensor:
         raise ConfigError(f"loopfm.layer: {error}") from None
 
 
-def _example_keys(env: DistributedEnv, batch, user_feature: str, stored: set) -> None:
-    """Add the (user, time, fingerprint) of every example of this global batch to ``stored`` (on rank 0)."""
-    keys = (example_users(batch, user_feature), example_times(batch), example_fingerprints(batch))
+def _event_keys(batch, fingerprints: torch.Tensor) -> torch.Tensor:
+    """What makes an example one event of its user: its fingerprint, without the negatives a retrieval example
+    is sampled with (a later pass over the data draws others for the same event)."""
+    return fingerprints if batch.next_items is None else example_fingerprints(batch, negatives=False)
+
+
+def _example_keys(env: DistributedEnv, users: torch.Tensor, batch, stored: set) -> None:
+    """Add the (user, time, event key) of every example of this global batch to ``stored`` (on rank 0)."""
+    keys = (users, example_times(batch), _event_keys(batch, example_fingerprints(batch)))
     if env.world_size > 1:
         gathered: list = [None] * env.world_size
         dist.all_gather_object(gathered, keys)
@@ -184,10 +199,10 @@ def _example_keys(env: DistributedEnv, batch, user_feature: str, stored: set) ->
         _first_times(*keys, stored)
 
 
-def _first_times(users: torch.Tensor, times: torch.Tensor, fingerprints: torch.Tensor, stored: set) -> torch.Tensor:
+def _first_times(users: torch.Tensor, times: torch.Tensor, events: torch.Tensor, stored: set) -> torch.Tensor:
     """``times`` with NaN (not stored) for the examples already in ``stored``, which then holds every example."""
     times = times.clone()
-    for row, key in enumerate(zip(users.tolist(), times.tolist(), fingerprints.tolist())):
+    for row, key in enumerate(zip(users.tolist(), times.tolist(), events.tolist())):
         if key in stored:
             times[row] = float("nan")
         elif not math.isnan(key[1]):  # an example without events has no time and is never stored

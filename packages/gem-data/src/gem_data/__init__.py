@@ -13,6 +13,7 @@ from gem_data.domain_experts import DomainExpertModel
 from gem_data.errors import BadRows, DataError
 from gem_data.aligned_ranking import AlignedRanking
 from gem_data.alignment import AlignmentError, FeatureAlignment
+from gem_data.joined_ranking import JoinedRanking
 from gem_data.mixing import MixedStream, MixingConfig, MixSource
 from gem_data.read_ahead import ReadAhead
 from gem_data.readers.atomic import read_atomic
@@ -38,6 +39,7 @@ __all__ = [
     "DomainExpertModel",
     "ExampleTable",
     "FeatureAlignment",
+    "JoinedRanking",
     "LengthBalancedStream",
     "MixSource",
     "MixedStream",

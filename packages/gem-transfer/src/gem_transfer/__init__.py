@@ -8,7 +8,7 @@ from gem_transfer.distillation import (
     listwise_soft_label_loss,
     soft_label_loss,
 )
-from gem_transfer.representation_join import RepresentationJoin
+from gem_transfer.representation_join import RepresentationJoin, without_sparse_feature, without_sparse_key
 from gem_transfer.representation_store import (
     RepresentationError,
     RepresentationStore,
@@ -50,4 +50,6 @@ __all__ = [
     "random_projection",
     "soft_label_loss",
     "top_k_logits",
+    "without_sparse_feature",
+    "without_sparse_key",
 ]

@@ -104,8 +104,8 @@ def queries_per_example(batch: Batch) -> torch.Tensor:
     return history.lengths().long()
 
 
-def _fold_targets(h: torch.Tensor, batch: Batch, field: int) -> int:
-    """Adds each query's positive and sampled negatives (retrieval) into its example's hash."""
+def _fold_targets(h: torch.Tensor, batch: Batch, field: int, negatives: bool) -> int:
+    """Adds each query's positive and (with ``negatives``) sampled negatives (retrieval) into its example's hash."""
     targets = batch.next_items
     if targets is None:
         return field
@@ -113,7 +113,7 @@ def _fold_targets(h: torch.Tensor, batch: Batch, field: int) -> int:
     owner = segment_ids(queries, targets.positives.numel())
     position = torch.arange(owner.numel()) - (torch.cumsum(queries, 0) - queries)[owner]
     scored = targets.positives.long().view(-1, 1)
-    if targets.negatives is not None:
+    if negatives and targets.negatives is not None:
         scored = torch.cat([scored, targets.negatives.long()], 1)
     columns = torch.arange(scored.shape[1]) * _K_POSITION
     per_query = _mix(scored * _K_VALUE + columns + torch.tensor(field) * _K_FIELD).sum(1)
@@ -121,9 +121,12 @@ def _fold_targets(h: torch.Tensor, batch: Batch, field: int) -> int:
     return field + 1
 
 
-def example_fingerprints(batch: Batch) -> torch.Tensor:
+def example_fingerprints(batch: Batch, negatives: bool = True) -> torch.Tensor:
     """``[B]`` int64: a 64-bit hash of each example (its dense values, ids, events and their timestamps,
-    labels, surface and retrieval candidates), the same wherever the example sits in a batch. CPU tensors."""
+    labels, surface and retrieval candidates), the same wherever the example sits in a batch. CPU tensors.
+
+    ``negatives=False`` leaves a retrieval example's sampled negatives out: the example itself, which each pass
+    over the data meets with other negatives."""
     h = torch.zeros(batch.batch_size, dtype=torch.int64)
     field = _fold_rows(h, batch.dense.float().contiguous().view(torch.int32), 0)
     field = _fold_rows(h, batch.labels.float().contiguous().view(torch.int32), field)
@@ -138,7 +141,7 @@ def example_fingerprints(batch: Batch) -> torch.Tensor:
             owner = segment_ids(lengths, stamps.numel())
             h.index_add_(0, owner, _mix(stamps * _K_VALUE + torch.tensor(field) * _K_FIELD))
         field += 1
-    _fold_targets(h, batch, field)
+    _fold_targets(h, batch, field, negatives)
     return h
 
 
