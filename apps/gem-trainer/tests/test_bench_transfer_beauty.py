@@ -18,13 +18,16 @@ needs_beauty = pytest.mark.skipif(not (BEAUTY / "Beauty.txt").is_file(), reason=
 @needs_beauty
 def test_the_beauty_section_trains_every_arm_from_one_teacher_and_writes_its_table(tmp_path, capsys):
     result = bench_transfer.beauty([0], tmp_path, student_steps=8, teacher_steps=10, top_k=5, extra=SHORT)
-    arms = ["student_alone", "distillation", "distillation_adapter", "student_alone_catalogue"]
+    arms = ["student_alone", "distillation", "distillation_adapter", "distillation_loopfm", "distillation_adapter_loopfm",
+            "student_alone_catalogue"]
     assert [r["arm"] for r in result["rows"]] == arms
     assert set(result["summary"]) == {*arms, "teacher"}
     for row in [*result["rows"], *result["teacher"]["rows"]]:
         assert all(0 <= row[m] <= 1 for m in bench_transfer.BEAUTY_METRICS)
     store = json.loads((tmp_path / "beauty" / "seed0" / "soft-labels" / "meta.json").read_text())
     assert store["top_k"] == 5 and store["steps"] == 8
+    loopfm = json.loads((tmp_path / "beauty" / "seed0" / "loopfm" / "progress.json").read_text())
+    assert loopfm["complete"] and loopfm["rows"] == 8 * 32  # one per training prefix of the 8 batches of 32
     assert result["teacher"]["rows"][0]["reused_finished_run"] is False
     # the finished teacher is found again (the same config and steps), and only then
     config = bench_transfer.ROOT / "apps" / "gem-trainer" / "configs" / bench_transfer.BEAUTY_TEACHER
@@ -57,3 +60,9 @@ def test_large_blocks_are_mapped_from_a_fixed_threshold():
     from gem_trainer.evaluators import fixed_mmap_threshold
 
     assert fixed_mmap_threshold()  # the ranking evaluation sets it (trainer and benchmark alike)
+
+
+def test_the_runner_gives_results_in_order_from_worker_processes_and_in_process():
+    for jobs in (1, 2):
+        with bench_transfer._runner(jobs) as run:
+            assert run(pow, [(2, 3), (3, 2), (5, 0)]) == [8, 9, 1]

@@ -2,6 +2,7 @@
 
     python -m gem_trainer.bench_transfer --out benchmarks/results/transfer.json [--sections synthetic]
         [--seeds 0 1 2] [--work /tmp/bench-transfer]    # sections: synthetic, synthetic_users, beauty
+        [--device cpu|cuda] [--jobs N]                  # beauty: the device of its runs, how many at once
 
 ``synthetic`` (the embedded default data: three surfaces, click and conversion): a teacher (the default
 Kunlun, trained ``TEACHER_STEPS``) and a student (the baseline ranker, ``STUDENT_STEPS``) on the same stream.
@@ -19,23 +20,31 @@ teacher's pass also writes its representations (``[loopfm]``), and one more arm 
 ``beauty`` (Amazon Beauty from ``../shared/data/beauty``, next-item retrieval, leave-one-out): the teacher is the
 Beauty Kunlun config (``configs/beauty-kunlun.toml``, two-tower, softmax over the catalogue), trained
 once with seed 0 (a finished run of the same config in the work folder is reused); the student is a narrower,
-shallower Kunlun (``BEAUTY_STUDENT``: 4.6x fewer FLOPs per example, 2.3x fewer parameters, item vectors 32-wide
-rather than 128) trained ``BEAUTY_STUDENT_STEPS``. The teacher's pass stores its top ``BEAUTY_TOP_K`` items of the
-catalogue per query (``distillation.top_k``), once per seed (each seed is another stream). Distillation needs
+shallower Kunlun (``BEAUTY_STUDENT``: 6.9x fewer forward FLOPs per example, 4.9x fewer parameters) trained
+``BEAUTY_STUDENT_STEPS``. The teacher's pass stores its top ``BEAUTY_TOP_K`` items of the
+catalogue per query (``distillation.top_k``) and, for LoopFM, its query vector of every training prefix keyed by
+user (``loopfm.key_only``: the user id keys the store, no model reads it), once per seed (each seed is another
+stream). The LoopFM arms read each prefix's earlier vectors, in training and in ranking. Distillation needs
 the student's own candidates sampled (``data.sequential.num_negatives >= 1``), so every arm trains the student
 against ``BEAUTY_NEGATIVES`` uniform negatives; one more arm trains it alone against the whole catalogue, as the
 teacher's config does. HR@10 and NDCG@10 on the test split, sampled-99 (mean of three draws) and full ranking,
 each run evaluated once; no knob was chosen on the test split (k and the negatives were fixed before any run;
-the teacher's weight and temperature, ``BEAUTY_WEIGHT`` and ``BEAUTY_TEMPERATURE``, on the validation split).
+the teacher's weight and temperature, ``BEAUTY_WEIGHT`` and ``BEAUTY_TEMPERATURE``, on the validation split; LoopFM's
+width and memory are the config's defaults). With ``--jobs N`` the seeds' passes, then all their arms, run N at a
+time in separate processes (on one GPU, the small students leave it mostly idle one at a time).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -58,7 +67,7 @@ LOOPFM_ARM = {"distillation_adapter_loopfm": ["--distillation.adapter=true"]}
 METRICS = ("click/all/ne", "click/all/auc", "conversion/all/ne", "conversion/all/auc")
 
 BEAUTY_TEACHER = "beauty-kunlun.toml"
-# a Kunlun half as wide, with one layer and a 32-wide head: what a latency-bound serving model can afford
+# a Kunlun a quarter as wide, with one layer and a 32-wide head: what a latency-bound serving model can afford
 BEAUTY_STUDENT = ["--model.kunlun.d_model=16", "--model.kunlun.num_layers=1", "--model.kunlun.hidden=[32]"]
 BEAUTY_STUDENT_STEPS = 1500  # about 3 passes over the 131k training prefixes (the teacher: its config's schedule.epochs)
 BEAUTY_NEGATIVES, BEAUTY_TOP_K = 256, 100
@@ -66,6 +75,10 @@ BEAUTY_NEGATIVES, BEAUTY_TOP_K = 256, 100
 # the student alone and a grid of weight x temperature: transfer.json's beauty_validation_sweep); 1 / 1 before
 BEAUTY_WEIGHT, BEAUTY_TEMPERATURE = 4.0, 3.0
 BEAUTY_ARMS = ARMS  # the same three arms as on the synthetic data
+# LoopFM: the user id travels with the data for the store's key only; the teacher's pass writes the store
+BEAUTY_LOOPFM = ["--data.sequential.with_user_id=true", "--loopfm.key_only=true"]
+BEAUTY_LOOPFM_ARMS = {"distillation_loopfm": ["--distillation.adapter=false"],
+                      "distillation_adapter_loopfm": ["--distillation.adapter=true"]}
 # the student trained against the whole catalogue, as the teacher is (no distillation: it needs sampled items)
 BEAUTY_REFERENCE = {"student_alone_catalogue": ["--data.sequential.num_negatives=0"]}
 BEAUTY_METRICS = ("full/hr@10", "full/ndcg@10", "sampled/hr@10", "sampled/ndcg@10")
@@ -154,16 +167,16 @@ def finished_run(config_file: Path, overrides: list[str], run_dir: Path, steps: 
 
 
 def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STEPS, teacher_steps: int | None = None,
-           top_k: int = BEAUTY_TOP_K, extra: list[str] = ()) -> dict:
-    """The Beauty section (see the module docstring); ``teacher_steps`` None: the config's 3,000. ``extra``
-    overrides every run (a test's shorter evaluation)."""
+           top_k: int = BEAUTY_TOP_K, extra: list[str] = (), device: str = "cpu", jobs: int = 1) -> dict:
+    """The Beauty section (see the module docstring); ``teacher_steps`` None: as the config's ``schedule.epochs``
+    resolve them. ``extra`` overrides every run (a test's shorter evaluation)."""
     from gem_trainer.config import load_config
 
     data = beauty_data()
     if not (data / "Beauty.txt").is_file():
         raise FileNotFoundError(f"the Beauty data set is not at {data} (../shared/data/beauty beside the repository)")
     config = ROOT / "apps" / "gem-trainer" / "configs" / BEAUTY_TEACHER
-    common = [f"--data.path={data}", "--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", *extra]
+    common = [f"--data.path={data}", f"--device={device}", "--metrics.tensorboard=false", "--metrics.progress_bar=false", *extra]
     folder = work / "beauty"
     teacher_dir = folder / "teacher"
     teacher = [*common, "--seed=0"] + ([f"--schedule.steps={teacher_steps}"] if teacher_steps else [])
@@ -175,51 +188,93 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
     teacher_row = {"seed": 0, "train_s": None if wall is None else round(wall, 1), "reused_finished_run": reused,
                    "eval_s": round(time.perf_counter() - started, 1), **{m: result[m] for m in BEAUTY_METRICS}}
     print("beauty teacher: " + "  ".join(f"{m} {teacher_row[m]:.4f}" for m in BEAUTY_METRICS), flush=True)
-    arms = {**BEAUTY_ARMS, **BEAUTY_REFERENCE}
-    rows = []
+    arms = {**BEAUTY_ARMS, **BEAUTY_LOOPFM_ARMS, **BEAUTY_REFERENCE}
+    students = {seed: [*common, *BEAUTY_STUDENT, f"--seed={seed}", f"--schedule.steps={student_steps}",
+                       f"--data.sequential.num_negatives={BEAUTY_NEGATIVES}"] for seed in seeds}
     for seed in seeds:
-        student = [*common, *BEAUTY_STUDENT, f"--seed={seed}", f"--schedule.steps={student_steps}",
-                   f"--data.sequential.num_negatives={BEAUTY_NEGATIVES}"]
         shutil.rmtree(folder / f"seed{seed}", ignore_errors=True)  # a store left by an earlier call is never reused
-        labels = folder / f"seed{seed}" / "soft-labels"
-        pass_s = posttrain_pass([*student, f"--distillation.teacher_run_dir={teacher_dir}", f"--distillation.soft_labels={labels}",
-                                 f"--distillation.top_k={top_k}"], folder / f"seed{seed}" / "posttrain", config)
+    runs = []
+    for seed in seeds:
+        labels, memory = folder / f"seed{seed}" / "soft-labels", folder / f"seed{seed}" / "loopfm"
         for arm, more in arms.items():
-            distilled = arm in BEAUTY_ARMS and arm != "student_alone"
-            overrides = [*student, *more] + ([f"--distillation.soft_labels={labels}", f"--distillation.weight={BEAUTY_WEIGHT}",
-                                              f"--distillation.temperature={BEAUTY_TEMPERATURE}"] if distilled else [])
-            run_dir = folder / f"seed{seed}" / arm
-            wall = train(config, overrides, run_dir)
-            started = time.perf_counter()
-            result = evaluate(config, overrides, run_dir)
-            rows.append({"arm": arm, "seed": seed, "train_s": round(wall, 1), "eval_s": round(time.perf_counter() - started, 1),
-                         "posttrain_s": round(pass_s, 1), **{m: result[m] for m in BEAUTY_METRICS}})
-            print(f"beauty seed {seed} {arm}: " + "  ".join(f"{m} {rows[-1][m]:.4f}" for m in BEAUTY_METRICS)
-                  + f"  ({rows[-1]['train_s']:.0f} s + {rows[-1]['eval_s']:.0f} s)", flush=True)
+            distilled = arm != "student_alone" and arm not in BEAUTY_REFERENCE
+            overrides = [*students[seed], *more] + ([f"--distillation.soft_labels={labels}", f"--distillation.weight={BEAUTY_WEIGHT}",
+                                                     f"--distillation.temperature={BEAUTY_TEMPERATURE}"] if distilled else [])
+            overrides += [*BEAUTY_LOOPFM, f"--loopfm.store={memory}"] if arm in BEAUTY_LOOPFM_ARMS else []
+            runs.append((config, seed, arm, overrides, folder / f"seed{seed}" / arm))
+    with _runner(jobs) as run:
+        # one teacher pass per seed writes both stores; its view of the data (no user id) is every student's
+        passes = run(posttrain_pass, [([*students[seed], *BEAUTY_LOOPFM, f"--distillation.teacher_run_dir={teacher_dir}",
+                                        f"--distillation.soft_labels={folder / f'seed{seed}' / 'soft-labels'}",
+                                        f"--distillation.top_k={top_k}", f"--loopfm.store={folder / f'seed{seed}' / 'loopfm'}"],
+                                       folder / f"seed{seed}" / "posttrain", config) for seed in seeds])
+        pass_s = dict(zip(seeds, passes))
+        rows = [{**row, "posttrain_s": round(pass_s[row["seed"]], 1)} for row in run(_beauty_arm, runs)]
     summary = {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in BEAUTY_METRICS} for arm in arms}
     summary["teacher"] = {m: {"mean": teacher_row[m], "std": 0.0} for m in BEAUTY_METRICS}  # one run, seed 0
     alone = summary["student_alone"]
+    others = [arm for arm in arms if arm != "student_alone"]
     # higher is better; "beats" means by more than the larger of the two arms' seed spreads (population std)
     beats = {arm: {m: summary[arm][m]["mean"] - alone[m]["mean"] > max(alone[m]["std"], summary[arm][m]["std"])
-                   for m in BEAUTY_METRICS} for arm in ("distillation", "distillation_adapter", "student_alone_catalogue")}
+                   for m in BEAUTY_METRICS} for arm in others}
     paired = {arm: {m: [round(a[m] - b[m], 5) for a, b in zip([r for r in rows if r["arm"] == arm],
                                                               [r for r in rows if r["arm"] == "student_alone"])]
-                    for m in BEAUTY_METRICS} for arm in ("distillation", "distillation_adapter", "student_alone_catalogue")}
+                    for m in BEAUTY_METRICS} for arm in others}
+    stored = "--distillation.soft_labels=<the seed's top-k store>"
     return {"data": f"Amazon Beauty 5-core ({data}), leave-one-out, test split; sampled = mean of the 3 fixed 99-negative draws",
+            "device": device,
             "teacher": {"config": f"configs/{BEAUTY_TEACHER}", "steps": teacher_steps, "rows": [teacher_row]},
             "student": {"config": f"configs/{BEAUTY_TEACHER} with " + " ".join(BEAUTY_STUDENT)
                         + f" --data.sequential.num_negatives={BEAUTY_NEGATIVES}",
                         "steps": student_steps,
-                        "cost": "1.04 forward MFLOP per example against the teacher's 4.76 (gem-trainer flops), 541k parameters "
-                                "against 1.24M, 32-wide item vectors against 128"},
+                        "cost": "1.04 forward MFLOP per example against the teacher's 7.20 (gem-trainer flops), 348k parameters "
+                                "against 1.69M"},
             "transfer": {"soft_labels": f"the teacher's top {top_k} items of the catalogue per query (other than the "
                                         "next item) and the next item's logit, written by posttrain once per seed",
+                         "loopfm": "the same pass's query vector of every training prefix (loopfm defaults: projected to 16 "
+                                   "values, the newest 32 earlier ones read), keyed by user id, which no model reads",
                          "weight": BEAUTY_WEIGHT, "temperature": BEAUTY_TEMPERATURE,
                          "chosen_on": "the validation split (beauty_validation_sweep); k and the negatives fixed before any run"},
-            "arms": {arm: more + (["--distillation.soft_labels=<the seed's top-k store>"] if arm in ("distillation", "distillation_adapter") else [])
+            "arms": {arm: more + ([stored] if arm not in ("student_alone", *BEAUTY_REFERENCE) else [])
+                     + ([*BEAUTY_LOOPFM, "--loopfm.store=<the seed's LoopFM store>"] if arm in BEAUTY_LOOPFM_ARMS else [])
                      for arm, more in arms.items()},
             "rows": rows, "summary": summary, "paired_gain_over_student_alone": paired,
             "beats_student_alone_beyond_spread": beats}
+
+
+def _beauty_arm(config: Path, seed: int, arm: str, overrides: list[str], run_dir: Path) -> dict:
+    """One student run of the Beauty section, trained then evaluated: its row."""
+    wall = train(config, overrides, run_dir)
+    started = time.perf_counter()
+    result = evaluate(config, overrides, run_dir)
+    row = {"arm": arm, "seed": seed, "train_s": round(wall, 1), "eval_s": round(time.perf_counter() - started, 1),
+           **{m: result[m] for m in BEAUTY_METRICS}}
+    print(f"beauty seed {seed} {arm}: " + "  ".join(f"{m} {row[m]:.4f}" for m in BEAUTY_METRICS)
+          + f"  ({row['train_s']:.0f} s + {row['eval_s']:.0f} s)", flush=True)
+    return row
+
+
+@contextlib.contextmanager
+def _runner(jobs: int) -> Iterator[Callable[[Callable, list[tuple]], list]]:
+    """``run(function, argument_tuples)``: the results in order, computed here (``jobs`` 1) or by ``jobs``
+    fresh processes at a time (spawned: CUDA cannot be forked)."""
+    if jobs <= 1:
+        yield lambda function, calls: [function(*arguments) for arguments in calls]
+        return
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread) as pool:
+        yield lambda function, calls: list(pool.map(_call, [(function, arguments) for arguments in calls]))
+
+
+def _call(task: tuple[Callable, tuple]):
+    function, arguments = task
+    return function(*arguments)
+
+
+def _one_thread() -> None:
+    """A worker process as ``main`` sets up its own: one intra-op thread, glibc's fixed mmap threshold."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    fixed_mmap_threshold()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-transfer"), help="folder for the run folders")
     parser.add_argument("--beauty-student-steps", type=int, default=BEAUTY_STUDENT_STEPS)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the Beauty section's runs")
+    parser.add_argument("--jobs", type=int, default=1, help="Beauty runs at once, each in its own process")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -238,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         started, meta = time.perf_counter(), provenance("gem_trainer.bench_transfer", argv)
         if section == "beauty":
             try:
-                result = beauty(args.seeds, args.work, student_steps=args.beauty_student_steps)
+                result = beauty(args.seeds, args.work, student_steps=args.beauty_student_steps, device=args.device, jobs=args.jobs)
             except FileNotFoundError as error:
                 parser.exit(2, f"beauty: {error}\n")
         else:
