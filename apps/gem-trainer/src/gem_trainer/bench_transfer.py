@@ -31,13 +31,16 @@ teacher's config does. HR@10 and NDCG@10 on the test split, sampled-99 (mean of 
 each run evaluated once; no knob was chosen on the test split (k and the negatives were fixed before any run;
 the teacher's weight and temperature, ``BEAUTY_WEIGHT`` and ``BEAUTY_TEMPERATURE``, on the validation split; LoopFM's
 width and memory are the config's defaults). With ``--jobs N`` the seeds' passes, then all their arms, run N at a
-time in separate processes (on one GPU, the small students leave it mostly idle one at a time).
+time in separate processes (on one GPU, the small students leave it mostly idle one at a time). A finished pass
+or arm of the same overrides at the same clean commit is kept (``pass.json``, ``<arm>.row.json`` in the work
+folder): a section cut short by a time limit continues where it stopped when run again.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -51,6 +54,7 @@ import torch
 
 from gem_trainer.bench_runs import ROOT, evaluate, mean_std, provenance, train, write_section
 from gem_trainer.evaluators import fixed_mmap_threshold
+from gem_trainer.provenance import git_commit
 
 SECTIONS = ("synthetic", "synthetic_users", "beauty")
 NUM_USERS = 2000  # with 600 student steps of 256 examples: ~77 examples per user, ~380 in the teacher's stream
@@ -191,8 +195,6 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
     arms = {**BEAUTY_ARMS, **BEAUTY_LOOPFM_ARMS, **BEAUTY_REFERENCE}
     students = {seed: [*common, *BEAUTY_STUDENT, f"--seed={seed}", f"--schedule.steps={student_steps}",
                        f"--data.sequential.num_negatives={BEAUTY_NEGATIVES}"] for seed in seeds}
-    for seed in seeds:
-        shutil.rmtree(folder / f"seed{seed}", ignore_errors=True)  # a store left by an earlier call is never reused
     runs = []
     for seed in seeds:
         labels, memory = folder / f"seed{seed}" / "soft-labels", folder / f"seed{seed}" / "loopfm"
@@ -204,10 +206,10 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
             runs.append((config, seed, arm, overrides, folder / f"seed{seed}" / arm))
     with _runner(jobs) as run:
         # one teacher pass per seed writes both stores; its view of the data (no user id) is every student's
-        passes = run(posttrain_pass, [([*students[seed], *BEAUTY_LOOPFM, f"--distillation.teacher_run_dir={teacher_dir}",
-                                        f"--distillation.soft_labels={folder / f'seed{seed}' / 'soft-labels'}",
-                                        f"--distillation.top_k={top_k}", f"--loopfm.store={folder / f'seed{seed}' / 'loopfm'}"],
-                                       folder / f"seed{seed}" / "posttrain", config) for seed in seeds])
+        passes = run(_beauty_pass, [(config, [*students[seed], *BEAUTY_LOOPFM, f"--distillation.teacher_run_dir={teacher_dir}",
+                                              f"--distillation.soft_labels={folder / f'seed{seed}' / 'soft-labels'}",
+                                              f"--distillation.top_k={top_k}", f"--loopfm.store={folder / f'seed{seed}' / 'loopfm'}"],
+                                     folder / f"seed{seed}") for seed in seeds])
         pass_s = dict(zip(seeds, passes))
         rows = [{**row, "posttrain_s": round(pass_s[row["seed"]], 1)} for row in run(_beauty_arm, runs)]
     summary = {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in BEAUTY_METRICS} for arm in arms}
@@ -242,16 +244,45 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
             "beats_student_alone_beyond_spread": beats}
 
 
+def _beauty_pass(config: Path, overrides: list[str], folder: Path) -> float:
+    """The teacher's pass of one seed into ``folder`` (its stores, afresh); returns its wall time."""
+    what = {"overrides": overrides, "commit": git_commit(ROOT)}
+    done = _finished(folder / "pass.json", what)
+    if done is not None:
+        return done
+    shutil.rmtree(folder, ignore_errors=True)  # stores of another pass, or of one cut short, are never reused
+    wall = posttrain_pass(overrides, folder / "posttrain", config)
+    _record(folder / "pass.json", what, wall)
+    return wall
+
+
 def _beauty_arm(config: Path, seed: int, arm: str, overrides: list[str], run_dir: Path) -> dict:
     """One student run of the Beauty section, trained then evaluated: its row."""
-    wall = train(config, overrides, run_dir)
-    started = time.perf_counter()
-    result = evaluate(config, overrides, run_dir)
-    row = {"arm": arm, "seed": seed, "train_s": round(wall, 1), "eval_s": round(time.perf_counter() - started, 1),
-           **{m: result[m] for m in BEAUTY_METRICS}}
+    what = {"overrides": overrides, "commit": git_commit(ROOT)}
+    row = _finished(run_dir.with_name(f"{arm}.row.json"), what)
+    if row is None:
+        wall = train(config, overrides, run_dir)
+        started = time.perf_counter()
+        result = evaluate(config, overrides, run_dir)
+        row = {"arm": arm, "seed": seed, "train_s": round(wall, 1), "eval_s": round(time.perf_counter() - started, 1),
+               **{m: result[m] for m in BEAUTY_METRICS}}
+        _record(run_dir.with_name(f"{arm}.row.json"), what, row)
     print(f"beauty seed {seed} {arm}: " + "  ".join(f"{m} {row[m]:.4f}" for m in BEAUTY_METRICS)
           + f"  ({row['train_s']:.0f} s + {row['eval_s']:.0f} s)", flush=True)
     return row
+
+
+def _finished(record: Path, what: dict):
+    """What an earlier call recorded in ``record`` for the same work (``what``: its overrides and the commit; never
+    from a tree with uncommitted changes), or None. A section cut short (a time limit) continues from there."""
+    if what["commit"].endswith("+dirty") or what["commit"] == "unknown" or not record.is_file():
+        return None
+    stored = json.loads(record.read_text())
+    return stored["result"] if stored.get("what") == what else None
+
+
+def _record(record: Path, what: dict, result) -> None:
+    record.write_text(json.dumps({"what": what, "result": result}, indent=1) + "\n")
 
 
 @contextlib.contextmanager
