@@ -557,13 +557,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         elif "input" in first and first["type"] not in ("missing",) and not isinstance(first["input"], dict):
             message = f"{message} (got {first['input']!r})"
         more = f" (+{error.error_count() - 1} more)" if error.error_count() > 1 else ""
-        source = _origin_of(origins, loc, str(path))
+        source = _origin_of(origins, loc, str(path), message)
         raise ConfigError(f"{source}: {where}: {message}{more}") from None
 
 
-def _origin_of(origins: dict[tuple[str, ...], str], loc: tuple[str, ...], default: str) -> str:
+def _origin_of(origins: dict[tuple[str, ...], str], loc: tuple[str, ...], default: str, message: str = "") -> str:
     """Where the value at ``loc`` came from. For a section-level error (a check across its fields), an override
-    of one of its fields is the likeliest culprit, then the one file all its fields come from."""
+    of one of its fields is the likeliest culprit, then the one file all its fields come from. A check across
+    sections names its fields in ``message``: the last override of one of them, else the config file."""
+    if not loc:
+        named = [source for key, source in origins.items() if source.startswith("override ") and ".".join(key) in message]
+        return named[-1] if named else default
     for n in range(len(loc), 0, -1):
         if loc[:n] in origins:
             return origins[loc[:n]]
