@@ -61,6 +61,20 @@ def test_data_workers_give_the_same_batches(tmp_path):
         assert torch.equal(a.dense, b.dense)
 
 
+def test_a_fixed_synthetic_seed_gives_every_run_seed_the_same_data_and_the_run_seed_decides_otherwise(tmp_path):
+    from gem_trainer import builders
+
+    def first_batch(*extra):
+        config = load_config(None, [f"--run_dir={tmp_path}", *SMALL, *extra])
+        return next(iter(builders.build_data(config, init_distributed("cpu", "gloo")).train))
+
+    fixed = [first_batch(f"--seed={seed}", "--data.synthetic.seed=7") for seed in (0, 1)]
+    assert torch.equal(fixed[0].dense, fixed[1].dense) and torch.equal(fixed[0].labels, fixed[1].labels)
+    assert torch.equal(fixed[0].sparse.values(), fixed[1].sparse.values())
+    assert torch.equal(first_batch("--seed=7").dense, fixed[0].dense)  # None: the run's seed
+    assert not torch.equal(first_batch("--seed=0").dense, fixed[0].dense)
+
+
 def test_sources_other_than_synthetic_need_a_path():
     with pytest.raises(ConfigError, match="data.path is required"):
         load_config(None, ["--data.source=sequence_text"])

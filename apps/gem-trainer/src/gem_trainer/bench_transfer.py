@@ -10,7 +10,10 @@ The teacher's pass is offline: ``posttrain`` writes its logits once per seed, an
 them. Arms, same student, steps and data: the student alone; + distillation (an auxiliary head trained on
 the teacher's logits, the serving head on true labels); + the student adapter (the teacher's logits corrected
 on fresh labels before they are used). Held-out NE and AUC per task over all surfaces; the teacher's own
-evaluation for reference. Each section carries its provenance (machine, torch, commit, date, command).
+evaluation for reference. Every seed trains on the same synthetic data (``DATA_SEED``), as every seed of the
+Beauty section reads the one Beauty data set: the seeds vary the models' initialisation, so their spread is the
+training's and not that of three different data draws. Each section carries its provenance (machine, torch,
+commit, date, command).
 
 ``synthetic_users``: the same, on the synthetic data drawn from a population of ``NUM_USERS`` users (a
 ``user_id`` feature, examples in time order), where a user's earlier events exist for LoopFM to remember. The
@@ -60,6 +63,7 @@ SECTIONS = ("synthetic", "synthetic_users", "beauty")
 NUM_USERS = 2000  # with 600 student steps of 256 examples: ~77 examples per user, ~380 in the teacher's stream
 # the teacher sees five times the student's data: a foundation model trained on more than its serving models
 TEACHER_STEPS, STUDENT_STEPS = 3000, 600
+DATA_SEED = 0  # data.synthetic.seed: the one synthetic data set of every seed's runs
 STUDENT = ["--model.name=baseline"]
 ARMS = {
     "student_alone": [],
@@ -101,13 +105,13 @@ def posttrain_pass(overrides: list[str], run_dir: Path, config_file: Path | None
     config = load_config(config_file, [*overrides, f"--run_dir={run_dir}", "--metrics.progress_bar=false"])
     started = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        posttrain(config, init_distributed("cpu", "gloo"))
+        posttrain(config, init_distributed(config.device, config.parallelism.collectives))  # as train / evaluate do
     return time.perf_counter() - started
 
 
 def synthetic(seeds: list[int], work: Path, users: bool = False) -> dict:
     rows, teachers = [], []
-    common = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false"]
+    common = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", f"--data.synthetic.seed={DATA_SEED}"]
     common += [f"--data.synthetic.num_users={NUM_USERS}"] if users else []
     arms = {**ARMS, **LOOPFM_ARM} if users else ARMS
     for seed in seeds:
@@ -137,11 +141,16 @@ def synthetic(seeds: list[int], work: Path, users: bool = False) -> dict:
     # lower NE and higher AUC are better; "beats" means by more than the larger of the two arms' seed spreads
     beats = {m: (alone[m]["mean"] - full[m]["mean"] if m.endswith("/ne") else full[m]["mean"] - alone[m]["mean"]) > spread[m]
              for m in METRICS}
-    data = f" with data.synthetic.num_users={NUM_USERS}" if users else ""
+    # each seed's arm against its own student alone (same data, same seed): positive is better (NE lower, AUC higher)
+    paired = {arm: {m: [round((a[m] - b[m]) * (-1 if m.endswith("/ne") else 1), 5)
+                        for a, b in zip([r for r in rows if r["arm"] == arm], [r for r in rows if r["arm"] == "student_alone"])]
+                    for m in METRICS} for arm in arms if arm != "student_alone"}
+    data = f" with data.synthetic.seed={DATA_SEED}" + (f", data.synthetic.num_users={NUM_USERS}" if users else "")
     return {"teacher": {"config": f"embedded default (Kunlun tiny){data}", "steps": TEACHER_STEPS, "rows": teachers},
             "student": {"config": "embedded default with " + " ".join(STUDENT) + data, "steps": STUDENT_STEPS},
             "arms": {arm: extra + (["--loopfm.store=<the teacher pass's store>"] if arm in LOOPFM_ARM else []) for arm, extra in arms.items()},
-            "rows": rows, "summary": summary, "full_transfer_beats_student_alone_beyond_spread": beats}
+            "rows": rows, "summary": summary, "paired_gain_over_student_alone": paired,
+            "full_transfer_beats_student_alone_beyond_spread": beats}
 
 
 def beauty_data() -> Path:

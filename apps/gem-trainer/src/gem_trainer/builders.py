@@ -76,7 +76,7 @@ def build_generator(config: TrainerConfig) -> SyntheticGenerator:
             min_events=s.min_events,
             max_events=s.max_events,
             num_users=s.num_users,
-            seed=config.seed,
+            seed=config.seed if s.seed is None else s.seed,
         )
     )
 

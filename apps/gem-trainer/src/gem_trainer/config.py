@@ -140,6 +140,9 @@ class SyntheticDataConfig(Section):
     min_events: int = Field(4, ge=1)
     max_events: int = Field(256, ge=1)
     num_users: int = Field(0, ge=0)  # 0: every example a new user; else a population with user ids, in time order
+    # the data's hidden truth and every draw from it; None: the run's seed. Fixed, runs of several seeds train on
+    # the same data (as on a real data set) and their spread is the training's alone
+    seed: int | None = None
 
 
 class SequentialDataConfig(Section):
