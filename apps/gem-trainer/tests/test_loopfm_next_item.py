@@ -9,34 +9,22 @@ from gem_trainer import builders
 from gem_trainer.config import ConfigError, load_config
 from gem_trainer.distributed import init_distributed
 from gem_trainer.posttrain import posttrain
-from gem_trainer.run_folder import write_run_record
 from gem_trainer.trainer import Trainer
 from gem_transfer import RepresentationStore, example_times, random_projection, without_sparse_key
 
-SMALL = ["--data.batch_size=16", "--metrics.tensorboard=false", "--device=cpu", "--schedule.warmup_steps=2",
-         "--metrics.progress_bar=false", "--data.source=sequence_text", "--model.name=kunlun",
-         "--model.kunlun.two_tower=true", "--model.kunlun.max_seq_len=16", "--data.sequential.max_history=12",
-         "--data.sequential.objective=retrieval", "--data.sequential.queries=last", "--data.sequential.loss=softmax",
-         "--data.sequential.eval_protocols=[\"sampled\"]", "--data.sequential.eval_negatives=20"]
 STUDENT = ["--model.kunlun.d_model=16", "--model.kunlun.num_layers=1", "--model.kunlun.hidden=[16]",
-           "--data.sequential.num_negatives=3"]
+           "--data.sequential.num_negatives=3"]  # a narrower student of the shared retrieval teacher
 KEYED = ["--data.sequential.with_user_id=true", "--loopfm.key_only=true"]
 MAX_EVENTS = 32  # more than any user's prefixes: every earlier one is read
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """80 users with 5 to 12 items out of 60 (times: positions), a teacher trained without user ids, and the store
-    of its pass over two epochs of the student's stream, with its top-5 soft labels."""
+def corpus(retrieval_teacher, tmp_path_factory):
+    """The shared teacher (trained without user ids) and the store of its pass over two epochs of the student's
+    stream, with its top-5 soft labels."""
+    shared, data = retrieval_teacher
     folder = tmp_path_factory.mktemp("loopfm-next-item")
-    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k + k * k) % 60) for k in range(5 + u % 8)) for u in range(1, 81)]
-    (folder / "corpus.txt").write_text("\n".join(lines) + "\n")
-    data = [f"--data.path={folder / 'corpus.txt'}", *SMALL]
-    config = load_config(None, [f"--run_dir={folder / 'teacher'}", "--schedule.steps=12", "--data.sequential.num_negatives=0", *data])
-    trainer = Trainer(config, init_distributed("cpu", "gloo"))
-    write_run_record(config, trainer.spec)
-    trainer.train()
-    trainer.close()
+    (folder / "teacher").symlink_to(shared / "teacher")  # the stores and runs of these tests beside it
     written = posttrain(student_config(folder / "pass", data, *KEYED, "--schedule.epochs=2", f"--loopfm.store={folder / 'loopfm'}",
                                        f"--distillation.teacher_run_dir={folder / 'teacher'}",
                                        f"--distillation.soft_labels={folder / 'labels'}", "--distillation.top_k=5"),

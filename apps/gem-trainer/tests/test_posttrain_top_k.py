@@ -11,34 +11,17 @@ from gem_trainer import builders
 from gem_trainer.config import ConfigError, load_config
 from gem_trainer.distributed import init_distributed
 from gem_trainer.posttrain import posttrain
-from gem_trainer.run_folder import write_run_record
 from gem_trainer.trainer import Trainer
 from gem_transfer import SoftLabelStore, TopKLogits, example_fingerprints, top_k_logits
 
-SMALL = ["--data.batch_size=16", "--metrics.tensorboard=false", "--device=cpu", "--schedule.warmup_steps=2",
-         "--metrics.progress_bar=false", "--data.source=sequence_text", "--model.name=kunlun",
-         "--model.kunlun.two_tower=true", "--model.kunlun.max_seq_len=16", "--data.sequential.max_history=12",
-         "--data.sequential.objective=retrieval", "--data.sequential.queries=last", "--data.sequential.loss=softmax",
-         "--data.sequential.eval_protocols=[\"sampled\"]", "--data.sequential.eval_negatives=20"]
 STUDENT = ["--model.kunlun.d_model=16", "--model.kunlun.num_layers=1", "--model.kunlun.hidden=[16]",
-           "--data.sequential.num_negatives=3"]
+           "--data.sequential.num_negatives=3"]  # a narrower student of the shared retrieval teacher
 STEPS, K = 6, 5
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small next-item corpus (80 users with 5 to 12 items out of 60) and a Kunlun teacher trained on it
-    against the whole catalogue."""
-    folder = tmp_path_factory.mktemp("top-k")
-    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k + k * k) % 60) for k in range(5 + u % 8)) for u in range(1, 81)]
-    (folder / "corpus.txt").write_text("\n".join(lines) + "\n")
-    data = [f"--data.path={folder / 'corpus.txt'}", *SMALL]
-    config = load_config(None, [f"--run_dir={folder / 'teacher'}", "--schedule.steps=12", "--data.sequential.num_negatives=0", *data])
-    trainer = Trainer(config, init_distributed("cpu", "gloo"))
-    write_run_record(config, trainer.spec)
-    trainer.train()
-    trainer.close()
-    return folder, data
+def corpus(retrieval_teacher):
+    return retrieval_teacher
 
 
 def student_config(run_dir, data, *extra):
