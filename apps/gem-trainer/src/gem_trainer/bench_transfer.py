@@ -141,16 +141,21 @@ def synthetic(seeds: list[int], work: Path, users: bool = False) -> dict:
     # lower NE and higher AUC are better; "beats" means by more than the larger of the two arms' seed spreads
     beats = {m: (alone[m]["mean"] - full[m]["mean"] if m.endswith("/ne") else full[m]["mean"] - alone[m]["mean"]) > spread[m]
              for m in METRICS}
-    # each seed's arm against its own student alone (same data, same seed): positive is better (NE lower, AUC higher)
-    paired = {arm: {m: [round((a[m] - b[m]) * (-1 if m.endswith("/ne") else 1), 5)
-                        for a, b in zip([r for r in rows if r["arm"] == arm], [r for r in rows if r["arm"] == "student_alone"])]
-                    for m in METRICS} for arm in arms if arm != "student_alone"}
+    paired = paired_gains(rows, [arm for arm in arms if arm != "student_alone"], METRICS)
     data = f" with data.synthetic.seed={DATA_SEED}" + (f", data.synthetic.num_users={NUM_USERS}" if users else "")
     return {"teacher": {"config": f"embedded default (Kunlun tiny){data}", "steps": TEACHER_STEPS, "rows": teachers},
             "student": {"config": "embedded default with " + " ".join(STUDENT) + data, "steps": STUDENT_STEPS},
             "arms": {arm: extra + (["--loopfm.store=<the teacher pass's store>"] if arm in LOOPFM_ARM else []) for arm, extra in arms.items()},
             "rows": rows, "summary": summary, "paired_gain_over_student_alone": paired,
             "full_transfer_beats_student_alone_beyond_spread": beats}
+
+
+def paired_gains(rows: list[dict], arms: list[str], metrics: tuple[str, ...]) -> dict:
+    """Each seed's gain of every arm over the student alone of the same seed, per metric; positive is better
+    (lower NE, higher AUC / HR / NDCG)."""
+    alone = [r for r in rows if r["arm"] == "student_alone"]
+    return {arm: {m: [round((a[m] - b[m]) * (-1 if m.endswith("/ne") else 1), 5)
+                      for a, b in zip([r for r in rows if r["arm"] == arm], alone)] for m in metrics} for arm in arms}
 
 
 def beauty_data() -> Path:
@@ -204,21 +209,22 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
     arms = {**BEAUTY_ARMS, **BEAUTY_LOOPFM_ARMS, **BEAUTY_REFERENCE}
     students = {seed: [*common, *BEAUTY_STUDENT, f"--seed={seed}", f"--schedule.steps={student_steps}",
                        f"--data.sequential.num_negatives={BEAUTY_NEGATIVES}"] for seed in seeds}
+    distilled = [arm for arm in arms if arm != "student_alone" and arm not in BEAUTY_REFERENCE]
+    # each seed's stores: its teacher pass's soft labels and LoopFM representations
+    stores = {seed: (folder / f"seed{seed}" / "soft-labels", folder / f"seed{seed}" / "loopfm") for seed in seeds}
     runs = []
     for seed in seeds:
-        labels, memory = folder / f"seed{seed}" / "soft-labels", folder / f"seed{seed}" / "loopfm"
+        labels, memory = stores[seed]
         for arm, more in arms.items():
-            distilled = arm != "student_alone" and arm not in BEAUTY_REFERENCE
             overrides = [*students[seed], *more] + ([f"--distillation.soft_labels={labels}", f"--distillation.weight={BEAUTY_WEIGHT}",
-                                                     f"--distillation.temperature={BEAUTY_TEMPERATURE}"] if distilled else [])
+                                                     f"--distillation.temperature={BEAUTY_TEMPERATURE}"] if arm in distilled else [])
             overrides += [*BEAUTY_LOOPFM, f"--loopfm.store={memory}"] if arm in BEAUTY_LOOPFM_ARMS else []
             runs.append((config, seed, arm, overrides, folder / f"seed{seed}" / arm))
     with _runner(jobs) as run:
         # one teacher pass per seed writes both stores; its view of the data (no user id) is every student's
         passes = run(_beauty_pass, [(config, [*students[seed], *BEAUTY_LOOPFM, f"--distillation.teacher_run_dir={teacher_dir}",
-                                              f"--distillation.soft_labels={folder / f'seed{seed}' / 'soft-labels'}",
-                                              f"--distillation.top_k={top_k}", f"--loopfm.store={folder / f'seed{seed}' / 'loopfm'}"],
-                                     folder / f"seed{seed}") for seed in seeds])
+                                              f"--distillation.soft_labels={stores[seed][0]}", f"--distillation.top_k={top_k}",
+                                              f"--loopfm.store={stores[seed][1]}"], folder / f"seed{seed}") for seed in seeds])
         pass_s = dict(zip(seeds, passes))
         rows = [{**row, "posttrain_s": round(pass_s[row["seed"]], 1)} for row in run(_beauty_arm, runs)]
     summary = {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in BEAUTY_METRICS} for arm in arms}
@@ -228,9 +234,7 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
     # higher is better; "beats" means by more than the larger of the two arms' seed spreads (population std)
     beats = {arm: {m: summary[arm][m]["mean"] - alone[m]["mean"] > max(alone[m]["std"], summary[arm][m]["std"])
                    for m in BEAUTY_METRICS} for arm in others}
-    paired = {arm: {m: [round(a[m] - b[m], 5) for a, b in zip([r for r in rows if r["arm"] == arm],
-                                                              [r for r in rows if r["arm"] == "student_alone"])]
-                    for m in BEAUTY_METRICS} for arm in others}
+    paired = paired_gains(rows, others, BEAUTY_METRICS)
     stored = "--distillation.soft_labels=<the seed's top-k store>"
     return {"data": f"Amazon Beauty 5-core ({data}), leave-one-out, test split; sampled = mean of the 3 fixed 99-negative draws",
             "device": device,
@@ -246,7 +250,7 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
                                    "values, the newest 32 earlier ones read), keyed by user id, which no model reads",
                          "weight": BEAUTY_WEIGHT, "temperature": BEAUTY_TEMPERATURE,
                          "chosen_on": "the validation split (beauty_validation_sweep); k and the negatives fixed before any run"},
-            "arms": {arm: more + ([stored] if arm not in ("student_alone", *BEAUTY_REFERENCE) else [])
+            "arms": {arm: more + ([stored] if arm in distilled else [])
                      + ([*BEAUTY_LOOPFM, "--loopfm.store=<the seed's LoopFM store>"] if arm in BEAUTY_LOOPFM_ARMS else [])
                      for arm, more in arms.items()},
             "rows": rows, "summary": summary, "paired_gain_over_student_alone": paired,

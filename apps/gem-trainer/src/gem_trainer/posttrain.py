@@ -184,13 +184,14 @@ def _vectors(tap: RepresentationTap, output, batch) -> torch.Tensor:
 
 def _event_keys(batch, fingerprints: torch.Tensor) -> torch.Tensor:
     """What makes an example one event of its user: its fingerprint, without the negatives a retrieval example
-    is sampled with (a later pass over the data draws others for the same event)."""
+    is sampled with (a later pass over the data draws others for the same event); ``fingerprints`` (with them)
+    where there are none."""
     return fingerprints if batch.next_items is None else example_fingerprints(batch, negatives=False)
 
 
 def _example_keys(env: DistributedEnv, users: torch.Tensor, batch, stored: set) -> None:
     """Add the (user, time, event key) of every example of this global batch to ``stored`` (on rank 0)."""
-    keys = (users, example_times(batch), _event_keys(batch, example_fingerprints(batch)))
+    keys = (users, example_times(batch), example_fingerprints(batch, negatives=False))
     if env.world_size > 1:
         gathered: list = [None] * env.world_size
         dist.all_gather_object(gathered, keys)
