@@ -45,3 +45,5 @@ def test_the_quality_section_compares_fresh_and_served_embeddings(tmp_path, monk
     # every held-out pair precomputed: the served embeddings are the fresh ones, and so is the quality
     assert arms["served_1.0"]["click/all/auc"] == pytest.approx(arms["fresh"]["click/all/auc"], rel=1e-6)
     assert [x["held_out_hit_rate"]["exact"] for x in result["lookups"]][:2] == [0.0, 1.0]
+    gain = result["paired_gains"]["fresh"]["click/all/ne"]
+    assert gain == [pytest.approx(arms["student_alone"]["click/all/ne"] - arms["fresh"]["click/all/ne"], abs=1e-5)]

@@ -9,6 +9,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from gem_kunlun.testing import random_batch
+from gem_transfer import example_times
 from gem_transfer.solaris import (
     LEVELS,
     CacheEntry,
@@ -305,9 +306,9 @@ def test_stats_are_recorded_from_many_threads():
     assert summary["staleness_s"]["p50"] == 1.0
 
 
-def test_the_join_gives_every_example_its_pair_embedding_as_one_vector():
+def test_the_join_gives_every_example_its_pair_embedding_and_level_as_one_vector():
     from gem_kunlun.testing import SPEC
-    from gem_transfer.solaris import SolarisJoin, served_embeddings
+    from gem_transfer.solaris import LEVELS, SolarisJoin, fresh_embeddings, served_embeddings
 
     batches = [with_shop(random_batch(5, seed=s)) for s in (0, 1)]
 
@@ -320,22 +321,32 @@ def test_the_join_gives_every_example_its_pair_embedding_as_one_vector():
         def state_dict(self):
             return {"position": 0}
 
-    join = SolarisJoin(Source(), teacher, width=3)
-    assert join.spec.representations[-1].name == "solaris" and join.spec.representations[-1].dim == 3
+    join = SolarisJoin(Source(), fresh_embeddings(teacher), width=3)
+    assert join.spec.representations[-1].name == "solaris" and join.spec.representations[-1].dim == 3 + len(LEVELS)
     joined = list(join)
     feature = joined[1].representations["solaris"]
-    assert feature.lengths.tolist() == [1] * 5 and torch.equal(feature.values, teacher(batches[1]))
+    exact = torch.zeros(5, len(LEVELS))
+    exact[:, LEVELS.index("exact")] = 1
+    assert feature.lengths.tolist() == [1] * 5 and torch.equal(feature.values, torch.cat([teacher(batches[1]), exact], 1))
     assert join.state_dict() == {"position": 0}
     with pytest.raises(ValueError, match=r"\(5, 3\) embeddings for 5 rows of width 4"):
-        SolarisJoin(Source(), teacher, width=4).attach(batches[0])
-    # served: the lookup's answer per row (here an empty cache: the default of what was written before each row)
+        SolarisJoin(Source(), fresh_embeddings(teacher), width=4).attach(batches[0])
+    # served: the lookup's answer per row and its level (an empty cache: the default of what was written before
+    # each row, but the exact entry of the one pair cached)
     default = DefaultEmbedding()
     default.add(np.ones((2, 3)), times=np.array([1.0, 2.0]))
     default.add(np.full((1, 3), 7.0), times=np.array([1e9]))  # a later example: no row of the batch sees it
-    lookup = FallbackLookup(MemoryCache(ttl_s=10), None, default, ttl_s=10)
+    cache = MemoryCache(ttl_s=10)
+    keys = pair_keys(batches[0], "ad", "shop")
+    time = float(example_times(batches[0])[2])
+    cache.put([CacheEntry(int(keys.users[2]), int(keys.items[2]), int(keys.groups[2]), cache.clock(), np.full(3, 5.0, np.float32), time)])
+    lookup = FallbackLookup(cache, None, default, ttl_s=10)
     served = SolarisJoin(Source(), served_embeddings(lookup, lambda b: pair_keys(b, "ad", "shop")), width=3)
-    assert torch.equal(served.attach(batches[0]).representations["solaris"].values, torch.ones(5, 3))
-    assert lookup.stats.counts["default"] == 5
+    values = served.attach(batches[0]).representations["solaris"].values
+    assert torch.equal(values[:, :3], torch.tensor([[1.0] * 3, [1.0] * 3, [5.0] * 3, [1.0] * 3, [1.0] * 3]))
+    levels = [LEVELS[i] for i in values[:, 3:].argmax(1).tolist()]
+    assert levels == ["default", "default", "exact", "default", "default"] and torch.equal(values[:, 3:].sum(1), torch.ones(5))
+    assert lookup.stats.counts["default"] == 4 and lookup.stats.counts["exact"] == 1
 
 
 def test_worker_precomputes_only_the_rows_it_is_given():

@@ -20,6 +20,9 @@ from gem_trainer.config import load_config
 from gem_trainer.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parents[4]
+# data.synthetic.seed of every run of a synthetic comparison: every seed trains on the one data set, so that the
+# seeds vary the models' initialisation and their spread is the training's, not that of several data draws
+DATA_SEED = 0
 
 
 def train(config_file: Path | None, overrides: list[str], run_dir: Path) -> float:
@@ -61,6 +64,14 @@ def evaluate(config_file: Path | None, overrides: list[str], run_dir: Path) -> d
 def mean_std(rows: list[dict], key: str) -> dict[str, float]:
     values = [r[key] for r in rows]
     return {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
+
+
+def paired_gains(rows: list[dict], arms: list[str], metrics: tuple[str, ...]) -> dict:
+    """Each seed's gain of every arm over the student alone of the same seed, per metric; positive is better
+    (lower NE, higher AUC / HR / NDCG)."""
+    alone = [r for r in rows if r["arm"] == "student_alone"]
+    return {arm: {m: [round((a[m] - b[m]) * (-1 if m.endswith("/ne") else 1), 5)
+                      for a, b in zip([r for r in rows if r["arm"] == arm], alone)] for m in metrics} for arm in arms}
 
 
 def provenance(program: str, argv: list[str]) -> dict:

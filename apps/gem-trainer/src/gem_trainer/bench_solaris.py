@@ -19,15 +19,15 @@ hit rate per fallback level, staleness of what was served (p50 / p99), lookup la
 per level) and throughput, with the provenance (machine, torch, commit, date, command) of the run.
 
 ``--quality`` (section ``quality``): the embedded default data from ``QUALITY_USERS`` users (so users recur and
-the user's-group level can answer). A Kunlun teacher (``TEACHER_STEPS``) trains on another stream of the same
+the user's-group level can answer), one data set for every seed (``bench_runs.DATA_SEED``). A Kunlun teacher (``TEACHER_STEPS``) trains on another stream of the same
 data (mixture source seed 1: the student's examples are new to it, so its embeddings of them carry no memorised
 labels); a baseline student (``STUDENT_STEPS``) reads the teacher's embedding of each example's pair
 (``solaris.student_input``). Held-out NE / AUC of: the student without that input (``student_alone``); trained
 and evaluated on fresh embeddings (the teacher run for every request: ``fresh``); trained on fresh, evaluated on
 Solaris-served ones where the earlier stage predicted ``EVAL_SHARES`` of the held-out pairs (``served_<share>``:
 precomputed, the rest fall back); trained and evaluated on served ones with half of the training and of the
-held-out pairs precomputed (``served_trained_0.5``: the student learns what fallbacks look like). Per seed and
-mean/std.
+held-out pairs precomputed (``served_trained_0.5``: the student learns what fallbacks look like, and from the level
+each input carries, how far to trust them). Per seed, mean/std, and each seed's gain over its student alone.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gem_trainer.bench_runs import provenance, write_section
+from gem_trainer.bench_runs import DATA_SEED, paired_gains, provenance, write_section
 from gem_transfer.solaris import (
     CacheEntry,
     DefaultEmbedding,
@@ -204,7 +204,8 @@ def quality(seeds: list[int], work: Path, extra_overrides: tuple[str, ...] = ())
     for seed in seeds:
         folder = work / f"seed{seed}"
         common = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", f"--seed={seed}",
-                  f"--data.synthetic.num_users={QUALITY_USERS}", "--solaris.user_feature=user_id", *extra_overrides]
+                  f"--data.synthetic.num_users={QUALITY_USERS}", f"--data.synthetic.seed={DATA_SEED}", "--solaris.user_feature=user_id",
+                  *extra_overrides]
         teacher = folder / "teacher"
         train(None, [*common, f"--schedule.steps={TEACHER_STEPS}", '--data.mixture.sources=[{name="teacher_stream", seed=1}]'],
               teacher)
@@ -235,10 +236,12 @@ def quality(seeds: list[int], work: Path, extra_overrides: tuple[str, ...] = ())
                                                     for r in rows if r["seed"] == seed), flush=True)
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     return {"settings": {"users": QUALITY_USERS,
+                         "data": f"embedded default with data.synthetic.seed={DATA_SEED}, data.synthetic.num_users={QUALITY_USERS}",
                          "teacher": f"embedded default (Kunlun tiny), {TEACHER_STEPS} steps on a disjoint stream",
                          "student": f"baseline, {STUDENT_STEPS} steps", "eval_shares": list(EVAL_SHARES)},
             "rows": rows, "lookups": lookups,
-            "summary": {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in METRICS} for arm in arms}}
+            "summary": {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in METRICS} for arm in arms},
+            "paired_gains": paired_gains(rows, [arm for arm in arms if arm != "student_alone"], METRICS)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from gem_trainer.bench_runs import ROOT, evaluate, mean_std, provenance, train, write_section
+from gem_trainer.bench_runs import DATA_SEED, ROOT, evaluate, mean_std, paired_gains, provenance, train, write_section
 from gem_trainer.evaluators import fixed_mmap_threshold
 from gem_trainer.provenance import git_commit
 
@@ -63,7 +63,6 @@ SECTIONS = ("synthetic", "synthetic_users", "beauty")
 NUM_USERS = 2000  # with 600 student steps of 256 examples: ~77 examples per user, ~380 in the teacher's stream
 # the teacher sees five times the student's data: a foundation model trained on more than its serving models
 TEACHER_STEPS, STUDENT_STEPS = 3000, 600
-DATA_SEED = 0  # data.synthetic.seed: the one synthetic data set of every seed's runs
 STUDENT = ["--model.name=baseline"]
 ARMS = {
     "student_alone": [],
@@ -148,14 +147,6 @@ def synthetic(seeds: list[int], work: Path, users: bool = False) -> dict:
             "arms": {arm: extra + (["--loopfm.store=<the teacher pass's store>"] if arm in LOOPFM_ARM else []) for arm, extra in arms.items()},
             "rows": rows, "summary": summary, "paired_gain_over_student_alone": paired,
             "full_transfer_beats_student_alone_beyond_spread": beats}
-
-
-def paired_gains(rows: list[dict], arms: list[str], metrics: tuple[str, ...]) -> dict:
-    """Each seed's gain of every arm over the student alone of the same seed, per metric; positive is better
-    (lower NE, higher AUC / HR / NDCG)."""
-    alone = [r for r in rows if r["arm"] == "student_alone"]
-    return {arm: {m: [round((a[m] - b[m]) * (-1 if m.endswith("/ne") else 1), 5)
-                      for a, b in zip([r for r in rows if r["arm"] == arm], alone)] for m in metrics} for arm in arms}
 
 
 def beauty_data() -> Path:

@@ -53,6 +53,7 @@ from gem_transfer.solaris import (
     RedisCache,
     SolarisJoin,
     UserIndex,
+    fresh_embeddings,
     load_entries,
     pair_keys,
     save_entries,
@@ -245,9 +246,10 @@ def _finished_at(config: TrainerConfig) -> float:
 
 
 def build_solaris_join(config: TrainerConfig, env: DistributedEnv, source) -> SolarisJoin:
-    """``source`` whose batches carry the teacher's embedding of each example's pair as the representation
-    feature ``solaris`` (``solaris.student_input``): computed by the teacher (``fresh``) or served by the lookup
-    over the finished precompute at ``solaris.output`` (``served``). Served entries are judged fresh against the
+    """``source`` whose batches carry the teacher's embedding of each example's pair, with the level that answered
+    (``SolarisJoin``), as the representation feature ``solaris`` (``solaris.student_input``): computed by the
+    teacher (``fresh``: every row ``exact``) or served by the lookup over the finished precompute at
+    ``solaris.output`` (``served``). Served entries are judged fresh against the
     time the precompute finished (``report.json``'s ``finished_at``), so the input is the same however long the
     run lasts or whenever it resumes. The Redis backend still drops entries ``ttl_s`` of wall-clock time after
     they were written (the server expires them): read a long-lived precompute with the in-process backend."""
@@ -260,7 +262,7 @@ def build_solaris_join(config: TrainerConfig, env: DistributedEnv, source) -> So
     check_features(config, source.spec)
     if s.student_input == "fresh":
         score, width, _ = build_scorer(config, source.spec, env)
-        return SolarisJoin(source, score, width)
+        return SolarisJoin(source, fresh_embeddings(score), width)
     # NOTE: served embeddings are judged fresh against the precompute's finish time, not the wall clock: a run
     # longer than ttl_s, or one resumed later, would otherwise see its input turn into the default mid-run
     finished_at = _finished_at(config)

@@ -2,7 +2,7 @@
 with a fallback (the user's recent embeddings in the item's group, similar users, a default)."""
 
 from gem_transfer.solaris.cache import CacheBackend, CacheEntry, CacheError, MemoryCache, load_entries, save_entries
-from gem_transfer.solaris.join import SolarisJoin, served_embeddings
+from gem_transfer.solaris.join import SolarisJoin, fresh_embeddings, served_embeddings
 from gem_transfer.solaris.keys import PairKeys, behaviour_vectors, pair_keys, request_fingerprints, single_ids
 from gem_transfer.solaris.local_redis import LocalRedisServer, find_redis_server
 from gem_transfer.solaris.lookup import DefaultEmbedding, FallbackLookup, Served
@@ -30,6 +30,7 @@ __all__ = [
     "behaviour_vectors",
     "find_redis_server",
     "format_summary",
+    "fresh_embeddings",
     "load_entries",
     "pair_keys",
     "request_fingerprints",
