@@ -240,6 +240,9 @@ class DataConfig(Section):
     batch_size: int = Field(256, ge=1)
     eval_batches: int = Field(40, ge=1)
     num_workers: int = Field(0, ge=0)
+    # batches read on a background thread one step ahead (true), or on the training thread when the step asks
+    # (false: for small batches read in Python, where the thread's GIL hand-overs cost the step more than reading)
+    read_ahead: bool = True
     skip_bad_rows: bool = False
     balance: bool = False  # length-balanced batches across ranks
     balance_window: int = Field(1, ge=1)

@@ -18,6 +18,7 @@ from gem_trainer.checkpoint import CheckpointError, CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluators import Evaluator
+from gem_trainer.inline_read import InlineRead
 from gem_trainer.step import autocast, autocast_dtype, training_loss
 from gem_transfer import example_fingerprints
 from gem_parallel import (
@@ -74,8 +75,10 @@ class Trainer:
         self.spec = self.data.spec
         self.stream = self.data.train
         # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
-        # neither the reader nor the copy to the device holds up the training thread
-        self.input = ReadAhead(self.stream, pin=env.device.type == "cuda", observe=self._reader_report)
+        # neither the reader nor the copy to the device holds up the training thread; or, with
+        # data.read_ahead = false, in the step (see gem_trainer.inline_read: when reading is cheap Python)
+        reader = ReadAhead if config.data.read_ahead else InlineRead
+        self.input = reader(self.stream, pin=env.device.type == "cuda", observe=self._reader_report)
         self._batches = iter(self.input)
         self._unchecked_loss: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         self._check_ranking_is_possible()
@@ -93,6 +96,7 @@ class Trainer:
         model = builders.build_student(config, builders.build_model(config, self.spec, device=torch.device("meta")))
         self.low_precision_modules = builders.apply_low_precision(config, model)
         self.model = builders.parallelize_model(config, model, self.dims, self.meshes, env)
+        self._modules = list(self.model.modules())
         self.sparse_replicas = SparseReplicas(self.model, self.meshes.sparse, config.parallelism.sparse_sync_every)
         self.optimizer, self.dense_optimizer = builders.build_optimizers(config, self.model)
         self.scheduler = builders.build_lr_scheduler(config, self.dense_optimizer)
@@ -203,7 +207,11 @@ class Trainer:
         if self.soft_labels is not None:  # global batch `step`'s rows, found by example
             stored = self.soft_labels.lookup(self.step, example_fingerprints(host_batch)).to(self.env.device)
         batch = host_batch.to(self.env.device, non_blocking=True)
-        self.model.train()
+        # NOTE: ``train()`` sets a flag on every module through ``nn.Module.__setattr__``, a cost per step that
+        # grows with the model; reading the flags is cheaper, and they change only when something (``evaluate``)
+        # switched some module to eval mode
+        if not all(m.training for m in self._modules):
+            self.model.train()
         with self._autocast():
             if self.teacher is not None:
                 with torch.no_grad():
@@ -330,8 +338,8 @@ class Trainer:
 
     def _reader_report(self) -> dict[str, float]:
         """Per mixed source, the examples read so far and its scheduled share of the batch just read (the
-        offline/online ramp); the balancer's last report. Called by the reading thread after each batch (the
-        readers belong to it), delivered with the batch as ``self.input.observed``."""
+        offline/online ramp); the balancer's last report. Called by the reader after each batch (on the reading
+        thread, to which the readers belong, under ``ReadAhead``), delivered with the batch as ``self.input.observed``."""
         values: dict[str, float] = {}
         if self.data.mixer is not None:
             mixer = self.data.mixer
