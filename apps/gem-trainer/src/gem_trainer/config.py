@@ -428,7 +428,10 @@ class SolarisConfig(Section):
     item_feature: str = "ad_id"  # the sparse feature naming the candidate (one id per row)
     group_feature: str = "advertiser_id"  # the sparse feature grouping candidates (one id per row)
     user_feature: str | None = None  # a user-id sparse feature; None: a fingerprint of each row's request side
-    pairs: int = Field(8192, ge=1)  # candidate pairs precomputed: the first rows of the training stream (whole batches)
+    pairs: int = Field(8192, ge=1)  # rows of the training stream the pass reads: its first rows (whole batches)
+    # share of those rows the earlier stage predicted (precomputed; drawn per row): below 1, a student trained on
+    # served inputs meets exact answers and fallbacks side by side all through training, as serving does
+    train_share: float = Field(1.0, gt=0, le=1)
     lookups: int = Field(2048, ge=1)  # lookups replayed for the report, per kind of traffic
     ttl_s: float = Field(3600.0, gt=0)  # entries older than this are not served
     recent: int = Field(8, ge=1)  # entries kept per user and item group

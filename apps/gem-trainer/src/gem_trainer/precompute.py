@@ -2,8 +2,10 @@
 
 The finished teacher (``solaris.teacher_run_dir``, else ``distillation.teacher_run_dir``) scores candidate pairs
 of this config's data: each row of the training stream is one (user, candidate) pair, as an earlier ranking
-stage would hand them over, and the first ``solaris.pairs`` rows (whole batches) are precomputed. A pair's embedding is the teacher's representation
-of that user with that candidate: the hidden state its task heads read (``ModelOutput.representation``, ``[R]``).
+stage would hand them over: of the first ``solaris.pairs`` rows (whole batches), those the earlier stage predicted
+(each with probability ``solaris.train_share``; all by default) are precomputed. A pair's embedding is the
+teacher's representation of that user with that candidate: the hidden state its task heads read
+(``ModelOutput.representation``, ``[R]``).
 A background worker (``gem_transfer.solaris.PrecomputeWorker``) runs the teacher and writes each pair once,
 with its timestamp, to the cache of ``solaris.backend`` (in-process, or a Redis server at ``solaris.redis_url``).
 
@@ -13,7 +15,8 @@ row from the seed), which are precomputed too.
 The lookup is then replayed on up to three kinds of traffic, each at most ``solaris.lookups`` requests, and its
 report (hit rate per fallback level, staleness, latency) printed and written:
 - ``precomputed``: precomputed pairs (the serving stage asks for what the earlier stage predicted);
-- ``unpredicted``: the rows of the stream after the precomputed ones (pairs nobody predicted: the fallback);
+- ``unpredicted``: the rows of the stream the earlier stage did not predict, then those after the pass (the
+  fallback);
 - ``held_out``: the held-out pairs (``eval_share`` of them precomputed), where the data has a held-out split.
 
 ``solaris.output`` receives ``report.json``, the user index (``users.npz``), the default embedding
@@ -33,6 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gem_kunlun import Batch, FeatureSpec
@@ -143,26 +147,30 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
         batches = iter(data.train)
         steps = math.ceil(s.pairs / config.data.batch_size)
         traffic: dict[str, list[PairKeys]] = {name: [] for name in TRAFFIC}
+        predicted_rows = _predicted(s.train_share, config.seed + 13)
         for _ in progress(range(steps), steps, "precompute", config.metrics.progress_bar):
             batch = next(batches, None)
             if batch is None:
                 break  # a finite source ended: its rows are all there is
             keys = _keys(config, batch)
-            worker.submit(batch, keys)
-            traffic["precomputed"].append(keys)
-        if not traffic["precomputed"]:
+            predicted = predicted_rows(batch.batch_size)
+            worker.submit(batch, keys, predicted)
+            traffic["precomputed"].append(keys.select(predicted))
+            if len(predicted) < len(keys):
+                traffic["unpredicted"].append(keys.select(np.setdiff1d(np.arange(len(keys)), predicted)))
+        if not sum(map(len, traffic["precomputed"])):
             raise ConfigError("data: the training stream holds no rows to precompute")
-        rows = 0
+        rows = sum(map(len, traffic["unpredicted"]))
         while rows < s.lookups and (batch := next(batches, None)) is not None:
             traffic["unpredicted"].append(_keys(config, batch))
             rows += batch.batch_size
         if data.eval_batches is not None:
             # the earlier stage's predictions of the serving traffic: each held-out row with probability eval_share
-            chosen = torch.Generator().manual_seed(config.seed + 17)
+            predicted_rows = _predicted(s.eval_share, config.seed + 17)
             for batch in data.eval_batches():
                 keys = _keys(config, batch)
-                predicted = torch.nonzero(torch.rand(batch.batch_size, generator=chosen) < s.eval_share).flatten().tolist()
-                if predicted:
+                predicted = predicted_rows(batch.batch_size)
+                if len(predicted):
                     worker.submit(batch, keys, predicted)
                 traffic["held_out"].append(keys)
         counts = worker.close()
@@ -170,7 +178,7 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
         finished_at = time.time()  # every entry is written: the fixed clock of served student inputs
         lookup = FallbackLookup(cache, index, default, s.ttl_s, s.neighbours)
         report = {"teacher": {"run_dir": str(teacher_run_dir(config)), "step": teacher_step}, "backend": s.backend,
-                  "eval_share": s.eval_share, "finished_at": finished_at,
+                  "train_share": s.train_share, "eval_share": s.eval_share, "finished_at": finished_at,
                   "worker": {**counts, "users": len(index), "pass_s": round(pass_s, 2),
                              "pairs_per_s": round(counts["written_pairs"] / max(pass_s, 1e-9), 1)},
                   "lookup": {name: replay(lookup, PairKeys.concat(keys).head(s.lookups))
@@ -182,6 +190,19 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
     finally:
         cache.close()
     return report
+
+
+def _predicted(share: float, seed: int) -> Callable[[int], np.ndarray]:
+    """The rows of each next batch of ``rows`` rows that the earlier stage predicted: each with probability
+    ``share``, drawn from ``seed`` batch after batch (all of them at share 1)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def predicted(rows: int) -> np.ndarray:
+        if share >= 1.0:
+            return np.arange(rows)
+        return torch.nonzero(torch.rand(rows, generator=generator) < share).flatten().numpy()
+
+    return predicted
 
 
 def replay(lookup: FallbackLookup, keys: PairKeys) -> dict:
