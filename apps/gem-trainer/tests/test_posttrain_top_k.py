@@ -3,6 +3,7 @@
 own candidates. A Kunlun two-tower teacher and a narrower Kunlun student, as in bench_transfer's Beauty section."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -68,6 +69,43 @@ def test_posttrain_stores_the_teachers_top_k_of_the_catalogue_and_the_student_di
     assert all(torch.isfinite(torch.tensor(distilled))) and distilled != pytest.approx(plain, rel=1e-3)
 
 
+def test_posttrain_adds_a_weighted_tail_of_the_catalogue_and_the_student_distils_on_it(corpus, tmp_path):
+    folder, data = corpus
+    env = init_distributed("cpu", "gloo")
+    tail = 7
+    labels = tmp_path / "labels"
+    config = student_config(tmp_path / "pass", data, f"--distillation.teacher_run_dir={folder / 'teacher'}",
+                            f"--distillation.soft_labels={labels}", f"--distillation.top_k={K}", f"--distillation.tail_samples={tail}")
+    posttrain(config, env)
+    meta = json.loads((labels / "meta.json").read_text())
+    assert meta["top_k"] == K + tail and meta["width"] == 1 + K + tail and len(meta["log_weights"]) == 1 + K + tail
+
+    trainer = Trainer(student_config(tmp_path / "look", data), env)
+    batch = next(trainer._batches)
+    teacher, _ = builders.build_teacher(config, trainer.spec, env)
+    trainer.close()
+    with torch.no_grad():
+        catalogue = teacher(dataclasses_replace_catalogue(batch)).logits.float()
+    stored = SoftLabelStore(labels).lookup(0, example_fingerprints(batch))
+    best = top_k_logits(catalogue, batch.next_items.positives, K)
+    assert torch.equal(stored.items[:, :K], best.items)  # the top k, then the tail: other items, with their logits
+    drawn = stored.items[:, K:]
+    assert not (drawn[:, :, None] == torch.cat([batch.next_items.positives[:, None], best.items], 1)[:, None, :]).any()
+    torch.testing.assert_close(stored.logits[:, 1 + K:], catalogue.gather(1, drawn))
+    num_items = catalogue.shape[1]
+    torch.testing.assert_close(stored.log_weights[1 + K:], torch.full((tail,), math.log((num_items - 1 - K) / tail)))
+    # a second pass draws the same tail (a function of the seed and the step)
+    again = tmp_path / "again"
+    posttrain(student_config(tmp_path / "pass2", data, f"--distillation.teacher_run_dir={folder / 'teacher'}",
+                             f"--distillation.soft_labels={again}", f"--distillation.top_k={K}", f"--distillation.tail_samples={tail}"), env)
+    assert torch.equal(SoftLabelStore(again).lookup(0, example_fingerprints(batch)).items, stored.items)
+
+    for adapter in ("false", "true"):
+        distilled = losses(student_config(tmp_path / f"distilled-{adapter}", data, f"--distillation.soft_labels={labels}",
+                                          f"--distillation.adapter={adapter}"))
+        assert all(torch.isfinite(torch.tensor(distilled)))
+
+
 def dataclasses_replace_catalogue(batch):
     import dataclasses
 
@@ -83,9 +121,15 @@ def test_bad_top_k_is_a_one_line_error_naming_it(corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"distillation.top_k chooses what posttrain stores in distillation.soft_labels"):
         student_config(tmp_path / "a", data, teacher, "--distillation.top_k=5")  # online: nothing to choose
     config = student_config(tmp_path / "b", data, teacher, f"--distillation.soft_labels={tmp_path / 'b-labels'}", "--distillation.top_k=500")
-    with pytest.raises(ConfigError, match=r"^distillation.top_k: k must lie in \[1, \d+\] \(the catalogue's items but the next one\), got 500$"):
+    with pytest.raises(ConfigError, match=r"^distillation.top_k / tail_samples: k must lie in \[1, \d+\] \(the catalogue's items but the next one\), got 500$"):
         posttrain(config, env)
     assert not (tmp_path / "b-labels").exists()  # the pass stopped: no store that looks complete
+    config = student_config(tmp_path / "c", data, teacher, f"--distillation.soft_labels={tmp_path / 'c-labels'}", "--distillation.top_k=5",
+                            "--distillation.tail_samples=500")
+    with pytest.raises(ConfigError, match=r"^distillation.top_k / tail_samples: the tail must lie in \[1, \d+\] .*got 500$"):
+        posttrain(config, env)
+    with pytest.raises(ConfigError, match=r"distillation.tail_samples extends the teacher's top k \(distillation.top_k\): set it"):
+        student_config(tmp_path / "f", data, teacher, f"--distillation.soft_labels={tmp_path / 'f-labels'}", "--distillation.tail_samples=3")
     with pytest.raises(ConfigError, match=r"distillation.top_k applies to next-item data with data.sequential.objective"):
         load_config(None, [f"--run_dir={tmp_path / 'd'}", teacher, "--distillation.top_k=5"])
     with pytest.raises(ConfigError, match=r"distillation.top_k applies to next-item data with data.sequential.objective = \"retrieval\""):

@@ -3,6 +3,7 @@ each query's own candidates (the next item and the teacher's k best others)."""
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def test_a_top_k_store_returns_each_querys_items_and_logits_in_any_row_order(tmp
         writer.append(3, example_fingerprints(data[0]), tops[0].logits, queries[0])
     folder = writer.close()
     meta = json.loads((folder / "meta.json").read_text())
-    assert meta["top_k"] == 4 and meta["width"] == 5 and meta["format"] == 2
+    assert meta["top_k"] == 4 and meta["width"] == 5 and meta["format"] == 3 and meta["log_weights"] is None
     store = SoftLabelStore(folder)
     for step in (2, 0, 1):
         rows = torch.randperm(16, generator=torch.Generator().manual_seed(step))[:7]
@@ -78,6 +79,67 @@ def test_a_top_k_store_returns_each_querys_items_and_logits_in_any_row_order(tmp
     pq.write_table(pq.read_table(part).drop_columns(["items"]), part)
     with pytest.raises(SoftLabelError, match=r"part-00000.parquet: unreadable soft-label part"):
         SoftLabelStore(folder).lookup(0, example_fingerprints(data[0]))
+
+
+def test_a_tail_draws_other_items_uniformly_and_weights_them_by_what_they_stand_for():
+    g = torch.Generator().manual_seed(1)
+    scores, positives = torch.randn(64, NUM_ITEMS, generator=g), torch.randint(NUM_ITEMS, (64,), generator=g)
+    k, m, pool = 5, 8, NUM_ITEMS - 1 - 5
+    plain, tailed = top_k_logits(scores, positives, k), top_k_logits(scores, positives, k, m, torch.Generator().manual_seed(2))
+    assert torch.equal(tailed.items[:, :k], plain.items) and torch.equal(tailed.logits[:, : 1 + k], plain.logits)
+    drawn = tailed.items[:, k:]
+    for row in range(64):  # m distinct items, none of them the next item or one of the top k
+        assert len(set(drawn[row].tolist())) == m
+        assert not set(drawn[row].tolist()) & (set(plain.items[row].tolist()) | {int(positives[row])})
+    torch.testing.assert_close(tailed.logits[:, 1 + k:], scores.gather(1, drawn))
+    torch.testing.assert_close(tailed.log_weights, torch.tensor([0.0] * (1 + k) + [math.log(pool / m)] * m))
+    # uniform: over many draws every item of the rest is drawn about equally often
+    counts = torch.zeros(NUM_ITEMS)
+    for seed in range(200):
+        counts += torch.bincount(top_k_logits(scores[:1], positives[:1], k, m, torch.Generator().manual_seed(seed)).items[0, k:],
+                                 minlength=NUM_ITEMS)
+    rest = counts[counts > 0]
+    assert rest.numel() == pool and (rest - 200 * m / pool).abs().max() < 5 * (200 * m / pool) ** 0.5
+    with pytest.raises(ValueError, match=rf"the tail must lie in \[1, {pool}\]"):
+        top_k_logits(scores, positives, k, pool + 1)
+
+
+def test_a_whole_tail_makes_the_weighted_losses_those_of_the_whole_catalogue():
+    """With every other item in the tail (each standing for itself) the stored columns are the catalogue: the
+    distillation loss and the adapter's fit equal those over every item; with a sampled tail they estimate them."""
+    from gem_transfer.distillation import ListwiseAdapter
+
+    g = torch.Generator().manual_seed(3)
+    teacher, student = 3 * torch.randn(32, NUM_ITEMS, generator=g), torch.randn(32, NUM_ITEMS, generator=g)
+    positives = torch.randint(NUM_ITEMS, (32,), generator=g)
+    whole = top_k_logits(teacher, positives, 4, NUM_ITEMS - 5, torch.Generator().manual_seed(0))
+    columns = torch.cat([positives[:, None], whole.items], 1)  # every item once per row, the next one first
+    assert torch.equal(columns.sort(1).values, torch.arange(NUM_ITEMS).expand(32, -1))
+    reference = listwise_soft_label_loss(student.gather(1, columns), teacher.gather(1, columns), 2.0)
+    torch.testing.assert_close(listwise_soft_label_loss(student.gather(1, columns), whole.logits, 2.0, whole.log_weights), reference)
+    adapter = ListwiseAdapter()
+    torch.testing.assert_close(adapter.fit_loss(whole.logits, whole.log_weights), adapter.fit_loss(teacher.gather(1, columns)))
+    # a sampled tail: the adapter's fit is close to the whole catalogue's, where the top k alone is far off (too flat)
+    sampled = top_k_logits(teacher, positives, 4, 15, torch.Generator().manual_seed(1))
+    full = adapter.fit_loss(teacher.gather(1, columns))
+    estimate = torch.stack([adapter.fit_loss(t.logits, t.log_weights) for t in
+                            (top_k_logits(teacher, positives, 4, 15, torch.Generator().manual_seed(s)) for s in range(20))]).mean()
+    top_only = adapter.fit_loss(top_k_logits(teacher, positives, 4).logits)
+    assert abs(estimate - full) < 0.25 * abs(top_only - full) and sampled.top_k == 19
+
+
+def test_a_store_keeps_the_tail_and_its_weights(tmp_path):
+    batch = random_batch(16, seed=0)
+    g = torch.Generator().manual_seed(4)
+    tailed = top_k_logits(torch.randn(16, NUM_ITEMS, generator=g), torch.randint(NUM_ITEMS, (16,), generator=g), 4, 6, g)
+    writer = SoftLabelWriter(tmp_path / "labels", {"teacher": {"run_dir": "t"}})
+    writer.append(0, example_fingerprints(batch), tailed)
+    with pytest.raises(ValueError, match="another tail"):
+        writer.append(1, example_fingerprints(batch), top_k_logits(torch.randn(16, NUM_ITEMS), torch.randint(NUM_ITEMS, (16,)), 10))
+    store = SoftLabelStore(writer.close())
+    found = store.lookup(0, example_fingerprints(batch))
+    assert torch.equal(found.items, tailed.items) and torch.equal(found.logits, tailed.logits)
+    torch.testing.assert_close(found.log_weights, tailed.log_weights)
 
 
 class TinyRetriever(nn.Module):

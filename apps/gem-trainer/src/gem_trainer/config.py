@@ -380,11 +380,15 @@ class DistillationConfig(Section):
 
     ``top_k`` (retrieval data, offline): the teacher scores the whole catalogue in the ``posttrain`` pass and
     its ``top_k`` best items per query other than the next one are stored (with the next item's logit), in
-    place of its scores of the student's sampled candidates; the student distils on those items."""
+    place of its scores of the student's sampled candidates; the student distils on those items. ``tail_samples``:
+    also that many items per query drawn uniformly from the rest of the catalogue, each standing for its share of
+    the rest, so that distillation (and the adapter's fit) estimate the teacher's softmax over every item rather
+    than over its best k alone."""
 
     teacher_run_dir: str | None = None
     soft_labels: str | None = None
     top_k: int | None = Field(None, ge=1)
+    tail_samples: int = Field(0, ge=0)
     weight: float = Field(1.0, ge=0)
     temperature: float = Field(1.0, gt=0)
     adapter: bool = True
@@ -514,6 +518,8 @@ class TrainerConfig(Section):
             if self.distillation.soft_labels is None:
                 raise ValueError("distillation.top_k chooses what posttrain stores in distillation.soft_labels: set it "
                                  "(online distillation scores the student's own candidates)")
+        elif self.distillation.tail_samples:
+            raise ValueError("distillation.tail_samples extends the teacher's top k (distillation.top_k): set it")
         if m.kunlun.two_tower and m.name != "kunlun":
             raise ValueError(f"model.kunlun.two_tower applies to model.name = \"kunlun\", not {m.name!r}")
         if m.kunlun.build().contrastive_weight and m.name != "kunlun":  # the domain experts' model encodes one view only

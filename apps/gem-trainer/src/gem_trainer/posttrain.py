@@ -11,7 +11,8 @@ each example of each step is written once.
 A retrieval teacher's scores of every sampled candidate are stored as they are; with ``distillation.top_k`` it
 scores the whole catalogue instead and only its ``top_k`` best items other than the true next item are stored,
 with the next item's logit (``gem_transfer.TopKLogits``): a store of catalogue-wide logits would hold ``num_items``
-values per query.
+values per query. ``distillation.tail_samples`` adds that many items per query drawn uniformly from the rest of the
+catalogue (a function of the seed and the step), weighted by how many items each stands for.
 
 A pass cut short leaves no soft-label store, but the representation store keeps every finished part: run
 again with the same config, it continues at the first step it lacks (the teacher reruns the earlier steps
@@ -113,13 +114,15 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
             scored = batch if top_k is None else _against_catalogue(batch)
             with torch.no_grad(), autocast(env.device, precision):
                 output = teacher(scored.to(env.device))
-            logits, items = output.logits.float().cpu(), torch.empty(0, dtype=torch.int64)
+            logits, items, log_weights = output.logits.float().cpu(), torch.empty(0, dtype=torch.int64), None
             if top_k is not None:
                 try:
-                    best = top_k_logits(logits, batch.next_items.positives, top_k)
+                    # the tail's draws are a function of (seed, step): a pass resumed or run again stores the same
+                    tail = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+                    best = top_k_logits(logits, batch.next_items.positives, top_k, d.tail_samples, tail)
                 except ValueError as error:
-                    raise ConfigError(f"distillation.top_k: {error}") from None
-                logits, items = best.logits, best.items
+                    raise ConfigError(f"distillation.top_k / tail_samples: {error}") from None
+                logits, items, log_weights = best.logits, best.items, best.log_weights
             rank_rows = [fingerprints, logits, queries, items]
             if represent:
                 rank_rows += [users, example_times(batch), _vectors(tap, output, batch), _event_keys(batch, fingerprints)]
@@ -129,7 +132,7 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
                 rank_rows = [torch.cat(parts) for parts in zip(*gathered)]
             fingerprints, logits, queries, items = rank_rows[:4]
             if labels is not None:
-                labels.append(step, fingerprints, logits if top_k is None else TopKLogits(items, logits), queries)
+                labels.append(step, fingerprints, logits if top_k is None else TopKLogits(items, logits, log_weights), queries)
             if represent and memory is not None:
                 users, times, vectors, events = rank_rows[4:]
                 memory.append(step, users, _first_times(users, times, events, stored), vectors)

@@ -17,8 +17,9 @@ positive and the sampled negatives, the same for teacher and student) become a s
 auxiliary query head is trained on the teacher's distribution (``listwise_soft_label_loss``); the adapter is
 then a learned sharpness of the teacher's scores (``ListwiseAdapter``), fitted on which candidate came next.
 A teacher stored as its top-k (``TopKLogits``: its best items of the catalogue, other than the next one) gives
-each query its own candidates: the next item and those k, which the student's auxiliary head scores with the
-student's own item vectors, whatever the serving head is trained against (sampled items or the catalogue).
+each query its own candidates: the next item and those k (and a sampled tail of the rest, weighted by how many
+items each sample stands for), which the student's auxiliary head scores with the student's own item vectors,
+whatever the serving head is trained against (sampled items or the catalogue).
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ def soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     return (loss - entropy) * temperature**2
 
 
-def listwise_soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def listwise_soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
+                             log_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over queries of the cross-entropy of softmax(student / T) against softmax(teacher / T) over each
     row's candidates, minus the teacher distribution's entropy (zero at a match, up to a shift per row), x T^2;
-    float32."""
+    float32. ``log_weights [candidates]``: how many items each candidate column stands for (a sampled tail, see
+    ``TopKLogits``), added inside both softmaxes, so that the loss estimates the one over every item."""
     _check_pair(student_logits, teacher_logits, temperature)
-    teacher = F.log_softmax(teacher_logits.float() / temperature, -1)
-    student = F.log_softmax(student_logits.float() / temperature, -1)
+    shift = 0.0 if log_weights is None else log_weights.float()
+    teacher = F.log_softmax(teacher_logits.float() / temperature + shift, -1)
+    student = F.log_softmax(student_logits.float() / temperature + shift, -1)
     return (teacher.exp() * (teacher - student)).sum(-1).mean() * temperature**2
 
 
@@ -81,8 +85,12 @@ class ListwiseAdapter(nn.Module):
     def forward(self, teacher_logits: torch.Tensor) -> torch.Tensor:
         return self.log_scale.exp() * teacher_logits.float()
 
-    def fit_loss(self, teacher_logits: torch.Tensor) -> torch.Tensor:
+    def fit_loss(self, teacher_logits: torch.Tensor, log_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The cross-entropy of the true next item (column 0); ``log_weights`` as in ``listwise_soft_label_loss``:
+        against a top-k alone the fit comes out too flat (the next item competes only with the teacher's best)."""
         corrected = self(teacher_logits.detach())
+        if log_weights is not None:
+            corrected = corrected + log_weights.float()
         return F.cross_entropy(corrected, torch.zeros(corrected.shape[0], dtype=torch.long, device=corrected.device))
 
 
@@ -212,15 +220,16 @@ class DistilledStudent(nn.Module):
         return DistillationOutput(aux_loss=out.aux_loss + loss, corrected_teacher_logits=corrected, distillation_loss=loss,
                                   **plain)
 
-    def _listwise(self, out: ModelOutput, auxiliary: torch.Tensor, teacher_logits: torch.Tensor, plain: dict) -> DistillationOutput:
+    def _listwise(self, out: ModelOutput, auxiliary: torch.Tensor, teacher_logits: torch.Tensor, plain: dict,
+                  log_weights: torch.Tensor | None = None) -> DistillationOutput:
         """The retrieval terms: the adapter's fit and the listwise loss of ``auxiliary`` against the (corrected)
-        teacher, both ``[queries, candidates]`` with the next item in column 0."""
+        teacher, both ``[queries, candidates]`` with the next item in column 0 (``log_weights``: a top-k's tail)."""
         teacher_logits = teacher_logits.detach().float()
         corrected, loss = teacher_logits, out.aux_loss.new_zeros(())
         if self.adapter is not None:
             corrected = self.adapter(teacher_logits)
-            loss = loss + self.adapter.fit_loss(teacher_logits)
-        loss = loss + self.weight * listwise_soft_label_loss(auxiliary, corrected.detach(), self.temperature)
+            loss = loss + self.adapter.fit_loss(teacher_logits, log_weights)
+        loss = loss + self.weight * listwise_soft_label_loss(auxiliary, corrected.detach(), self.temperature, log_weights)
         return DistillationOutput(aux_loss=out.aux_loss + loss, corrected_teacher_logits=corrected, distillation_loss=loss,
                                   **plain)
 
@@ -250,4 +259,4 @@ class DistilledStudent(nn.Module):
             vectors = torch.cat([every[:, :1], every[:, served:]], 1)
         auxiliary = dot_scores(self.auxiliary_head(out.representation), vectors)
         plain = dict(logits=logits, representation=out.representation, item_vectors=plain_vectors, auxiliary_logits=auxiliary)
-        return self._listwise(out, auxiliary, teacher.logits, plain)
+        return self._listwise(out, auxiliary, teacher.logits, plain, teacher.log_weights)

@@ -16,12 +16,18 @@ all, so the lookup of a batch returns one row of logits per query, in the batch'
 A retrieval teacher that scores the whole catalogue would store ``num_items`` logits per query (Amazon Beauty:
 12,101 per query, ~6.3 GB for each pass over its 131k queries): a **top-k store** keeps, per query, the teacher's
 ``k`` best items other than the true next item and ``1 + k`` logits (the next item's, then theirs), where the
-teacher's distribution carries nearly all of its mass; its lookup returns ``TopKLogits``.
+teacher's distribution carries nearly all of its mass; its lookup returns ``TopKLogits``. A top-k store with a
+**tail** also keeps ``m`` items drawn uniformly from the rest of the catalogue per query, each standing for
+``(num_items - 1 - k) / m`` items (its log in ``log_weights``): a softmax over the stored columns so weighted
+estimates the teacher's softmax over the whole catalogue, where one over the top k alone sees only rivals the
+teacher ranks above everything else (a model fitted to it learns nothing of the items far down the list, and a
+fit of the teacher's sharpness against it comes out too flat).
 
 Layout of a store folder: ``part-00000.parquet`` ... (columns ``step`` int64, ``fingerprint`` int64,
 ``logits`` list of float32, queries x ``width`` values, and in a top-k store ``items`` list of int32,
 queries x ``top_k`` ids; each part holds whole steps, in order) and ``meta.json``, written last, which lists
-the parts with their step ranges and row counts (and ``top_k``: null, or k). A folder without ``meta.json`` is
+the parts with their step ranges and row counts (and ``top_k``: null, or the items per query, k plus the tail;
+``log_weights``: null, or one per logit column). A folder without ``meta.json`` is
 incomplete. The writer fills a temporary sibling folder and renames it into place, so a
 pass cut short leaves no store that looks complete.
 """
@@ -29,6 +35,7 @@ pass cut short leaves no store that looks complete.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -44,8 +51,10 @@ from torchrec import KeyedJaggedTensor
 
 from gem_kunlun import Batch, segment_ids
 
-FORMAT = 2  # 2 added top-k stores (``items``, ``meta["top_k"]``); format 1 stores read as before
-READABLE = (1, 2)
+# 2 added top-k stores (``items``, ``meta["top_k"]``), 3 their tails (``meta["log_weights"]``); older formats read
+# as before (a reader of format 2 would take a tail for top items, so it refuses format 3)
+FORMAT = 3
+READABLE = (1, 2, 3)
 META = "meta.json"
 
 
@@ -151,42 +160,59 @@ def example_fingerprints(batch: Batch, negatives: bool = True) -> torch.Tensor:
 class TopKLogits:
     """A retrieval teacher's scores, cut to what distillation needs, for ``Q`` queries:
 
-    - ``items [Q, k]`` int64: the teacher's ``k`` highest-scored items other than the query's true next item,
-      best first;
-    - ``logits [Q, 1 + k]`` float32: the teacher's logit of the true next item (column 0, as in a batch of
-      sampled candidates), then those of ``items``.
+    - ``items [Q, c]`` int64: the teacher's ``k`` highest-scored items other than the query's true next item,
+      best first, then (with a tail) ``m = c - k`` items drawn from the rest of the catalogue;
+    - ``logits [Q, 1 + c]`` float32: the teacher's logit of the true next item (column 0, as in a batch of
+      sampled candidates), then those of ``items``;
+    - ``log_weights [1 + c]`` float32 or None (no tail): the log of how many catalogue items each column stands
+      for (0 for the next item and the top k), added to any softmax over the columns.
     """
 
     items: torch.Tensor
     logits: torch.Tensor
+    log_weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.items.dim() != 2 or self.logits.shape != (self.items.shape[0], 1 + self.items.shape[1]):
             raise ValueError(f"TopKLogits: items {tuple(self.items.shape)} must be [Q, k] and logits "
                              f"{tuple(self.logits.shape)} [Q, 1 + k]")
+        if self.log_weights is not None and tuple(self.log_weights.shape) != (self.logits.shape[1],):
+            raise ValueError(f"TopKLogits: log_weights {tuple(self.log_weights.shape)} must be [{self.logits.shape[1]}]")
 
     @property
     def top_k(self) -> int:
+        """Items per query (the top k and the tail)."""
         return self.items.shape[1]
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "TopKLogits":
-        return TopKLogits(self.items.to(device, non_blocking=non_blocking), self.logits.to(device, non_blocking=non_blocking))
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return TopKLogits(move(self.items), move(self.logits), move(self.log_weights))
 
 
 pytree.register_dataclass(TopKLogits)  # a model input: data-parallel wrappers move its tensors
 
 
-def top_k_logits(catalogue_logits: torch.Tensor, positives: torch.Tensor, k: int) -> TopKLogits:
+def top_k_logits(catalogue_logits: torch.Tensor, positives: torch.Tensor, k: int, tail: int = 0,
+                 generator: torch.Generator | None = None) -> TopKLogits:
     """``catalogue_logits [Q, num_items]`` (a teacher's score of every item per query) and ``positives [Q]``
-    (each query's true next item) -> the positive's logit and the ``k`` best other items' (``TopKLogits``)."""
+    (each query's true next item) -> the positive's logit and the ``k`` best other items' (``TopKLogits``), and
+    with ``tail`` that many more items per query drawn uniformly, without repeats, from the rest (``generator``)."""
     num_items = catalogue_logits.shape[-1]
     if not 1 <= k < num_items:
         raise ValueError(f"k must lie in [1, {num_items - 1}] (the catalogue's items but the next one), got {k}")
+    pool = num_items - 1 - k
+    if tail and not 1 <= tail <= pool:
+        raise ValueError(f"the tail must lie in [1, {pool}] (the catalogue's items but the next one and the top {k}), got {tail}")
     scores = catalogue_logits.float()
     positive = scores.gather(1, positives.long().view(-1, 1))
     others = scores.scatter(1, positives.long().view(-1, 1), float("-inf"))  # the next item is column 0, not a rival
     best, items = others.topk(k, dim=1)
-    return TopKLogits(items, torch.cat([positive, best], 1))
+    if not tail:
+        return TopKLogits(items, torch.cat([positive, best], 1))
+    rest = torch.ones_like(scores).scatter_(1, positives.long().view(-1, 1), 0.0).scatter_(1, items, 0.0)
+    drawn = torch.multinomial(rest, tail, replacement=False, generator=generator)
+    log_weights = torch.cat([torch.zeros(1 + k), torch.full((tail,), math.log(pool / tail))])
+    return TopKLogits(torch.cat([items, drawn], 1), torch.cat([positive, best, scores.gather(1, drawn)], 1), log_weights)
 
 
 # -- writing -----------------------------------------------------------------------------------------------
@@ -209,6 +235,7 @@ class SoftLabelWriter:
         self.meta, self.steps_per_part = meta, steps_per_part
         self.width: int | None = None
         self.top_k: int | None = None
+        self.log_weights: list[float] | None = None
         self.parts: list[dict[str, Any]] = []
         self._pending: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
         self._last_step = -1
@@ -220,12 +247,14 @@ class SoftLabelWriter:
         (None: one each)."""
         if step <= self._last_step:
             raise ValueError(f"steps are appended in increasing order: {step} after {self._last_step}")
-        items = None
+        items, log_weights = None, None
         if isinstance(logits, TopKLogits):
-            items, logits = logits.items, logits.logits
+            items, log_weights, logits = logits.items, logits.log_weights, logits.logits
+            log_weights = None if log_weights is None else log_weights.tolist()
         top_k = None if items is None else items.shape[1]
-        if self._last_step >= 0 and top_k != self.top_k:
-            raise ValueError(f"a store holds one kind of row: top-k {top_k} after {self.top_k}")
+        if self._last_step >= 0 and (top_k, log_weights) != (self.top_k, self.log_weights):
+            raise ValueError(f"a store holds one kind of row: top-k {top_k} after {self.top_k}, or another tail")
+        self.log_weights = log_weights
         queries = torch.ones(fingerprints.numel(), dtype=torch.int64) if queries is None else queries.long()
         if logits.dim() != 2 or logits.shape[0] != int(queries.sum()) or (self.width not in (None, logits.shape[1])):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {int(queries.sum())} queries x {self.width or 'a'} width")
@@ -256,7 +285,8 @@ class SoftLabelWriter:
     def close(self) -> Path:
         """Writes the last part and ``meta.json`` and moves the store into place; returns its folder."""
         self._flush()
-        meta = {"format": FORMAT, "width": self.width, "top_k": self.top_k, "steps": self._last_step + 1,
+        meta = {"format": FORMAT, "width": self.width, "top_k": self.top_k, "log_weights": self.log_weights,
+                "steps": self._last_step + 1,
                 "rows": sum(p["rows"] for p in self.parts), "parts": self.parts, **self.meta}
         (self.staging / META).write_text(json.dumps(meta, indent=1) + "\n")
         self.staging.rename(self.folder)
@@ -292,6 +322,8 @@ class SoftLabelStore:
             raise SoftLabelError(f"{meta_path}: store format {self.meta.get('format')!r}, this gem-transfer reads {READABLE}")
         self.width, self.steps = int(self.meta["width"] or 0), int(self.meta["steps"])
         self.top_k: int | None = self.meta.get("top_k")
+        weights = self.meta.get("log_weights")
+        self.log_weights = None if weights is None else torch.tensor(weights, dtype=torch.float32)
         self._first_steps = [p["first_step"] for p in self.meta["parts"]]
         self._held: tuple | None = None  # part index, steps, fingerprints, value offsets, values, item values
 
@@ -320,7 +352,7 @@ class SoftLabelStore:
     def lookup(self, step: int, fingerprints: torch.Tensor) -> torch.Tensor | TopKLogits:
         """``[Q, width]`` float32: the teacher's logits of the examples ``fingerprints [N]`` of global batch
         ``step``, each example's queries in turn (one row each for pointwise examples); a top-k store returns
-        them as ``TopKLogits`` (``logits [Q, 1 + k]``, ``items [Q, k]``)."""
+        them as ``TopKLogits`` (``logits [Q, 1 + k]``, ``items [Q, k]``, and its tail's ``log_weights``)."""
         if not 0 <= step < self.steps:
             raise SoftLabelError(f"{self.folder}: holds steps 0..{self.steps - 1}, asked for step {step}")
         steps, stored, offsets, values, items = self._part(step)
@@ -344,4 +376,4 @@ class SoftLabelStore:
         # the items of a query sit at the same place as its logits, less its positive's column
         query = positions.reshape(-1, self.width)[:, 0] // self.width
         ids = items[(query[:, None] * self.top_k + np.arange(self.top_k)).reshape(-1)]
-        return TopKLogits(torch.from_numpy(ids.reshape(-1, self.top_k).astype(np.int64)), logits)
+        return TopKLogits(torch.from_numpy(ids.reshape(-1, self.top_k).astype(np.int64)), logits, self.log_weights)
