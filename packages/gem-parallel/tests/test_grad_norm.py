@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from gem_parallel import clip_grad_norm_
+from gem_parallel.grad_norm import _squared_norm
 
 
 def parameters_with_grads(seed: int) -> list[torch.nn.Parameter]:
@@ -29,3 +30,20 @@ def test_clipping_equals_torch_on_plain_tensors_of_several_dtypes(max_norm):
 def test_no_gradients_give_a_zero_norm():
     params = [torch.nn.Parameter(torch.ones(3))]
     assert float(clip_grad_norm_(params, 1.0)) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("max_norm", [1e-3, 1.0, 1e9])
+def test_one_float32_group_gives_the_same_floats_as_summing_squared_norms(seed, max_norm):
+    """The direct norm of plain float32 gradients is bit for bit the root of the summed squares (the general path)."""
+    g = torch.Generator().manual_seed(seed)
+    magnitude = 10.0 ** (seed * 2 - 5)  # norms from ~1e-5 to ~1e5
+    grads = [torch.randn(shape, generator=g) * magnitude for shape in ((64, 32), (32,), (7, 3, 5), (1,), (0, 4))]
+    params = [torch.nn.Parameter(torch.zeros(x.shape)) for x in grads]
+    for p, x in zip(params, grads):
+        p.grad = x.clone()
+    total = clip_grad_norm_(params, max_norm)
+    expected = (_squared_norm(grads) + torch.zeros((), dtype=torch.float32)).sqrt()
+    assert torch.equal(total, expected)
+    scale = (max_norm / (expected + 1e-6)).clamp(max=1.0)
+    assert all(torch.equal(p.grad, x * scale) for p, x in zip(params, grads))
