@@ -44,10 +44,26 @@ def test_the_beauty_section_trains_every_arm_from_one_teacher_and_writes_its_tab
     assert bench_transfer.finished_run(config, teacher, teacher_dir, 10)
     assert not bench_transfer.finished_run(config, teacher, teacher_dir, 20)
     assert not bench_transfer.finished_run(config, [*teacher, "--model.kunlun.dropout=0.5"], teacher_dir, 10)
+    # how the batches are read does not change what the run computed
+    assert bench_transfer.finished_run(config, [*teacher, "--data.read_ahead=true"], teacher_dir, 10)
     out = tmp_path / "transfer.json"
     out.write_text(json.dumps({"synthetic": {"kept": True}}))
     write_section(out, "beauty", {}, 0.0, result)
     assert set(json.loads(out.read_text())) == {"synthetic", "beauty"}
+
+
+@pytest.mark.slow
+@needs_beauty
+def test_the_tail_section_compares_top_k_stores_with_and_without_a_tail_on_the_validation_split(tmp_path):
+    result = bench_transfer.beauty_tail([0], tmp_path, student_steps=6, teacher_steps=10, top_k=5, tail=7, extra=SHORT)
+    arms = ["student_alone", "distillation", "distillation_tail", "distillation_adapter_tail"]
+    assert [r["arm"] for r in result["rows"]] == arms and "validation split" in result["data"]
+    for row in result["rows"]:
+        assert all(0 <= row[m] <= 1 for m in bench_transfer.BEAUTY_METRICS)
+    plain = json.loads((tmp_path / "beauty" / "tail-seed0" / "top_k" / "soft-labels" / "meta.json").read_text())
+    tailed = json.loads((tmp_path / "beauty" / "tail-seed0" / "top_k_tail" / "soft-labels" / "meta.json").read_text())
+    assert (plain["top_k"], plain["log_weights"]) == (5, None) and tailed["top_k"] == 5 + 7 and len(tailed["log_weights"]) == 13
+    assert set(result["paired_gain_over_student_alone"]) == set(arms[1:])
 
 
 def test_the_beauty_section_names_the_missing_data(tmp_path, monkeypatch):

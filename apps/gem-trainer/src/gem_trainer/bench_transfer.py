@@ -1,7 +1,7 @@
 """Knowledge transfer, measured on the CPU: ``benchmarks/results/transfer.json``.
 
     python -m gem_trainer.bench_transfer --out benchmarks/results/transfer.json [--sections synthetic]
-        [--seeds 0 1 2] [--work /tmp/bench-transfer]    # sections: synthetic, synthetic_users, beauty
+        [--seeds 0 1 2] [--work /tmp/bench-transfer]    # sections: synthetic, synthetic_users, beauty, beauty_tail
         [--device cpu|cuda] [--jobs N]                  # beauty: the device of its runs, how many at once
 
 ``synthetic`` (the embedded default data: three surfaces, click and conversion): a teacher (the default
@@ -37,6 +37,10 @@ width and memory are the config's defaults). With ``--jobs N`` the seeds' passes
 time in separate processes (on one GPU, the small students leave it mostly idle one at a time). A finished pass
 or arm of the same overrides at the same clean commit is kept (``pass.json``, ``<arm>.row.json`` in the work
 folder): a section cut short by a time limit continues where it stopped when run again.
+
+``beauty_tail``: on the validation split, the Beauty section's teacher (reused from the work folder) and students,
+distilled from its top-k store and from one with a tail of the catalogue (``distillation.tail_samples``), with and
+without the adapter (``beauty_tail``'s docstring).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from gem_trainer.bench_runs import DATA_SEED, ROOT, evaluate, mean_std, paired_g
 from gem_trainer.evaluators import fixed_mmap_threshold
 from gem_trainer.provenance import git_commit
 
-SECTIONS = ("synthetic", "synthetic_users", "beauty")
+SECTIONS = ("synthetic", "synthetic_users", "beauty", "beauty_tail")
 NUM_USERS = 2000  # with 600 student steps of 256 examples: ~77 examples per user, ~380 in the teacher's stream
 # the teacher sees five times the student's data: a foundation model trained on more than its serving models
 TEACHER_STEPS, STUDENT_STEPS = 3000, 600
@@ -78,6 +82,7 @@ BEAUTY_TEACHER = "beauty-kunlun.toml"
 BEAUTY_STUDENT = ["--model.kunlun.d_model=16", "--model.kunlun.num_layers=1", "--model.kunlun.hidden=[32]"]
 BEAUTY_STUDENT_STEPS = 1500  # about 3 passes over the 131k training prefixes (the teacher: its config's schedule.epochs)
 BEAUTY_NEGATIVES, BEAUTY_TOP_K = 256, 100
+BEAUTY_TAIL = 100  # section beauty_tail: items drawn per query from the rest of the catalogue (~12,000 of them)
 # the teacher's weight and temperature in the distillation arms, chosen on the validation split (seed 0's store,
 # the student alone and a grid of weight x temperature: transfer.json's beauty_validation_sweep); 1 / 1 before
 BEAUTY_WEIGHT, BEAUTY_TEMPERATURE = 4.0, 3.0
@@ -172,15 +177,21 @@ def finished_run(config_file: Path, overrides: list[str], run_dir: Path, steps: 
         wanted = with_schedule_steps(wanted, recorded.schedule.steps)
     steps = recorded.schedule.steps if steps is None else steps
     return (CheckpointManager(run_dir / "checkpoints", keep_latest=1).latest_step() == steps
-            and recorded.model_dump() == wanted.model_dump())
+            and _computed(recorded) == _computed(wanted))
+
+
+def _computed(config) -> dict:
+    """What of a config decides what its run computes: all of it but how the batches were read (on a thread or in
+    the step: the same batches, in the same order)."""
+    dump = config.model_dump()
+    dump["data"].pop("read_ahead")
+    return dump
 
 
 def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STEPS, teacher_steps: int | None = None,
            top_k: int = BEAUTY_TOP_K, extra: list[str] = (), device: str = "cpu", jobs: int = 1) -> dict:
     """The Beauty section (see the module docstring); ``teacher_steps`` None: as the config's ``schedule.epochs``
     resolve them. ``extra`` overrides every run (a test's shorter evaluation)."""
-    from gem_trainer.config import load_config
-
     data = beauty_data()
     if not (data / "Beauty.txt").is_file():
         raise FileNotFoundError(f"the Beauty data set is not at {data} (../shared/data/beauty beside the repository)")
@@ -188,15 +199,7 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
     common = [f"--data.path={data}", f"--device={device}", "--metrics.tensorboard=false", "--metrics.progress_bar=false", *extra]
     folder = work / "beauty"
     teacher_dir = folder / "teacher"
-    teacher = [*common, "--seed=0"] + ([f"--schedule.steps={teacher_steps}"] if teacher_steps else [])
-    reused = finished_run(config, teacher, teacher_dir)
-    wall = None if reused else train(config, teacher, teacher_dir)
-    teacher_steps = load_config(teacher_dir / "config.toml").schedule.steps  # as the run resolved them
-    started = time.perf_counter()
-    result = evaluate(config, teacher, teacher_dir)
-    teacher_row = {"seed": 0, "train_s": None if wall is None else round(wall, 1), "reused_finished_run": reused,
-                   "eval_s": round(time.perf_counter() - started, 1), **{m: result[m] for m in BEAUTY_METRICS}}
-    print("beauty teacher: " + "  ".join(f"{m} {teacher_row[m]:.4f}" for m in BEAUTY_METRICS), flush=True)
+    teacher_steps, teacher_row = beauty_teacher(config, common, teacher_dir, teacher_steps)
     arms = {**BEAUTY_ARMS, **BEAUTY_LOOPFM_ARMS, **BEAUTY_REFERENCE}
     students = {seed: [*common, *BEAUTY_STUDENT, f"--seed={seed}", f"--schedule.steps={student_steps}",
                        f"--data.sequential.num_negatives={BEAUTY_NEGATIVES}"] for seed in seeds}
@@ -246,6 +249,72 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
                      for arm, more in arms.items()},
             "rows": rows, "summary": summary, "paired_gain_over_student_alone": paired,
             "beats_student_alone_beyond_spread": beats}
+
+
+def beauty_teacher(config: Path, common: list[str], teacher_dir: Path, steps: int | None) -> tuple[int, dict]:
+    """The Beauty teacher (seed 0) trained into ``teacher_dir``, or its finished run there reused; returns its steps
+    and its evaluation row."""
+    from gem_trainer.config import load_config
+
+    teacher = [*common, "--seed=0"] + ([f"--schedule.steps={steps}"] if steps else [])
+    reused = finished_run(config, teacher, teacher_dir)
+    wall = None if reused else train(config, teacher, teacher_dir)
+    steps = load_config(teacher_dir / "config.toml").schedule.steps  # as the run resolved them
+    started = time.perf_counter()
+    result = evaluate(config, teacher, teacher_dir)
+    row = {"seed": 0, "train_s": None if wall is None else round(wall, 1), "reused_finished_run": reused,
+           "eval_s": round(time.perf_counter() - started, 1), **{m: result[m] for m in BEAUTY_METRICS}}
+    print("beauty teacher: " + "  ".join(f"{m} {row[m]:.4f}" for m in BEAUTY_METRICS), flush=True)
+    return steps, row
+
+
+def beauty_tail(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STEPS, teacher_steps: int | None = None,
+                top_k: int = BEAUTY_TOP_K, tail: int = BEAUTY_TAIL, extra: list[str] = (), device: str = "cpu",
+                jobs: int = 1) -> dict:
+    """Section ``beauty_tail``: the top-k store with and without a tail (``BEAUTY_TAIL`` items drawn from the rest of
+    the catalogue), on the validation split (a knob is chosen there, never on the test split). Arms: the student
+    alone; distillation from the top k; distillation from the top k and the tail; the same with the adapter. The
+    Beauty section's teacher (reused from ``work``), students, weight and temperature; the other arguments as
+    ``beauty``'s."""
+    data = beauty_data()
+    if not (data / "Beauty.txt").is_file():
+        raise FileNotFoundError(f"the Beauty data set is not at {data} (../shared/data/beauty beside the repository)")
+    config = ROOT / "apps" / "gem-trainer" / "configs" / BEAUTY_TEACHER
+    common = [f"--data.path={data}", f"--device={device}", "--metrics.tensorboard=false", "--metrics.progress_bar=false", *extra]
+    folder = work / "beauty"
+    teacher_steps, teacher_row = beauty_teacher(config, common, folder / "teacher", teacher_steps)
+    valid = ["--data.sequential.eval_split=valid"]
+    distill = [f"--distillation.weight={BEAUTY_WEIGHT}", f"--distillation.temperature={BEAUTY_TEMPERATURE}"]
+    stores = {"top_k": [], "top_k_tail": [f"--distillation.tail_samples={tail}"]}
+    arms = {"student_alone": (None, []), "distillation": ("top_k", ["--distillation.adapter=false"]),
+            "distillation_tail": ("top_k_tail", ["--distillation.adapter=false"]),
+            "distillation_adapter_tail": ("top_k_tail", ["--distillation.adapter=true"])}
+    passes, runs = [], []
+    for seed in seeds:
+        student = [*common, *BEAUTY_STUDENT, f"--seed={seed}", f"--schedule.steps={student_steps}",
+                   f"--data.sequential.num_negatives={BEAUTY_NEGATIVES}", *valid]
+        where = folder / f"tail-seed{seed}"
+        for store, more in stores.items():
+            passes.append((config, [*student, f"--distillation.teacher_run_dir={folder / 'teacher'}",
+                                    f"--distillation.soft_labels={where / store / 'soft-labels'}", f"--distillation.top_k={top_k}",
+                                    *more], where / store))
+        for arm, (store, more) in arms.items():
+            labels = [] if store is None else [f"--distillation.soft_labels={where / store / 'soft-labels'}", *distill]
+            runs.append((config, seed, arm, [*student, *more, *labels], where / arm))
+    with _runner(jobs) as run:
+        run(_beauty_pass, passes)
+        rows = run(_beauty_arm, runs)
+    summary = {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in BEAUTY_METRICS} for arm in arms}
+    return {"data": f"Amazon Beauty 5-core ({data}), leave-one-out, validation split (the second-to-last item); "
+                    "sampled = mean of the 3 fixed 99-negative draws",
+            "device": device, "teacher": {"config": f"configs/{BEAUTY_TEACHER}", "steps": teacher_steps, "rows": [teacher_row]},
+            "student": {"config": f"configs/{BEAUTY_TEACHER} with " + " ".join(BEAUTY_STUDENT)
+                        + f" --data.sequential.num_negatives={BEAUTY_NEGATIVES}", "steps": student_steps},
+            "transfer": {"top_k": top_k, "tail_samples": tail, "weight": BEAUTY_WEIGHT, "temperature": BEAUTY_TEMPERATURE},
+            "arms": {arm: more + ([f"--distillation.soft_labels=<the seed's {store} store>"] if store else [])
+                     for arm, (store, more) in arms.items()},
+            "rows": rows, "summary": summary,
+            "paired_gain_over_student_alone": paired_gains(rows, [arm for arm in arms if arm != "student_alone"], BEAUTY_METRICS)}
 
 
 def _beauty_pass(config: Path, overrides: list[str], folder: Path) -> float:
@@ -328,11 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     fixed_mmap_threshold()
     for section in args.sections:
         started, meta = time.perf_counter(), provenance("gem_trainer.bench_transfer", argv)
-        if section == "beauty":
+        if section in ("beauty", "beauty_tail"):
             try:
-                result = beauty(args.seeds, args.work, student_steps=args.beauty_student_steps, device=args.device, jobs=args.jobs)
+                result = (beauty(args.seeds, args.work, student_steps=args.beauty_student_steps, device=args.device, jobs=args.jobs)
+                          if section == "beauty" else beauty_tail(args.seeds, args.work, device=args.device, jobs=args.jobs))
             except FileNotFoundError as error:
-                parser.exit(2, f"beauty: {error}\n")
+                parser.exit(2, f"{section}: {error}\n")
         else:
             result = synthetic(args.seeds, args.work, users=section == "synthetic_users")
         write_section(args.out, section, meta, started, result)
