@@ -241,7 +241,8 @@ class DataConfig(Section):
     eval_batches: int = Field(40, ge=1)
     num_workers: int = Field(0, ge=0)
     # batches read on a background thread one step ahead (true), or on the training thread when the step asks
-    # (false: for small batches read in Python, where the thread's GIL hand-overs cost the step more than reading)
+    # (false: the same batches without a thread; slower on the H200 even for Beauty's small batches, see
+    # gem_trainer.inline_read)
     read_ahead: bool = True
     skip_bad_rows: bool = False
     balance: bool = False  # length-balanced batches across ranks

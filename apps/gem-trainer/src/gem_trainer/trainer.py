@@ -76,7 +76,7 @@ class Trainer:
         self.stream = self.data.train
         # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
         # neither the reader nor the copy to the device holds up the training thread; or, with
-        # data.read_ahead = false, in the step (see gem_trainer.inline_read: when reading is cheap Python)
+        # data.read_ahead = false, in the step (gem_trainer.inline_read: the same batches, without a thread)
         reader = ReadAhead if config.data.read_ahead else InlineRead
         self.input = reader(self.stream, pin=env.device.type == "cuda", observe=self._reader_report)
         self._batches = iter(self.input)
