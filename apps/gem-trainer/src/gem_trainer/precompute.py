@@ -270,10 +270,10 @@ def build_solaris_join(config: TrainerConfig, env: DistributedEnv, source) -> So
     """``source`` whose batches carry the teacher's embedding of each example's pair, with the level that answered
     (``SolarisJoin``), as the representation feature ``solaris`` (``solaris.student_input``): computed by the
     teacher (``fresh``: every row ``exact``) or served by the lookup over the finished precompute at
-    ``solaris.output`` (``served``). Served entries are judged fresh against the
-    time the precompute finished (``report.json``'s ``finished_at``), so the input is the same however long the
-    run lasts or whenever it resumes. The Redis backend still drops entries ``ttl_s`` of wall-clock time after
-    they were written (the server expires them): read a long-lived precompute with the in-process backend."""
+    ``solaris.output`` (``served``). Served entries are judged fresh against the time the precompute finished
+    (``report.json``'s ``finished_at``), so the input is the same however long the run lasts or whenever it
+    resumes. The Redis backend still drops entries ``ttl_s`` of wall-clock time after they were written (the
+    server expires them): read a long-lived precompute with the in-process backend."""
     s = config.solaris
     if s.student_input == "fresh" and env.world_size > 1:
         # NOTE: the trainer reads its data on a background thread; a sharded teacher there would run its
