@@ -18,7 +18,7 @@ needs_beauty = pytest.mark.skipif(not (BEAUTY / "Beauty.txt").is_file(), reason=
 @needs_beauty
 def test_the_beauty_section_trains_every_arm_from_one_teacher_and_writes_its_table(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_transfer, "git_commit", lambda root: "0" * 40)  # a clean commit: finished work is kept
-    result = bench_transfer.beauty([0], tmp_path, student_steps=8, teacher_steps=10, top_k=5, extra=SHORT)
+    result = bench_transfer.beauty([0], tmp_path, student_steps=8, teacher_steps=10, top_k=5, tail=3, extra=SHORT)
     arms = ["student_alone", "distillation", "distillation_adapter", "distillation_loopfm", "distillation_adapter_loopfm",
             "student_alone_catalogue"]
     assert [r["arm"] for r in result["rows"]] == arms
@@ -26,14 +26,14 @@ def test_the_beauty_section_trains_every_arm_from_one_teacher_and_writes_its_tab
     for row in [*result["rows"], *result["teacher"]["rows"]]:
         assert all(0 <= row[m] <= 1 for m in bench_transfer.BEAUTY_METRICS)
     store = json.loads((tmp_path / "beauty" / "seed0" / "soft-labels" / "meta.json").read_text())
-    assert store["top_k"] == 5 and store["steps"] == 8
+    assert store["top_k"] == 5 + 3 and len(store["log_weights"]) == 1 + 5 + 3 and store["steps"] == 8
     loopfm = json.loads((tmp_path / "beauty" / "seed0" / "loopfm" / "progress.json").read_text())
     assert loopfm["complete"] and loopfm["rows"] == 8 * 32  # one per training prefix of the 8 batches of 32
     assert result["teacher"]["rows"][0]["reused_finished_run"] is False
     # called again (a section cut short by a time limit), finished passes and arms are kept, not redone
     monkeypatch.setattr(bench_transfer, "train", lambda *args: pytest.fail("a finished arm was trained again"))
     monkeypatch.setattr(bench_transfer, "posttrain_pass", lambda *args: pytest.fail("a finished pass was run again"))
-    again = bench_transfer.beauty([0], tmp_path, student_steps=8, teacher_steps=10, top_k=5, extra=SHORT)
+    again = bench_transfer.beauty([0], tmp_path, student_steps=8, teacher_steps=10, top_k=5, tail=3, extra=SHORT)
     assert again["rows"] == result["rows"]
     monkeypatch.undo()
     # the finished teacher is found again (the same config and steps), and only then

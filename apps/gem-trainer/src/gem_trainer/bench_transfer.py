@@ -40,7 +40,8 @@ folder): a section cut short by a time limit continues where it stopped when run
 
 ``beauty_tail``: on the validation split, the Beauty section's teacher (reused from the work folder) and students,
 distilled from its top-k store and from one with a tail of the catalogue (``distillation.tail_samples``), with and
-without the adapter (``beauty_tail``'s docstring).
+without the adapter (``beauty_tail``'s docstring): where ``BEAUTY_TAIL``, which the Beauty section's pass stores
+with its top k, was chosen.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ BEAUTY_TEACHER = "beauty-kunlun.toml"
 BEAUTY_STUDENT = ["--model.kunlun.d_model=16", "--model.kunlun.num_layers=1", "--model.kunlun.hidden=[32]"]
 BEAUTY_STUDENT_STEPS = 1500  # about 3 passes over the 131k training prefixes (the teacher: its config's schedule.epochs)
 BEAUTY_NEGATIVES, BEAUTY_TOP_K = 256, 100
-BEAUTY_TAIL = 100  # section beauty_tail: items drawn per query from the rest of the catalogue (~12,000 of them)
+# items drawn per query from the rest of the catalogue (~12,000 of them), distilled with the top k: chosen on the
+# validation split (section beauty_tail: the tail lifts sampled and full ranking, the top k alone only full)
+BEAUTY_TAIL = 100
 # the teacher's weight and temperature in the distillation arms, chosen on the validation split (seed 0's store,
 # the student alone and a grid of weight x temperature: transfer.json's beauty_validation_sweep); 1 / 1 before
 BEAUTY_WEIGHT, BEAUTY_TEMPERATURE = 4.0, 3.0
@@ -189,7 +192,8 @@ def _computed(config) -> dict:
 
 
 def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STEPS, teacher_steps: int | None = None,
-           top_k: int = BEAUTY_TOP_K, extra: list[str] = (), device: str = "cpu", jobs: int = 1) -> dict:
+           top_k: int = BEAUTY_TOP_K, tail: int = BEAUTY_TAIL, extra: list[str] = (), device: str = "cpu",
+           jobs: int = 1) -> dict:
     """The Beauty section (see the module docstring); ``teacher_steps`` None: as the config's ``schedule.epochs``
     resolve them. ``extra`` overrides every run (a test's shorter evaluation)."""
     data = beauty_data()
@@ -218,7 +222,8 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
         # one teacher pass per seed writes both stores; its view of the data (no user id) is every student's
         passes = run(_beauty_pass, [(config, [*students[seed], *BEAUTY_LOOPFM, f"--distillation.teacher_run_dir={teacher_dir}",
                                               f"--distillation.soft_labels={stores[seed][0]}", f"--distillation.top_k={top_k}",
-                                              f"--loopfm.store={stores[seed][1]}"], folder / f"seed{seed}") for seed in seeds])
+                                              f"--distillation.tail_samples={tail}", f"--loopfm.store={stores[seed][1]}"],
+                                     folder / f"seed{seed}") for seed in seeds])
         pass_s = dict(zip(seeds, passes))
         rows = [{**row, "posttrain_s": round(pass_s[row["seed"]], 1)} for row in run(_beauty_arm, runs)]
     summary = {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in BEAUTY_METRICS} for arm in arms}
@@ -239,7 +244,9 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
                         "cost": "1.04 forward MFLOP per example against the teacher's 7.20 (gem-trainer flops), 348k parameters "
                                 "against 1.69M"},
             "transfer": {"soft_labels": f"the teacher's top {top_k} items of the catalogue per query (other than the "
-                                        "next item) and the next item's logit, written by posttrain once per seed",
+                                        f"next item), {tail} more drawn from the rest, and the next item's logit, written by "
+                                        "posttrain once per seed",
+                         "tail_samples": tail, "tail_chosen_on": "the validation split (beauty_tail)",
                          "loopfm": "the same pass's query vector of every training prefix (loopfm defaults: projected to 16 "
                                    "values, the newest 32 earlier ones read), keyed by user id, which no model reads",
                          "weight": BEAUTY_WEIGHT, "temperature": BEAUTY_TEMPERATURE,
@@ -251,9 +258,10 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
             "beats_student_alone_beyond_spread": beats}
 
 
-def beauty_teacher(config: Path, common: list[str], teacher_dir: Path, steps: int | None) -> tuple[int, dict]:
+def beauty_teacher(config: Path, common: list[str], teacher_dir: Path, steps: int | None,
+                   split: list[str] = ()) -> tuple[int, dict]:
     """The Beauty teacher (seed 0) trained into ``teacher_dir``, or its finished run there reused; returns its steps
-    and its evaluation row."""
+    and its evaluation row (``split``: overrides that choose the evaluation's split, which training ignores)."""
     from gem_trainer.config import load_config
 
     teacher = [*common, "--seed=0"] + ([f"--schedule.steps={steps}"] if steps else [])
@@ -261,7 +269,7 @@ def beauty_teacher(config: Path, common: list[str], teacher_dir: Path, steps: in
     wall = None if reused else train(config, teacher, teacher_dir)
     steps = load_config(teacher_dir / "config.toml").schedule.steps  # as the run resolved them
     started = time.perf_counter()
-    result = evaluate(config, teacher, teacher_dir)
+    result = evaluate(config, [*teacher, *split], teacher_dir)
     row = {"seed": 0, "train_s": None if wall is None else round(wall, 1), "reused_finished_run": reused,
            "eval_s": round(time.perf_counter() - started, 1), **{m: result[m] for m in BEAUTY_METRICS}}
     print("beauty teacher: " + "  ".join(f"{m} {row[m]:.4f}" for m in BEAUTY_METRICS), flush=True)
@@ -282,8 +290,8 @@ def beauty_tail(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDEN
     config = ROOT / "apps" / "gem-trainer" / "configs" / BEAUTY_TEACHER
     common = [f"--data.path={data}", f"--device={device}", "--metrics.tensorboard=false", "--metrics.progress_bar=false", *extra]
     folder = work / "beauty"
-    teacher_steps, teacher_row = beauty_teacher(config, common, folder / "teacher", teacher_steps)
     valid = ["--data.sequential.eval_split=valid"]
+    teacher_steps, teacher_row = beauty_teacher(config, common, folder / "teacher", teacher_steps, valid)
     distill = [f"--distillation.weight={BEAUTY_WEIGHT}", f"--distillation.temperature={BEAUTY_TEMPERATURE}"]
     stores = {"top_k": [], "top_k_tail": [f"--distillation.tail_samples={tail}"]}
     arms = {"student_alone": (None, []), "distillation": ("top_k", ["--distillation.adapter=false"]),
