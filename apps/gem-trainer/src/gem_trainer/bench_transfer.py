@@ -196,11 +196,7 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
            jobs: int = 1) -> dict:
     """The Beauty section (see the module docstring); ``teacher_steps`` None: as the config's ``schedule.epochs``
     resolve them. ``extra`` overrides every run (a test's shorter evaluation)."""
-    data = beauty_data()
-    if not (data / "Beauty.txt").is_file():
-        raise FileNotFoundError(f"the Beauty data set is not at {data} (../shared/data/beauty beside the repository)")
-    config = ROOT / "apps" / "gem-trainer" / "configs" / BEAUTY_TEACHER
-    common = [f"--data.path={data}", f"--device={device}", "--metrics.tensorboard=false", "--metrics.progress_bar=false", *extra]
+    data, config, common = beauty_setup(device, extra)
     folder = work / "beauty"
     teacher_dir = folder / "teacher"
     teacher_steps, teacher_row = beauty_teacher(config, common, teacher_dir, teacher_steps)
@@ -258,6 +254,16 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
             "beats_student_alone_beyond_spread": beats}
 
 
+def beauty_setup(device: str, extra: list[str]) -> tuple[Path, Path, list[str]]:
+    """The Beauty data folder, the teacher's config file and the overrides of every run of a Beauty section."""
+    data = beauty_data()
+    if not (data / "Beauty.txt").is_file():
+        raise FileNotFoundError(f"the Beauty data set is not at {data} (../shared/data/beauty beside the repository)")
+    config = ROOT / "apps" / "gem-trainer" / "configs" / BEAUTY_TEACHER
+    common = [f"--data.path={data}", f"--device={device}", "--metrics.tensorboard=false", "--metrics.progress_bar=false", *extra]
+    return data, config, common
+
+
 def beauty_teacher(config: Path, common: list[str], teacher_dir: Path, steps: int | None,
                    split: list[str] = ()) -> tuple[int, dict]:
     """The Beauty teacher (seed 0) trained into ``teacher_dir``, or its finished run there reused; returns its steps
@@ -284,11 +290,7 @@ def beauty_tail(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDEN
     alone; distillation from the top k; distillation from the top k and the tail; the same with the adapter. The
     Beauty section's teacher (reused from ``work``), students, weight and temperature; the other arguments as
     ``beauty``'s."""
-    data = beauty_data()
-    if not (data / "Beauty.txt").is_file():
-        raise FileNotFoundError(f"the Beauty data set is not at {data} (../shared/data/beauty beside the repository)")
-    config = ROOT / "apps" / "gem-trainer" / "configs" / BEAUTY_TEACHER
-    common = [f"--data.path={data}", f"--device={device}", "--metrics.tensorboard=false", "--metrics.progress_bar=false", *extra]
+    data, config, common = beauty_setup(device, extra)
     folder = work / "beauty"
     valid = ["--data.sequential.eval_split=valid"]
     teacher_steps, teacher_row = beauty_teacher(config, common, folder / "teacher", teacher_steps, valid)
