@@ -103,6 +103,6 @@ def test_observe_runs_on_the_reading_thread_and_is_delivered_with_its_batch(gene
     reader.close()
 
 
-def test_depth_must_be_positive(generator):
-    with pytest.raises(ValueError, match="depth must be >= 1"):
-        ReadAhead(SyntheticStream(generator, 8), depth=0)
+def test_depth_must_not_be_negative(generator):
+    with pytest.raises(ValueError, match="depth must be >= 0"):
+        ReadAhead(SyntheticStream(generator, 8), depth=-1)

@@ -18,7 +18,6 @@ from gem_trainer.checkpoint import CheckpointError, CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluators import Evaluator
-from gem_trainer.inline_read import InlineRead
 from gem_trainer.step import autocast, autocast_dtype, training_loss
 from gem_transfer import example_fingerprints
 from gem_parallel import (
@@ -76,9 +75,9 @@ class Trainer:
         self.stream = self.data.train
         # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
         # neither the reader nor the copy to the device holds up the training thread; or, with
-        # data.read_ahead = false, in the step (gem_trainer.inline_read: the same batches, without a thread)
-        reader = ReadAhead if config.data.read_ahead else InlineRead
-        self.input = reader(self.stream, pin=env.device.type == "cuda", observe=self._reader_report)
+        # data.read_ahead = false, in the step (depth 0: the same batches, without a thread)
+        self.input = ReadAhead(self.stream, depth=2 if config.data.read_ahead else 0, pin=env.device.type == "cuda",
+                               observe=self._reader_report)
         self._batches = iter(self.input)
         self._unchecked_loss: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         self._check_ranking_is_possible()

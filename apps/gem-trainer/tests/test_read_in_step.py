@@ -1,5 +1,5 @@
-"""``InlineRead`` (``data.read_ahead = false``) hands out what ``ReadAhead`` hands out, records the same state, and
-a trainer reading in the step trains exactly as one reading ahead."""
+"""``ReadAhead`` at depth 0 (``data.read_ahead = false``: no thread) hands out what it hands out at depth 2, records
+the same state, and a trainer reading in the step trains exactly as one reading ahead."""
 
 import itertools
 
@@ -10,7 +10,6 @@ from gem_data import ReadAhead, SyntheticConfig, SyntheticGenerator, SyntheticSt
 from gem_data.testing import equal_batches
 from gem_trainer.config import load_config
 from gem_trainer.distributed import init_distributed
-from gem_trainer.inline_read import InlineRead
 from gem_trainer.trainer import Trainer
 
 
@@ -21,7 +20,7 @@ def generator():
 
 def test_batches_states_and_observations_match_the_read_ahead_thread(generator):
     inline_stream, ahead_stream = SyntheticStream(generator, 8, rank=1, world_size=2), SyntheticStream(generator, 8, rank=1, world_size=2)
-    inline = InlineRead(inline_stream, observe=lambda: inline_stream.position)
+    inline = ReadAhead(inline_stream, depth=0, observe=lambda: inline_stream.position)
     ahead = ReadAhead(ahead_stream, depth=2, observe=lambda: ahead_stream.position)
     for a, b in zip(itertools.islice(iter(inline), 5), itertools.islice(iter(ahead), 5), strict=True):
         assert equal_batches(a, b)
@@ -34,7 +33,7 @@ def test_batches_states_and_observations_match_the_read_ahead_thread(generator):
 def test_resume_and_a_new_iteration_continue_after_the_last_delivered_batch(generator):
     expected = list(itertools.islice(SyntheticStream(generator, 8), 6))
     stream = SyntheticStream(generator, 8)
-    reader = InlineRead(stream)
+    reader = ReadAhead(stream, depth=0)
     first = iter(reader)
     got = [next(first), next(first)]
     state = reader.state_dict()
@@ -43,7 +42,7 @@ def test_resume_and_a_new_iteration_continue_after_the_last_delivered_batch(gene
     reader.close()
     assert stream.position == 4
 
-    resumed = InlineRead(SyntheticStream(generator, 8))
+    resumed = ReadAhead(SyntheticStream(generator, 8), depth=0)
     resumed.load_state_dict(state)
     assert equal_batches(next(iter(resumed)), expected[2])
 
@@ -56,7 +55,7 @@ def test_a_trainer_reading_in_the_step_trains_exactly_as_one_reading_ahead(tmp_p
                                     "--metrics.tensorboard=false", "--device=cpu", "--schedule.steps=20",
                                     "--schedule.warmup_steps=2", f"--data.read_ahead={str(read_ahead).lower()}"])
         trainer = Trainer(config, env)
-        assert isinstance(trainer.input, ReadAhead if read_ahead else InlineRead)
+        assert trainer.input.depth == (2 if read_ahead else 0)
         losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
         state = trainer.state_dict()
         trainer.evaluate()  # eval mode in between: the next step trains in train mode again
