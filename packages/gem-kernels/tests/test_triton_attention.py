@@ -203,3 +203,28 @@ def test_views_of_a_fused_projection_are_read_in_place():
     assert_close(jagged_flash_attention(q, k, v, off, 40, causal=True, kernel="triton"),
                  jagged_flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), off, 40, causal=True, kernel="triton"),
                  1e-6, "jfa out")
+
+
+@pytest.mark.parametrize("act", ["softmax", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_short_kv_forward_equals_the_general_kernel(act, dtype, monkeypatch):
+    """Full attention to kv sequences of at most one key tile runs attn_fwd_short_kv_kernel (query tiles streamed
+    through K / V loaded once, several per program): its outputs and LSE equal the general forward's, with empty
+    kv sequences, empty and multi-tile query sequences and a shared kv sequence."""
+    from gem_kernels.ops.triton import _tuning, triton_attention
+    from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_forward
+
+    qo, ko = offsets_of([40, 0, 1, 35]), offsets_of([9, 0, 16])
+    kv_index = torch.tensor([0, 2, 1, 0])
+    q = rand(int(qo[-1]), 2, 16, dtype=dtype, scale=0.5)
+    k, v = rand(int(ko[-1]), 2, 16, dtype=dtype, scale=0.5), rand(int(ko[-1]), 2, 16, dtype=dtype)
+    spec = AttnSpec(max_q=48, max_kv=16, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16)
+    assert triton_attention._short_kv(spec)
+    short = attention_forward(q, k, v, qo, ko, kv_index, spec)
+    monkeypatch.setattr(triton_attention, "_short_kv", lambda spec: False)
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    general = attention_forward(q, k, v, qo, ko, kv_index, spec)
+    assert_close(short[0], general[0], TOL[dtype], "out")
+    if act == "softmax":
+        assert torch.equal(short[1] >= 1e29, general[1] >= 1e29)  # the rows with no keys
+        assert_close(short[1], general[1], TOL[torch.float32], "lse")

@@ -43,3 +43,30 @@ def test_norm_matches_reference(op, shape, residual, dtype):
     for a, e, n in zip(g_t, g_r, ["x", "r", "w", "b"] if residual else ["x", "w", "b"]):
         # NOTE: dweight sums over rows; fp16 rounding of y/dy makes it looser than the elementwise outputs.
         assert_close(a, e, TOL[dtype] * (4 if n in "wb" else 1), f"d{n}")
+
+
+@pytest.mark.parametrize("cfg", [dict(ROWS=4, num_warps=4, PREFETCH=True, PER_SM=1),
+                                 dict(ROWS=4, num_warps=4, PREFETCH=False, PER_SM=1),
+                                 dict(ROWS=1, num_warps=4, PREFETCH=True, PER_SM=1)])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norm_backward_configs_agree(op, cfg, monkeypatch):
+    """Every backward config the tuner may pick (register prefetch or not, any tile height) gives the reference's
+    gradients, with more row tiles than programs so that each program walks several (37 rows: a partial last
+    tile)."""
+    from gem_kernels.ops.triton import _tuning, triton_norms
+
+    monkeypatch.setattr(triton_norms, "_bwd_cands", lambda block_n: [cfg])
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    x = rand(37, 100, dtype=torch.float32)
+    w = (1.0 + 0.1 * torch.randn(100)).requires_grad_()
+    b = rand(100, dtype=torch.float32) if op == "layer_norm" else None
+    r = rand(37, 100, dtype=torch.float32)
+    inputs = [t for t in (x, r, w, b) if t is not None]
+    seeds = [torch.randn(37, 100), torch.randn(37, 100)]
+    grads = {}
+    for kern in ("triton", "pytorch"):
+        out = (rms_norm(x, w, 1e-6, residual=r, kernel=kern) if op == "rms_norm"
+               else layer_norm(x, w, b, 1e-5, residual=r, kernel=kern))
+        grads[kern] = torch.autograd.grad(out, inputs, seeds)
+    for a, e, n in zip(grads["triton"], grads["pytorch"], ["x", "r", "w", "b"]):
+        assert_close(a, e, 1e-5 * (4 if n in "wb" else 1), f"d{n}")

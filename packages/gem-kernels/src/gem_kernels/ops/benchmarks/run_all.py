@@ -30,11 +30,28 @@ from gem_kernels.ops.benchmarks.provenance import git_commit
 
 H, D = 4, 128
 PEAK_BW = 4.2e12  # measured device-to-device copy on the H200 (ENVIRONMENT.md)
-TARGETS = {  # ratio to the best peer asked of gem
-    ("jfa", "fwd"): 1.3, ("jfa", "fwd+bwd"): 1.2, ("gdpa_cross_softmax16", "fwd"): 1.5,
-    ("gdpa_cross_softmax64", "fwd"): 1.5, ("gdpa_pointwise", "fwd"): 5.0, ("gdpa_pma", "fwd"): 2.0,
-    ("block_w512", "fwd"): 1.5, ("block_w64", "fwd"): 2.0,
+# ratio to the best peer asked of gem, per (case family, pass); the forward's target holds for fwd+bwd too
+# unless named
+TARGETS = {
+    ("jfa", "fwd"): 1.3, ("jfa", "fwd+bwd"): 1.25, ("jfa_long", "fwd"): 1.2, ("jfa_long", "fwd+bwd"): 1.2,
+    ("gdpa_cross_softmax16", "fwd"): 1.5, ("gdpa_cross_softmax64", "fwd"): 1.5,
+    ("gdpa_cross_softmax128", "fwd"): 1.2, ("gdpa_cross_softmax256", "fwd"): 1.2,
+    ("gdpa_pointwise", "fwd"): 5.0, ("gdpa_pma", "fwd"): 1.5,
+    ("block_w512", "fwd"): 1.3, ("block_w64", "fwd"): 1.5, ("layer_norm", "fwd+bwd"): 1.2,
 }
+
+
+def target(family: str, pas: str):
+    return TARGETS.get((family, pas), TARGETS.get((family, "fwd")) if pas == "fwd+bwd" else None)
+
+
+def timed(fn, inputs, pas: str) -> float:
+    """Milliseconds of the forward, or of forward and backward to ``inputs``."""
+    return bench_ms(fn if pas == "fwd" else fwd_bwd(fn, inputs))
+
+
+PASSES = ("fwd", "fwd+bwd")
+FLOP_FACTOR = {"fwd": 1.0, "fwd+bwd": 3.5}
 
 
 # --- inputs ---------------------------------------------------------------------------------------------------
@@ -329,16 +346,17 @@ def run_checks(rec: Recorder):
 
 # --- cases ----------------------------------------------------------------------------------------------------
 
-def bench_all(rec: Recorder, deadline: float, quick: bool):
-    from gem_kernels import block_attention, gdpa, jagged_flash_attention, layer_norm
+OPS = ("jfa", "gdpa", "block", "norm", "rotary")
 
-    slow = []  # (label, fn) for the torch.compile peers, run last
-    scale = 1.0 / math.sqrt(D)
+
+def bench_jfa(rec: Recorder, slow: list):
+    """JFA self, causal and long; ``slow`` collects the (label, fn) of the torch.compile peers, run last."""
+    from gem_kernels import jagged_flash_attention
 
     # JFA self, causal, long
     jfa_cases = [("jfa_self", 256, 512, 4096, False, ("fwd", "fwd+bwd")),
                  ("jfa_causal", 256, 512, 4096, True, ("fwd", "fwd+bwd")),
-                 ("jfa_long", 64, 2048, 16384, False, ("fwd",))]
+                 ("jfa_long", 64, 2048, 16384, False, ("fwd", "fwd+bwd"))]
     for case, B, mean, mx, causal, passes in jfa_cases:
         lens = lognormal_lengths(B, mean, mx)
         off = offsets(lens)
@@ -352,7 +370,7 @@ def bench_all(rec: Recorder, deadline: float, quick: bool):
         var = lambda: varlen(q, k, v, cu, cu, Lmax, Lmax, (-1, 0) if causal else (-1, -1))  # noqa
         for pas in passes:
             f = 1.0 if pas == "fwd" else 3.5
-            tgt = TARGETS[("jfa", pas)]
+            tgt = target("jfa_long" if case == "jfa_long" else "jfa", pas)
             guarded(rec, f"{case} gem {pas}", lambda: rec.add("jfa", name, "gem", pas, bench_ms(
                 gem if pas == "fwd" else fwd_bwd(gem, [q, k, v])), fl * f, target=tgt))
             guarded(rec, f"{case} varlen {pas}", lambda: rec.add("jfa", name, "varlen_attn", pas, bench_ms(
@@ -375,128 +393,166 @@ def bench_all(rec: Recorder, deadline: float, quick: bool):
                 rec.add("jfa", name, "flex_attention", pas,
                         bench_ms(run if pas == "fwd" else fwd_bwd(run, run.inputs)), fl * f)
             slow.append((f"{case} flex {pas}", flex_case))
-        del q, k, v
         torch.cuda.empty_cache()
 
+
+
+def bench_gdpa(rec: Recorder, slow: list):
+    """GDPA cross attention to 16-256 rows per example and PMA, softmax and a pointwise activation."""
+    from gem_kernels import gdpa
+
+    scale = 1.0 / math.sqrt(D)
     # GDPA cross (q as jfa_self, kv per example), softmax and gelu
     lens = lognormal_lengths(256, 512, 4096)
     qo = offsets(lens)
     Tq = int(qo[-1])
-    q = randn(Tq, H, D, scale=0.3)
+    q = randn(Tq, H, D, scale=0.3, grad=True)
     for nkv in (16, 64, 128, 256):
         kv_lens = [nkv] * 256
         ko = offsets(kv_lens)
-        k, v = randn(256 * nkv, H, D, scale=0.3), randn(256 * nkv, H, D)
+        k, v = randn(256 * nkv, H, D, scale=0.3, grad=True), randn(256 * nkv, H, D, grad=True)
         fl = 4 * H * D * sum(n * nkv for n in lens)
+        # bytes every implementation must move: q, o (and k, v) once forward; q, o, do, dq, k, v, dk, dv backward
+        nbytes = {"fwd": 2 * (2 * Tq + 2 * 256 * nkv) * H * D, "fwd+bwd": 2 * (6 * Tq + 6 * 256 * nkv) * H * D}
         name = f"cross_kv{nkv} B=256 Tq={Tq}"
         for act in ("softmax", "gelu"):
-            tgt = TARGETS.get((f"gdpa_cross_softmax{nkv}", "fwd")) if act == "softmax" else TARGETS[
-                ("gdpa_pointwise", "fwd")]
             g = lambda act=act, ko=ko, k=k, v=v, nkv=nkv: gdpa(  # noqa
                 q, k, v, qo, ko, activation=act, max_seq_len_q=4096, max_seq_len_kv=nkv, kernel="triton",
                 validate=False)
-            guarded(rec, f"cross{nkv} {act} gem", lambda: rec.add("gdpa", f"{name} {act}", "gem", "fwd", bench_ms(g),
-                                                                     fl, target=tgt))
-            if act == "softmax":
-                cu_q, cu_k = qo.to(torch.int32), ko.to(torch.int32)
-                guarded(rec, f"cross{nkv} varlen", lambda: rec.add("gdpa", f"{name} {act}", "varlen_attn", "fwd",
-                        bench_ms(lambda: varlen(q, k, v, cu_q, cu_k, max(lens), nkv)), fl))
+            for pas in PASSES:
+                tgt = target(f"gdpa_cross_softmax{nkv}" if act == "softmax" else "gdpa_pointwise", pas)
+                guarded(rec, f"cross{nkv} {act} gem {pas}", lambda g=g, pas=pas, tgt=tgt, k=k, v=v: rec.add(
+                    "gdpa", f"{name} {act}", "gem", pas, timed(g, [q, k, v], pas), fl * FLOP_FACTOR[pas],
+                    nbytes[pas], target=tgt))
+                if act == "softmax":
+                    cu_q, cu_k = qo.to(torch.int32), ko.to(torch.int32)
+                    guarded(rec, f"cross{nkv} varlen {pas}", lambda pas=pas, k=k, v=v, nkv=nkv, cu_q=cu_q, cu_k=cu_k:
+                            rec.add("gdpa", f"{name} {act}", "varlen_attn", pas, timed(
+                                lambda: varlen(q, k, v, cu_q, cu_k, max(lens), nkv), [q, k, v], pas),
+                                fl * FLOP_FACTOR[pas], nbytes[pas]))
 
-                def sdpa_cross(k=k, v=v, nkv=nkv, name=name, fl=fl):
-                    qp = pad(q, lens, max(lens))
-                    kp, vp = k.view(256, nkv, H, D).transpose(1, 2), v.view(256, nkv, H, D).transpose(1, 2)
-                    rec.add("gdpa", f"{name} softmax", "sdpa_padded", "fwd", bench_ms(
-                        lambda: torch.nn.functional.scaled_dot_product_attention(qp, kp, vp)), fl)
-                guarded(rec, f"cross{nkv} sdpa", sdpa_cross)
+                    def sdpa_cross(k=k, v=v, nkv=nkv, name=name, fl=fl, pas=pas):
+                        qp = pad(q.detach(), lens, max(lens)).requires_grad_()
+                        kp, vp = (x.detach().view(256, nkv, H, D).transpose(1, 2).requires_grad_() for x in (k, v))
+                        rec.add("gdpa", f"{name} softmax", "sdpa_padded", pas, timed(
+                            lambda: torch.nn.functional.scaled_dot_product_attention(qp, kp, vp), [qp, kp, vp], pas),
+                            fl * FLOP_FACTOR[pas], nbytes[pas])
+                    guarded(rec, f"cross{nkv} sdpa {pas}", sdpa_cross)
 
-                def flex_cross(k=k, v=v, kv_lens=kv_lens, name=name, fl=fl, q=q, lens=lens):
-                    rec.add("gdpa", f"{name} softmax", "flex_attention", "fwd",
-                            bench_ms(flex_jagged(q, k, v, lens, kv_lens)), fl)
-                slow.append((f"cross{nkv} flex", flex_cross))
-            else:
-                def compiled_ref(k=k, v=v, ko=ko, nkv=nkv, name=name, fl=fl, act=act, q=q, qo=qo):
-                    from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
+                    def flex_cross(k=k, v=v, kv_lens=kv_lens, name=name, fl=fl, q=q, lens=lens, pas=pas):
+                        run = flex_jagged(q, k, v, lens, kv_lens)
+                        rec.add("gdpa", f"{name} softmax", "flex_attention", pas, timed(run, run.inputs, pas),
+                                fl * FLOP_FACTOR[pas], nbytes[pas])
+                    slow.append((f"cross{nkv} flex {pas}", flex_cross))
+                else:
+                    def compiled_ref(k=k, v=v, ko=ko, nkv=nkv, name=name, fl=fl, act=act, q=q, qo=qo, pas=pas):
+                        from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
 
-                    ref = torch.compile(functools.partial(
-                        pt_attention, max_seq_len_q=4096, max_seq_len_kv=nkv, activations=[act] * H, sm_scale=scale,
-                        pw_scale=1.0 / nkv))
-                    rec.add("gdpa", f"{name} {act}", "torch_compile_ref", "fwd",
-                            bench_ms(lambda: ref(q, k, v, qo, ko)), fl)
-                slow.append((f"cross{nkv} compiled {act}", compiled_ref))
+                        ref = torch.compile(functools.partial(
+                            pt_attention, max_seq_len_q=4096, max_seq_len_kv=nkv, activations=[act] * H,
+                            sm_scale=scale, pw_scale=1.0 / nkv))
+                        rec.add("gdpa", f"{name} {act}", "torch_compile_ref", pas,
+                                timed(lambda: ref(q, k, v, qo, ko), [q, k, v], pas), fl * FLOP_FACTOR[pas],
+                                nbytes[pas])
+                    slow.append((f"cross{nkv} compiled {act} {pas}", compiled_ref))
         del k, v
 
     # PMA: 32 learned queries over jagged kv (as jfa_self)
-    kv = randn(Tq, H, D, scale=0.3), randn(Tq, H, D)
-    qp32 = randn(32, H, D, scale=0.3)
+    kv = randn(Tq, H, D, scale=0.3, grad=True), randn(Tq, H, D, grad=True)
+    qp32 = randn(32, H, D, scale=0.3, grad=True)
     fl = 4 * H * D * 32 * sum(lens)
     name = f"pma_q32 B=256 Tk={Tq}"
+    pma_inputs = [qp32, kv[0], kv[1]]
     for act in ("softmax", "gelu"):
         g = lambda act=act: gdpa(qp32, kv[0], kv[1], None, qo, activation=act, max_seq_len_kv=4096,  # noqa
                                  kernel="triton", validate=False)
-        guarded(rec, f"pma {act} gem", lambda: rec.add(
-            "gdpa", f"{name} {act}", "gem", "fwd", bench_ms(g), fl,
-            target=TARGETS[("gdpa_pma", "fwd")] if act == "softmax" else TARGETS[("gdpa_pointwise", "fwd")]))
-    qrep = qp32.repeat(256, 1, 1)  # the peers need the queries materialised per example
+        for pas in PASSES:
+            tgt = target("gdpa_pma" if act == "softmax" else "gdpa_pointwise", pas)
+            guarded(rec, f"pma {act} gem {pas}", lambda g=g, pas=pas, tgt=tgt, act=act: rec.add(
+                "gdpa", f"{name} {act}", "gem", pas, timed(g, pma_inputs, pas), fl * FLOP_FACTOR[pas], target=tgt))
+    # the peers need the queries materialised per example (a leaf of its own: its gradient sums over examples)
+    qrep = qp32.detach().repeat(256, 1, 1).requires_grad_()
     cu_q = torch.arange(0, 257 * 32, 32, device="cuda", dtype=torch.int32)
-    guarded(rec, "pma varlen", lambda: rec.add("gdpa", f"{name} softmax", "varlen_attn", "fwd", bench_ms(
-        lambda: varlen(qrep, kv[0], kv[1], cu_q, qo.to(torch.int32), 32, max(lens))), fl))
+    for pas in PASSES:
+        guarded(rec, f"pma varlen {pas}", lambda pas=pas: rec.add("gdpa", f"{name} softmax", "varlen_attn", pas, timed(
+            lambda: varlen(qrep, kv[0], kv[1], cu_q, qo.to(torch.int32), 32, max(lens)), [qrep, kv[0], kv[1]], pas),
+            fl * FLOP_FACTOR[pas]))
 
-    def sdpa_pma():
-        kp, vp = pad(kv[0], lens, max(lens)), pad(kv[1], lens, max(lens))
-        lens_t = torch.tensor(lens, device="cuda")
-        keep = (torch.arange(max(lens), device="cuda")[None, :] < lens_t[:, None])[:, None, None, :]
-        qb = qp32.transpose(0, 1)[None].expand(256, H, 32, D)
-        rec.add("gdpa", f"{name} softmax", "sdpa_padded", "fwd", bench_ms(
-            lambda: torch.nn.functional.scaled_dot_product_attention(qb, kp, vp, attn_mask=keep)), fl)
-    guarded(rec, "pma sdpa", sdpa_pma)
-    slow.append(("pma flex", lambda name=name, fl=fl, kv=kv, qrep=qrep, lens=lens: rec.add(
-        "gdpa", f"{name} softmax", "flex_attention", "fwd", bench_ms(flex_jagged(qrep, kv[0], kv[1], [32] * 256, lens)),
-        fl)))
+        def sdpa_pma(pas=pas):
+            kp, vp = (pad(x.detach(), lens, max(lens)).requires_grad_() for x in kv)
+            lens_t = torch.tensor(lens, device="cuda")
+            keep = (torch.arange(max(lens), device="cuda")[None, :] < lens_t[:, None])[:, None, None, :]
+            qb = qp32.detach().transpose(0, 1)[None].expand(256, H, 32, D).contiguous().requires_grad_()
+            rec.add("gdpa", f"{name} softmax", "sdpa_padded", pas, timed(
+                lambda: torch.nn.functional.scaled_dot_product_attention(qb, kp, vp, attn_mask=keep), [qb, kp, vp],
+                pas), fl * FLOP_FACTOR[pas])
+        guarded(rec, f"pma sdpa {pas}", sdpa_pma)
 
-    def pma_compiled(name=name, fl=fl, kv=kv, qp32=qp32, qo=qo):
-        from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
+        def pma_flex(name=name, fl=fl, kv=kv, qrep=qrep, lens=lens, pas=pas):
+            run = flex_jagged(qrep, kv[0], kv[1], [32] * 256, lens)
+            rec.add("gdpa", f"{name} softmax", "flex_attention", pas, timed(run, run.inputs, pas), fl * FLOP_FACTOR[pas])
+        slow.append((f"pma flex {pas}", pma_flex))
 
-        ref = torch.compile(functools.partial(pt_attention, max_seq_len_q=32, max_seq_len_kv=4096,
-                                              activations=["gelu"] * H, sm_scale=scale, pw_scale=1.0 / 4096))
-        rec.add("gdpa", f"{name} gelu", "torch_compile_ref", "fwd", bench_ms(lambda: ref(qp32, kv[0], kv[1], None, qo)),
-                fl)
-    slow.append(("pma compiled gelu", pma_compiled))
+        def pma_compiled(name=name, fl=fl, kv=kv, qp32=qp32, qo=qo, pas=pas):
+            from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
+
+            ref = torch.compile(functools.partial(pt_attention, max_seq_len_q=32, max_seq_len_kv=4096,
+                                                  activations=["gelu"] * H, sm_scale=scale, pw_scale=1.0 / 4096))
+            rec.add("gdpa", f"{name} gelu", "torch_compile_ref", pas,
+                    timed(lambda: ref(qp32, kv[0], kv[1], None, qo), pma_inputs, pas), fl * FLOP_FACTOR[pas])
+        slow.append((f"pma compiled gelu {pas}", pma_compiled))
+
+
+
+def bench_block(rec: Recorder, slow: list):
+    from gem_kernels import block_attention
 
     # BlockAttention: B=8, L=8192, 64-token blocks, window of 8 blocks (512 tokens) or 1 block
     blens = [8192] * 8
     bo = offsets(blens)
     bq, bk, bv = (randn(8 * 8192, H, D, grad=True) for _ in range(3))
+    block_inputs = [bq, bk, bv]
     for case, kb in (("block_w512", 8), ("block_w64", 1)):
         fl = 4 * H * D * pairs_block(blens, 64, kb)
         name = f"{case} B=8 L=8192"
         g = lambda kb=kb: block_attention(bq, bk, bv, bo, 64, kb, max_seq_len=8192, kernel="triton",  # noqa
                                           validate=False)
-        guarded(rec, f"{case} gem", lambda: rec.add("block", name, "gem", "fwd", bench_ms(g), fl,
-                                                     target=TARGETS[(case, "fwd")]))
-        if kb == 1:
-            cu = torch.arange(0, 8 * 8192 + 1, 64, device="cuda", dtype=torch.int32)
-            guarded(rec, f"{case} varlen", lambda: rec.add("block", name, "varlen_attn(64-token seqs)", "fwd",
-                    bench_ms(lambda: varlen(bq, bk, bv, cu, cu, 64, 64)), fl))
+        for pas in PASSES:
+            f = fl * FLOP_FACTOR[pas]
+            guarded(rec, f"{case} gem {pas}", lambda g=g, pas=pas, f=f, case=case: rec.add(
+                "block", name, "gem", pas, timed(g, block_inputs, pas), f, target=target(case, pas)))
+            if kb == 1:
+                cu = torch.arange(0, 8 * 8192 + 1, 64, device="cuda", dtype=torch.int32)
+                guarded(rec, f"{case} varlen {pas}", lambda pas=pas, f=f, cu=cu: rec.add(
+                    "block", name, "varlen_attn(64-token seqs)", pas,
+                    timed(lambda: varlen(bq, bk, bv, cu, cu, 64, 64), block_inputs, pas), f))
 
-            def sdpa_blocks():
-                qb, kb_, vb = (x.detach().view(-1, 64, H, D).transpose(1, 2) for x in (bq, bk, bv))
-                rec.add("block", name, "sdpa_batched_blocks", "fwd", bench_ms(
-                    lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb_, vb)), fl)
-            guarded(rec, f"{case} sdpa", sdpa_blocks)
-        else:
-            cu = bo.to(torch.int32)
-            guarded(rec, f"{case} varlen", lambda: rec.add("block", name, "varlen_attn(sliding 512)", "fwd",
-                    bench_ms(lambda: varlen(bq, bk, bv, cu, cu, 8192, 8192, (512, 0))), fl))
+                def sdpa_blocks(pas=pas, f=f):
+                    qb, kb_, vb = (x.detach().view(-1, 64, H, D).transpose(1, 2).requires_grad_() for x in (bq, bk, bv))
+                    rec.add("block", name, "sdpa_batched_blocks", pas, timed(
+                        lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb_, vb), [qb, kb_, vb], pas), f)
+                guarded(rec, f"{case} sdpa {pas}", sdpa_blocks)
+            else:
+                cu = bo.to(torch.int32)
+                guarded(rec, f"{case} varlen {pas}", lambda pas=pas, f=f, cu=cu: rec.add(
+                    "block", name, "varlen_attn(sliding 512)", pas,
+                    timed(lambda: varlen(bq, bk, bv, cu, cu, 8192, 8192, (512, 0)), block_inputs, pas), f))
 
-        def flex_block(kb=kb, name=name, fl=fl):
-            from torch.nn.attention.flex_attention import create_block_mask
+            def flex_block(kb=kb, name=name, f=f, pas=pas):
+                from torch.nn.attention.flex_attention import create_block_mask
 
-            def mask_mod(b, h, qi, ki):
-                return (ki // 64 <= qi // 64) & (ki // 64 > qi // 64 - kb)
-            bm = create_block_mask(mask_mod, None, None, 8192, 8192, device="cuda", _compile=True)
-            qf, kf, vf = (x.detach().view(8, 8192, H, D).transpose(1, 2) for x in (bq, bk, bv))
-            rec.add("block", name, "flex_attention", "fwd", bench_ms(lambda: flex()(qf, kf, vf, block_mask=bm)), fl)
-        slow.append((f"{case} flex", flex_block))
+                def mask_mod(b, h, qi, ki):
+                    return (ki // 64 <= qi // 64) & (ki // 64 > qi // 64 - kb)
+                bm = create_block_mask(mask_mod, None, None, 8192, 8192, device="cuda", _compile=True)
+                qf, kf, vf = (x.detach().view(8, 8192, H, D).transpose(1, 2).requires_grad_() for x in (bq, bk, bv))
+                rec.add("block", name, "flex_attention", pas,
+                        timed(lambda: flex()(qf, kf, vf, block_mask=bm), [qf, kf, vf], pas), f)
+            slow.append((f"{case} flex {pas}", flex_block))
+
+
+
+def bench_norms(rec: Recorder, slow: list):
+    from gem_kernels import layer_norm
 
     # Norms: T=262144, width 1024, bf16
     M, N = 262144, 1024
@@ -524,7 +580,7 @@ def bench_all(rec: Recorder, deadline: float, quick: bool):
     nb_bwd = nbytes + 3 * M * N * 2  # backward reads x, dy, writes dx
     guarded(rec, "ln gem bwd", lambda: rec.add("norm", "layer_norm T=262144 N=1024", "gem", "fwd+bwd", bench_ms(
         fwd_bwd(lambda: __import__("gem_kernels").layer_norm(xg, wg, bg, 1e-5, kernel="triton"), [xg, wg, bg])),
-        None, nb_bwd))
+        None, nb_bwd, target=target("layer_norm", "fwd+bwd")))
     guarded(rec, "ln eager bwd", lambda: rec.add("norm", "layer_norm T=262144 N=1024", "torch_layer_norm", "fwd+bwd",
             bench_ms(fwd_bwd(lambda: torch.nn.functional.layer_norm(xg, (N,), wg, bg, 1e-5), [xg, wg, bg])),
             None, nb_bwd))
@@ -533,6 +589,13 @@ def bench_all(rec: Recorder, deadline: float, quick: bool):
     slow.append(("ln res compiled", lambda: rec.add("norm", "layer_norm+residual T=262144 N=1024", "torch_compile",
                                                     "fwd", bench_ms(lambda: ln_c(x, res)), None, nb_res)))
 
+
+
+def bench_all(rec: Recorder, deadline: float, ops: set[str]):
+    slow = []  # (label, fn) for the torch.compile peers, run last
+    for op, bench in (("jfa", bench_jfa), ("gdpa", bench_gdpa), ("block", bench_block), ("norm", bench_norms)):
+        if op in ops:
+            bench(rec, slow)
     print(f"\n== compiled peers ({len(slow)}), {deadline - time.time():.0f} s left ==", flush=True)
     for label, fn in slow:
         if time.time() > deadline:
@@ -587,11 +650,13 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting compiled peers after this")
     p.add_argument("--skip-checks", action="store_true")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--ops", choices=("all", "rotary"), default="all", help="every case, or the rotary cases alone")
+    p.add_argument("--ops", default="all", help=f"'all' or a comma-separated subset of {', '.join(OPS)}")
     p.add_argument("--tuned", help="JSON of tile configs from an earlier --save-tuned run (skips tuning those)")
     p.add_argument("--save-tuned", help="write the tile configs picked in this run to this JSON")
     a = p.parse_args(argv)
+    ops = set(OPS) if a.ops == "all" else set(a.ops.split(","))
+    if not ops <= set(OPS):
+        p.error(f"--ops: unknown {sorted(ops - set(OPS))}; choose from {', '.join(OPS)}")
     t0 = time.time()
     import triton
 
@@ -608,7 +673,7 @@ def main(argv=None):
 
     if a.tuned:
         _tuning.load_tuned(a.tuned)
-    if a.ops == "all" and not a.skip_checks:
+    if ops - {"rotary"} and not a.skip_checks:
         print("== correctness (triton vs fp32 reference, relative error) ==", flush=True)
         # NOTE: correctness does not depend on the tile config; tuning here would only spend compile time.
         tune = os.environ.pop("GEM_KERNELS_AUTOTUNE", None)
@@ -616,9 +681,9 @@ def main(argv=None):
         if tune is not None:
             os.environ["GEM_KERNELS_AUTOTUNE"] = tune
     print("== benchmarks ==", flush=True)
-    if a.ops == "all":
-        bench_all(rec, t0 + a.budget_s, a.quick)
-    bench_rotary(rec)
+    bench_all(rec, t0 + a.budget_s, ops)
+    if "rotary" in ops:
+        bench_rotary(rec)
     rec.meta["tuned_configs"] = {repr(k): v for k, v in _tuning.tuned_configs().items()}
     if a.save_tuned:
         _tuning.save_tuned(a.save_tuned)

@@ -1,4 +1,5 @@
-"""A small launch-time tuner: the first candidate by default, the fastest with GEM_KERNELS_AUTOTUNE=1 on GPU.
+"""A small launch-time tuner: the fastest candidate with GEM_KERNELS_AUTOTUNE=1 on GPU; otherwise the config this
+device's benchmark run picked (``tuned/<device>.json``, shipped with the package), else the first candidate.
 
 Triton's own autotuner would also run under the interpreter (where timing is meaningless), so the package
 keeps its own: candidates are plain launch-keyword dicts, results are cached per key for the process.
@@ -8,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import triton
 
 _TUNED: dict[tuple, dict] = {}
 _PRESET: dict[str, dict] = {}  # configs loaded from a file, keyed by repr(key)
+_SHIPPED: dict[str, dict] | None = None  # this device's shipped configs, read at the first launch
+TUNED_DIR = Path(__file__).parent / "tuned"
 
 
 def interpreting() -> bool:
@@ -38,14 +42,41 @@ def load_tuned(path: str) -> None:
         _PRESET.update(json.load(f))
 
 
+def device_file(device_name: str) -> Path:
+    """Where the configs tuned on a device are shipped: ``NVIDIA H200`` -> ``tuned/nvidia-h200.json``."""
+    return TUNED_DIR / ("-".join(device_name.lower().split()) + ".json")
+
+
+def _shipped() -> dict[str, dict]:
+    global _SHIPPED
+    if _SHIPPED is None:
+        import torch
+
+        path = device_file(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+        _SHIPPED = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    return _SHIPPED
+
+
+def _preset(key: tuple, cands: list[dict]) -> dict | None:
+    """A config given for this key: from ``load_tuned``, else (when not tuning) this device's shipped file. One
+    whose launch keywords differ from the candidates' (a kernel changed since) is ignored."""
+    cfg = _PRESET.get(repr(key))
+    if cfg is None and not autotune_enabled() and not interpreting():
+        cfg = _shipped().get(repr(key))
+    return dict(cfg) if cfg is not None and set(cfg) == set(cands[0]) else None
+
+
 def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands: list[dict]) -> None:
-    """args: a tuple, or a function of the config returning one (for inputs that depend on the tile size)."""
+    """args: a tuple, or a function of the config returning one (for inputs that depend on the config); the
+    launch that counts is the last one."""
     args_fn = args if callable(args) else (lambda c: args)
     # NOTE: every kernel launched through here only writes its outputs, so timing a candidate by
     # re-running it leaves the result unchanged.
     cfg = _TUNED.get(key)
-    if cfg is None and repr(key) in _PRESET:
-        cfg = _TUNED[key] = dict(_PRESET[repr(key)])
+    if cfg is None:
+        cfg = _preset(key, cands)
+        if cfg is not None:
+            _TUNED[key] = cfg
     if cfg is None:
         cfg = cands[0]
         if autotune_enabled() and len(cands) > 1:

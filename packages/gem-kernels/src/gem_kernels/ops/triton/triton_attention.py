@@ -16,6 +16,7 @@ from gem_kernels.ops.triton.triton_attention_kernels import (
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
     attn_fwd_kernel,
+    attn_fwd_short_kv_kernel,
 )
 
 _UNBOUNDED = 1 << 30
@@ -81,6 +82,30 @@ def _candidates(kind: str, spec: AttnSpec, head_dim: int) -> list[dict]:
     return out
 
 
+# kv sequences up to this long are one key tile of the short-kv forward (attn_fwd_short_kv_kernel)
+SHORT_KV_MAX = 128
+
+
+def _short_kv(spec: AttnSpec) -> bool:
+    """Full attention over kv sequences that fit one key tile."""
+    return (spec.max_kv <= SHORT_KV_MAX and spec.block_size is None and spec.window_left is None
+            and spec.window_right is None)
+
+
+def _short_kv_candidates(spec: AttnSpec) -> list[dict]:
+    """(BLOCK_M, Q_TILES, num_warps, num_stages): query tile, query tiles per program, warps, pipeline depth."""
+    if interpreting():
+        return [dict(BLOCK_M=16, Q_TILES=2, num_warps=4, num_stages=1)]
+    q_cap = _pow2_at_least(spec.max_q, 16)
+    out = []
+    for bm, tiles, w, st in [(128, 4, 8, 3), (128, 1, 8, 2), (128, 2, 8, 3), (128, 8, 8, 3), (64, 4, 4, 3),
+                             (64, 8, 4, 3), (64, 2, 4, 2), (128, 4, 4, 3), (64, 1, 4, 2), (128, 16, 8, 4)]:
+        cfg = dict(BLOCK_M=min(bm, q_cap), Q_TILES=tiles, num_warps=w, num_stages=st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def _bucket(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -126,6 +151,14 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
                _bucket(spec.max_q), _bucket(spec.max_kv), spec.block_size, spec.window_left is None,
                spec.window_right is None)
         nh = head_ids.numel()
+        if _short_kv(spec):
+            short_args = args[:-4]  # no window / block arguments: every key is visible
+            block_n = _pow2_at_least(spec.max_kv, 16)
+            launch(attn_fwd_short_kv_kernel,
+                   lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
+                   dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, PREC=_prec(q.dtype),
+                        BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:], _short_kv_candidates(spec))
+            continue
         launch(attn_fwd_kernel, lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
                 _candidates("fwd", spec, D))
     return o, lse

@@ -295,6 +295,53 @@ def attn_fwd_kernel(
 
 
 @triton.jit
+def attn_fwd_short_kv_kernel(
+    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+    NQ, qk_scale, out_scale,
+    ACT: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
+):
+    """The forward of full (unwindowed) attention whose every kv sequence fits one key tile (cross attention to a
+    few candidate or context rows): the program loads its K / V tile once and streams ``Q_TILES`` query tiles of
+    its example through it, so the query loads pipeline behind the previous tile's work. One key tile makes the
+    softmax exact in one step: no running max, and the same results as ``attn_fwd_kernel``."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.load(HEAD_IDS + tl.program_id(2))
+    q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
+    m_first = pid_m * (Q_TILES * BLOCK_M)
+    if m_first < q_len:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        kmask = offs_n < k_len
+        kt = _load_cols(K + h * stride_kh + k_start * stride_kt, offs_n, stride_kt, offs_d, kmask, True)
+        v = _load_rows(V + h * stride_vh + k_start * stride_vt, offs_n, stride_vt, offs_d, kmask, True)
+        m_end = tl.minimum(m_first + Q_TILES * BLOCK_M, q_len)
+        for m0 in range(m_first, m_end, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            qmask = offs_m < q_len
+            q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
+            s = tl.dot(q, kt, input_precision=PREC)
+            if ACT == 0:
+                s = tl.where(kmask[None, :], s * qk_scale, -1.0e6)
+                m_i = tl.max(s, 1)
+                p = tl.exp2(s - m_i[:, None])
+                l_i = tl.sum(p, 1)
+                acc = tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                # as in attn_fwd_kernel: a row with no keys outputs 0 and gets a huge LSE
+                seen = m_i > -5.0e5
+                l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+                out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+                lse = tl.where(seen, m_i + tl.log2(l_safe), 1.0e30)
+                tl.store(LSE + (o_start + offs_m) * stride_lt + h, lse, mask=qmask)
+            else:
+                p = tl.where(kmask[None, :], _act(s, ACT), 0.0)
+                out = tl.dot(p.to(v.dtype), v, input_precision=PREC) * out_scale
+            _store_rows(O + h * stride_oh, o_start + offs_m, stride_ot, offs_d, out.to(O.dtype.element_ty), qmask)
+
+
+@triton.jit
 def _bwd_kv_tiles(
     dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot, stride_lt,
     offs_n, offs_d, start, end, q_len, k_len, qk_scale, Wl, Wr, BS, KB,

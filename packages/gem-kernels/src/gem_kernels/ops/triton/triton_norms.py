@@ -45,30 +45,57 @@ def norm_fwd_kernel(
 
 
 @triton.jit
+def _bwd_load(XN, DY, MEAN, RSTD, t, M, cols, cmask, stride_x, stride_dy, IS_RMS: tl.constexpr, ROWS: tl.constexpr):
+    """Row tile t of the saved input, dy and the row statistics, in storage precision (zeros past row M)."""
+    rows = (t * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    rmask = rows < M
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(XN + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    if IS_RMS:
+        mean = rstd * 0.0
+    else:
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+    return x, dy, mean, rstd
+
+
+@triton.jit
 def norm_bwd_kernel(
     XN, DY, DH, W, MEAN, RSTD, DX, DW, DB, M, N, stride_x, stride_dy, stride_dh, stride_dx,
     IS_RMS: tl.constexpr, HAS_DH: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PER_SM: tl.constexpr,
 ):
+    # PER_SM only sizes the grid (programs per SM); it is a parameter so that the tuner's configs carry it.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # NOTE: the weight / bias partials stay [ROWS, BLOCK_N] until the end: summing over the tile's rows once
+    # per tile would put a cross-thread reduction in every iteration.
+    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     n_tiles = tl.cdiv(M, ROWS)
+    if PREFETCH:
+        x_n, dy_n, mean_n, rstd_n = _bwd_load(XN, DY, MEAN, RSTD, pid, M, cols, cmask, stride_x, stride_dy,
+                                              IS_RMS, ROWS)
     for t in range(pid, n_tiles, nprog):
+        if PREFETCH:
+            # the next tile's loads are issued before this tile's arithmetic, so they overlap it
+            x_raw, dy_raw, mean, rstd = x_n, dy_n, mean_n, rstd_n
+            x_n, dy_n, mean_n, rstd_n = _bwd_load(XN, DY, MEAN, RSTD, t + nprog, M, cols, cmask, stride_x,
+                                                  stride_dy, IS_RMS, ROWS)
+        else:
+            x_raw, dy_raw, mean, rstd = _bwd_load(XN, DY, MEAN, RSTD, t, M, cols, cmask, stride_x, stride_dy,
+                                                  IS_RMS, ROWS)
         rows = (t * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(XN + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        x = x_raw.to(tl.float32)
+        dy = dy_raw.to(tl.float32)
         if IS_RMS:
             xhat = x * rstd[:, None]
         else:
-            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         g = dy * w[None, :]
         c1 = tl.sum(g * xhat, 1) / N
@@ -80,12 +107,12 @@ def norm_bwd_kernel(
         if HAS_DH:
             dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        dw += tl.sum(dy * xhat, 0)
+        dw += dy * xhat
         if HAS_BIAS:
-            db += tl.sum(dy, 0)
-    tl.store(DW + pid * N + cols, dw, mask=cmask)
+            db += dy
+    tl.store(DW + pid * N + cols, tl.sum(dw, 0), mask=cmask)
     if HAS_BIAS:
-        tl.store(DB + pid * N + cols, db, mask=cmask)
+        tl.store(DB + pid * N + cols, tl.sum(db, 0), mask=cmask)
 
 
 MAX_WIDTH = 16384
@@ -105,17 +132,29 @@ def _fwd_cands(block_n: int) -> list[dict]:
 
 
 def _bwd_cands(block_n: int) -> list[dict]:
+    """ROWS x BLOCK_N tiles, warps, register prefetch of the next tile and programs per SM (the backward is a
+    persistent kernel: its partials have one row per program)."""
     if interpreting():
-        return [dict(ROWS=4, num_warps=4)]
+        return [dict(ROWS=4, num_warps=4, PREFETCH=True, PER_SM=1), dict(ROWS=2, num_warps=4, PREFETCH=False,
+                                                                         PER_SM=1)]
     base = max(1, min(8, 4096 // block_n))
-    return [dict(ROWS=base, num_warps=8), dict(ROWS=max(1, base // 2), num_warps=4), dict(ROWS=base, num_warps=4)]
+    cands = [dict(ROWS=base, num_warps=8, PREFETCH=False, PER_SM=4)]
+    for rows in (base, max(1, base // 2), min(16, base * 2)):
+        for warps in (4, 8):
+            for per_sm in (4, 8):
+                for prefetch in (True, False):
+                    c = dict(ROWS=rows, num_warps=warps, PREFETCH=prefetch, PER_SM=per_sm)
+                    if c not in cands and per_sm * warps <= 64:
+                        cands.append(c)
+    return cands
 
 
-def _num_bwd_programs(m: int, rows: int, device: torch.device) -> int:
+def _num_bwd_programs(m: int, cfg: dict, device: torch.device) -> int:
+    tiles = triton.cdiv(m, cfg["ROWS"])
     if interpreting() or device.type != "cuda":
-        return max(1, min(4, triton.cdiv(m, rows)))
+        return max(1, min(4, tiles))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(4 * sms, triton.cdiv(m, rows)))
+    return max(1, min(cfg["PER_SM"] * sms, tiles))
 
 
 class _TritonNorm(torch.autograd.Function):
@@ -153,15 +192,20 @@ class _TritonNorm(torch.autograd.Function):
         block_n = triton.next_power_of_2(N)
         cands = _bwd_cands(block_n)
         key = ("norm_bwd", ctx.is_rms, dh2 is not None, bias is not None, block_n, h.dtype)
-        # NOTE: the program count must not depend on the tuned config's ROWS for the partial buffers, so it
-        # is fixed from the first candidate; the grid function then reuses it.
-        G = _num_bwd_programs(M, cands[0]["ROWS"], h.device)
-        dw = torch.empty((G, N), dtype=torch.float32, device=h.device)
-        db = torch.empty((G, N), dtype=torch.float32, device=h.device) if bias is not None else dw
-        args = (h, dy2, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw, db, M, N,
-                h.stride(0), dy2.stride(0), dy2.stride(0) if dh2 is None else dh2.stride(0), dx.stride(0))
+        partials = []
+
+        def args(cfg):
+            # one row of weight / bias partials per program, as many programs as this config launches
+            G = _num_bwd_programs(M, cfg, h.device)
+            dw = torch.empty((G, N), dtype=torch.float32, device=h.device)
+            db = torch.empty((G, N), dtype=torch.float32, device=h.device) if bias is not None else dw
+            partials[:] = [dw, db]  # the last launch's are the result
+            return (h, dy2, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw, db, M, N,
+                    h.stride(0), dy2.stride(0), dy2.stride(0) if dh2 is None else dh2.stride(0), dx.stride(0))
+
         consts = dict(IS_RMS=ctx.is_rms, HAS_DH=dh2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n)
-        launch(norm_bwd_kernel, lambda c: (G,), args, consts, key, cands)
+        launch(norm_bwd_kernel, lambda c: (_num_bwd_programs(M, c, h.device),), args, consts, key, cands)
+        dw, db = partials
         dx = dx.view(ctx.shape)
         dweight = dw.sum(0).to(weight.dtype)
         dbias = db.sum(0).to(bias.dtype) if bias is not None else None
