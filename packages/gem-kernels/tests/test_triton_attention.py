@@ -110,7 +110,7 @@ def test_gdpa_pma_matches_reference(act, nq):
     _check_against_reference(fn, [q, k, v], torch.float32, f"pma {act}")
 
 
-@pytest.mark.parametrize("block_size,window_blocks", [(16, 1), (16, 3), (32, 2), (20, 2)])
+@pytest.mark.parametrize("block_size,window_blocks", [(16, 1), (32, 1), (16, 3), (32, 2), (20, 2), (20, 1)])
 @pytest.mark.parametrize("act", ["softmax", "silu"])
 def test_block_attention_matches_reference(block_size, window_blocks, act):
     off = offsets_of([70, 0, 1, 37])
@@ -228,3 +228,25 @@ def test_short_kv_forward_equals_the_general_kernel(act, dtype, monkeypatch):
     if act == "softmax":
         assert torch.equal(short[1] >= 1e29, general[1] >= 1e29)  # the rows with no keys
         assert_close(short[1], general[1], TOL[torch.float32], "lse")
+
+
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+def test_diagonal_block_forward_equals_the_general_kernel(act, monkeypatch):
+    """Independent blocks of a tile's size run attn_fwd_short_kv_kernel with DIAGONAL (query tile i against key
+    tile i, several per program): outputs and LSE equal the general forward's, with short last blocks and an
+    empty sequence."""
+    from gem_kernels.ops.triton import _tuning, triton_attention
+    from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_forward
+
+    off = offsets_of([70, 0, 1, 37])
+    q, k, v = rand(108, 2, 16, scale=0.5), rand(108, 2, 16, scale=0.5), rand(108, 2, 16)
+    spec = AttnSpec(max_q=70, max_kv=70, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16,
+                    block_size=16, window_blocks=1)
+    assert triton_attention._diagonal_blocks(spec)
+    diagonal = attention_forward(q, k, v, off, off, None, spec)
+    monkeypatch.setattr(triton_attention, "_diagonal_blocks", lambda spec: False)
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    general = attention_forward(q, k, v, off, off, None, spec)
+    assert_close(diagonal[0], general[0], TOL[torch.float32], "out")
+    if act == "softmax":
+        assert_close(diagonal[1], general[1], TOL[torch.float32], "lse")

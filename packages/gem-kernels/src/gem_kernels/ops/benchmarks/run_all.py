@@ -9,7 +9,10 @@ activations) while the time budget lasts. Prints a table with the ratio to the b
     PYTHONPATH=packages/gem-kernels/src python -m gem_kernels.ops.benchmarks.run_all --out kernels.json
 
 FLOP counts are the real, unpadded work of the op (4*H*D per visible query-key pair forward, 2.5x that
-backward) and are the same for every implementation of a case, so TFLOP/s ratios are time ratios.
+backward) and are the same for every implementation of a case, so TFLOP/s ratios are time ratios. Times are
+wall times of the call (``do_bench`` medians), what a caller gets; gem's rows also carry ``kernel_ms``, the GPU time
+of its kernels alone (profiler): where it is well below the wall time, the call waits on the host (launches,
+Python), not on the kernels.
 """
 
 from __future__ import annotations
@@ -43,6 +46,23 @@ TARGETS = {
 
 def target(family: str, pas: str):
     return TARGETS.get((family, pas), TARGETS.get((family, "fwd")) if pas == "fwd+bwd" else None)
+
+
+def kernel_ms(fn, inputs, pas: str, calls: int = 10) -> float:
+    """GPU kernel time of one call (summed over its kernels, from the profiler): against the wall time of
+    ``timed``, what the host adds (launch overhead, Python) when the GPU waits for it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = fn if pas == "fwd" else fwd_bwd(fn, inputs)
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+             for e in prof.key_averages())
+    return round(us / calls / 1e3, 4)
 
 
 def timed(fn, inputs, pas: str) -> float:
@@ -131,7 +151,8 @@ class Recorder:
         self.rows.append(row)
         print(f"  {op:6s} {case:28s} {impl:22s} {pas:8s} {ms:9.4f} ms  "
               f"{row['tflops'] if row['tflops'] is not None else '-':>7} TFLOP/s"
-              + (f"  {row['gbps']} GB/s" if nbytes else ""), flush=True)
+              + (f"  {row['gbps']} GB/s" if nbytes else "")
+              + (f"  (kernels {extra['kernel_ms']} ms)" if "kernel_ms" in extra else ""), flush=True)
         self.write()
 
     def summary(self):
@@ -149,6 +170,7 @@ class Recorder:
                 continue
             best = min(peers, key=lambda r: r["ms"]) if peers else None
             out.append({"op": k[0], "case": k[1], "pass": k[2], "gem_ms": gem[0]["ms"],
+                        "gem_kernel_ms": gem[0].get("kernel_ms"),
                         "gem_tflops": gem[0]["tflops"], "best_peer": best["impl"] if best else None,
                         "best_peer_ms": best["ms"] if best else None,
                         "ratio_vs_best_peer": round(best["ms"] / gem[0]["ms"], 2) if best else None,
@@ -372,7 +394,8 @@ def bench_jfa(rec: Recorder, slow: list):
             f = 1.0 if pas == "fwd" else 3.5
             tgt = target("jfa_long" if case == "jfa_long" else "jfa", pas)
             guarded(rec, f"{case} gem {pas}", lambda: rec.add("jfa", name, "gem", pas, bench_ms(
-                gem if pas == "fwd" else fwd_bwd(gem, [q, k, v])), fl * f, target=tgt))
+                gem if pas == "fwd" else fwd_bwd(gem, [q, k, v])), fl * f, target=tgt,
+                kernel_ms=kernel_ms(gem, [q, k, v], pas)))
             guarded(rec, f"{case} varlen {pas}", lambda: rec.add("jfa", name, "varlen_attn", pas, bench_ms(
                 var if pas == "fwd" else fwd_bwd(var, [q, k, v])), fl * f))
 
@@ -423,7 +446,7 @@ def bench_gdpa(rec: Recorder, slow: list):
                 tgt = target(f"gdpa_cross_softmax{nkv}" if act == "softmax" else "gdpa_pointwise", pas)
                 guarded(rec, f"cross{nkv} {act} gem {pas}", lambda g=g, pas=pas, tgt=tgt, k=k, v=v: rec.add(
                     "gdpa", f"{name} {act}", "gem", pas, timed(g, [q, k, v], pas), fl * FLOP_FACTOR[pas],
-                    nbytes[pas], target=tgt))
+                    nbytes[pas], target=tgt, kernel_ms=kernel_ms(g, [q, k, v], pas)))
                 if act == "softmax":
                     cu_q, cu_k = qo.to(torch.int32), ko.to(torch.int32)
                     guarded(rec, f"cross{nkv} varlen {pas}", lambda pas=pas, k=k, v=v, nkv=nkv, cu_q=cu_q, cu_k=cu_k:
@@ -469,7 +492,8 @@ def bench_gdpa(rec: Recorder, slow: list):
         for pas in PASSES:
             tgt = target("gdpa_pma" if act == "softmax" else "gdpa_pointwise", pas)
             guarded(rec, f"pma {act} gem {pas}", lambda g=g, pas=pas, tgt=tgt, act=act: rec.add(
-                "gdpa", f"{name} {act}", "gem", pas, timed(g, pma_inputs, pas), fl * FLOP_FACTOR[pas], target=tgt))
+                "gdpa", f"{name} {act}", "gem", pas, timed(g, pma_inputs, pas), fl * FLOP_FACTOR[pas], target=tgt,
+                kernel_ms=kernel_ms(g, pma_inputs, pas)))
     # the peers need the queries materialised per example (a leaf of its own: its gradient sums over examples)
     qrep = qp32.detach().repeat(256, 1, 1).requires_grad_()
     cu_q = torch.arange(0, 257 * 32, 32, device="cuda", dtype=torch.int32)
@@ -520,7 +544,8 @@ def bench_block(rec: Recorder, slow: list):
         for pas in PASSES:
             f = fl * FLOP_FACTOR[pas]
             guarded(rec, f"{case} gem {pas}", lambda g=g, pas=pas, f=f, case=case: rec.add(
-                "block", name, "gem", pas, timed(g, block_inputs, pas), f, target=target(case, pas)))
+                "block", name, "gem", pas, timed(g, block_inputs, pas), f, target=target(case, pas),
+                kernel_ms=kernel_ms(g, block_inputs, pas)))
             if kb == 1:
                 cu = torch.arange(0, 8 * 8192 + 1, 64, device="cuda", dtype=torch.int32)
                 guarded(rec, f"{case} varlen {pas}", lambda pas=pas, f=f, cu=cu: rec.add(
@@ -578,9 +603,10 @@ def bench_norms(rec: Recorder, slow: list):
     xg = x.clone().requires_grad_()
     wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
     nb_bwd = nbytes + 3 * M * N * 2  # backward reads x, dy, writes dx
-    guarded(rec, "ln gem bwd", lambda: rec.add("norm", "layer_norm T=262144 N=1024", "gem", "fwd+bwd", bench_ms(
-        fwd_bwd(lambda: __import__("gem_kernels").layer_norm(xg, wg, bg, 1e-5, kernel="triton"), [xg, wg, bg])),
-        None, nb_bwd, target=target("layer_norm", "fwd+bwd")))
+    ln_gem = lambda: layer_norm(xg, wg, bg, 1e-5, kernel="triton")  # noqa
+    guarded(rec, "ln gem bwd", lambda: rec.add("norm", "layer_norm T=262144 N=1024", "gem", "fwd+bwd", timed(
+        ln_gem, [xg, wg, bg], "fwd+bwd"), None, nb_bwd, target=target("layer_norm", "fwd+bwd"),
+        kernel_ms=kernel_ms(ln_gem, [xg, wg, bg], "fwd+bwd")))
     guarded(rec, "ln eager bwd", lambda: rec.add("norm", "layer_norm T=262144 N=1024", "torch_layer_norm", "fwd+bwd",
             bench_ms(fwd_bwd(lambda: torch.nn.functional.layer_norm(xg, (N,), wg, bg, 1e-5), [xg, wg, bg])),
             None, nb_bwd))
@@ -636,12 +662,12 @@ def bench_rotary(rec: Recorder):
 
 
 def print_table(rec: Recorder):
-    print("\n| op | case | pass | gem ms | gem TFLOP/s (GB/s) | best peer | peer ms | ratio | target |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| op | case | pass | gem ms | gem kernels ms | gem TFLOP/s (GB/s) | best peer | peer ms | ratio | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s in rec.summary():
         gem_row = next(r for r in rec.rows if r["impl"] == "gem" and r["case"] == s["case"] and r["pass"] == s["pass"])
         perf = gem_row["tflops"] if gem_row["tflops"] is not None else f"{gem_row.get('gbps')} GB/s"
-        print(f"| {s['op']} | {s['case']} | {s['pass']} | {s['gem_ms']} | {perf} | {s['best_peer']} | "
+        print(f"| {s['op']} | {s['case']} | {s['pass']} | {s['gem_ms']} | {s['gem_kernel_ms']} | {perf} | {s['best_peer']} | "
               f"{s['best_peer_ms']} | {s['ratio_vs_best_peer']} | {s['target']} |")
 
 
@@ -680,6 +706,7 @@ def main(argv=None):
         run_checks(rec)
         if tune is not None:
             os.environ["GEM_KERNELS_AUTOTUNE"] = tune
+        _tuning._TUNED.clear()  # the checks' untuned choices must not stand for the benchmark's keys
     print("== benchmarks ==", flush=True)
     bench_all(rec, t0 + a.budget_s, ops)
     if "rotary" in ops:

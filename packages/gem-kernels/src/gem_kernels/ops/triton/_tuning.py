@@ -84,7 +84,7 @@ def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands: list[dict]) -
             for c in cands:
                 try:
                     t = triton.testing.do_bench(lambda c=c: kernel[grid_fn(c)](*args_fn(c), **consts, **c),
-                                                warmup=5, rep=25, return_mode="median")
+                                                warmup=10, rep=50, return_mode="median")
                 except Exception:  # a candidate can run out of shared memory or registers
                     continue
                 if best is None or t < best[0]:

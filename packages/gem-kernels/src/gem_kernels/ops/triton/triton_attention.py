@@ -13,6 +13,7 @@ from gem_kernels.ops.triton._tuning import interpreting, launch
 from gem_kernels.ops.triton.triton_attention_kernels import (
     ACT_CODES,
     attn_bwd_delta_kernel,
+    attn_bwd_dkdv_broadcast_q_kernel,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
     attn_fwd_kernel,
@@ -82,7 +83,7 @@ def _candidates(kind: str, spec: AttnSpec, head_dim: int) -> list[dict]:
     return out
 
 
-# kv sequences up to this long are one key tile of the short-kv forward (attn_fwd_short_kv_kernel)
+# kv sequences up to this long, or blocks up to this size, are one key tile of attn_fwd_short_kv_kernel
 SHORT_KV_MAX = 128
 
 
@@ -92,15 +93,47 @@ def _short_kv(spec: AttnSpec) -> bool:
             and spec.window_right is None)
 
 
+def _diagonal_blocks(spec: AttnSpec) -> bool:
+    """Independent blocks (one block per window) of a tile's size: a power of two from 16 to SHORT_KV_MAX."""
+    bs = spec.block_size
+    return bs is not None and spec.window_blocks == 1 and 16 <= bs <= SHORT_KV_MAX and bs & (bs - 1) == 0
+
+
 def _short_kv_candidates(spec: AttnSpec) -> list[dict]:
-    """(BLOCK_M, Q_TILES, num_warps, num_stages): query tile, query tiles per program, warps, pipeline depth."""
+    """(BLOCK_M, Q_TILES, num_warps, num_stages): query tile, query tiles per program, warps, pipeline depth.
+    Diagonal blocks fix the query tile to the block."""
     if interpreting():
-        return [dict(BLOCK_M=16, Q_TILES=2, num_warps=4, num_stages=1)]
+        return [dict(BLOCK_M=spec.block_size or 16, Q_TILES=2, num_warps=4, num_stages=1)]
     q_cap = _pow2_at_least(spec.max_q, 16)
     out = []
     for bm, tiles, w, st in [(128, 4, 8, 3), (128, 1, 8, 2), (128, 2, 8, 3), (128, 8, 8, 3), (64, 4, 4, 3),
-                             (64, 8, 4, 3), (64, 2, 4, 2), (128, 4, 4, 3), (64, 1, 4, 2), (128, 16, 8, 4)]:
-        cfg = dict(BLOCK_M=min(bm, q_cap), Q_TILES=tiles, num_warps=w, num_stages=st)
+                             (64, 8, 4, 3), (64, 2, 4, 2), (128, 4, 4, 3), (64, 1, 4, 2), (128, 16, 8, 4),
+                             (64, 16, 4, 3)]:
+        cfg = dict(BLOCK_M=spec.block_size or min(bm, q_cap), Q_TILES=tiles, num_warps=w, num_stages=st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+# at most this many broadcast queries (PMA) take the dK / dV kernel that keeps them in one tile
+BROADCAST_Q_MAX = 64
+
+
+def _broadcast_q(spec: AttnSpec) -> bool:
+    """Full attention from a few broadcast queries."""
+    return (spec.nq is not None and spec.nq <= BROADCAST_Q_MAX and spec.block_size is None
+            and spec.window_left is None and spec.window_right is None)
+
+
+def _broadcast_q_candidates(spec: AttnSpec) -> list[dict]:
+    """(BLOCK_N, KV_TILES, num_warps, num_stages): key tile, key tiles per program, warps, pipeline depth."""
+    if interpreting():
+        return [dict(BLOCK_N=16, KV_TILES=2, num_warps=4, num_stages=1)]
+    kv_cap = _pow2_at_least(spec.max_kv, 16)
+    out = []
+    for bn, tiles, w, st in [(128, 4, 8, 3), (128, 1, 8, 2), (128, 2, 8, 3), (64, 4, 4, 3), (64, 8, 4, 3),
+                             (128, 8, 8, 3), (64, 2, 4, 2), (128, 4, 4, 3), (64, 16, 4, 3)]:
+        cfg = dict(BLOCK_N=min(bn, kv_cap), KV_TILES=tiles, num_warps=w, num_stages=st)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -151,13 +184,15 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
                _bucket(spec.max_q), _bucket(spec.max_kv), spec.block_size, spec.window_left is None,
                spec.window_right is None)
         nh = head_ids.numel()
-        if _short_kv(spec):
-            short_args = args[:-4]  # no window / block arguments: every key is visible
-            block_n = _pow2_at_least(spec.max_kv, 16)
+        diagonal = _diagonal_blocks(spec)
+        if diagonal or _short_kv(spec):
+            short_args = args[:-4]  # no window / block arguments: each query sees its one key tile whole
+            block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
             launch(attn_fwd_short_kv_kernel,
                    lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
-                   dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, PREC=_prec(q.dtype),
-                        BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:], _short_kv_candidates(spec))
+                   dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, DIAGONAL=diagonal,
+                        PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:],
+                   _short_kv_candidates(spec))
             continue
         launch(attn_fwd_kernel, lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
                 _candidates("fwd", spec, D))
@@ -208,8 +243,16 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, 1.0 if code == 0 else scale, wl, wr, bs, kb)
-        launch(attn_bwd_dkdv_kernel, lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
-                dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail, _candidates("dkdv", spec, D))
+        if _broadcast_q(spec):
+            # the general kernel's arguments without the query offsets, candidates and window / block ones
+            bargs = (q, k, v, do, lse, delta, dk, dv, kv_offsets, head_ids) + args[13:-4]
+            launch(attn_bwd_dkdv_broadcast_q_kernel,
+                   lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"] * c["KV_TILES"]), R, nh), bargs,
+                   dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16)),
+                   ("dkdv_broadcast_q",) + key_tail, _broadcast_q_candidates(spec))
+        else:
+            launch(attn_bwd_dkdv_kernel, lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
+                   dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail, _candidates("dkdv", spec, D))
         args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
                 head_ids, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),

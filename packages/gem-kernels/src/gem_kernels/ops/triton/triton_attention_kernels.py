@@ -299,13 +299,18 @@ def attn_fwd_short_kv_kernel(
     Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     NQ, qk_scale, out_scale,
-    ACT: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
+    ACT: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr, DIAGONAL: tl.constexpr,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
 ):
-    """The forward of full (unwindowed) attention whose every kv sequence fits one key tile (cross attention to a
-    few candidate or context rows): the program loads its K / V tile once and streams ``Q_TILES`` query tiles of
-    its example through it, so the query loads pipeline behind the previous tile's work. One key tile makes the
-    softmax exact in one step: no running max, and the same results as ``attn_fwd_kernel``."""
+    """The forward of attention where every query sees exactly one key tile, whole:
+
+    - full (unwindowed) attention to kv sequences that fit one tile (cross attention to a few candidate or context
+      rows): the program loads its K / V tile once and streams ``Q_TILES`` query tiles of its example through it;
+    - ``DIAGONAL``: independent blocks of ``BLOCK_M = BLOCK_N`` tokens (BlockAttention with one block per
+      window): query tile i sees key tile i, and the program streams ``Q_TILES`` such pairs.
+
+    Streaming several tiles per program lets their loads pipeline behind the previous tile's work. One key tile
+    makes the softmax exact in one step (no running max), with the same results as ``attn_fwd_kernel``."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -313,15 +318,23 @@ def attn_fwd_short_kv_kernel(
     m_first = pid_m * (Q_TILES * BLOCK_M)
     if m_first < q_len:
         offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
-        kmask = offs_n < k_len
-        kt = _load_cols(K + h * stride_kh + k_start * stride_kt, offs_n, stride_kt, offs_d, kmask, True)
-        v = _load_rows(V + h * stride_vh + k_start * stride_vt, offs_n, stride_vt, offs_d, kmask, True)
+        K_base = K + h * stride_kh + k_start * stride_kt
+        V_base = V + h * stride_vh + k_start * stride_vt
+        if not DIAGONAL:
+            offs_n = tl.arange(0, BLOCK_N)
+            kmask = offs_n < k_len
+            kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, True)
+            v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
         m_end = tl.minimum(m_first + Q_TILES * BLOCK_M, q_len)
         for m0 in range(m_first, m_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             qmask = offs_m < q_len
             q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
+            if DIAGONAL:
+                offs_n = m0 + tl.arange(0, BLOCK_N)
+                kmask = offs_n < k_len
+                kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, True)
+                v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
             s = tl.dot(q, kt, input_precision=PREC)
             if ACT == 0:
                 s = tl.where(kmask[None, :], s * qk_scale, -1.0e6)
@@ -433,6 +446,57 @@ def attn_bwd_dkdv_kernel(
                     kmask)
         _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d, (dv * dv_scale).to(DV.dtype.element_ty),
                     kmask)
+
+
+@triton.jit
+def attn_bwd_dkdv_broadcast_q_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, KV_OFF, HEAD_IDS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
+    NQ, qk_scale, dk_scale, dv_scale,
+    ACT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_TILES: tl.constexpr,
+):
+    """dK / dV of full attention from ``NQ <= BLOCK_M`` broadcast queries (PMA): the queries, their dO and
+    softmax statistics fit one tile, loaded once per program, and ``KV_TILES`` key tiles of one kv sequence stream
+    through them (the general kernel would spend a program, and its load latency, on each key tile)."""
+    pid_n = tl.program_id(0)
+    r = tl.program_id(1)
+    h = tl.load(HEAD_IDS + tl.program_id(2))
+    k_start, k_len = _kv_rows(KV_OFF, r)
+    n_first = pid_n * (KV_TILES * BLOCK_N)
+    if n_first < k_len:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        qmask = offs_m < NQ
+        o_start = r.to(tl.int64) * NQ
+        q = _load_rows(Q + h * stride_qh, offs_m, stride_qt, offs_d, qmask, True)
+        do = _load_rows(DO + h * stride_doh, o_start + offs_m, stride_dot, offs_d, qmask, True)
+        if ACT == 0:
+            lse, delta = _load_softmax_stats(LSE + h, DELTA + h, o_start + offs_m, stride_lt, qmask, True)
+        K_base = K + h * stride_kh + k_start * stride_kt
+        V_base = V + h * stride_vh + k_start * stride_vt
+        n_end = tl.minimum(n_first + KV_TILES * BLOCK_N, k_len)
+        for n0 in range(n_first, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            kmask = offs_n < k_len
+            k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, True)
+            v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
+            s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+            allowed = kmask[:, None] & qmask[None, :]
+            if ACT == 0:
+                p_t = tl.where(allowed, tl.exp2(s_t * qk_scale - lse[None, :]), 0.0)
+                ds_t = p_t * (dp_t - delta[None, :])
+            else:
+                p_t = tl.where(allowed, _act(s_t, ACT), 0.0)
+                ds_t = tl.where(allowed, dp_t * _act_grad(s_t, ACT), 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+            dk = tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+            _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d,
+                        (dk * dk_scale).to(DK.dtype.element_ty), kmask)
+            _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d,
+                        (dv * dv_scale).to(DV.dtype.element_ty), kmask)
 
 
 @triton.jit

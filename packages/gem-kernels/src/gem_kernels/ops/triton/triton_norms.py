@@ -139,7 +139,7 @@ def _bwd_cands(block_n: int) -> list[dict]:
                                                                          PER_SM=1)]
     base = max(1, min(8, 4096 // block_n))
     cands = [dict(ROWS=base, num_warps=8, PREFETCH=False, PER_SM=4)]
-    for rows in (base, max(1, base // 2), min(16, base * 2)):
+    for rows in sorted({base, max(1, base // 2), max(1, base // 4), min(16, base * 2)}):
         for warps in (4, 8):
             for per_sm in (4, 8):
                 for prefetch in (True, False):
