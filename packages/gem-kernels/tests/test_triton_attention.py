@@ -250,3 +250,19 @@ def test_diagonal_block_forward_equals_the_general_kernel(act, monkeypatch):
     assert_close(diagonal[0], general[0], TOL[torch.float32], "out")
     if act == "softmax":
         assert_close(diagonal[1], general[1], TOL[torch.float32], "lse")
+
+
+def test_untuned_configs_fit_shared_memory(monkeypatch):
+    """Every candidate of the streaming kernels plans its pipeline within SMEM_BUDGET, the first (the untuned
+    default) included: a PMA dK/dV default with three 128-row K/V stages asked for more than the H200 has."""
+    from gem_kernels.ops.triton import triton_attention as ta
+
+    monkeypatch.setattr(ta, "interpreting", lambda: False)
+    pma = ta.AttnSpec(max_q=32, max_kv=4096, nq=32, activations=("softmax",), sm_scale=1.0, pw_scale=1.0)
+    for c in ta._broadcast_q_candidates(pma, 128, 2):
+        assert 2 * 32 * 128 * 2 + c["num_stages"] * 2 * c["BLOCK_N"] * 128 * 2 <= ta.SMEM_BUDGET, c
+    blocks = ta.AttnSpec(max_q=8192, max_kv=8192, nq=None, activations=("softmax",), sm_scale=1.0, pw_scale=1.0,
+                         block_size=128, window_blocks=1)
+    for c in ta._short_kv_candidates(blocks, 128, 2):
+        assert c["num_stages"] * 3 * 128 * 128 * 2 <= ta.SMEM_BUDGET, c
+    assert ta._fit_stages(3, 0, ta.SMEM_BUDGET) == 1  # one stage is the floor

@@ -99,17 +99,37 @@ def _diagonal_blocks(spec: AttnSpec) -> bool:
     return bs is not None and spec.window_blocks == 1 and 16 <= bs <= SHORT_KV_MAX and bs & (bs - 1) == 0
 
 
-def _short_kv_candidates(spec: AttnSpec) -> list[dict]:
+# shared memory a config may plan for, by the count of its pipelined tiles: the H200 has 227 KiB per block, and
+# Triton's own scratch came to ~18% over that count (a PMA dK/dV config counted at 208 KiB asked for 240 KiB)
+SMEM_BUDGET = 180 * 1024
+
+
+def _fit_stages(stages: int, fixed: int, per_stage: int) -> int:
+    """The deepest pipeline up to ``stages`` whose buffers (``fixed`` bytes plus ``per_stage`` per stage) fit
+    SMEM_BUDGET: a config asking for more does not compile, and the untuned default must always run."""
+    while stages > 1 and fixed + stages * per_stage > SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
+def _short_kv_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[dict]:
     """(BLOCK_M, Q_TILES, num_warps, num_stages): query tile, query tiles per program, warps, pipeline depth.
     Diagonal blocks fix the query tile to the block."""
     if interpreting():
         return [dict(BLOCK_M=spec.block_size or 16, Q_TILES=2, num_warps=4, num_stages=1)]
     q_cap = _pow2_at_least(spec.max_q, 16)
+    diagonal = _diagonal_blocks(spec)
+    block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
+    kv_bytes = 2 * block_n * head_dim * itemsize  # one K and one V tile
     out = []
     for bm, tiles, w, st in [(128, 4, 8, 3), (128, 1, 8, 2), (128, 2, 8, 3), (128, 8, 8, 3), (64, 4, 4, 3),
                              (64, 8, 4, 3), (64, 2, 4, 2), (128, 4, 4, 3), (64, 1, 4, 2), (128, 16, 8, 4),
                              (64, 16, 4, 3)]:
-        cfg = dict(BLOCK_M=spec.block_size or min(bm, q_cap), Q_TILES=tiles, num_warps=w, num_stages=st)
+        bm = spec.block_size or min(bm, q_cap)
+        q_bytes = bm * head_dim * itemsize
+        # diagonal blocks stream K / V with the queries; otherwise they are loaded once
+        st = _fit_stages(st, 0 if diagonal else kv_bytes, q_bytes + (kv_bytes if diagonal else 0))
+        cfg = dict(BLOCK_M=bm, Q_TILES=tiles, num_warps=w, num_stages=st)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -125,15 +145,18 @@ def _broadcast_q(spec: AttnSpec) -> bool:
             and spec.window_left is None and spec.window_right is None)
 
 
-def _broadcast_q_candidates(spec: AttnSpec) -> list[dict]:
+def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[dict]:
     """(BLOCK_N, KV_TILES, num_warps, num_stages): key tile, key tiles per program, warps, pipeline depth."""
     if interpreting():
         return [dict(BLOCK_N=16, KV_TILES=2, num_warps=4, num_stages=1)]
     kv_cap = _pow2_at_least(spec.max_kv, 16)
+    q_bytes = 2 * _pow2_at_least(spec.nq, 16) * head_dim * itemsize  # the queries and their dO, loaded once
     out = []
-    for bn, tiles, w, st in [(128, 4, 8, 3), (128, 1, 8, 2), (128, 2, 8, 3), (64, 4, 4, 3), (64, 8, 4, 3),
-                             (128, 8, 8, 3), (64, 2, 4, 2), (128, 4, 4, 3), (64, 16, 4, 3)]:
-        cfg = dict(BLOCK_N=min(bn, kv_cap), KV_TILES=tiles, num_warps=w, num_stages=st)
+    for bn, tiles, w, st in [(64, 4, 4, 3), (64, 16, 4, 3), (64, 8, 4, 3), (64, 2, 4, 2), (128, 2, 8, 2),
+                             (128, 4, 4, 2), (32, 8, 4, 3), (128, 1, 8, 2)]:
+        bn = min(bn, kv_cap)
+        cfg = dict(BLOCK_N=bn, KV_TILES=tiles, num_warps=w,
+                   num_stages=_fit_stages(st, q_bytes, 2 * bn * head_dim * itemsize))
         if cfg not in out:
             out.append(cfg)
     return out
@@ -192,7 +215,7 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
                    lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
                    dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, DIAGONAL=diagonal,
                         PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:],
-                   _short_kv_candidates(spec))
+                   _short_kv_candidates(spec, D, q.element_size()))
             continue
         launch(attn_fwd_kernel, lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
                 _candidates("fwd", spec, D))
@@ -249,7 +272,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
             launch(attn_bwd_dkdv_broadcast_q_kernel,
                    lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"] * c["KV_TILES"]), R, nh), bargs,
                    dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16)),
-                   ("dkdv_broadcast_q",) + key_tail, _broadcast_q_candidates(spec))
+                   ("dkdv_broadcast_q",) + key_tail, _broadcast_q_candidates(spec, D, q.element_size()))
         else:
             launch(attn_bwd_dkdv_kernel, lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
                    dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail, _candidates("dkdv", spec, D))
