@@ -514,7 +514,8 @@ def bench_gdpa(rec: Recorder, slow: list):
 
         def pma_flex(name=name, fl=fl, kv=kv, qrep=qrep, lens=lens, pas=pas):
             run = flex_jagged(qrep, kv[0], kv[1], [32] * 256, lens)
-            rec.add("gdpa", f"{name} softmax", "flex_attention", pas, timed(run, run.inputs, pas), fl * FLOP_FACTOR[pas])
+            rec.add("gdpa", f"{name} softmax", "flex_attention", pas, timed(run, run.inputs, pas),
+                    fl * FLOP_FACTOR[pas])
         slow.append((f"pma flex {pas}", pma_flex))
 
         def pma_compiled(name=name, fl=fl, kv=kv, qp32=qp32, qo=qo, pas=pas):
@@ -662,13 +663,14 @@ def bench_rotary(rec: Recorder):
 
 
 def print_table(rec: Recorder):
-    print("\n| op | case | pass | gem ms | gem kernels ms | gem TFLOP/s (GB/s) | best peer | peer ms | ratio | target |")
+    print("\n| op | case | pass | gem ms | gem kernels ms | gem TFLOP/s (GB/s) | best peer | peer ms | ratio "
+          "| target |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for s in rec.summary():
         gem_row = next(r for r in rec.rows if r["impl"] == "gem" and r["case"] == s["case"] and r["pass"] == s["pass"])
         perf = gem_row["tflops"] if gem_row["tflops"] is not None else f"{gem_row.get('gbps')} GB/s"
-        print(f"| {s['op']} | {s['case']} | {s['pass']} | {s['gem_ms']} | {s['gem_kernel_ms']} | {perf} | {s['best_peer']} | "
-              f"{s['best_peer_ms']} | {s['ratio_vs_best_peer']} | {s['target']} |")
+        print(f"| {s['op']} | {s['case']} | {s['pass']} | {s['gem_ms']} | {s['gem_kernel_ms']} | {perf} | "
+              f"{s['best_peer']} | {s['best_peer_ms']} | {s['ratio_vs_best_peer']} | {s['target']} |")
 
 
 def main(argv=None):

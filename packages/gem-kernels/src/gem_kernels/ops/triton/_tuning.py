@@ -66,13 +66,16 @@ def _preset(key: tuple, cands: list[dict]) -> dict | None:
     return dict(cfg) if cfg is not None and set(cfg) == set(cands[0]) else None
 
 
-def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands: list[dict]) -> None:
+def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands) -> None:
     """args: a tuple, or a function of the config returning one (for inputs that depend on the config); the
-    launch that counts is the last one."""
+    launch that counts is the last one. cands: the candidate configs, or a function returning them, called only
+    when the key has no config yet (building them on every launch is host time the GPU may wait for)."""
     args_fn = args if callable(args) else (lambda c: args)
     # NOTE: every kernel launched through here only writes its outputs, so timing a candidate by
     # re-running it leaves the result unchanged.
     cfg = _TUNED.get(key)
+    if cfg is None and callable(cands):
+        cands = cands()
     if cfg is None:
         cfg = _preset(key, cands)
         if cfg is not None:

@@ -215,10 +215,10 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
                    lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
                    dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, DIAGONAL=diagonal,
                         PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:],
-                   _short_kv_candidates(spec, D, q.element_size()))
+                   lambda: _short_kv_candidates(spec, D, q.element_size()))
             continue
         launch(attn_fwd_kernel, lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
-                _candidates("fwd", spec, D))
+                lambda: _candidates("fwd", spec, D))
     return o, lse
 
 
@@ -272,16 +272,18 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
             launch(attn_bwd_dkdv_broadcast_q_kernel,
                    lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"] * c["KV_TILES"]), R, nh), bargs,
                    dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16)),
-                   ("dkdv_broadcast_q",) + key_tail, _broadcast_q_candidates(spec, D, q.element_size()))
+                   ("dkdv_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
         else:
             launch(attn_bwd_dkdv_kernel, lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
-                   dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail, _candidates("dkdv", spec, D))
+                   dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail,
+                   lambda: _candidates("dkdv", spec, D))
         args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
                 head_ids, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
         launch(attn_bwd_dq_kernel, lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-                dict(common, HAS_KV_IDX=kv_index is not None), ("dq",) + key_tail, _candidates("dq", spec, D))
+                dict(common, HAS_KV_IDX=kv_index is not None), ("dq",) + key_tail,
+               lambda: _candidates("dq", spec, D))
     if spec.nq is not None:
         dq = dq.view(B, spec.nq, H, D).sum(0).to(q.dtype)
     return dq, dk, dv

@@ -190,7 +190,6 @@ class _TritonNorm(torch.autograd.Function):
         dh2 = None if (dh is None or not ctx.has_res) else dh.reshape(-1, N).contiguous()
         dx = torch.empty_like(h)
         block_n = triton.next_power_of_2(N)
-        cands = _bwd_cands(block_n)
         key = ("norm_bwd", ctx.is_rms, dh2 is not None, bias is not None, block_n, h.dtype)
         partials = []
 
@@ -204,7 +203,8 @@ class _TritonNorm(torch.autograd.Function):
                     h.stride(0), dy2.stride(0), dy2.stride(0) if dh2 is None else dh2.stride(0), dx.stride(0))
 
         consts = dict(IS_RMS=ctx.is_rms, HAS_DH=dh2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n)
-        launch(norm_bwd_kernel, lambda c: (_num_bwd_programs(M, c, h.device),), args, consts, key, cands)
+        launch(norm_bwd_kernel, lambda c: (_num_bwd_programs(M, c, h.device),), args, consts, key,
+               lambda: _bwd_cands(block_n))
         dw, db = partials
         dx = dx.view(ctx.shape)
         dweight = dw.sum(0).to(weight.dtype)
