@@ -97,6 +97,16 @@ def fp8_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
             fp8_rowwise_quantize(v.reshape(t, h * d), 0, kernel=kernel))
 
 
+def fp8_attention_dequantize(operands, shape: tuple[int, int, int], dtype: torch.dtype):
+    """Q, K, V ``[T, H, D]`` in ``dtype`` from ``fp8_attention_operands``' output. Exact wherever ``dtype`` holds the
+    values: every scale is a power of two, and E4M3's 3-bit mantissa fits any 16-bit float's."""
+    T, H, D = shape
+    (q8, qs), (k8, ks), (vt8, vs) = operands
+    q, k = (fp8_dequantize(t, s).to(dtype).view(T, H, D) for t, s in ((q8, qs), (k8, ks)))
+    v = fp8_dequantize(vt8, vs).to(dtype).t().contiguous().view(T, H, D)  # kernels read rows of unit stride
+    return q, k, v
+
+
 def fp8_dequantize(elements: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 values rows of E4M3 ``elements`` with per-row ``scale`` ``[rows, 1]`` stand for."""
     return elements.float() * scale

@@ -79,11 +79,9 @@ def run_attention(
 
 
 def _run_fp8(q, k, v, offsets, max_len, sm_scale, kernel, window_left, window_right, block_size, window_blocks):
-    """Softmax self-attention forward with FP8 Q, K, V (``ops/triton/triton_fp8_attention``); the reference twin
-    (``kernel="pytorch"``, and ``"auto"`` off CUDA) runs the exact reference on the dequantised operands."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("fp8=True attention is forward-only (evaluation, teacher and serving passes): "
-                         "call it under torch.no_grad()")
+    """Softmax self-attention with FP8 Q, K, V (``ops/triton/triton_fp8_attention``), forward and backward (the
+    exact gradient at the quantised operands, the quantiser passing gradients through unchanged); the reference
+    twin (``kernel="pytorch"``, and ``"auto"`` off CUDA) runs the exact reference on the dequantised operands."""
     if kernel == "builtin":
         raise ValueError("fp8=True runs kernel 'auto', 'triton' or 'pytorch', not 'builtin'")
     from gem_kernels.ops.triton.triton_attention import AttnSpec
@@ -96,14 +94,13 @@ def _run_fp8(q, k, v, offsets, max_len, sm_scale, kernel, window_left, window_ri
         V.check_triton_device("q", q)
         from gem_kernels.ops.triton.triton_fp8_attention import triton_fp8_attention
 
-        return triton_fp8_attention(q.contiguous(), k.contiguous(), v.contiguous(), offsets, max_len, float(sm_scale),
-                                    spec.mask_args, block_size)
-    from gem_kernels.fp8 import fp8_attention_operands, fp8_dequantize
+        return triton_fp8_attention(q.contiguous(), k.contiguous(), v.contiguous(), offsets, max_len, spec)
+    from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands
 
-    (q8, qs), (k8, ks), (vt8, vs) = fp8_attention_operands(q, k, v, kernel="pytorch")
-    T, H, D = q.shape
-    dq, dk = (fp8_dequantize(t, s).view(T, H, D) for t, s in ((q8, qs), (k8, ks)))
-    dv = fp8_dequantize(vt8, vs).t().reshape(T, H, D)
+    with torch.no_grad():
+        quantized = fp8_attention_dequantize(fp8_attention_operands(q, k, v, kernel="pytorch"), q.shape, torch.float32)
+    # the quantiser's straight-through gradient: the values of the dequantised operands, the gradient of the inputs
+    dq, dk, dv = (x.float() + (xq - x.float()).detach() for x, xq in zip((q, k, v), quantized))
     out = pt_attention(dq, dk, dv, offsets, offsets, max_len, max_len, list(spec.activations), spec.sm_scale, 1.0,
                        window_left=window_left, window_right=window_right, block_size=block_size,
                        window_blocks=window_blocks)

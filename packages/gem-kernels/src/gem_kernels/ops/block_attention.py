@@ -27,7 +27,7 @@ def block_attention(
     linear in the sequence length. q, k, v: [T, H, D], offsets: [B+1] int64. activation as in gdpa (softmax or
     pointwise, or one per head); scale defaults to 1/sqrt(D) for softmax and 1/(block_size * window_blocks)
     for pointwise heads. max_seq_len bounds the lengths (None: read from offsets, one sync). Returns
-    [T, H, D]. fp8=True: softmax heads only, forward only, on FP8 tensor cores (as jagged_flash_attention's)."""
+    [T, H, D]. fp8=True: softmax heads only, FP8 operands as in jagged_flash_attention."""
     V.check_kernel(kernel)
     V.check_self_qkv(q, k, v)
     V.check_offsets_meta("offsets", offsets, q.device)

@@ -1,8 +1,9 @@
-"""FP8 against bfloat16 on the GPU: checks, FP8 attention forward, then the MLP GEMMs at recommendation shapes.
+"""FP8 against bfloat16 on the GPU: checks, FP8 attention, then the MLP GEMMs at recommendation shapes.
 
 Checks first: the Triton quantisation against the PyTorch reference (same bits), the FP8 linear against its
-emulated twin (outputs and both gradients), and its error against the bfloat16 linear. The attention forward
-with FP8 Q, K, V against our bf16 JFA forward on run_all's JFA cases (quantisation included). Then, for M tokens and
+emulated twin (outputs and both gradients), and its error against the bfloat16 linear. Attention with FP8 Q, K, V
+against our bf16 JFA on run_all's JFA cases, forward and forward+backward (quantisation included), with the output's
+and the gradients' errors against fp32 on the first case. Then, for M tokens and
 square K = N layers, one linear forward and forward+backward, quantisation included: bfloat16 (``F.linear``),
 FP8 with the weight gradient in bfloat16 (the default recipe) and FP8 throughout; and the quantisation alone
 (GB/s against the 4.2 TB/s copy). The summary gives each FP8 variant's speed-up over bfloat16 and the crossover
@@ -25,7 +26,8 @@ from torch.nn import functional as F
 from gem_kernels.fp8 import fp8_attention_operands, fp8_rowwise_quantize, fp8_rowwise_quantize_reference
 from gem_kernels.fp8_linear import Fp8Recipe, fp8_linear
 from gem_kernels.ops.benchmarks.provenance import git_commit
-from gem_kernels.ops.benchmarks.run_all import Recorder, bench_ms, guarded, lognormal_lengths, offsets, pairs_self
+from gem_kernels.ops.benchmarks.run_all import (Recorder, bench_ms, fwd_bwd, guarded, lognormal_lengths, offsets,
+                                                pairs_self)
 
 TOKENS = (16384, 65536, 262144, 1048576)
 WIDTHS = (512, 1024, 2048, 4096)
@@ -55,10 +57,10 @@ class FP8Recorder(Recorder):
 
     def attention_summary(self):
         out = []
-        for case in dict.fromkeys(r["case"] for r in self.rows if r["op"] == "attention"):
-            rows = {r["impl"]: r for r in self.rows if (r["op"], r["case"]) == ("attention", case)}
+        for case, pas in dict.fromkeys((r["case"], r["pass"]) for r in self.rows if r["op"] == "attention"):
+            rows = {r["impl"]: r for r in self.rows if (r["op"], r["case"], r["pass"]) == ("attention", case, pas)}
             if "bf16" in rows and "fp8" in rows:
-                out.append({"case": case, "pass": "fwd", "bf16_ms": rows["bf16"]["ms"], "fp8_ms": rows["fp8"]["ms"],
+                out.append({"case": case, "pass": pas, "bf16_ms": rows["bf16"]["ms"], "fp8_ms": rows["fp8"]["ms"],
                             "fp8_speedup": round(rows["bf16"]["ms"] / rows["fp8"]["ms"], 3),
                             "target": rows["bf16"].get("target")})
         return out
@@ -154,6 +156,26 @@ def bench_attention(rec: Recorder) -> None:
                 rec.checks.append({"name": f"attention {name}: relative error against fp32", **errors,
                                    "ok": errors["fp8"] < 0.1 and errors["fp8_vs_twin"] < 0.03})
                 print(f"  attention error vs fp32: {errors}", flush=True)
+        # forward + backward: the FP8 backward runs the bf16 kernels on the dequantised operands
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        for impl, fp8 in (("bf16", False), ("fp8", True)):
+            run = lambda fp8=fp8: jagged_flash_attention(*leaves, off, longest, kernel="triton", validate=False,  # noqa: E731
+                                                         fp8=fp8, **mask)
+            rec.add("attention", name, impl, "fwd+bwd", bench_ms(fwd_bwd(run, leaves)), 3.5 * flops)
+        if case == "jfa_self":
+            do = torch.randn_like(q)
+            exact = [x.float().detach().requires_grad_() for x in (q, k, v)]
+            ref = torch.autograd.grad(jagged_flash_attention(*exact, off, longest, kernel="triton", validate=False),
+                                      exact, do.float())
+            errors = {}
+            for impl, fp8 in (("bf16", False), ("fp8", True)):
+                grads = torch.autograd.grad(jagged_flash_attention(*leaves, off, longest, kernel="triton",
+                                                                   validate=False, fp8=fp8), leaves, do)
+                errors[impl] = {f"d{n}": round(float((g.float() - r).norm() / r.norm()), 5)
+                                for n, g, r in zip("qkv", grads, ref)}
+            rec.checks.append({"name": f"attention {name}: gradients' relative error against fp32", **errors,
+                               "ok": max(errors["fp8"].values()) < 0.1})
+            print(f"  attention gradient error vs fp32: {errors}", flush=True)
 
 
 def crossover(summary: list[dict], impl: str) -> dict:
@@ -187,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     guarded(rec, "checks", lambda: run_checks(rec))
     parts = a.parts.split(",")
     if "attention" in parts:
-        print("== attention: bf16 vs fp8 forward ==", flush=True)
+        print("== attention: bf16 vs fp8, forward and forward+backward ==", flush=True)
         guarded(rec, "attention", lambda: bench_attention(rec))
     print("== linear: bf16 vs fp8 ==", flush=True)
     for m in (TOKENS[:1] if a.quick else TOKENS) if "linear" in parts else ():
@@ -203,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     rec.meta["wall_s"] = round(time.time() - t0, 1)
     rec.write()
     for e in rec.attention_summary():
-        print(f"{e['case']:44s} fwd  bf16 {e['bf16_ms']:.3f} ms  fp8 {e['fp8_ms']:.3f} ms  x{e['fp8_speedup']}  target {e['target']}")
+        print(f"{e['case']:44s} {e['pass']:8s} bf16 {e['bf16_ms']:.3f} ms  fp8 {e['fp8_ms']:.3f} ms  "
+              f"x{e['fp8_speedup']}  target {e['target']}")
     print(f"\n{'case':24s} {'pass':8s} {'bf16 ms':>9s} " + " ".join(f"{v + ' x':>16s}" for v in VARIANTS) + "  target")
     for e in summary:
         if "K=N" not in e["case"]:  # the attention rows, printed above

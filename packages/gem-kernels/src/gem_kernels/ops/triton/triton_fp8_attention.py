@@ -1,4 +1,4 @@
-"""Softmax self-attention forward on FP8 tensor cores (JFA and BlockAttention masks), for passes without gradients.
+"""Softmax self-attention on FP8 tensor cores (JFA and BlockAttention masks), forward and backward.
 
 Q and K are E4M3 with one power-of-two scale per token and head (rows along the head dimension, the contraction of
 ``Q K^T``); V is E4M3 with one scale per head channel over all tokens (the contraction of ``P V`` runs over
@@ -6,7 +6,13 @@ tokens, so its scale must not vary along them), stored transposed ``[H * D, T]``
 along the contracted tokens, as Hopper's FP8 products want their second operand. All three come from
 ``gem_kernels.fp8``'s quantiser in one pass each. Inside, ``S = (Q8 K8^T) * q_scale * k_scale`` in float32, the
 online softmax as in the bf16 kernel, and ``P`` (in [0, 1]) is multiplied by 256 and rounded to E4M3 for the
-second product; the output is divided by 256 and V's channel scales at the end.
+second product; the output is divided by 256 and V's channel scales at the end. The forward also writes each
+row's log-sum-exp, as the bf16 kernel does.
+
+The backward is the exact gradient of attention at the quantised operands (the quantiser passes gradients
+through unchanged, a straight-through estimate): the operands are kept in FP8 between the passes (a byte per
+value), dequantised to the input's dtype (exact: every scale is a power of two) and run through the bf16
+backward kernels against the stored output and log-sum-exp.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.fp8 import fp8_attention_operands
+from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands
 from gem_kernels.ops.triton._tuning import interpreting, launch
 from gem_kernels.ops.triton.triton_attention_kernels import _key_tiles, _load_cols, _online_softmax, _store_rows, _visible
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
@@ -51,7 +57,7 @@ def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, s
 
 @triton.jit
 def attn_fwd_fp8_kernel(
-    Q, QS, K, KS, VT, VS, O, OFF, T_total, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+    Q, QS, K, KS, VT, VS, O, LSE, OFF, T_total, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
     H, qk_scale, Wl, Wr, BS, KB,
     MASK_KIND: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -87,6 +93,8 @@ def attn_fwd_fp8_kernel(
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = tl.where(seen[:, None], acc / l_safe[:, None] * v_scale[None, :], 0.0)
         _store_rows(O + h * stride_oh, rows, stride_ot, offs_d, out.to(O.dtype.element_ty), qmask)
+        # base 2, as attn_fwd_kernel's: a row that saw no key gets a huge LSE, so the backward gives it nothing
+        tl.store(LSE + rows * H + h, tl.where(seen, m_i + tl.log2(l_safe), 1.0e30), mask=qmask)
 
 
 def _candidates(block_size: int | None) -> list[dict]:
@@ -103,19 +111,46 @@ def _candidates(block_size: int | None) -> list[dict]:
     return out
 
 
-def triton_fp8_attention(q, k, v, offsets, max_len: int, sm_scale: float, mask_args: tuple[int, int, int, int, int],
-                         block_size: int | None) -> torch.Tensor:
-    """q, k, v ``[T, H, D]`` jagged by ``offsets``; ``mask_args`` as ``AttnSpec.mask_args``; returns ``[T, H, D]`` in
-    q's dtype."""
+def _fp8_forward(q, k, v, offsets, max_len: int, spec) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The output ``[T, H, D]`` (q's dtype), the log-sum-exp ``[T, H]`` and the FP8 operands with their scales."""
     T, H, D = q.shape
-    (q8, qs), (k8, ks), (vt8, vs) = fp8_attention_operands(q, k, v, kernel="triton")
+    operands = fp8_attention_operands(q, k, v, kernel="triton")
+    (q8, qs), (k8, ks), (vt8, vs) = operands
     o = torch.empty_like(q)
-    mask_kind, wl, wr, bs, kb = mask_args
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    mask_kind, wl, wr, bs, kb = spec.mask_args
     B = offsets.shape[0] - 1
-    args = (q8, qs, k8, ks, vt8, vs, o, offsets, T, H * D, D, H * D, D, o.stride(0), o.stride(1), H,
-            sm_scale * 1.4426950408889634, wl, wr, bs, kb)
+    args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, T, H * D, D, H * D, D, o.stride(0), o.stride(1), H,
+            spec.sm_scale * 1.4426950408889634, wl, wr, bs, kb)
     consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), BLOCK_D=D)
-    key = ("fwd_fp8", mask_kind, D, q.dtype, triton.next_power_of_2(max_len), block_size)
+    key = ("fwd_fp8", mask_kind, D, q.dtype, triton.next_power_of_2(max_len), spec.block_size)
     launch(attn_fwd_fp8_kernel, lambda c: (triton.cdiv(max_len, c["BLOCK_M"]), B, H), args, consts, key,
-           _candidates(block_size))
-    return o
+           lambda: _candidates(spec.block_size))
+    return o, lse, operands
+
+
+class _Fp8Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, max_len, spec):
+        o, lse, operands = _fp8_forward(q, k, v, offsets, max_len, spec)
+        (q8, qs), (k8, ks), (vt8, vs) = operands
+        ctx.save_for_backward(q8, qs, k8, ks, vt8, vs, o, lse, offsets)
+        ctx.spec, ctx.shape, ctx.dtype = spec, q.shape, q.dtype
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from gem_kernels.ops.triton.triton_attention import attention_backward
+
+        q8, qs, k8, ks, vt8, vs, o, lse, offsets = ctx.saved_tensors
+        q, k, v = fp8_attention_dequantize(((q8, qs), (k8, ks), (vt8, vs)), ctx.shape, ctx.dtype)
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, offsets, offsets, None, ctx.spec)
+        return dq, dk, dv, None, None, None
+
+
+def triton_fp8_attention(q, k, v, offsets, max_len: int, spec) -> torch.Tensor:
+    """q, k, v ``[T, H, D]`` jagged by ``offsets``, softmax heads masked as ``spec`` (an ``AttnSpec``) says;
+    returns ``[T, H, D]`` in q's dtype, differentiable (see the module docstring)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Fp8Attention.apply(q, k, v, offsets, max_len, spec)
+    return _fp8_forward(q, k, v, offsets, max_len, spec)[0]
