@@ -249,6 +249,24 @@ def test_mxfp8_emulation_reaches_the_flop_heavy_layers_and_keeps_the_rest_in_hig
     assert losses != exact and losses == pytest.approx(exact, rel=0.05)
 
 
+def test_fp8_attention_reaches_the_sequence_attention_and_trains_near_float32(tmp_path):
+    from gem_kunlun.local_attention import LocalAttention
+
+    steps = ("--schedule.steps=4", "--schedule.warmup_steps=1", "--checkpoint.enable=false")
+    trainer = Trainer(small_config(tmp_path, *steps, "--precision.fp8_attention=true"), init_distributed("cpu", "gloo"))
+    attention = [(n, m) for n, m in trainer.model.named_modules() if isinstance(m, LocalAttention)]
+    assert attention and all(m.fp8 for _, m in attention)
+    # named before the parallel wrapper: the unwrapped model's own names
+    assert len(trainer.low_precision_modules) == len(attention)
+    assert all(n.endswith(m) for (n, _), m in zip(attention, trainer.low_precision_modules))
+    losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
+    reference = Trainer(small_config(tmp_path / "fp32", *steps), trainer.env)
+    assert not any(m.fp8 for m in reference.model.modules() if isinstance(m, LocalAttention))
+    exact = [float(reference.train_step()["loss"]) for _ in range(4)]
+    # gradients flow through the FP8 attention (its backward: the gradient at the quantised operands)
+    assert losses != exact and losses == pytest.approx(exact, rel=0.05)
+
+
 def test_fp8_recipe_reaches_the_wide_layers_and_trains_near_float32(tmp_path):
     from gem_kernels import Fp8Linear
 

@@ -408,17 +408,30 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
 
 def apply_low_precision(config: TrainerConfig, model: nn.Module) -> list[str]:
     """``precision.low_precision``: the model's GEMMs outside ``precision.high_precision`` switched to FP8 or
-    emulated MXFP8 in place; returns the converted module names (none when off)."""
+    emulated MXFP8 in place; ``precision.fp8_attention``: its local self-attention layers outside it to FP8 Q, K, V.
+    Returns the converted module names (none when both are off)."""
+    from gem_kunlun.local_attention import LocalAttention
+
     p = config.precision
+    kept = set(p.high_precision)
+
+    def keep(name: str) -> bool:
+        return any(part in kept for part in name.split("."))
+
+    converted = []
+    if p.fp8_attention:
+        for name, module in model.named_modules():
+            if isinstance(module, LocalAttention) and not keep(name):
+                module.fp8 = True
+                converted.append(name)
     if p.low_precision == "off":
-        return []
+        return converted
     if p.low_precision == "fp8":
         recipe = Fp8Recipe(weight_gradient=p.fp8_weight_gradient, min_features=p.fp8_min_features,
                            min_tokens=p.fp8_min_tokens)
     else:
         recipe = MXRecipe(elem=p.mx_elem, grad_elem=p.mx_grad_elem, rounding=p.mx_rounding)
-    kept = set(p.high_precision)
-    return convert_to_low_precision(model, recipe, keep=lambda name: any(part in kept for part in name.split(".")))
+    return converted + convert_to_low_precision(model, recipe, keep=keep)
 
 
 def build_soft_labels(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) -> SoftLabelStore | None:

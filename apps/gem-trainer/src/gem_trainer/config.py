@@ -340,6 +340,10 @@ class PrecisionConfig(Section):
     # fp8_min_tokens stay in high precision (default: the crossover measured on an H200, see Fp8Recipe)
     fp8_min_features: int = Field(Fp8Recipe.min_features, ge=0)
     fp8_min_tokens: int = Field(Fp8Recipe.min_tokens, ge=0)
+    # the sequence self-attention (Kunlun's and InterFormer's local attention) with FP8 Q, K and V: forward on FP8
+    # tensor cores, backward the exact gradient at the quantised operands (gem_kernels' fp8=True); outside
+    # high_precision, independent of low_precision
+    fp8_attention: bool = False
     mx_elem: Literal["e4m3", "e5m2"] = "e4m3"  # activations and weights
     mx_grad_elem: Literal["e4m3", "e5m2"] = "e5m2"  # output gradients
     mx_rounding: Literal["floor", "rceil"] = "floor"  # shared-scale rule

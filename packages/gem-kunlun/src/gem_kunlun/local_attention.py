@@ -16,13 +16,16 @@ from gem_kunlun.rote import ROTE_BASE
 
 
 class LocalAttention(nn.Module):
-    """Pre-norm self-attention over a jagged sequence restricted to nearby events (blocks or a window)."""
+    """Pre-norm self-attention over a jagged sequence restricted to nearby events (blocks or a window).
+
+    ``fp8``: the attention's Q, K and V in E4M3 (``gem_kernels``' ``fp8=True``; a low-precision recipe sets it)."""
 
     def __init__(self, dim: int, num_heads: int, mode: str, block_size: int, window_blocks: int, window: int,
-                 rote: bool, kernel: str, device=None) -> None:
+                 rote: bool, kernel: str, device=None, fp8: bool = False) -> None:
         super().__init__()
         self.dim, self.num_heads, self.mode = dim, num_heads, mode
         self.block_size, self.window_blocks, self.window, self.rote, self.kernel = block_size, window_blocks, window, rote, kernel
+        self.fp8 = fp8
         self.norm = LayerNorm(dim, kernel=kernel, device=device)
         self.qkv = nn.Linear(dim, 3 * dim, device=device)
         self.out = nn.Linear(dim, dim, device=device)
@@ -33,9 +36,10 @@ class LocalAttention(nn.Module):
         q, k, v = qkv_rotary(qkv, positions, ROTE_BASE, kernel=self.kernel) if self.rote else qkv.unbind(1)
         if self.mode == "block":
             o = block_attention(q, k, v, offsets, block_size=self.block_size, window_blocks=self.window_blocks,
-                                max_seq_len=max_len, kernel=self.kernel, validate=False)
+                                max_seq_len=max_len, kernel=self.kernel, validate=False, fp8=self.fp8)
         else:
-            o = jagged_flash_attention(q, k, v, offsets, max_len, window=self.window, kernel=self.kernel, validate=False)
+            o = jagged_flash_attention(q, k, v, offsets, max_len, window=self.window, kernel=self.kernel, validate=False,
+                                       fp8=self.fp8)
         return seq + self.out(o.reshape(-1, self.dim))
 
     def visible_pairs(self, lengths: torch.Tensor) -> float:
