@@ -211,3 +211,19 @@ def test_retrieval_options_are_checked():
         NextItemConfig(num_negatives=0, objective="retrieval", loss="binary")
     with pytest.raises(ValueError, match="queries must be"):
         NextItemConfig(objective="retrieval", queries="all")
+
+
+def test_hash_uniform_mixes_the_salt_as_a_one_element_tensor_would():
+    """The salt's mix runs on Python integers: the same bits as the tensor mix it replaced (negatives of runs
+    and checkpoints from before must not change), for salts across the 62-bit range."""
+    from gem_data.sequential.sampling import _MASK32, _mix32, hash_uniform
+
+    def on_a_tensor(keys, salt):
+        salt_mix = _mix32(torch.tensor([salt & _MASK32], dtype=torch.int64)) ^ ((salt >> 32) & _MASK32)
+        h = _mix32((keys & _MASK32) ^ salt_mix)
+        return _mix32(h ^ ((keys >> 32) & _MASK32)).double() / 2.0**32
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 2**62, (500,), generator=g)
+    for salt in [0, 1, 2**31, 2**32, 2**62 - 1, *torch.randint(0, 2**62, (20,), generator=g).tolist()]:
+        assert torch.equal(hash_uniform(keys, salt), on_a_tensor(keys, salt))

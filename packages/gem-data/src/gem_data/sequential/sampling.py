@@ -12,7 +12,8 @@ import torch
 _MASK32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x):
+    """A 32-bit integer mix of a tensor (or a Python int: the same function, for the salt)."""
     # NOTE: inputs stay below 2**32 and the multiplier below 2**27, so int64 products never overflow.
     x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
     x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
@@ -21,7 +22,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def hash_uniform(keys: torch.Tensor, salt: int) -> torch.Tensor:
     """``[N]`` non-negative int64 keys -> ``[N]`` float64 in ``[0, 1)``, a fixed pseudo-random function of (key, salt)."""
-    salt_mix = _mix32(torch.tensor([salt & _MASK32], dtype=torch.int64)) ^ ((salt >> 32) & _MASK32)
+    # the salt's mix in Python integers: the same bits as on a one-element tensor, without its tensor ops
+    salt_mix = _mix32(salt & _MASK32) ^ ((salt >> 32) & _MASK32)
     h = _mix32((keys & _MASK32) ^ salt_mix)
     h = _mix32(h ^ ((keys >> 32) & _MASK32))
     return h.double() / 2.0**32
