@@ -209,9 +209,12 @@ class NextItemDataset:
         start, kept = self.history_window(users, history_length)
         index = jagged_index(start, kept)
         items = self.corpus.items[index]
-        values = [items] + [table[items, s] for table in self.slots.values() for s in range(table.shape[1])]
+        # the item ids, then each attribute slot's ids, slot after slot: one gather per attribute table (a gather per
+        # slot cost ~10% more on ML-100K's and Beauty's tables)
+        values = torch.cat([items[None], *(table[items].t() for table in self.slots.values())]).view(-1)
+        columns = 1 + sum(table.shape[1] for table in self.slots.values())
         ids = KeyedJaggedTensor.from_lengths_sync(
-            keys=[f.name for f in self.spec.events[0].features], values=torch.cat(values), lengths=kept.repeat(len(values))
+            keys=[f.name for f in self.spec.events[0].features], values=values, lengths=kept.repeat(columns)
         )
         return EventSequence(ids=ids, timestamps=self.corpus.timestamps[index].float())
 
