@@ -39,3 +39,13 @@ def test_tuning_ignores_the_shipped_file_but_not_load_tuned(monkeypatch, tmp_pat
 def test_device_file_names():
     assert _tuning.device_file("NVIDIA H200").name == "nvidia-h200.json"
     assert _tuning.device_file("NVIDIA H100 80GB HBM3").name == "nvidia-h100-80gb-hbm3.json"
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    import triton
+
+    for n in [*range(1, 3000), 2**20 - 1, 2**20, 2**20 + 1, 2**31 - 1]:
+        assert _tuning.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 128, 1000):
+            assert _tuning.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert _tuning.cdiv(0, 16) == 0

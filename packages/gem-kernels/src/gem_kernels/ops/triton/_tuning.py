@@ -19,6 +19,17 @@ _SHIPPED: dict[str, dict] | None = None  # this device's shipped configs, read a
 TUNED_DIR = Path(__file__).parent / "tuned"
 
 
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code: Triton's is a constexpr function whose every host call costs microseconds of
+    argument unwrapping, several times per launch of a kernel whose whole call is host-bound."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (see ``cdiv``): the smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 

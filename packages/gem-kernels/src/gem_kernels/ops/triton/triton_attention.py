@@ -7,9 +7,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from gem_kernels.ops.triton._tuning import interpreting, launch
+from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_attention_kernels import (
     ACT_CODES,
     attn_bwd_delta_kernel,
@@ -49,7 +48,7 @@ class AttnSpec:
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
-    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+    return max(lo, next_power_of_2(max(int(n), 1)))
 
 
 # --- tile configs ---------------------------------------------------------------------------------------------
@@ -163,7 +162,7 @@ def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> lis
 
 
 def _bucket(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return next_power_of_2(max(int(n), 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,12 +211,12 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
             short_args = args[:-4]  # no window / block arguments: each query sees its one key tile whole
             block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
             launch(attn_fwd_short_kv_kernel,
-                   lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
+                   lambda c: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
                    dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, DIAGONAL=diagonal,
                         PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:],
                    lambda: _short_kv_candidates(spec, D, q.element_size()))
             continue
-        launch(attn_fwd_kernel, lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
+        launch(attn_fwd_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
                 lambda: _candidates("fwd", spec, D))
     return o, lse
 
@@ -231,8 +230,8 @@ def softmax_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     delta = torch.empty((T, H), dtype=torch.float32, device=o.device)
     rows = T * H
     if rows:
-        launch(attn_bwd_delta_kernel, lambda c: (triton.cdiv(rows, c["BLOCK_R"]),), (do, o, delta, rows),
-               dict(D=D, BLOCK_D=triton.next_power_of_2(D)), ("delta", D, o.dtype), _DELTA_CANDIDATES)
+        launch(attn_bwd_delta_kernel, lambda c: (cdiv(rows, c["BLOCK_R"]),), (do, o, delta, rows),
+               dict(D=D, BLOCK_D=next_power_of_2(D)), ("delta", D, o.dtype), _DELTA_CANDIDATES)
     return delta
 
 
@@ -270,18 +269,18 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
             # the general kernel's arguments without the query offsets, candidates and window / block ones
             bargs = (q, k, v, do, lse, delta, dk, dv, kv_offsets, head_ids) + args[13:-4]
             launch(attn_bwd_dkdv_broadcast_q_kernel,
-                   lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"] * c["KV_TILES"]), R, nh), bargs,
+                   lambda c: (cdiv(spec.max_kv, c["BLOCK_N"] * c["KV_TILES"]), R, nh), bargs,
                    dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16)),
                    ("dkdv_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
         else:
-            launch(attn_bwd_dkdv_kernel, lambda c: (triton.cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
+            launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
                    dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail,
                    lambda: _candidates("dkdv", spec, D))
         args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
                 head_ids, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
-        launch(attn_bwd_dq_kernel, lambda c: (triton.cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
+        launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
                 dict(common, HAS_KV_IDX=kv_index is not None), ("dq",) + key_tail,
                lambda: _candidates("dq", spec, D))
     if spec.nq is not None:

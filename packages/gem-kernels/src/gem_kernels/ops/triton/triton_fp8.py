@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.fp8 import E4M3_MAX, padded
-from gem_kernels.ops.triton._tuning import launch
+from gem_kernels.ops.triton._tuning import cdiv, launch, next_power_of_2
 
 _ONE_PASS_MAX = 8192  # widest contiguous row kept whole in registers
 _ONE_PASS_ELEMENTS = 8192  # elements per program in the one-pass kernel
@@ -129,17 +129,17 @@ def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to
     q = torch.empty(R_out, C_out, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(R_out, dtype=torch.float32, device=x.device)
     if stride_c == 1 and C_out <= _ONE_PASS_MAX:
-        block_c = triton.next_power_of_2(C_out)
-        launch(fp8_rows_kernel, lambda c: (triton.cdiv(R_out, c["ROWS"]),), (x, q, s, R, C, R_out, C_out, stride_r),
+        block_c = next_power_of_2(C_out)
+        launch(fp8_rows_kernel, lambda c: (cdiv(R_out, c["ROWS"]),), (x, q, s, R, C, R_out, C_out, stride_r),
                dict(MAX=E4M3_MAX, BLOCK_C=block_c), ("fp8_rows", block_c, x.dtype), _one_pass_configs(block_c))
         return q, s[:, None]
-    chunks = triton.cdiv(C_out, _CHUNK_COLS)
-    grid = (triton.cdiv(R_out, _CHUNK_ROWS), chunks)
+    chunks = cdiv(C_out, _CHUNK_COLS)
+    grid = (cdiv(R_out, _CHUNK_ROWS), chunks)
     amax = torch.empty(chunks, R, dtype=torch.float32, device=x.device)
     bad = torch.empty(chunks, R, dtype=torch.int32, device=x.device)
-    fp8_chunk_amax_kernel[(grid[0], triton.cdiv(C, _CHUNK_COLS))](x, amax, bad, R, C, stride_r, stride_c,
+    fp8_chunk_amax_kernel[(grid[0], cdiv(C, _CHUNK_COLS))](x, amax, bad, R, C, stride_r, stride_c,
                                                                  ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
-    used = triton.cdiv(C, _CHUNK_COLS)  # chunks wholly in the padding hold nothing
+    used = cdiv(C, _CHUNK_COLS)  # chunks wholly in the padding hold nothing
     amax, bad = amax[:used].amax(0), bad[:used].amax(0)
     fp8_chunk_cast_kernel[grid](x, amax, bad, q, s, R, C, R_out, C_out, stride_r, stride_c, MAX=E4M3_MAX,
                                 ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands
-from gem_kernels.ops.triton._tuning import interpreting, launch
+from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_attention_kernels import _key_tiles, _load_cols, _online_softmax, _store_rows, _visible
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
 
@@ -123,8 +123,8 @@ def _fp8_forward(q, k, v, offsets, max_len: int, spec) -> tuple[torch.Tensor, to
     args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, T, H * D, D, H * D, D, o.stride(0), o.stride(1), H,
             spec.sm_scale * 1.4426950408889634, wl, wr, bs, kb)
     consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), BLOCK_D=D)
-    key = ("fwd_fp8", mask_kind, D, q.dtype, triton.next_power_of_2(max_len), spec.block_size)
-    launch(attn_fwd_fp8_kernel, lambda c: (triton.cdiv(max_len, c["BLOCK_M"]), B, H), args, consts, key,
+    key = ("fwd_fp8", mask_kind, D, q.dtype, next_power_of_2(max_len), spec.block_size)
+    launch(attn_fwd_fp8_kernel, lambda c: (cdiv(max_len, c["BLOCK_M"]), B, H), args, consts, key,
            lambda: _candidates(spec.block_size))
     return o, lse, operands
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.ops.triton._tuning import interpreting, launch
+from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def _bwd_cands(block_n: int) -> list[dict]:
 
 
 def _num_bwd_programs(m: int, cfg: dict, device: torch.device) -> int:
-    tiles = triton.cdiv(m, cfg["ROWS"])
+    tiles = cdiv(m, cfg["ROWS"])
     if interpreting() or device.type != "cuda":
         return max(1, min(4, tiles))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -169,11 +169,11 @@ class _TritonNorm(torch.autograd.Function):
         h = torch.empty_like(x2) if res2 is not None else x2
         mean = torch.empty(M, dtype=torch.float32, device=x.device)
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        block_n = triton.next_power_of_2(N)
+        block_n = next_power_of_2(N)
         args = (x2, x2 if res2 is None else res2, weight, weight if bias is None else bias, y, h, mean, rstd, M, N,
                 eps, x2.stride(0), x2.stride(0) if res2 is None else res2.stride(0), y.stride(0), h.stride(0))
         consts = dict(IS_RMS=is_rms, HAS_RES=res2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n)
-        launch(norm_fwd_kernel, lambda c: (triton.cdiv(M, c["ROWS"]),), args, consts,
+        launch(norm_fwd_kernel, lambda c: (cdiv(M, c["ROWS"]),), args, consts,
                ("norm_fwd", is_rms, res2 is not None, bias is not None, block_n, x.dtype), _fwd_cands(block_n))
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.is_rms, ctx.has_res, ctx.shape = is_rms, res2 is not None, shape
@@ -189,7 +189,7 @@ class _TritonNorm(torch.autograd.Function):
         dy2 = dy.reshape(-1, N).contiguous()
         dh2 = None if (dh is None or not ctx.has_res) else dh.reshape(-1, N).contiguous()
         dx = torch.empty_like(h)
-        block_n = triton.next_power_of_2(N)
+        block_n = next_power_of_2(N)
         key = ("norm_bwd", ctx.is_rms, dh2 is not None, bias is not None, block_n, h.dtype)
         partials = []
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.ops.triton._tuning import launch
+from gem_kernels.ops.triton._tuning import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -68,8 +68,8 @@ def _rotate(q, k, v, outputs, positions: torch.Tensor, base: float, sign: float)
     vi, vo = (v, outputs[2]) if v is not None else (q, qo)  # not read without HAS_V
     args = (q, k, vi, outputs[0], outputs[1], vo, positions, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             vi.stride(0), vi.stride(1), qo.stride(0), qo.stride(1), math.log2(base), sign)
-    consts = dict(H=H, D=D, HAS_V=v is not None, BLOCK_D=triton.next_power_of_2(D))
-    launch(rotary_kernel, lambda c: (triton.cdiv(T, c["BLOCK_T"]),), args, consts,
+    consts = dict(H=H, D=D, HAS_V=v is not None, BLOCK_D=next_power_of_2(D))
+    launch(rotary_kernel, lambda c: (cdiv(T, c["BLOCK_T"]),), args, consts,
            ("rotary", H, D, q.dtype, v is not None), _CANDIDATES)
 
 
