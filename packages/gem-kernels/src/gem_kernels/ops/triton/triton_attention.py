@@ -265,7 +265,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, 1.0 if code == 0 else scale, wl, wr, bs, kb)
-        if _broadcast_q(spec):
+        if _broadcast_q(spec) and kv_index is None:  # example r reads kv sequence r
             # the general kernel's arguments without the query offsets, candidates and window / block ones
             bargs = (q, k, v, do, lse, delta, dk, dv, kv_offsets, head_ids) + args[13:-4]
             launch(attn_bwd_dkdv_broadcast_q_kernel,
@@ -282,7 +282,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
         launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
                 dict(common, HAS_KV_IDX=kv_index is not None), ("dq",) + key_tail,
-               lambda: _candidates("dq", spec, D))
+                lambda: _candidates("dq", spec, D))
     if spec.nq is not None:
         dq = dq.view(B, spec.nq, H, D).sum(0).to(q.dtype)
     return dq, dk, dv

@@ -138,7 +138,8 @@ def _bwd_cands(block_n: int) -> list[dict]:
         return [dict(ROWS=4, num_warps=4, PREFETCH=True, PER_SM=1), dict(ROWS=2, num_warps=4, PREFETCH=False,
                                                                          PER_SM=1)]
     base = max(1, min(8, 4096 // block_n))
-    cands = [dict(ROWS=base, num_warps=8, PREFETCH=False, PER_SM=4)]
+    # first (the untuned default): what run_all's tuning picked on the H200 at width 1024 (tuned/nvidia-h200.json)
+    cands = [dict(ROWS=max(1, base // 2), num_warps=4, PREFETCH=True, PER_SM=4)]
     for rows in sorted({base, max(1, base // 2), max(1, base // 4), min(16, base * 2)}):
         for warps in (4, 8):
             for per_sm in (4, 8):
