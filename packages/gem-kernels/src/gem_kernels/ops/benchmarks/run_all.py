@@ -419,7 +419,6 @@ def bench_jfa(rec: Recorder, slow: list):
         torch.cuda.empty_cache()
 
 
-
 def bench_gdpa(rec: Recorder, slow: list):
     """GDPA cross attention to 16-256 rows per example and PMA, softmax and a pointwise activation."""
     from gem_kernels import gdpa
@@ -528,7 +527,6 @@ def bench_gdpa(rec: Recorder, slow: list):
         slow.append((f"pma compiled gelu {pas}", pma_compiled))
 
 
-
 def bench_block(rec: Recorder, slow: list):
     from gem_kernels import block_attention
 
@@ -576,7 +574,6 @@ def bench_block(rec: Recorder, slow: list):
             slow.append((f"{case} flex {pas}", flex_block))
 
 
-
 def bench_norms(rec: Recorder, slow: list):
     from gem_kernels import layer_norm
 
@@ -615,7 +612,6 @@ def bench_norms(rec: Recorder, slow: list):
     ln_c = torch.compile(lambda a, r_: (torch.nn.functional.layer_norm(a + r_, (N,), w, b, 1e-5), a + r_))
     slow.append(("ln res compiled", lambda: rec.add("norm", "layer_norm+residual T=262144 N=1024", "torch_compile",
                                                     "fwd", bench_ms(lambda: ln_c(x, res)), None, nb_res)))
-
 
 
 def bench_all(rec: Recorder, deadline: float, ops: set[str]):
