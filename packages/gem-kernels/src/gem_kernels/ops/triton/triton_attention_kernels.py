@@ -366,26 +366,42 @@ def _bwd_kv_tiles(
         qmask = offs_m < q_len
         q = _load_rows(Q_base, offs_m, stride_qt, offs_d, qmask, MASKED)
         do = _load_rows(DO_base, offs_m, stride_dot, offs_d, qmask, MASKED)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         if MASKED:
             lo, hi = _key_range(offs_m, Wl, Wr, BS, KB, MASK_KIND)
             allowed = ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] <= hi[None, :])
                        & qmask[None, :] & (offs_n < k_len)[:, None])
+        else:
+            allowed = qmask[None, :]  # unread: unmasked tiles
         if ACT == 0:
             lse, delta = _load_softmax_stats(LSE_base, DELTA_base, offs_m, stride_lt, qmask, MASKED)
-            p_t = tl.exp2(s_t * qk_scale - lse[None, :])
-            if MASKED:
-                p_t = tl.where(allowed, p_t, 0.0)
-            ds_t = p_t * (dp_t - delta[None, :])
         else:
-            p_t = _act(s_t, ACT)
-            ds_t = dp_t * _act_grad(s_t, ACT)
-            if MASKED:
-                p_t = tl.where(allowed, p_t, 0.0)
-                ds_t = tl.where(allowed, ds_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
+            lse = offs_m.to(tl.float32)  # unread by pointwise heads
+            delta = lse
+        dk, dv = _kv_tile_grads(dk, dv, k, v, q, do, lse, delta, allowed, qk_scale, ACT, MASKED, PREC)
+    return dk, dv
+
+
+@triton.jit
+def _kv_tile_grads(dk, dv, k, v, q, do, lse, delta, allowed, qk_scale, ACT: tl.constexpr, MASKED: tl.constexpr,
+                   PREC: tl.constexpr):
+    """One (key tile, query tile) pair of the dK / dV backward, added into ``dk`` and ``dv``: the transposed scores,
+    their probabilities (softmax heads, from the stored log-sum-exp) or activations, and the scores' gradients;
+    pairs outside ``allowed`` give nothing where MASKED."""
+    s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+    if ACT == 0:
+        p_t = tl.exp2(s_t * qk_scale - lse[None, :])
+        if MASKED:
+            p_t = tl.where(allowed, p_t, 0.0)
+        ds_t = p_t * (dp_t - delta[None, :])
+    else:
+        p_t = _act(s_t, ACT)
+        ds_t = dp_t * _act_grad(s_t, ACT)
+        if MASKED:
+            p_t = tl.where(allowed, p_t, 0.0)
+            ds_t = tl.where(allowed, ds_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
     return dk, dv
 
 
@@ -474,6 +490,9 @@ def attn_bwd_dkdv_broadcast_q_kernel(
         do = _load_rows(DO + h * stride_doh, o_start + offs_m, stride_dot, offs_d, qmask, True)
         if ACT == 0:
             lse, delta = _load_softmax_stats(LSE + h, DELTA + h, o_start + offs_m, stride_lt, qmask, True)
+        else:
+            lse = offs_m.to(tl.float32)  # unread by pointwise heads
+            delta = lse
         K_base = K + h * stride_kh + k_start * stride_kt
         V_base = V + h * stride_vh + k_start * stride_vt
         n_end = tl.minimum(n_first + KV_TILES * BLOCK_N, k_len)
@@ -482,17 +501,9 @@ def attn_bwd_dkdv_broadcast_q_kernel(
             kmask = offs_n < k_len
             k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, True)
             v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
-            s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-            allowed = kmask[:, None] & qmask[None, :]
-            if ACT == 0:
-                p_t = tl.where(allowed, tl.exp2(s_t * qk_scale - lse[None, :]), 0.0)
-                ds_t = p_t * (dp_t - delta[None, :])
-            else:
-                p_t = tl.where(allowed, _act(s_t, ACT), 0.0)
-                ds_t = tl.where(allowed, dp_t * _act_grad(s_t, ACT), 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
-            dk = tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+            zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dk, dv = _kv_tile_grads(zeros, zeros, k, v, q, do, lse, delta, kmask[:, None] & qmask[None, :], qk_scale,
+                                    ACT, True, PREC)
             _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d,
                         (dk * dk_scale).to(DK.dtype.element_ty), kmask)
             _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d,
