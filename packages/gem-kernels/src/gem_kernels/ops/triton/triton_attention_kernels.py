@@ -186,6 +186,16 @@ def _online_softmax(s, m_i, l_i, acc):
 
 
 @triton.jit
+def _softmax_output(acc, m_i, l_i):
+    """A softmax head's output rows and log-sum-exp (base 2) from its running max, sum and accumulator. A row that
+    saw no visible key only ever met the -1e6 mask value: it outputs 0 and gets a huge LSE, so that the backward's
+    ``exp2(s - lse)`` is exactly 0 for it."""
+    seen = m_i > -5.0e5
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    return tl.where(seen[:, None], acc / l_safe[:, None], 0.0), tl.where(seen, m_i + tl.log2(l_safe), 1.0e30)
+
+
+@triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, start, end, k_len,
     qk_scale, Wl, Wr, BS, KB,
@@ -282,12 +292,7 @@ def attn_fwd_kernel(
                                    fe, hi, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC,
                                    BLOCK_N)
         if ACT == 0:
-            # A row that saw no visible key only ever met the -1e6 mask value: it outputs 0 and gets a huge
-            # LSE so that the backward's exp2(s - lse) is exactly 0 for it.
-            seen = m_i > -5.0e5
-            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-            out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-            lse = tl.where(seen, m_i + tl.log2(l_safe), 1.0e30)
+            out, lse = _softmax_output(acc, m_i, l_i)
             tl.store(LSE + (o_start + offs_m) * stride_lt + h, lse, mask=qmask)
         else:
             out = acc * out_scale
@@ -342,11 +347,7 @@ def attn_fwd_short_kv_kernel(
                 p = tl.exp2(s - m_i[:, None])
                 l_i = tl.sum(p, 1)
                 acc = tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                # as in attn_fwd_kernel: a row with no keys outputs 0 and gets a huge LSE
-                seen = m_i > -5.0e5
-                l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-                out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-                lse = tl.where(seen, m_i + tl.log2(l_safe), 1.0e30)
+                out, lse = _softmax_output(acc, m_i, l_i)
                 tl.store(LSE + (o_start + offs_m) * stride_lt + h, lse, mask=qmask)
             else:
                 p = tl.where(kmask[None, :], _act(s, ACT), 0.0)

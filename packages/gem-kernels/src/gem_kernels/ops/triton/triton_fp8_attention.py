@@ -23,7 +23,8 @@ import triton.language as tl
 
 from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands
 from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
-from gem_kernels.ops.triton.triton_attention_kernels import _key_tiles, _load_cols, _online_softmax, _store_rows, _visible
+from gem_kernels.ops.triton.triton_attention_kernels import (_key_tiles, _load_cols, _online_softmax, _softmax_output,
+                                                              _store_rows, _visible)
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
 
 P_SCALE: tl.constexpr = 256.0  # P in [0, 1] -> [0, 256]: E4M3's largest power of two below 448
@@ -89,12 +90,9 @@ def attn_fwd_fp8_kernel(
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, T_total,
                                    offs_m, offs_d, fe, hi, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, BLOCK_N)
         v_scale = tl.load(VS + h * BLOCK_D + offs_d) / P_SCALE
-        seen = m_i > -5.0e5  # a row with no visible key outputs 0, as in the bf16 kernel
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        out = tl.where(seen[:, None], acc / l_safe[:, None] * v_scale[None, :], 0.0)
-        _store_rows(O + h * stride_oh, rows, stride_ot, offs_d, out.to(O.dtype.element_ty), qmask)
-        # base 2, as attn_fwd_kernel's: a row that saw no key gets a huge LSE, so the backward gives it nothing
-        tl.store(LSE + rows * H + h, tl.where(seen, m_i + tl.log2(l_safe), 1.0e30), mask=qmask)
+        out, lse = _softmax_output(acc, m_i, l_i)  # as the bf16 kernel's, before V's channel scales
+        _store_rows(O + h * stride_oh, rows, stride_ot, offs_d, (out * v_scale[None, :]).to(O.dtype.element_ty), qmask)
+        tl.store(LSE + rows * H + h, lse, mask=qmask)
 
 
 def _candidates(block_size: int | None) -> list[dict]:
