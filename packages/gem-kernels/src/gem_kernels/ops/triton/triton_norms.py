@@ -135,8 +135,7 @@ def _bwd_cands(block_n: int) -> list[dict]:
     """ROWS x BLOCK_N tiles, warps, register prefetch of the next tile and programs per SM (the backward is a
     persistent kernel: its partials have one row per program)."""
     if interpreting():
-        return [dict(ROWS=4, num_warps=4, PREFETCH=True, PER_SM=1), dict(ROWS=2, num_warps=4, PREFETCH=False,
-                                                                         PER_SM=1)]
+        return [dict(ROWS=4, num_warps=4, PREFETCH=True, PER_SM=1)]  # the other configs: test_triton_norms
     base = max(1, min(8, 4096 // block_n))
     # first (the untuned default): what run_all's tuning picked on the H200 at width 1024 (tuned/nvidia-h200.json)
     cands = [dict(ROWS=max(1, base // 2), num_warps=4, PREFETCH=True, PER_SM=4)]
@@ -175,7 +174,8 @@ class _TritonNorm(torch.autograd.Function):
                 eps, x2.stride(0), x2.stride(0) if res2 is None else res2.stride(0), y.stride(0), h.stride(0))
         consts = dict(IS_RMS=is_rms, HAS_RES=res2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n)
         launch(norm_fwd_kernel, lambda c: (cdiv(M, c["ROWS"]),), args, consts,
-               ("norm_fwd", is_rms, res2 is not None, bias is not None, block_n, x.dtype), _fwd_cands(block_n))
+               ("norm_fwd", is_rms, res2 is not None, bias is not None, block_n, x.dtype),
+               lambda: _fwd_cands(block_n))
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.is_rms, ctx.has_res, ctx.shape = is_rms, res2 is not None, shape
         if res2 is None:
