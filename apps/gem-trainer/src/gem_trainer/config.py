@@ -241,8 +241,7 @@ class DataConfig(Section):
     eval_batches: int = Field(40, ge=1)
     num_workers: int = Field(0, ge=0)
     # batches read on a background thread one step ahead (true), or on the training thread when the step asks
-    # (false: the same batches without a thread; slower on the H200 even for Beauty's small batches, see
-    # gem_data.read_ahead)
+    # (false: the same batches without a thread, the thread's reference; see gem_data.read_ahead)
     read_ahead: bool = True
     skip_bad_rows: bool = False
     balance: bool = False  # length-balanced batches across ranks

@@ -14,11 +14,8 @@ mixed source) is taken by ``observe`` on the reading thread right after each bat
 touches the readers, and handed out with the batch as ``observed``.
 
 ``depth=0`` reads each batch in the caller's thread when it is asked for (``data.read_ahead = false``): the same
-batches, states and observations without a thread, the thread's reference. It is not faster: on the H200's host
-(SASRec on Amazon Beauty, modes alternated in one process, medians of 3 x 200 steps) a step took 10.5 ms reading
-ahead, 12.1 ms reading in the step and 9.2 ms with every batch read beforehand: a batch costs ~1.7 ms of Python to
-read there, which the training thread pays in full when it reads, and apparently only in part when a reading
-thread takes the GIL from it.
+batches, states and observations without a thread, the thread's reference. It is not a faster path: the training
+thread then pays for every read in full, where a reading thread overlaps most of it with the step.
 """
 
 from __future__ import annotations
