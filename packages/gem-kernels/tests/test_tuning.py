@@ -49,3 +49,118 @@ def test_host_cdiv_and_next_power_of_2_are_tritons():
         for d in (1, 3, 16, 64, 128, 1000):
             assert _tuning.cdiv(n, d) == triton.cdiv(n, d), (n, d)
     assert _tuning.cdiv(0, 16) == 0
+
+
+# --- the direct launch of a compiled kernel ---------------------------------------------------------------------
+
+def _triton_specialisation(arg):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    return native_specialize_impl(CUDABackend(GPUTarget("cuda", 90, 32)), arg, False, True, True)
+
+
+def test_equal_specialisations_are_equal_for_triton():
+    import itertools
+
+    import torch
+
+    x = torch.zeros(256, dtype=torch.bfloat16)
+    y = torch.zeros(256, dtype=torch.float32)
+    args = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, 2**31 - 16, 2**31, 2**31 + 16, 2**40 + 3, 2**62, 0.5, 1.0, True,
+            False, x, x[1:], x[8:], x[16:], y, y[1:], y[4:], y[8:]]
+    for a, b in itertools.product(args, repeat=2):
+        if _tuning.specialisation((a,)) == _tuning.specialisation((b,)):
+            assert _triton_specialisation(a) == _triton_specialisation(b), (a, b)
+    assert _tuning.specialisation(("not an argument Triton takes",)) is None
+
+
+class _FakeCompiled:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, log):
+        self.log = log
+
+    @property
+    def run(self):
+        return lambda *a: self.log.append(("direct",) + a)
+
+
+class _FakeKernel:
+    """Stands for a JITFunction with parameters (X, n, scale, A: constexpr, B: constexpr = 7)."""
+
+    arg_names = ["X", "n", "scale", "A", "B"]
+
+    def __init__(self):
+        import inspect
+
+        self.signature = inspect.signature(lambda X, n, scale, A, B=7: None)
+        self.log = []
+
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            self.log.append(("triton", grid, args, kw))
+            return _FakeCompiled(self.log)
+        return call
+
+
+def _fast(monkeypatch):
+    monkeypatch.setattr(_tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(_tuning, "FAST_LAUNCH", True)
+    monkeypatch.setattr(_tuning, "_COMPILED", {})
+    monkeypatch.setattr(_tuning.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_tuning, "_current_stream", lambda device: 1234)
+
+
+def test_a_repeated_launch_calls_the_compiled_kernel_directly(monkeypatch):
+    import torch
+
+    _fast(monkeypatch)
+    k = _FakeKernel()
+    cfg = dict(num_warps=4)
+    x = torch.zeros(64)
+    _tuning._launch(k, (5, 2), (x, 32, 0.5), dict(A=3), cfg, ("key",))
+    _tuning._launch(k, (5, 2), (x, 48, 0.25), dict(A=3), cfg, ("key",))
+    assert k.log[0] == ("triton", (5, 2), (x, 32, 0.5), dict(A=3, num_warps=4))
+    # every parameter in order, the constexprs (and B's default) after the positional arguments
+    assert k.log[1] == ("direct", 5, 2, 1, 1234, "function", "metadata", None, None, None, x, 48, 0.25, 3, 7)
+    assert len(k.log) == 2
+
+
+def test_what_changes_the_binary_goes_through_triton_again(monkeypatch):
+    import torch
+
+    _fast(monkeypatch)
+    k = _FakeKernel()
+    cfg = dict(num_warps=4)
+    x = torch.zeros(64)
+    base = ((x, 32, 0.5), dict(A=3), cfg)
+    _tuning._launch(k, (1,), *base, ("key",))
+    for args, consts, c in [((x[1:], 32, 0.5), dict(A=3), cfg),  # alignment
+                            ((x.half(), 32, 0.5), dict(A=3), cfg),  # dtype
+                            ((x, 1, 0.5), dict(A=3), cfg),  # an integer equal to 1
+                            ((x, 33, 0.5), dict(A=3), cfg),  # divisibility by 16
+                            ((x, 2**32, 0.5), dict(A=3), cfg),  # width
+                            ((x, 32, 0.5), dict(A=4), cfg),  # a constexpr
+                            ((x, 32, 0.5), dict(A=3), dict(num_warps=4))]:  # another config
+        before = len(k.log)
+        _tuning._launch(k, (1,), args, consts, c, ("key",))
+        assert k.log[before][0] == "triton", (args, consts)
+
+
+def test_the_direct_launch_can_be_turned_off_and_yields_to_launch_hooks(monkeypatch):
+    import torch
+
+    _fast(monkeypatch)
+    k = _FakeKernel()
+    cfg = dict(num_warps=4)
+    x = torch.zeros(64)
+    monkeypatch.setattr(_tuning, "FAST_LAUNCH", False)
+    for _ in range(2):
+        _tuning._launch(k, (1,), (x, 32, 0.5), dict(A=3), cfg, ("key",))
+    monkeypatch.setattr(_tuning, "FAST_LAUNCH", True)
+    monkeypatch.setattr(_tuning.triton.knobs.runtime.launch_enter_hook, "calls", [lambda meta: None])
+    for _ in range(2):
+        _tuning._launch(k, (1,), (x, 32, 0.5), dict(A=3), cfg, ("key",))
+    assert [e[0] for e in k.log] == ["triton"] * 4

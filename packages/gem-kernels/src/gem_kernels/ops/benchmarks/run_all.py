@@ -280,6 +280,23 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
+def same_with_direct_launch(run) -> bool:
+    """``run()`` (a tuple of tensors) gives bit for bit the same through Triton's launch path and through the
+    compiled kernels' launchers called directly (``_tuning``'s fast path)."""
+    from gem_kernels.ops.triton import _tuning
+
+    fast = _tuning.FAST_LAUNCH
+    try:
+        _tuning.FAST_LAUNCH = False
+        ref = run()
+        _tuning.FAST_LAUNCH = True
+        run()  # keeps the compiled kernel of every launch not seen before
+        out = run()
+    finally:
+        _tuning.FAST_LAUNCH = fast
+    return all(torch.equal(a, b) for a, b in zip(ref, out))
+
+
 def run_checks(rec: Recorder):
     from gem_kernels import block_attention, gdpa, jagged_flash_attention, layer_norm, rms_norm
 
@@ -328,11 +345,13 @@ def run_checks(rec: Recorder):
             g_r = torch.autograd.grad(o_r, [q, k, v], do)
             errs = {"out": rel_err(o_t, o_r)}
             errs.update({f"d{n}": rel_err(a, b) for n, a, b in zip("qkv", g_t, g_r)})
-            ok = all(e < tol for e in errs.values()) and all(torch.isfinite(x).all() for x in (o_t, *g_t))
+            direct = same_with_direct_launch(
+                lambda: (lambda o: (o, *torch.autograd.grad(o, [q, k, v], do)))(fn(q, k, v, "triton")))
+            ok = all(e < tol for e in errs.values()) and all(torch.isfinite(x).all() for x in (o_t, *g_t)) and direct
             rec.checks.append({"name": name, "dtype": str(dt).split(".")[-1], "rel_err": errs, "tol": tol,
-                               "ok": bool(ok)})
+                               "direct_launch_bitwise": direct, "ok": bool(ok)})
             print(f"  check {name:18s} {str(dt):15s} {'OK ' if ok else 'BAD'} "
-                  + " ".join(f"{k}={e:.1e}" for k, e in errs.items()), flush=True)
+                  + " ".join(f"{k}={e:.1e}" for k, e in errs.items()) + f" direct-launch-same={direct}", flush=True)
         guarded(rec, f"check {name}", one)
 
     for dt in (torch.bfloat16, torch.float16):
@@ -357,11 +376,19 @@ def run_checks(rec: Recorder):
                     g_r = torch.autograd.grad(o_r, ins, seeds)
                     errs = {"out": rel_err(o_t[0], o_r[0])}
                     errs.update({f"g{i}": rel_err(a, bb) for i, (a, bb) in enumerate(zip(g_t, g_r))})
-                    ok = all(e < 1e-2 for e in errs.values())
+
+                    def run():
+                        o = f("triton")
+                        o = o if isinstance(o, tuple) else (o,)
+                        return (*o, *torch.autograd.grad(o, ins, seeds))
+                    direct = same_with_direct_launch(run)
+                    ok = all(e < 1e-2 for e in errs.values()) and direct
                     rec.checks.append({"name": f"{op}{'_res' if res else ''}", "dtype": str(dt).split(".")[-1],
-                                       "rel_err": errs, "tol": 1e-2, "ok": bool(ok)})
+                                       "rel_err": errs, "tol": 1e-2, "direct_launch_bitwise": direct,
+                                       "ok": bool(ok)})
                     print(f"  check {op + ('_res' if res else ''):18s} {str(dt):15s} {'OK ' if ok else 'BAD'} "
-                          + " ".join(f"{k}={e:.1e}" for k, e in errs.items()), flush=True)
+                          + " ".join(f"{k}={e:.1e}" for k, e in errs.items()) + f" direct-launch-same={direct}",
+                          flush=True)
                 guarded(rec, f"check {op}", one)
     rec.write()
 

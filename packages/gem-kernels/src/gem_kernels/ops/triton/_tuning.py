@@ -3,6 +3,11 @@ device's benchmark run picked (``tuned/<device>.json``, shipped with the package
 
 Triton's own autotuner would also run under the interpreter (where timing is meaningless), so the package
 keeps its own: candidates are plain launch-keyword dicts, results are cached per key for the process.
+
+Launches after a kernel's first one skip Triton's per-call binding (``JITFunction.run`` rebinds and
+re-specialises every argument, ~15 us a launch on the H200's host, on calls whose GPU work is often shorter):
+the compiled kernel is kept per (key, constexprs, argument specialisation) and its launcher called directly.
+``FAST_LAUNCH = False`` (or GEM_KERNELS_FAST_LAUNCH=0) sends every launch through Triton's own path.
 """
 
 from __future__ import annotations
@@ -11,12 +16,17 @@ import json
 import os
 from pathlib import Path
 
+import torch
 import triton
 
 _TUNED: dict[tuple, dict] = {}
 _PRESET: dict[str, dict] = {}  # configs loaded from a file, keyed by repr(key)
 _SHIPPED: dict[str, dict] | None = None  # this device's shipped configs, read at the first launch
 TUNED_DIR = Path(__file__).parent / "tuned"
+FAST_LAUNCH = os.environ.get("GEM_KERNELS_FAST_LAUNCH", "1") != "0"
+# (kernel, key, constexpr values, device, argument specialisation) -> (config, compiled kernel, constexpr arguments)
+_COMPILED: dict[tuple, tuple] = {}
+_INT32 = (-(2**31), 2**31)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -77,6 +87,62 @@ def _preset(key: tuple, cands: list[dict]) -> dict | None:
     return dict(cfg) if cfg is not None and set(cfg) == set(cands[0]) else None
 
 
+def specialisation(args: tuple) -> tuple | None:
+    """What Triton specialises a compiled kernel on, per non-constexpr argument, at least as finely as Triton
+    does (so two launches with equal tuples run the same binary): a tensor's dtype and 16-byte alignment, an
+    integer's width, divisibility by 16 and being 1, a float or bool's type. None for any other argument."""
+    sig = []
+    for a in args:
+        t = type(a)
+        if t is int:
+            sig.append(1 if a == 1 else (a & 15 == 0, _INT32[0] <= a < _INT32[1], a < 2**63))
+        elif isinstance(a, torch.Tensor):
+            sig.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif t is float or t is bool:
+            sig.append(t)
+        else:
+            return None
+    return tuple(sig)
+
+
+try:  # what Triton's driver asks torch for (torch.cuda.current_stream builds a Stream object every call)
+    from torch._C import _cuda_getCurrentRawStream as _current_stream
+except ImportError:  # pragma: no cover - depends on the torch build
+    def _current_stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def _direct_launch_ok() -> bool:
+    # a launch hook (e.g. a profiler) needs Triton's launch metadata: take its path then
+    hooks = triton.knobs.runtime.launch_enter_hook
+    return FAST_LAUNCH and not interpreting() and not getattr(hooks, "calls", hooks)
+
+
+def _launch(kernel, grid: tuple, args: tuple, consts: dict, cfg: dict, key: tuple) -> None:
+    """``kernel[grid](*args, **consts, **cfg)``, through the compiled kernel's launcher when this key, these
+    constexprs and this argument specialisation have launched before."""
+    if not _direct_launch_ok():
+        kernel[grid](*args, **consts, **cfg)
+        return
+    device = torch.cuda.current_device()
+    sig = specialisation(args)
+    fast_key = (id(kernel), key, tuple(consts.values()), device, sig)
+    hit = _COMPILED.get(fast_key) if sig is not None else None
+    if hit is not None and hit[0] is cfg:
+        _, compiled, tail = hit
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     _current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *tail)
+        return
+    compiled = kernel[grid](*args, **consts, **cfg)
+    if sig is not None and compiled is not None and compiled.run is not None and compiled.function is not None:
+        # the launcher takes every parameter in order: the constexprs after the positional arguments too
+        named = dict(consts, **cfg)
+        params = kernel.signature.parameters
+        tail = tuple(named[n] if n in named else params[n].default for n in kernel.arg_names[len(args):])
+        _COMPILED[fast_key] = (cfg, compiled, tail)
+
+
 def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands) -> None:
     """args: a tuple, or a function of the config returning one (for inputs that depend on the config); the
     launch that counts is the last one. cands: the candidate configs, or a function returning them, called only
@@ -106,4 +172,4 @@ def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands) -> None:
             if best is not None:
                 cfg = best[1]
         _TUNED[key] = cfg
-    kernel[grid_fn(cfg)](*args_fn(cfg), **consts, **cfg)
+    _launch(kernel, grid_fn(cfg), args_fn(cfg), consts, cfg, key)

@@ -18,6 +18,7 @@ from gem_kernels.ops.triton.triton_attention_kernels import (
     attn_fwd_kernel,
     attn_fwd_short_kv_kernel,
 )
+from gem_kernels.ops.triton.triton_sum_rows import sum_rows
 
 _UNBOUNDED = 1 << 30
 _LOG2E = 1.4426950408889634
@@ -283,8 +284,8 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
         launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
                 dict(common, HAS_KV_IDX=kv_index is not None), ("dq",) + key_tail,
                 lambda: _candidates("dq", spec, D))
-    if spec.nq is not None:
-        dq = dq.view(B, spec.nq, H, D).sum(0).to(q.dtype)
+    if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
+        dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)
     return dq, dk, dv
 
 

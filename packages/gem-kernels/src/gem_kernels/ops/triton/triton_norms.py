@@ -2,16 +2,20 @@
 
 Forward: one pass reads x (and the residual), writes y (and the sum), and keeps per-row mean / rstd in fp32.
 Backward: each program walks a fixed, strided set of row tiles and keeps its weight / bias gradient partials in
-registers; the partials are summed by torch afterwards, so the result is deterministic (no atomics).
+registers; the partials are summed in a fixed order afterwards (``triton_sum_rows``), so the result is
+deterministic (no atomics).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
+from gem_kernels.ops.triton.triton_sum_rows import sum_rows
 
 
 @triton.jit
@@ -149,12 +153,16 @@ def _bwd_cands(block_n: int) -> list[dict]:
     return cands
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _num_bwd_programs(m: int, cfg: dict, device: torch.device) -> int:
     tiles = cdiv(m, cfg["ROWS"])
     if interpreting() or device.type != "cuda":
         return max(1, min(4, tiles))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(cfg["PER_SM"] * sms, tiles))
+    return max(1, min(cfg["PER_SM"] * _sm_count(device), tiles))
 
 
 class _TritonNorm(torch.autograd.Function):
@@ -197,8 +205,9 @@ class _TritonNorm(torch.autograd.Function):
         def args(cfg):
             # one row of weight / bias partials per program, as many programs as this config launches
             G = _num_bwd_programs(M, cfg, h.device)
-            dw = torch.empty((G, N), dtype=torch.float32, device=h.device)
-            db = torch.empty((G, N), dtype=torch.float32, device=h.device) if bias is not None else dw
+            # NOTE: one allocation for both partials (host time: this runs on autograd's device thread)
+            dw_db = torch.empty((2 if bias is not None else 1, G, N), dtype=torch.float32, device=h.device)
+            dw, db = dw_db[0], dw_db[-1]
             partials[:] = [dw, db]  # the last launch's are the result
             return (h, dy2, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw, db, M, N,
                     h.stride(0), dy2.stride(0), dy2.stride(0) if dh2 is None else dh2.stride(0), dx.stride(0))
@@ -208,8 +217,10 @@ class _TritonNorm(torch.autograd.Function):
                lambda: _bwd_cands(block_n))
         dw, db = partials
         dx = dx.view(ctx.shape)
-        dweight = dw.sum(0).to(weight.dtype)
-        dbias = db.sum(0).to(bias.dtype) if bias is not None else None
+        if bias is None:
+            dweight, dbias = sum_rows(dw, weight.dtype), None
+        else:
+            dweight, dbias = sum_rows(dw, weight.dtype, db, bias.dtype)
         return dx, dweight, dbias, (dx if ctx.has_res else None), None, None
 
 
