@@ -241,7 +241,9 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
     R = kv_offsets.shape[0] - 1
     B = q_offsets.shape[0] - 1 if spec.nq is None else R
     do = do.contiguous()
-    delta = softmax_delta(do, o)  # [T_out, H]: only the softmax heads read it
+    # [T_out, H]: only the softmax heads read it. The few broadcast queries (PMA) compute it from O in the kernels.
+    delta_from_o = _broadcast_q(spec) and kv_index is None and o.stride() == do.stride()
+    delta = o if delta_from_o else softmax_delta(do, o)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     # NOTE: broadcast queries collect one partial dQ per example, summed afterwards (deterministic).
@@ -271,7 +273,8 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
             bargs = (q, k, v, do, lse, delta, dk, dv, kv_offsets, head_ids) + args[13:-4]
             launch(attn_bwd_dkdv_broadcast_q_kernel,
                    lambda c: (cdiv(spec.max_kv, c["BLOCK_N"] * c["KV_TILES"]), R, nh), bargs,
-                   dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16)),
+                   dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16),
+                        DELTA_FROM_O=delta_from_o),
                    ("dkdv_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
         else:
             launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
@@ -282,7 +285,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
         launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-                dict(common, HAS_KV_IDX=kv_index is not None), ("dq",) + key_tail,
+                dict(common, HAS_KV_IDX=kv_index is not None, DELTA_FROM_O=delta_from_o), ("dq",) + key_tail,
                 lambda: _candidates("dq", spec, D))
     if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
         dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)

@@ -176,6 +176,15 @@ def _load_softmax_stats(LSE_base, DELTA_base, rows, stride_lt, mask, MASKED: tl.
 
 
 @triton.jit
+def _softmax_stats_from_o(LSE_base, O_base, do, rows, stride_lt, stride_ot, offs_d, mask):
+    """As ``_load_softmax_stats``, with ``delta`` computed here from O's rows (laid out as dO's) instead of read
+    from the pre-pass: for the few broadcast queries (PMA) that saves a launch the whole call would wait for."""
+    lse = tl.load(LSE_base + rows * stride_lt, mask=mask, other=1.0e30)
+    o = _load_rows(O_base, rows, stride_ot, offs_d, mask, True)
+    return lse, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+
+
+@triton.jit
 def _online_softmax(s, m_i, l_i, acc):
     """One key tile of the online softmax (scores in the log2 domain): the tile's probabilities against the new
     running max, and the running max, sum and output accumulator moved to it."""
@@ -472,11 +481,12 @@ def attn_bwd_dkdv_broadcast_q_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
     NQ, qk_scale, dk_scale, dv_scale,
     ACT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_TILES: tl.constexpr,
+    KV_TILES: tl.constexpr, DELTA_FROM_O: tl.constexpr,
 ):
     """dK / dV of full attention from ``NQ <= BLOCK_M`` broadcast queries (PMA): the queries, their dO and
     softmax statistics fit one tile, loaded once per program, and ``KV_TILES`` key tiles of one kv sequence stream
-    through them (the general kernel would spend a program, and its load latency, on each key tile)."""
+    through them (the general kernel would spend a program, and its load latency, on each key tile).
+    DELTA_FROM_O: DELTA is the output O (in dO's layout) and delta is computed from it."""
     pid_n = tl.program_id(0)
     r = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -489,7 +499,10 @@ def attn_bwd_dkdv_broadcast_q_kernel(
         o_start = r.to(tl.int64) * NQ
         q = _load_rows(Q + h * stride_qh, offs_m, stride_qt, offs_d, qmask, True)
         do = _load_rows(DO + h * stride_doh, o_start + offs_m, stride_dot, offs_d, qmask, True)
-        if ACT == 0:
+        if ACT == 0 and DELTA_FROM_O:
+            lse, delta = _softmax_stats_from_o(LSE + h, DELTA + h * stride_doh, do, o_start + offs_m, stride_lt,
+                                               stride_dot, offs_d, qmask)
+        elif ACT == 0:
             lse, delta = _load_softmax_stats(LSE + h, DELTA + h, o_start + offs_m, stride_lt, qmask, True)
         else:
             lse = offs_m.to(tl.float32)  # unread by pointwise heads
@@ -548,7 +561,9 @@ def attn_bwd_dq_kernel(
     NQ, qk_scale, dq_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DELTA_FROM_O: tl.constexpr,
 ):
+    # DELTA_FROM_O: as in attn_bwd_dkdv_broadcast_q_kernel
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -560,7 +575,10 @@ def attn_bwd_dq_kernel(
         qmask = offs_m < q_len
         q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
         do = _load_rows(DO + h * stride_doh, o_start + offs_m, stride_dot, offs_d, qmask, True)
-        if ACT == 0:
+        if ACT == 0 and DELTA_FROM_O:
+            lse, delta = _softmax_stats_from_o(LSE + h, DELTA + h * stride_doh, do, o_start + offs_m, stride_lt,
+                                               stride_dot, offs_d, qmask)
+        elif ACT == 0:
             lse, delta = _load_softmax_stats(LSE + h, DELTA + h, o_start + offs_m, stride_lt, qmask, True)
         else:
             lse = tl.zeros([BLOCK_M], dtype=tl.float32)
