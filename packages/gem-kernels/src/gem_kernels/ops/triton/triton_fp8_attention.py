@@ -27,7 +27,7 @@ from gem_kernels.ops.triton.triton_attention_kernels import (_key_tiles, _load_c
                                                               _store_rows, _visible)
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
 
-P_SCALE: tl.constexpr = 256.0  # P in [0, 1] -> [0, 256]: E4M3's largest power of two below 448
+P_SCALE = tl.constexpr(256.0)  # P in [0, 1] -> [0, 256]: E4M3's largest power of two below 448
 
 
 @triton.jit
