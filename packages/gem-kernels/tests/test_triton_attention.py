@@ -266,20 +266,3 @@ def test_untuned_configs_fit_shared_memory(monkeypatch):
     for c in ta._short_kv_candidates(blocks, 128, 2):
         assert c["num_stages"] * 3 * 128 * 128 * 2 <= ta.SMEM_BUDGET, c
     assert ta._fit_stages(3, 0, ta.SMEM_BUDGET) == 1  # one stage is the floor
-
-
-def test_general_configs_fit_shared_memory_in_fp32(monkeypatch):
-    """The general kernels' candidates, fp32 inputs included: an fp32 dK/dV default (128-row K and V kept, two
-    64-row Q / dO stages) asked the H200 for 256.5 KiB of its 227. The 16-bit candidates are left as tuned."""
-    from gem_kernels.ops.triton import triton_attention as ta
-
-    monkeypatch.setattr(ta, "interpreting", lambda: False)
-    spec = ta.AttnSpec(max_q=4096, max_kv=4096, nq=None, activations=("softmax",), sm_scale=1.0, pw_scale=1.0)
-    for D in (64, 128, 256):
-        row = D * 4
-        for kind in ("fwd", "dkdv", "dq"):
-            for c in ta._candidates(kind, spec, D, 4):
-                bm, bn, st = c["BLOCK_M"], c["BLOCK_N"], c["num_stages"]
-                kept, streamed = {"fwd": (bm, 2 * bn), "dkdv": (2 * bn, 2 * bm), "dq": (2 * bm, 2 * bn)}[kind]
-                assert (kept + st * streamed) * row <= ta.SMEM_LIMIT, (kind, D, c)
-    assert ta._candidates("fwd", spec, 128, 2)[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)

@@ -55,7 +55,7 @@ def _pow2_at_least(n: int, lo: int) -> int:
 # --- tile configs ---------------------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M tiles queries, BLOCK_N keys, in all three kernels.
 
-def _candidates(kind: str, spec: AttnSpec, head_dim: int, itemsize: int = 2) -> list[dict]:
+def _candidates(kind: str, spec: AttnSpec, head_dim: int) -> list[dict]:
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
     big = head_dim <= 128
@@ -77,8 +77,7 @@ def _candidates(kind: str, spec: AttnSpec, head_dim: int, itemsize: int = 2) -> 
         if block is not None and block % 16 == 0:
             # NOTE: tiles that divide the block size never straddle a block edge, so they stay unmasked.
             bm, bn = math.gcd(bm, block), math.gcd(bn, block)
-        bm, bn, st = _fit_general(kind, max(bm, 16), max(bn, 16), st, head_dim, itemsize)
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+        cfg = dict(BLOCK_M=max(bm, 16), BLOCK_N=max(bn, 16), num_warps=w, num_stages=st)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -111,31 +110,6 @@ def _fit_stages(stages: int, fixed: int, per_stage: int) -> int:
     while stages > 1 and fixed + stages * per_stage > SMEM_BUDGET:
         stages -= 1
     return stages
-
-
-# the H200's shared memory per block; the general kernels' pipelines, counted by their tiles, come within 0.2% of
-# what Triton asks for (an fp32 dK/dV config counted at 256.0 KiB asked for 256.5 KiB)
-SMEM_LIMIT = 227 * 1024
-
-
-def _fit_general(kind: str, bm: int, bn: int, stages: int, head_dim: int, itemsize: int) -> tuple[int, int, int]:
-    """Tiles and pipeline depth of a general-kernel config cut until its buffers fit SMEM_LIMIT: first fewer
-    stages, then halved tiles (what fp32 inputs need; the 16-bit configs fit as they are)."""
-    def smem(bm, bn, st):
-        row = head_dim * itemsize
-        if kind == "fwd":  # Q kept, K and V streamed
-            return bm * row + st * 2 * bn * row
-        if kind == "dkdv":  # K and V kept, Q and dO streamed
-            return 2 * bn * row + st * 2 * bm * row
-        return 2 * bm * row + st * 2 * bn * row  # dq: Q and dO kept, K and V streamed
-    while smem(bm, bn, stages) > SMEM_LIMIT:
-        if stages > 1:
-            stages -= 1
-        elif max(bm, bn) > 16:
-            bm, bn = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
-        else:
-            break
-    return bm, bn, stages
 
 
 def _short_kv_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[dict]:
@@ -244,7 +218,7 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
                    lambda: _short_kv_candidates(spec, D, q.element_size()))
             continue
         launch(attn_fwd_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
-                lambda: _candidates("fwd", spec, D, q.element_size()))
+                lambda: _candidates("fwd", spec, D))
     return o, lse
 
 
@@ -305,14 +279,14 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
         else:
             launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
                    dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail,
-                   lambda: _candidates("dkdv", spec, D, q.element_size()))
+                   lambda: _candidates("dkdv", spec, D))
         args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
                 head_ids, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
         launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
                 dict(common, HAS_KV_IDX=kv_index is not None, DELTA_FROM_O=delta_from_o), ("dq",) + key_tail,
-                lambda: _candidates("dq", spec, D, q.element_size()))
+                lambda: _candidates("dq", spec, D))
     if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
         dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)
     return dq, dk, dv
