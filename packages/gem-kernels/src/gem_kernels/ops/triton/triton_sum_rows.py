@@ -40,7 +40,8 @@ def _candidates(n: int) -> list[dict]:
     if interpreting():
         return [dict(BLOCK_G=4, BLOCK_N=16, num_warps=4)]
     block_n = min(64, next_power_of_2(n))
-    return [dict(BLOCK_G=32, BLOCK_N=block_n, num_warps=4), dict(BLOCK_G=16, BLOCK_N=min(128, 2 * block_n), num_warps=4),
+    return [dict(BLOCK_G=32, BLOCK_N=block_n, num_warps=4),
+            dict(BLOCK_G=16, BLOCK_N=min(128, 2 * block_n), num_warps=4),
             dict(BLOCK_G=64, BLOCK_N=max(16, block_n // 2), num_warps=8)]
 
 

@@ -1,0 +1,124 @@
+"""Every kernel the ops launch lowers to Triton IR for the H200 (sm_90), from this CPU.
+
+The interpreter runs a kernel's Python, not Triton's compiler front end, so a kernel can pass every interpreter test
+and still not compile for a GPU (a module-level constant annotated ``tl.constexpr`` instead of built as one did).
+Here the ops run once under the interpreter while their launches are recorded; each distinct (kernel, constexprs)
+is then lowered to TTIR with the argument types of its recorded launch.
+"""
+
+import torch
+from conftest import requires_triton
+
+from gem_kernels import block_attention, gdpa, jagged_flash_attention, layer_norm, rms_norm
+from gem_kernels.ops.triton import _tuning
+
+pytestmark = requires_triton
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+          torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
+          torch.float8_e5m2: "fp8e5"}
+
+
+def _type(arg) -> str:
+    if isinstance(arg, torch.Tensor):
+        return "*" + _TYPES[arg.dtype]
+    if isinstance(arg, bool):
+        return "i1"
+    if isinstance(arg, int):
+        return "i32" if -(2**31) <= arg < 2**31 else "i64"
+    if isinstance(arg, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(arg).__name__}")
+
+
+def _record_launches(monkeypatch) -> dict:
+    launches = {}
+    run = _tuning._launch
+
+    def recording(kernel, grid, args, consts, cfg, key):
+        named = {**consts, **{k: v for k, v in cfg.items() if k in kernel.arg_names}}
+        launches.setdefault((kernel.fn.__name__, repr(sorted(named.items()))), (kernel, args, named))
+        run(kernel, grid, args, consts, cfg, key)
+
+    monkeypatch.setattr(_tuning, "_launch", recording)
+    return launches
+
+
+def _run_every_op():
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, dtype=torch.float32):
+        return (0.5 * torch.randn(*shape, generator=g)).to(dtype).requires_grad_()
+
+    # NOTE: head dim 32: FP8 dots need K >= 32 on the GPU (the interpreter takes any)
+    off = torch.tensor([0, 5, 40, 41, 70])
+    q, k, v = r(70, 2, 32), r(70, 2, 32), r(70, 2, 32)
+    outs = [jagged_flash_attention(q, k, v, off, 40, kernel="triton"),
+            jagged_flash_attention(q, k, v, off, 40, causal=True, window=7, kernel="triton"),
+            gdpa(q, k, v, off, activation=["softmax", "gelu"], max_seq_len_q=40, kernel="triton"),
+            block_attention(q, k, v, off, 16, 1, kernel="triton"),
+            block_attention(q, k, v, off, 16, 2, kernel="triton"),
+            jagged_flash_attention(q, k, v, off, 40, kernel="triton", fp8=True)]
+    ko = torch.tensor([0, 3, 19, 20, 36])
+    kc, vc = r(36, 2, 32), r(36, 2, 32)
+    outs.append(gdpa(q, kc, vc, off, ko, max_seq_len_q=40, max_seq_len_kv=16, kernel="triton"))
+    outs.append(gdpa(q, kc, vc, off, ko, max_seq_len_q=40, max_seq_len_kv=200, kernel="triton"))
+    seeds = r(4, 2, 32)
+    outs.append(gdpa(seeds, k, v, None, off, max_seq_len_kv=40, kernel="triton"))
+    x, res = r(9, 48, dtype=torch.float16), r(9, 48, dtype=torch.float16)
+    w, b = r(48, dtype=torch.float16), r(48, dtype=torch.float16)
+    outs += [layer_norm(x, w, b, residual=res, kernel="triton")[0], rms_norm(x, w, kernel="triton")]
+    sum(o.float().sum() for o in outs).backward()
+
+
+_LOWER = """
+import json, sys, importlib
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+from triton._C.libtriton import ir
+target = GPUTarget("cuda", 90, 32)
+backend = CUDABackend(target)
+options = backend.parse_options({})
+failed = []
+for module, name, signature, constexprs in json.load(sys.stdin):
+    fn = getattr(importlib.import_module(module), name)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    try:
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs).make_ir(
+            target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    except Exception as e:
+        failed.append(f"{name} with {constexprs}: {type(e).__name__}: {e} {e.__cause__!r}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    launches = _record_launches(monkeypatch)
+    _run_every_op()
+    names = {name for name, _ in launches}
+    assert {"attn_fwd_kernel", "attn_fwd_short_kv_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel",
+            "attn_bwd_dkdv_broadcast_q_kernel", "attn_bwd_delta_kernel", "attn_fwd_fp8_kernel", "norm_fwd_kernel",
+            "norm_bwd_kernel", "sum_rows_kernel"} <= names, names
+    jobs = []
+    for (name, _), (kernel, args, named) in launches.items():
+        params = kernel.arg_names
+        signature = {p: "constexpr" if p in named else _type(a) for p, a in zip(params, args)}
+        signature.update({p: "constexpr" for p in params[len(args):]})
+        if "EXACT_CAST" in named:  # an interpreter-only rounding fix; the GPU launches the kernel without it
+            named = dict(named, EXACT_CAST=False)
+        jobs.append((kernel.fn.__module__, name, signature, named))
+    # NOTE: in a fresh process: the interpreter patches triton.language while it runs kernels, and the front end
+    # must see it unpatched
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _LOWER], input=json.dumps(jobs), capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
