@@ -5,8 +5,8 @@ Triton's own autotuner would also run under the interpreter (where timing is mea
 keeps its own: candidates are plain launch-keyword dicts, results are cached per key for the process.
 
 Launches after a kernel's first one skip Triton's per-call binding (``JITFunction.run`` rebinds and
-re-specialises every argument, ~15 us a launch on the H200's host, on calls whose GPU work is often shorter):
-the compiled kernel is kept per (key, constexprs, argument specialisation) and its launcher called directly.
+re-specialises every argument on every launch, host time that short calls make the GPU wait for): the compiled
+kernel is kept per (key, constexprs, argument specialisation) and its launcher called directly.
 ``FAST_LAUNCH = False`` (or GEM_KERNELS_FAST_LAUNCH=0) sends every launch through Triton's own path.
 """
 
