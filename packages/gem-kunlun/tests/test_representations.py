@@ -91,6 +91,8 @@ def test_summary_is_the_attention_of_its_query_over_each_examples_vectors_and_th
 def test_models_read_representations_per_example_and_learn_from_them(build):
     torch.manual_seed(0)
     model = build(SPEC_WITH_REPRESENTATIONS).eval()
+    if isinstance(model, BaselineRanker):  # its representation columns start at zero; as after some training
+        torch.nn.init.normal_(model.representation_input.weight, std=0.1)
     batch = batch_with(seed=1, size=4)
     out = model(batch).logits
     for i in range(4):  # an example's output depends on its own vectors only
@@ -111,3 +113,14 @@ def test_sasrec_refuses_representation_features_in_one_line():
                        representations=(RepresentationFeature("loopfm", 4),))
     with pytest.raises(ValueError, match="SASRec reads item ids only, not representation features"):
         SasrecModel(spec)
+
+
+def test_the_baseline_with_representations_starts_as_the_same_function_as_without():
+    """Its representation tokens join the first MLP layer through columns of their own that start at zero: given
+    the shared weights, the model with LoopFM inputs computes what the model without them does, until it learns."""
+    torch.manual_seed(0)
+    plain, extended = BaselineRanker(SPEC), BaselineRanker(SPEC_WITH_REPRESENTATIONS)
+    missing, unexpected = extended.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith("representation") for k in missing)
+    out = extended(random_batch(6, seed=2, spec=SPEC_WITH_REPRESENTATIONS)).logits
+    torch.testing.assert_close(out, plain(random_batch(6, seed=2)).logits)

@@ -8,6 +8,7 @@ format: KeyedJaggedTensor ids, jagged event sequences, dense features, surfaces 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,16 @@ class SeedPooling(nn.Module):
         }
 
 
+class ZeroInitLinear(nn.Linear):
+    """A bias-free linear map whose weights start at zero (a new input joining a layer without changing it)."""
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | None = None) -> None:
+        super().__init__(in_features, out_features, bias=False, device=device)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
 class BaselineRanker(nn.Module):
     """``forward(batch) -> ModelOutput(logits [B, num_tasks], aux_loss = 0)``; see the module docstring."""
 
@@ -94,12 +105,16 @@ class BaselineRanker(nn.Module):
         self.embedding = FeatureEmbedding(spec, dim, device=device)
         self.event_type = nn.Embedding(len(spec.events), dim, device=device)
         self.pool = SeedPooling(dim, config.num_seeds, config.num_heads, device=device)
-        # LoopFM's representation sequences, if the data has them: one more MLP input token each
-        self.representations = RepresentationSummary(spec.representations, dim, device=device) if spec.representations else None
-        widths = [(len(spec.sparse) + 1 + config.num_seeds + len(spec.representations)) * dim, *config.hidden]
+        widths = [(len(spec.sparse) + 1 + config.num_seeds) * dim, *config.hidden]
         self.mlp = nn.Sequential(
             *[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.ReLU())]
         )
+        # LoopFM's representation sequences, if the data has them: one more token each, added to the MLP's first
+        # layer through columns of their own that start at zero, so that the model starts as the same function
+        # (and, initialised by module name, with the same weights) as the model without them
+        self.representations = RepresentationSummary(spec.representations, dim, device=device) if spec.representations else None
+        self.representation_input = ZeroInitLinear(len(spec.representations) * dim, widths[1], device=device) \
+            if spec.representations else None
         self.representation_dim = widths[-1]
         self.heads = MultiTaskHeads(widths[-1], len(spec.tasks), spec.num_surfaces, device=device)
 
@@ -114,11 +129,12 @@ class BaselineRanker(nn.Module):
         seq = seq + self.event_type(event_type)
         context = sparse.mean(1) + dense
         summary = self.pool(seq, offsets, self.config.max_seq_len, context)
-        parts = [sparse.flatten(1), dense, summary.flatten(1)]
+        x = self.mlp[0](torch.cat([sparse.flatten(1), dense, summary.flatten(1)], 1))
         if self.representations is not None:
-            parts.append(self.representations(batch).flatten(1))
-        x = torch.cat(parts, 1)
-        representation = self.mlp(x)
+            x = x + self.representation_input(self.representations(batch).flatten(1))
+        for layer in itertools.islice(self.mlp, 1, None):
+            x = layer(x)
+        representation = x
         logits = self.heads(representation, batch.surface)
         return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=representation)
 
@@ -131,7 +147,8 @@ class BaselineRanker(nn.Module):
         table.update(self.pool.flops(lengths))
         if self.representations is not None:
             table.update(self.representations.flops({n: r.lengths.cpu() for n, r in batch.representations.items()}))
-        table["mlp"] = sum(2.0 * m.in_features * m.out_features for m in self.mlp if isinstance(m, nn.Linear)) * b
+        linears = [m for m in (*self.mlp, self.representation_input) if isinstance(m, nn.Linear)]
+        table["mlp"] = sum(2.0 * m.in_features * m.out_features for m in linears) * b
         table["heads"] = self.heads.flops_per_example() * b
         return table
 
