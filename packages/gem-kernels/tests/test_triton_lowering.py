@@ -122,3 +122,50 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
     done = subprocess.run([sys.executable, "-c", _LOWER], input=json.dumps(jobs), capture_output=True, text=True,
                           env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+_SHARED = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gem_kernels.ops.triton import triton_attention as ta
+from gem_kernels.ops.triton.triton_attention_kernels import attn_bwd_dkdv_kernel as kernel
+
+spec = ta.AttnSpec(max_q=4096, max_kv=4096, nq=None, activations=("softmax",), sm_scale=1.0, pw_scale=1.0)
+cfg = ta._candidates("dkdv", spec, 128, 4)[0]
+named = dict(ACT=0, MASK_KIND=0, Q_JAGGED=True, HAS_CAND=False, PREC="ieee", BLOCK_M=cfg["BLOCK_M"],
+             BLOCK_N=cfg["BLOCK_N"], BLOCK_D=128)
+types = {}
+for p in kernel.arg_names:
+    if p in named:
+        types[p] = "constexpr"
+    elif p in ("LSE", "DELTA"):
+        types[p] = "*fp32"
+    elif p in ("Q_OFF", "KV_OFF", "CAND_OFF", "CAND_IDS"):
+        types[p] = "*i64"
+    elif p == "HEAD_IDS":
+        types[p] = "*i32"
+    elif p.endswith("scale"):
+        types[p] = "fp32"
+    elif p.startswith("stride") or p in ("NQ", "Wl", "Wr", "BS", "KB"):
+        types[p] = "i32"
+    else:
+        types[p] = "*fp32"
+compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=named), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+print(cfg, compiled.metadata.shared)
+sys.exit(0 if compiled.metadata.shared <= ta.SMEM_LIMIT else 1)
+"""
+
+
+def test_the_fp32_dkdv_default_fits_the_h200s_shared_memory():
+    """Compiled for sm_90 (ptxas included, no GPU needed): the untuned dK/dV config for fp32 inputs at head dim 128
+    must fit, as the first candidate is what runs without tuning (the earlier default asked for 256.5 KiB)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _SHARED], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]

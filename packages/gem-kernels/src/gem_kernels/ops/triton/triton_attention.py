@@ -55,7 +55,11 @@ def _pow2_at_least(n: int, lo: int) -> int:
 # --- tile configs ---------------------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M tiles queries, BLOCK_N keys, in all three kernels.
 
-def _candidates(kind: str, spec: AttnSpec, head_dim: int) -> list[dict]:
+# the H200's shared memory per block
+SMEM_LIMIT = 232448
+
+
+def _candidates(kind: str, spec: AttnSpec, head_dim: int, itemsize: int = 2) -> list[dict]:
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
     big = head_dim <= 128
@@ -77,7 +81,15 @@ def _candidates(kind: str, spec: AttnSpec, head_dim: int) -> list[dict]:
         if block is not None and block % 16 == 0:
             # NOTE: tiles that divide the block size never straddle a block edge, so they stay unmasked.
             bm, bn = math.gcd(bm, block), math.gcd(bn, block)
-        cfg = dict(BLOCK_M=max(bm, 16), BLOCK_N=max(bn, 16), num_warps=w, num_stages=st)
+        bm, bn = max(bm, 16), max(bn, 16)
+        if kind == "dkdv":
+            # NOTE: dK/dV keeps its K and V tiles and needs about four query tiles more, whatever its stages: in
+            # fp32 at head dim 128 the (64, 128) tiles asked the H200 for 256.5 KiB (Triton's count when compiling
+            # for sm_90: 262656 B at 2 stages, 262144 at 1; (64, 64) takes 164352). 16-bit tiles fit as they are.
+            row = head_dim * itemsize
+            while 2 * bn * row + 4 * bm * row > SMEM_LIMIT and max(bm, bn) > 16:
+                bm, bn = (bm, bn // 2) if bn >= bm else (bm // 2, bn)
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -279,7 +291,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
         else:
             launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
                    dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail,
-                   lambda: _candidates("dkdv", spec, D))
+                   lambda: _candidates("dkdv", spec, D, q.element_size()))
         args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
                 head_ids, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
