@@ -376,6 +376,11 @@ def _bwd_kv_tiles(
         qmask = offs_m < q_len
         q = _load_rows(Q_base, offs_m, stride_qt, offs_d, qmask, MASKED)
         do = _load_rows(DO_base, offs_m, stride_dot, offs_d, qmask, MASKED)
+        # NOTE: both products are issued before the mask and the statistics' loads, which then overlap them: with
+        # the loads first, run_all's backward kernel times were 5-7% above the run before (kernels-h200.json at
+        # 1049b4a against 39c5bf6); in this order the sm_90 instruction stream is the earlier run's again
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         if MASKED:
             lo, hi = _key_range(offs_m, Wl, Wr, BS, KB, MASK_KIND)
             allowed = ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] <= hi[None, :])
@@ -387,18 +392,16 @@ def _bwd_kv_tiles(
         else:
             lse = offs_m.to(tl.float32)  # unread by pointwise heads
             delta = lse
-        dk, dv = _kv_tile_grads(dk, dv, k, v, q, do, lse, delta, allowed, qk_scale, ACT, MASKED, PREC)
+        dk, dv = _kv_tile_grads(dk, dv, s_t, dp_t, q, do, lse, delta, allowed, qk_scale, ACT, MASKED, PREC)
     return dk, dv
 
 
 @triton.jit
-def _kv_tile_grads(dk, dv, k, v, q, do, lse, delta, allowed, qk_scale, ACT: tl.constexpr, MASKED: tl.constexpr,
+def _kv_tile_grads(dk, dv, s_t, dp_t, q, do, lse, delta, allowed, qk_scale, ACT: tl.constexpr, MASKED: tl.constexpr,
                    PREC: tl.constexpr):
-    """One (key tile, query tile) pair of the dK / dV backward, added into ``dk`` and ``dv``: the transposed scores,
-    their probabilities (softmax heads, from the stored log-sum-exp) or activations, and the scores' gradients;
-    pairs outside ``allowed`` give nothing where MASKED."""
-    s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
-    dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+    """One (key tile, query tile) pair of the dK / dV backward, added into ``dk`` and ``dv``, from its transposed
+    scores ``s_t = K Q^T`` and ``dp_t = V dO^T``: their probabilities (softmax heads, from the stored log-sum-exp)
+    or activations, and the scores' gradients; pairs outside ``allowed`` give nothing where MASKED."""
     if ACT == 0:
         p_t = tl.exp2(s_t * qk_scale - lse[None, :])
         if MASKED:
@@ -516,8 +519,10 @@ def attn_bwd_dkdv_broadcast_q_kernel(
             k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, True)
             v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
             zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            dk, dv = _kv_tile_grads(zeros, zeros, k, v, q, do, lse, delta, kmask[:, None] & qmask[None, :], qk_scale,
-                                    ACT, True, PREC)
+            s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+            dk, dv = _kv_tile_grads(zeros, zeros, s_t, dp_t, q, do, lse, delta, kmask[:, None] & qmask[None, :],
+                                    qk_scale, ACT, True, PREC)
             _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d,
                         (dk * dk_scale).to(DK.dtype.element_ty), kmask)
             _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d,
