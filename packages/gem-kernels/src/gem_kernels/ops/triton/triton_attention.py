@@ -56,7 +56,10 @@ def _pow2_at_least(n: int, lo: int) -> int:
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M tiles queries, BLOCK_N keys, in all three kernels.
 
 # the H200's shared memory per block
-SMEM_LIMIT = 232448
+SMEM_LIMIT = 227 * 1024
+# shared memory a streaming kernel's config may plan for, counted by its pipelined tiles: Triton's own scratch came
+# to ~18% over that count (a PMA dK/dV config counted at 208 KiB asked for 240 KiB)
+SMEM_BUDGET = 180 * 1024
 
 
 def _candidates(kind: str, spec: AttnSpec, head_dim: int, itemsize: int = 2) -> list[dict]:
@@ -109,11 +112,6 @@ def _diagonal_blocks(spec: AttnSpec) -> bool:
     """Independent blocks (one block per window) of a tile's size: a power of two from 16 to SHORT_KV_MAX."""
     bs = spec.block_size
     return bs is not None and spec.window_blocks == 1 and 16 <= bs <= SHORT_KV_MAX and bs & (bs - 1) == 0
-
-
-# shared memory a config may plan for, by the count of its pipelined tiles: the H200 has 227 KiB per block, and
-# Triton's own scratch came to ~18% over that count (a PMA dK/dV config counted at 208 KiB asked for 240 KiB)
-SMEM_BUDGET = 180 * 1024
 
 
 def _fit_stages(stages: int, fixed: int, per_stage: int) -> int:
