@@ -142,6 +142,29 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def test_fp8_attention_operands_with_sequence_aligned_v_columns_hold_the_same_values():
+    """V^T laid out with every sequence at a multiple of 16 (the kernel's wide loads) holds the dense layout's
+    values and scales, zeros between sequences, and dequantises to the same V."""
+    from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_columns
+
+    lengths = [5, 40, 0, 17, 64, 1]
+    q, k, v, offsets = _jagged_qkv(lengths)
+    columns, starts, width = sequence_aligned_columns(offsets, q.shape[0])
+    assert starts.tolist() == [0, 16, 64, 64, 96, 160] and width % 16 == 0 and width >= 176
+    assert columns.tolist() == [c for s, n in zip(starts.tolist(), lengths) for c in range(s, s + n)]
+    dense = fp8_attention_operands(q, k, v, kernel="pytorch")
+    aligned = fp8_attention_operands(q, k, v, kernel="pytorch", v_columns=(columns, width))
+    (vt8, vs), (vt8_aligned, vs_aligned) = dense[2], aligned[2]
+    assert vt8_aligned.shape == (q.shape[1] * q.shape[2], width) and torch.equal(vs_aligned, vs)
+    assert torch.equal(vt8_aligned[:, columns].view(torch.uint8), vt8.view(torch.uint8))
+    unused = torch.ones(width, dtype=torch.bool)
+    unused[columns] = False
+    assert not vt8_aligned[:, unused].float().any()
+    for x, y in zip(fp8_attention_dequantize(dense, q.shape, torch.float32),
+                    fp8_attention_dequantize(aligned, q.shape, torch.float32, columns)):
+        assert torch.equal(x, y)
+
+
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window": 7}, "block"])

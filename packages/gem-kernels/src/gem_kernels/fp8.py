@@ -87,24 +87,48 @@ def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_
     return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to)
 
 
-def fp8_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str = "auto"):
+def sequence_aligned_columns(offsets: torch.Tensor, total: int, multiple: int = 16):
+    """Columns for a token-major layout in which every sequence starts at a multiple of ``multiple``: each token's
+    column ``[T]``, each sequence's first column ``[B]`` and the layout's width (an upper bound that is itself a
+    multiple, so that no value is read back to the host). Columns between sequences are unused."""
+    offsets = offsets.long()
+    lengths = offsets[1:] - offsets[:-1]
+    spans = (lengths + multiple - 1) // multiple * multiple
+    starts = torch.cumsum(spans, 0) - spans
+    sequence = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths,
+                                       output_size=total)
+    columns = torch.arange(total, device=offsets.device) + (starts - offsets[:-1])[sequence]
+    return columns, starts, padded(total + (multiple - 1) * lengths.shape[0], multiple)
+
+
+def fp8_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str = "auto",
+                           v_columns: tuple[torch.Tensor, int] | None = None):
     """Attention's FP8 operands from ``[T, H, D]`` q, k, v: Q and K rows per token and head ``([T * H, D],
     [T * H, 1])``, V per head channel over the tokens (its product contracts them), transposed ``([H * D, T],
-    [H * D, 1])``."""
+    [H * D, 1])``. With ``v_columns`` (each token's column and the width, from ``sequence_aligned_columns``)
+    V's tokens sit at those columns of ``[H * D, width]``, zeros elsewhere: a kernel then reads each sequence's
+    tiles from 16-byte aligned addresses. The values, and so the scales, are the same either way."""
     t, h, d = q.shape
+    v_rows = v.reshape(t, h * d)
+    if v_columns is not None:
+        columns, width = v_columns
+        v_rows = v_rows.new_zeros(width, h * d).index_copy_(0, columns, v_rows)
     return (fp8_rowwise_quantize(q.reshape(t * h, d), -1, kernel=kernel),
             fp8_rowwise_quantize(k.reshape(t * h, d), -1, kernel=kernel),
-            fp8_rowwise_quantize(v.reshape(t, h * d), 0, kernel=kernel))
+            fp8_rowwise_quantize(v_rows, 0, kernel=kernel))
 
 
-def fp8_attention_dequantize(operands, shape: tuple[int, int, int], dtype: torch.dtype):
-    """Q, K, V ``[T, H, D]`` in ``dtype`` from ``fp8_attention_operands``' output. Exact wherever ``dtype`` holds the
-    values: every scale is a power of two, and E4M3's 3-bit mantissa fits any 16-bit float's."""
+def fp8_attention_dequantize(operands, shape: tuple[int, int, int], dtype: torch.dtype,
+                             v_columns: torch.Tensor | None = None):
+    """Q, K, V ``[T, H, D]`` in ``dtype`` from ``fp8_attention_operands``' output (``v_columns``: the tokens'
+    columns it was given). Exact wherever ``dtype`` holds the values: every scale is a power of two, and E4M3's
+    3-bit mantissa fits any 16-bit float's."""
     T, H, D = shape
     (q8, qs), (k8, ks), (vt8, vs) = operands
     q, k = (fp8_dequantize(t, s).to(dtype).view(T, H, D) for t, s in ((q8, qs), (k8, ks)))
-    v = fp8_dequantize(vt8, vs).to(dtype).t().contiguous().view(T, H, D)  # kernels read rows of unit stride
-    return q, k, v
+    v = fp8_dequantize(vt8, vs).to(dtype).t()
+    v = v.contiguous() if v_columns is None else v.index_select(0, v_columns)  # kernels read rows of unit stride
+    return q, k, v.view(T, H, D)
 
 
 def fp8_dequantize(elements: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

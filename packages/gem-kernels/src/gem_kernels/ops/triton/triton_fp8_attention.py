@@ -4,7 +4,9 @@ Q and K are E4M3 with one power-of-two scale per token and head (rows along the 
 ``Q K^T``); V is E4M3 with one scale per head channel over all tokens (the contraction of ``P V`` runs over
 tokens, so its scale must not vary along them), stored transposed ``[H * D, T]`` so that a tile is contiguous
 along the contracted tokens, as Hopper's FP8 products want their second operand. All three come from
-``gem_kernels.fp8``'s quantiser in one pass each. Inside, ``S = (Q8 K8^T) * q_scale * k_scale`` in float32, the
+``gem_kernels.fp8``'s quantiser in one pass each. V's columns are laid out so that every sequence starts at a
+multiple of 16 (zeros between sequences): a tile of V^T is then read from 16-byte aligned addresses in wide loads
+(dense columns start a sequence anywhere, and the compiler must read such a tile byte by byte). Inside, ``S = (Q8 K8^T) * q_scale * k_scale`` in float32, the
 online softmax as in the bf16 kernel, and ``P`` (in [0, 1]) is multiplied by 256 and rounded to E4M3 for the
 second product; the output is divided by 256 and V's channel scales at the end. The forward also writes each
 row's log-sum-exp, as the bf16 kernel does.
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands
+from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_columns
 from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_attention_kernels import (_key_tiles, _load_cols, _online_softmax, _softmax_output,
                                                               _store_rows, _visible)
@@ -31,17 +33,23 @@ P_SCALE = tl.constexpr(256.0)  # P in [0, 1] -> [0, 256]: E4M3's largest power o
 
 
 @triton.jit
-def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, stride_ks, T_total, offs_m, offs_d,
+def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, stride_ks, VW, offs_m, offs_d,
                start, end, k_len, Wl, Wr, BS, KB, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
                EXACT_CAST: tl.constexpr, BLOCK_N: tl.constexpr):
-    for n0 in range(start, end, BLOCK_N):
+    # V^T's columns up to the next multiple of 16 belong to this sequence (zeros past its end): masking at that
+    # bound keeps the mask constant over 16 columns, so the loads stay wide
+    v_len = tl.multiple_of((k_len + 15) // 16 * 16, 16)
+    # a segment that has tiles starts at a multiple of BLOCK_N (``_segments``); written so that the compiler sees
+    # it too, and reads V^T's tiles in wide, pipelined copies (tl.multiple_of on a loop bound does not survive)
+    first = start // BLOCK_N * BLOCK_N
+    for n0 in range(first, first + tl.cdiv(end - start, BLOCK_N) * BLOCK_N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kmask = offs_n < k_len
         kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)  # [D, BLOCK_N]
-        v_ptrs = VT_base + offs_n[:, None] + offs_d[None, :].to(tl.int64) * T_total  # [BLOCK_N, D] of V^T
+        v_ptrs = VT_base + offs_n[:, None] + offs_d[None, :].to(tl.int64) * VW  # [BLOCK_N, D] of V^T
         if MASKED:
             ks = tl.load(KS_base + offs_n * stride_ks, mask=kmask, other=0.0)
-            v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n < v_len)[:, None], other=0.0)
         else:
             ks = tl.load(KS_base + offs_n * stride_ks)
             v = tl.load(v_ptrs)
@@ -58,7 +66,7 @@ def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, s
 
 @triton.jit
 def attn_fwd_fp8_kernel(
-    Q, QS, K, KS, VT, VS, O, LSE, OFF, T_total, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+    Q, QS, K, KS, VT, VS, O, LSE, OFF, V_OFF, VW, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
     H, qk_scale, Wl, Wr, BS, KB,
     MASK_KIND: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -78,16 +86,16 @@ def attn_fwd_fp8_kernel(
         q_scale = tl.load(QS + rows * H + h, mask=qmask, other=0.0) * qk_scale
         K_base = K + h * stride_kh + start * stride_kt
         KS_base = KS + start * H + h
-        VT_base = VT + (h * BLOCK_D).to(tl.int64) * T_total + start
+        VT_base = VT + (h * BLOCK_D).to(tl.int64) * VW + tl.multiple_of(tl.load(V_OFF + b), 16)
         lo_al, fs, fe, hi = _key_tiles(m0, n, n, Wl, Wr, BS, KB, MASK_KIND, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, T_total,
+        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
                                    offs_m, offs_d, lo_al, fs, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, BLOCK_N)
-        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, T_total,
+        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
                                    offs_m, offs_d, fs, fe, n, Wl, Wr, BS, KB, MASK_KIND, False, EXACT_CAST, BLOCK_N)
-        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, T_total,
+        acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
                                    offs_m, offs_d, fe, hi, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, BLOCK_N)
         v_scale = tl.load(VS + h * BLOCK_D + offs_d) / P_SCALE
         out, lse = _softmax_output(acc, m_i, l_i)  # as the bf16 kernel's, before V's channel scales
@@ -98,7 +106,8 @@ def attn_fwd_fp8_kernel(
 def _candidates(block_size: int | None) -> list[dict]:
     if interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)]
-    cands = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 4)]
+    cands = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 128, 4, 3),
+             (128, 64, 4, 4)]
     out = []
     for bm, bn, w, st in cands:
         if block_size is not None and block_size % 32 == 0:
@@ -109,30 +118,32 @@ def _candidates(block_size: int | None) -> list[dict]:
     return out
 
 
-def _fp8_forward(q, k, v, offsets, max_len: int, spec) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """The output ``[T, H, D]`` (q's dtype), the log-sum-exp ``[T, H]`` and the FP8 operands with their scales."""
+def _fp8_forward(q, k, v, offsets, max_len: int, spec) -> tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor]:
+    """The output ``[T, H, D]`` (q's dtype), the log-sum-exp ``[T, H]``, the FP8 operands with their scales and
+    V's token columns."""
     T, H, D = q.shape
-    operands = fp8_attention_operands(q, k, v, kernel="triton")
+    v_columns, v_starts, v_width = sequence_aligned_columns(offsets, T)
+    operands = fp8_attention_operands(q, k, v, kernel="triton", v_columns=(v_columns, v_width))
     (q8, qs), (k8, ks), (vt8, vs) = operands
     o = torch.empty_like(q)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     mask_kind, wl, wr, bs, kb = spec.mask_args
     B = offsets.shape[0] - 1
-    args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, T, H * D, D, H * D, D, o.stride(0), o.stride(1), H,
-            spec.sm_scale * 1.4426950408889634, wl, wr, bs, kb)
+    args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, v_starts, v_width, H * D, D, H * D, D, o.stride(0), o.stride(1),
+            H, spec.sm_scale * 1.4426950408889634, wl, wr, bs, kb)
     consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), BLOCK_D=D)
     key = ("fwd_fp8", mask_kind, D, q.dtype, next_power_of_2(max_len), spec.block_size)
     launch(attn_fwd_fp8_kernel, lambda c: (cdiv(max_len, c["BLOCK_M"]), B, H), args, consts, key,
            lambda: _candidates(spec.block_size))
-    return o, lse, operands
+    return o, lse, operands, v_columns
 
 
 class _Fp8Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, max_len, spec):
-        o, lse, operands = _fp8_forward(q, k, v, offsets, max_len, spec)
+        o, lse, operands, v_columns = _fp8_forward(q, k, v, offsets, max_len, spec)
         (q8, qs), (k8, ks), (vt8, vs) = operands
-        ctx.save_for_backward(q8, qs, k8, ks, vt8, vs, o, lse, offsets)
+        ctx.save_for_backward(q8, qs, k8, ks, vt8, vs, v_columns, o, lse, offsets)
         ctx.spec, ctx.shape, ctx.dtype = spec, q.shape, q.dtype
         return o
 
@@ -140,8 +151,8 @@ class _Fp8Attention(torch.autograd.Function):
     def backward(ctx, do):
         from gem_kernels.ops.triton.triton_attention import attention_backward
 
-        q8, qs, k8, ks, vt8, vs, o, lse, offsets = ctx.saved_tensors
-        q, k, v = fp8_attention_dequantize(((q8, qs), (k8, ks), (vt8, vs)), ctx.shape, ctx.dtype)
+        q8, qs, k8, ks, vt8, vs, v_columns, o, lse, offsets = ctx.saved_tensors
+        q, k, v = fp8_attention_dequantize(((q8, qs), (k8, ks), (vt8, vs)), ctx.shape, ctx.dtype, v_columns)
         dq, dk, dv = attention_backward(do, q, k, v, o, lse, offsets, offsets, None, ctx.spec)
         return dq, dk, dv, None, None, None
 
