@@ -45,6 +45,27 @@ def test_triton_quantisation_gives_the_reference_bits(shape, dim, rows_to, cols_
     assert _same(fp8_rowwise_quantize(x.t().contiguous().t(), dim, rows_to, cols_to, kernel="triton"), fast)
 
 
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape,dim", [((300, 70), 0), ((70, 300), -1)])
+def test_triton_quantisation_placed_gives_the_reference_bits(shape, dim, dtype):
+    """The reduced entries placed at given columns of a wider output (zeros between): the same bits as the
+    reference, whose values are the plain quantisation's."""
+    x = _awkward(shape, dtype, seed=1)
+    reduced = shape[dim]
+    positions = torch.randperm(reduced + 50, generator=torch.Generator().manual_seed(0))[:reduced].sort().values
+    placed = (positions, reduced + 64)
+    fast = fp8_rowwise_quantize(x, dim, kernel="triton", placed=placed)
+    reference = fp8_rowwise_quantize_reference(x, dim, placed=placed)
+    assert fast[0].shape == (shape[1 - dim % 2], reduced + 64) and _same(fast, reference)
+    plain = fp8_rowwise_quantize_reference(x, dim)
+    assert _same((reference[0][:, positions], reference[1]), plain)
+    with pytest.raises(ValueError, match="cols_to must stay 1"):
+        fp8_rowwise_quantize(x, dim, cols_to=16, placed=placed)
+    with pytest.raises(ValueError, match="placed positions must be int64 of shape"):
+        fp8_rowwise_quantize(x, dim, placed=(positions[1:], reduced + 64))
+
+
 def test_reference_rules_scales_saturation_non_finite_and_padding():
     x = _awkward((24, 64), torch.float32, seed=1)
     q, s = fp8_rowwise_quantize_reference(x, -1, rows_to=32)
@@ -142,6 +163,7 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@requires_triton
 def test_fp8_attention_operands_with_sequence_aligned_v_columns_hold_the_same_values():
     """V^T laid out with every sequence at a multiple of 16 (the kernel's wide loads) holds the dense layout's
     values and scales, zeros between sequences, and dequantises to the same V."""
@@ -154,6 +176,8 @@ def test_fp8_attention_operands_with_sequence_aligned_v_columns_hold_the_same_va
     assert columns.tolist() == [c for s, n in zip(starts.tolist(), lengths) for c in range(s, s + n)]
     dense = fp8_attention_operands(q, k, v, kernel="pytorch")
     aligned = fp8_attention_operands(q, k, v, kernel="pytorch", v_columns=(columns, width))
+    fast = fp8_attention_operands(q, k, v, kernel="triton", v_columns=(columns, width))
+    assert all(_same(a, b) for a, b in zip(fast, aligned))
     (vt8, vs), (vt8_aligned, vs_aligned) = dense[2], aligned[2]
     assert vt8_aligned.shape == (q.shape[1] * q.shape[2], width) and torch.equal(vs_aligned, vs)
     assert torch.equal(vt8_aligned[:, columns].view(torch.uint8), vt8.view(torch.uint8))

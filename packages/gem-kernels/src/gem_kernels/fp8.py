@@ -15,7 +15,8 @@ silently finite number.
 
 Padding: the kept dimension can be padded to a multiple of ``rows_to`` (zero rows, scale 1) and the reduced one
 to a multiple of ``cols_to`` (zeros), because the scaled GEMM needs sizes divisible by 16; padded rows and
-columns contribute nothing to a product.
+columns contribute nothing to a product. Or the reduced dimension's entries can be ``placed`` at given positions
+of a wider output (zeros elsewhere): attention's V^T with every sequence starting at an aligned column.
 """
 
 from __future__ import annotations
@@ -39,19 +40,28 @@ def scale_exponent_field(amax: torch.Tensor) -> torch.Tensor:
     return exponent.clamp(min=1)
 
 
-def _check_input(x: torch.Tensor, dim: int) -> None:
+def _check_input(x: torch.Tensor, dim: int, cols_to: int, placed) -> None:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"fp8 rowwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
     if dim not in (0, 1, -1, -2):
         raise ValueError(f"fp8 rowwise quantisation: dim must be 0 or 1 (or -1, -2), got {dim}")
+    if placed is not None:
+        positions, width = placed
+        if cols_to != 1:
+            raise ValueError("fp8 rowwise quantisation: placed gives the output's width; cols_to must stay 1")
+        if positions.shape != (x.shape[dim],) or positions.dtype != torch.int64:
+            raise ValueError(f"fp8 rowwise quantisation: placed positions must be int64 of shape ({x.shape[dim]},), "
+                             f"got {positions.dtype} of shape {tuple(positions.shape)}")
 
 
-def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int = 1,
-                                   cols_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_to: int = 1,
+                                   placed: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (2-D, floating point) as E4M3 rows along ``dim`` and their scales: ``([kept, reduced], [kept, 1])``,
-    each padded as the module docstring says."""
-    _check_input(x, dim)
+    each padded (or the reduced entries placed: ``(positions, width)``) as the module docstring says."""
+    _check_input(x, dim, cols_to, placed)
     rows = (x if dim % 2 == 1 else x.t()).float()  # [kept, reduced]
+    if placed is not None:
+        rows = rows.new_zeros(rows.shape[0], placed[1]).index_copy_(1, placed[0], rows)
     amax = rows.abs().amax(1)
     finite = torch.isfinite(rows).all(1)
     field = scale_exponent_field(torch.where(finite, amax, torch.zeros_like(amax)))
@@ -71,20 +81,21 @@ def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int 
 
 
 def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_to: int = 1,
-                         kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                         kernel: str = "auto",
+                         placed: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8_rowwise_quantize_reference``'s result, from the Triton kernel on CUDA (``kernel="auto"``; ``"triton"``
     forces it, e.g. under the interpreter) or the reference (``"pytorch"``); both give the same bits."""
     from gem_kernels.ops import _validation as V
 
     if kernel not in ("auto", "triton", "pytorch"):
         raise ValueError(f"kernel must be 'auto', 'triton' or 'pytorch', got {kernel!r}")
-    _check_input(x, dim)
+    _check_input(x, dim, cols_to, placed)
     if V.use_triton(kernel, x.device) and x.numel():
         V.check_triton_device("x", x)
         from gem_kernels.ops.triton.triton_fp8 import triton_fp8_rowwise_quantize
 
-        return triton_fp8_rowwise_quantize(x, dim, rows_to, cols_to)
-    return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to)
+        return triton_fp8_rowwise_quantize(x, dim, rows_to, cols_to, placed)
+    return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to, placed)
 
 
 def sequence_aligned_columns(offsets: torch.Tensor, total: int, multiple: int = 16):
@@ -109,13 +120,9 @@ def fp8_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     V's tokens sit at those columns of ``[H * D, width]``, zeros elsewhere: a kernel then reads each sequence's
     tiles from 16-byte aligned addresses. The values, and so the scales, are the same either way."""
     t, h, d = q.shape
-    v_rows = v.reshape(t, h * d)
-    if v_columns is not None:
-        columns, width = v_columns
-        v_rows = v_rows.new_zeros(width, h * d).index_copy_(0, columns, v_rows)
     return (fp8_rowwise_quantize(q.reshape(t * h, d), -1, kernel=kernel),
             fp8_rowwise_quantize(k.reshape(t * h, d), -1, kernel=kernel),
-            fp8_rowwise_quantize(v_rows, 0, kernel=kernel))
+            fp8_rowwise_quantize(v.reshape(t, h * d), 0, kernel=kernel, placed=v_columns))
 
 
 def fp8_attention_dequantize(operands, shape: tuple[int, int, int], dtype: torch.dtype,

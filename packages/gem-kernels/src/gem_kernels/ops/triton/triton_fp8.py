@@ -8,7 +8,8 @@ Two shapes of work:
 - anything else (``dim=0``: a column's amax runs over all rows, e.g. the weight for the input-gradient GEMM):
   the reduced dimension is cut into chunks, one program per (row block, chunk) writes a partial amax, torch
   takes the max over chunks, and a second grid of the same shape scales and casts its chunk. Every program has
-  work however long the reduced dimension is.
+  work however long the reduced dimension is. With ``placed`` the second grid runs over the output's columns,
+  each reading the input column placed there (or writing a zero).
 
 The scale comes from the bits of ``amax`` (``_scale_fields``), the same integer arithmetic as the reference,
 so both produce the same scale and, with an exact power-of-two scaling, the same elements.
@@ -94,8 +95,8 @@ def fp8_chunk_amax_kernel(X, AMAX, BAD, R, C, stride_r, stride_c, ROWS: tl.const
 
 
 @triton.jit
-def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, R, C, R_out, C_out, stride_r, stride_c, MAX: tl.constexpr,
-                          ROWS: tl.constexpr, COLS: tl.constexpr):
+def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, SOURCE, R, C, R_out, C_out, stride_r, stride_c, MAX: tl.constexpr,
+                          PLACED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
     amax = tl.load(AMAX + rows, mask=rows < R, other=0.0)
@@ -103,8 +104,13 @@ def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, R, C, R_out, C_out, stride_r, stri
     fields = _scale_fields(amax, bad)
     if tl.program_id(1) == 0:
         _store_scales(S, rows, fields, bad, R, R_out)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+    if PLACED:  # output column -> the input's column placed there (-1: none, a zero)
+        source = tl.load(SOURCE + cols, mask=cols < C_out, other=-1)
+        mask = (rows < R)[:, None] & (source >= 0)[None, :]
+        x = tl.load(X + rows[:, None] * stride_r + source[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        mask = (rows < R)[:, None] & (cols < C)[None, :]
+        x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
     inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
     q = tl.where((bad == 0)[:, None], x * inverse[:, None], 0.0)
     q = _round_to_e4m3(tl.minimum(tl.maximum(q, -MAX), MAX))
@@ -121,14 +127,19 @@ def _one_pass_configs(block_c: int) -> list[dict]:
     return [default] + [c for c in others if c != default]
 
 
-def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to: int) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to: int,
+                                placed: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     along_rows = dim % 2 == 1
     R, C = x.shape if along_rows else (x.shape[1], x.shape[0])  # kept, reduced
     stride_r, stride_c = (x.stride(0), x.stride(1)) if along_rows else (x.stride(1), x.stride(0))
-    R_out, C_out = padded(R, rows_to), padded(C, cols_to)
+    R_out, C_out = padded(R, rows_to), padded(C, cols_to) if placed is None else placed[1]
     q = torch.empty(R_out, C_out, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(R_out, dtype=torch.float32, device=x.device)
-    if stride_c == 1 and C_out <= _ONE_PASS_MAX:
+    source = q  # unread unless placed
+    if placed is not None:
+        source = torch.full((C_out,), -1, dtype=torch.int64, device=x.device)
+        source.index_copy_(0, placed[0], torch.arange(C, device=x.device))
+    elif stride_c == 1 and C_out <= _ONE_PASS_MAX:
         block_c = next_power_of_2(C_out)
         launch(fp8_rows_kernel, lambda c: (cdiv(R_out, c["ROWS"]),), (x, q, s, R, C, R_out, C_out, stride_r),
                dict(MAX=E4M3_MAX, BLOCK_C=block_c), ("fp8_rows", block_c, x.dtype), _one_pass_configs(block_c))
@@ -141,6 +152,6 @@ def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to
                                                                  ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     used = cdiv(C, _CHUNK_COLS)  # chunks wholly in the padding hold nothing
     amax, bad = amax[:used].amax(0), bad[:used].amax(0)
-    fp8_chunk_cast_kernel[grid](x, amax, bad, q, s, R, C, R_out, C_out, stride_r, stride_c, MAX=E4M3_MAX,
-                                ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
+    fp8_chunk_cast_kernel[grid](x, amax, bad, q, s, source, R, C, R_out, C_out, stride_r, stride_c, MAX=E4M3_MAX,
+                                PLACED=placed is not None, ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     return q, s[:, None]
