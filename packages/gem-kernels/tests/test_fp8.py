@@ -184,9 +184,32 @@ def test_fp8_attention_operands_with_sequence_aligned_v_columns_hold_the_same_va
     unused = torch.ones(width, dtype=torch.bool)
     unused[columns] = False
     assert not vt8_aligned[:, unused].float().any()
-    for x, y in zip(fp8_attention_dequantize(dense, q.shape, torch.float32),
-                    fp8_attention_dequantize(aligned, q.shape, torch.float32, columns)):
+    for x, y in zip(fp8_attention_dequantize(dense, q.shape, torch.float32, kernel="pytorch"),
+                    fp8_attention_dequantize(aligned, q.shape, torch.float32, columns, kernel="pytorch")):
         assert torch.equal(x, y)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_fp8_attention_dequantisation_kernels_give_the_reference_bits(aligned, dtype):
+    """One Triton pass per operand (V^T transposed back, gathered from its sequence-aligned columns): the
+    reference's bits, a NaN scale's row included; float16 rounds the same as torch's conversion."""
+    from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_columns
+
+    q, k, v, offsets = _jagged_qkv([5, 40, 0, 17, 64, 1], dim=32)
+    v[3, 1, 2] = float("nan")  # its channel's scale is NaN: that whole channel dequantises to NaN
+    q = q * 2.0 ** 20  # beyond float16: infinities after rounding, as torch's conversion gives them
+    columns = None
+    if aligned:
+        columns, _, width = sequence_aligned_columns(offsets, q.shape[0])
+    operands = fp8_attention_operands(q, k, v, kernel="pytorch", v_columns=None if columns is None else (columns, width))
+    fast = fp8_attention_dequantize(operands, q.shape, dtype, columns, kernel="triton")
+    reference = fp8_attention_dequantize(operands, q.shape, dtype, columns, kernel="pytorch")
+    for name, f, r in zip("qkv", fast, reference):
+        assert f.dtype == dtype and f.shape == q.shape, name
+        assert torch.equal(f.nan_to_num(0.5), r.nan_to_num(0.5)) and torch.equal(f.isnan(), r.isnan()), name
+    assert fast[2][:, 1, 2].isnan().all() and torch.isinf(fast[0]).any() == (dtype == torch.float16)
 
 
 @requires_triton

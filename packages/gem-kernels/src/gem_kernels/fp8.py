@@ -126,12 +126,23 @@ def fp8_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
 
 
 def fp8_attention_dequantize(operands, shape: tuple[int, int, int], dtype: torch.dtype,
-                             v_columns: torch.Tensor | None = None):
+                             v_columns: torch.Tensor | None = None, kernel: str = "auto"):
     """Q, K, V ``[T, H, D]`` in ``dtype`` from ``fp8_attention_operands``' output (``v_columns``: the tokens'
     columns it was given). Exact wherever ``dtype`` holds the values: every scale is a power of two, and E4M3's
-    3-bit mantissa fits any 16-bit float's."""
+    3-bit mantissa fits any 16-bit float's. ``kernel`` as ``fp8_rowwise_quantize``'s: one Triton pass per
+    operand, or the PyTorch reference; the same bits."""
+    from gem_kernels.ops import _validation as V
+
     T, H, D = shape
     (q8, qs), (k8, ks), (vt8, vs) = operands
+    if V.use_triton(kernel, q8.device) and T:
+        from gem_kernels.ops.triton.triton_fp8 import triton_fp8_dequantize, triton_fp8_dequantize_transposed
+
+        q, k = (triton_fp8_dequantize(t, s, dtype).view(T, H, D) for t, s in ((q8, qs), (k8, ks)))
+        token = torch.arange(vt8.shape[1], device=vt8.device)
+        if v_columns is not None:  # each column's token, -1 between sequences
+            token = torch.full_like(token, -1).index_copy_(0, v_columns, torch.arange(T, device=vt8.device))
+        return q, k, triton_fp8_dequantize_transposed(vt8, vs, token, T, dtype).view(T, H, D)
     q, k = (fp8_dequantize(t, s).to(dtype).view(T, H, D) for t, s in ((q8, qs), (k8, ks)))
     v = fp8_dequantize(vt8, vs).to(dtype).t()
     v = v.contiguous() if v_columns is None else v.index_select(0, v_columns)  # kernels read rows of unit stride

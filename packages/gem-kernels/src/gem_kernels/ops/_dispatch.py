@@ -98,7 +98,8 @@ def _run_fp8(q, k, v, offsets, max_len, sm_scale, kernel, window_left, window_ri
     from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands
 
     with torch.no_grad():
-        quantized = fp8_attention_dequantize(fp8_attention_operands(q, k, v, kernel="pytorch"), q.shape, torch.float32)
+        quantized = fp8_attention_dequantize(fp8_attention_operands(q, k, v, kernel="pytorch"), q.shape, torch.float32,
+                                             kernel="pytorch")
     # the quantiser's straight-through gradient: the values of the dequantised operands, the gradient of the inputs
     dq, dk, dv = (x.float() + (xq - x.float()).detach() for x, xq in zip((q, k, v), quantized))
     out = pt_attention(dq, dk, dv, offsets, offsets, max_len, max_len, list(spec.activations), spec.sm_scale, 1.0,

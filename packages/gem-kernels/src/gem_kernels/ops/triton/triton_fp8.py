@@ -118,6 +118,54 @@ def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, SOURCE, R, C, R_out, C_out, stride
     tl.store(Q + rows[:, None] * C_out + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
 
 
+@triton.jit
+def fp8_dequantize_rows_kernel(Q, S, OUT, R, C, stride_r, stride_c, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """OUT[r, c] = Q[r, c] * S[r] in OUT's dtype (the float32 product rounded once, as torch converts it)."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    e = tl.load(Q + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(S + rows, mask=rows < R, other=0.0)
+    tl.store(OUT + rows[:, None] * C + cols[None, :], (e * scale[:, None]).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_dequantize_transposed_kernel(Q, S, TOKEN, OUT, R, W, stride_r, stride_c, ROWS: tl.constexpr,
+                                     COLS: tl.constexpr):
+    """Q is ``[R, W]`` (rows: the kept dimension; columns: positions); OUT[TOKEN[p], r] = Q[r, p] * S[r] for every
+    position holding a token (TOKEN[p] >= 0). Reads run along positions, writes along r: both contiguous."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
+    token = tl.load(TOKEN + cols, mask=cols < W, other=-1)
+    e = tl.load(Q + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=(rows < R)[:, None] & (cols < W)[None, :],
+                other=0.0).to(tl.float32)
+    scale = tl.load(S + rows, mask=rows < R, other=0.0)
+    out = (e * scale[:, None]).to(OUT.dtype.element_ty)
+    tl.store(OUT + token[None, :] * R + rows[:, None], out, mask=(rows < R)[:, None] & (token >= 0)[None, :])
+
+
+def triton_fp8_dequantize(elements: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(elements.float() * scale).to(dtype)`` in one pass; ``elements`` ``[R, C]``, ``scale`` ``[R, 1]``."""
+    R, C = elements.shape
+    out = torch.empty(R, C, dtype=dtype, device=elements.device)
+    block_c = next_power_of_2(C)
+    rows = max(1, min(64, _ONE_PASS_ELEMENTS // block_c))
+    launch(fp8_dequantize_rows_kernel, lambda c: (cdiv(R, c["ROWS"]),), (elements, scale, out, R, C, *elements.stride()),
+           dict(BLOCK_C=block_c), ("fp8_dequantize_rows", block_c, dtype), [dict(ROWS=rows, num_warps=4)])
+    return out
+
+
+def triton_fp8_dequantize_transposed(elements: torch.Tensor, scale: torch.Tensor, token: torch.Tensor, tokens: int,
+                                     dtype: torch.dtype) -> torch.Tensor:
+    """``[tokens, R]`` from ``[R, W]`` E4M3 ``elements`` whose column ``p`` holds token ``token[p]`` (-1: none)."""
+    R, W = elements.shape
+    out = torch.empty(tokens, R, dtype=dtype, device=elements.device)
+    launch(fp8_dequantize_transposed_kernel, lambda c: (cdiv(R, c["ROWS"]), cdiv(W, c["COLS"])),
+           (elements, scale, token, out, R, W, *elements.stride()), {}, ("fp8_dequantize_transposed", dtype),
+           [dict(ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS, num_warps=4)])
+    return out
+
+
 def _one_pass_configs(block_c: int) -> list[dict]:
     """Launch configs of the one-pass kernel: the default first (``_ONE_PASS_ELEMENTS`` per program), then the
     alternatives GEM_KERNELS_AUTOTUNE=1 times."""

@@ -154,7 +154,8 @@ class _Fp8Attention(torch.autograd.Function):
         from gem_kernels.ops.triton.triton_attention import attention_backward
 
         q8, qs, k8, ks, vt8, vs, v_columns, o, lse, offsets = ctx.saved_tensors
-        q, k, v = fp8_attention_dequantize(((q8, qs), (k8, ks), (vt8, vs)), ctx.shape, ctx.dtype, v_columns)
+        q, k, v = fp8_attention_dequantize(((q8, qs), (k8, ks), (vt8, vs)), ctx.shape, ctx.dtype, v_columns,
+                                           kernel="triton")
         dq, dk, dv = attention_backward(do, q, k, v, o, lse, offsets, offsets, None, ctx.spec)
         return dq, dk, dv, None, None, None
 
