@@ -200,10 +200,11 @@ def test_fp8_attention_dequantisation_kernels_give_the_reference_bits(aligned, d
     q, k, v, offsets = _jagged_qkv([5, 40, 0, 17, 64, 1], dim=32)
     v[3, 1, 2] = float("nan")  # its channel's scale is NaN: that whole channel dequantises to NaN
     q = q * 2.0 ** 20  # beyond float16: infinities after rounding, as torch's conversion gives them
-    columns = None
+    columns, placed = None, None
     if aligned:
         columns, _, width = sequence_aligned_columns(offsets, q.shape[0])
-    operands = fp8_attention_operands(q, k, v, kernel="pytorch", v_columns=None if columns is None else (columns, width))
+        placed = (columns, width)
+    operands = fp8_attention_operands(q, k, v, kernel="pytorch", v_columns=placed)
     fast = fp8_attention_dequantize(operands, q.shape, dtype, columns, kernel="triton")
     reference = fp8_attention_dequantize(operands, q.shape, dtype, columns, kernel="pytorch")
     for name, f, r in zip("qkv", fast, reference):

@@ -150,7 +150,8 @@ def triton_fp8_dequantize(elements: torch.Tensor, scale: torch.Tensor, dtype: to
     out = torch.empty(R, C, dtype=dtype, device=elements.device)
     block_c = next_power_of_2(C)
     rows = max(1, min(64, _ONE_PASS_ELEMENTS // block_c))
-    launch(fp8_dequantize_rows_kernel, lambda c: (cdiv(R, c["ROWS"]),), (elements, scale, out, R, C, *elements.stride()),
+    launch(fp8_dequantize_rows_kernel, lambda c: (cdiv(R, c["ROWS"]),),
+           (elements, scale, out, R, C, *elements.stride()),
            dict(BLOCK_C=block_c), ("fp8_dequantize_rows", block_c, dtype), [dict(ROWS=rows, num_warps=4)])
     return out
 

@@ -6,15 +6,15 @@ tokens, so its scale must not vary along them), stored transposed ``[H * D, T]``
 along the contracted tokens, as Hopper's FP8 products want their second operand. All three come from
 ``gem_kernels.fp8``'s quantiser in one pass each. V's columns are laid out so that every sequence starts at a
 multiple of 16 (zeros between sequences): a tile of V^T is then read from 16-byte aligned addresses in wide loads
-(dense columns start a sequence anywhere, and the compiler must read such a tile byte by byte). Inside, ``S = (Q8 K8^T) * q_scale * k_scale`` in float32, the
-online softmax as in the bf16 kernel, and ``P`` (in [0, 1]) is multiplied by 256 and rounded to E4M3 for the
-second product; the output is divided by 256 and V's channel scales at the end. The forward also writes each
-row's log-sum-exp, as the bf16 kernel does.
+(dense columns start a sequence anywhere, and the compiler must read such a tile byte by byte). Inside,
+``S = (Q8 K8^T) * q_scale * k_scale`` in float32, the online softmax as in the bf16 kernel, and ``P`` (in [0, 1])
+is multiplied by 256 and rounded to E4M3 for the second product; the output is divided by 256 and V's channel
+scales at the end. The forward also writes each row's log-sum-exp, as the bf16 kernel does.
 
 The backward is the exact gradient of attention at the quantised operands (the quantiser passes gradients
 through unchanged, a straight-through estimate): the operands are kept in FP8 between the passes (a byte per
-value), dequantised to the input's dtype (exact: every scale is a power of two) and run through the bf16
-backward kernels against the stored output and log-sum-exp.
+value), dequantised to the input's dtype in one pass each (exact: every scale is a power of two) and run through
+the bf16 backward kernels against the stored output and log-sum-exp.
 """
 
 from __future__ import annotations
