@@ -16,7 +16,8 @@ silently finite number.
 Padding: the kept dimension can be padded to a multiple of ``rows_to`` (zero rows, scale 1) and the reduced one
 to a multiple of ``cols_to`` (zeros), because the scaled GEMM needs sizes divisible by 16; padded rows and
 columns contribute nothing to a product. Or the reduced dimension's entries can be ``placed`` at given positions
-of a wider output (zeros elsewhere): attention's V^T with every sequence starting at an aligned column.
+of a wider output (distinct positions in [0, width); zeros elsewhere): attention's V^T with every sequence
+starting at an aligned column.
 """
 
 from __future__ import annotations
