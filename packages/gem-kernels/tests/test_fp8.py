@@ -49,21 +49,21 @@ def test_triton_quantisation_gives_the_reference_bits(shape, dim, rows_to, cols_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape,dim", [((300, 70), 0), ((70, 300), -1)])
 def test_triton_quantisation_placed_gives_the_reference_bits(shape, dim, dtype):
-    """The reduced entries placed at given columns of a wider output (zeros between): the same bits as the
-    reference, whose values are the plain quantisation's."""
+    """The output's reduced dimension placed (each output column's input column, -1: zeros): the same bits as the
+    reference, whose placed columns are the plain quantisation's."""
     x = _awkward(shape, dtype, seed=1)
     reduced = shape[dim]
     positions = torch.randperm(reduced + 50, generator=torch.Generator().manual_seed(0))[:reduced].sort().values
-    placed = (positions, reduced + 64)
+    placed = torch.full((reduced + 64,), -1).index_copy_(0, positions, torch.arange(reduced))
     fast = fp8_rowwise_quantize(x, dim, kernel="triton", placed=placed)
     reference = fp8_rowwise_quantize_reference(x, dim, placed=placed)
     assert fast[0].shape == (shape[1 - dim % 2], reduced + 64) and _same(fast, reference)
-    plain = fp8_rowwise_quantize_reference(x, dim)
-    assert _same((reference[0][:, positions], reference[1]), plain)
+    assert _same((reference[0][:, positions], reference[1]), fp8_rowwise_quantize_reference(x, dim))
+    assert not reference[0][:, placed < 0].float().any()
     with pytest.raises(ValueError, match="cols_to must stay 1"):
         fp8_rowwise_quantize(x, dim, cols_to=16, placed=placed)
-    with pytest.raises(ValueError, match="placed positions must be int64 of shape"):
-        fp8_rowwise_quantize(x, dim, placed=(positions[1:], reduced + 64))
+    with pytest.raises(ValueError, match="placed must be a 1-D int64 map"):
+        fp8_rowwise_quantize(x, dim, placed=placed.int())
 
 
 def test_reference_rules_scales_saturation_non_finite_and_padding():
@@ -164,28 +164,45 @@ def _rel(a, b):
 
 
 @requires_triton
-def test_fp8_attention_operands_with_sequence_aligned_v_columns_hold_the_same_values():
+@pytest.mark.parametrize("lengths", [[5, 40, 0, 17, 64, 1], [16], [0, 0, 3], [1] * 70 + [1100]])
+def test_sequence_aligned_layout_kernel_gives_the_reference_layout(lengths):
+    """Every sequence starts at a multiple of 16, its tokens in order, -1 elsewhere; one Triton launch gives the
+    reference's layout (sequences before a program summed in blocks: the last case needs two)."""
+    from gem_kernels.fp8 import sequence_aligned_layout
+
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    total = int(offsets[-1])
+    starts, token = sequence_aligned_layout(offsets, total, kernel="pytorch")
+    spans = [-(-n // 16) * 16 for n in lengths]
+    assert starts.tolist() == [sum(spans[:b]) for b in range(len(lengths))]
+    assert token.shape[0] == -(-(total + 15 * len(lengths)) // 16) * 16
+    expected = torch.full_like(token, -1)
+    for s, first, n in zip(starts.tolist(), offsets.tolist(), lengths):
+        expected[s : s + n] = torch.arange(first, first + n)
+    assert torch.equal(token, expected)
+    fast_starts, fast_token = sequence_aligned_layout(offsets, total, kernel="triton")
+    assert torch.equal(fast_starts, starts) and torch.equal(fast_token, token)
+
+
+@requires_triton
+def test_fp8_attention_operands_with_sequence_aligned_v_hold_the_same_values():
     """V^T laid out with every sequence at a multiple of 16 (the kernel's wide loads) holds the dense layout's
     values and scales, zeros between sequences, and dequantises to the same V."""
-    from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_columns
+    from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_layout
 
-    lengths = [5, 40, 0, 17, 64, 1]
-    q, k, v, offsets = _jagged_qkv(lengths)
-    columns, starts, width = sequence_aligned_columns(offsets, q.shape[0])
-    assert starts.tolist() == [0, 16, 64, 64, 96, 160] and width % 16 == 0 and width >= 176
-    assert columns.tolist() == [c for s, n in zip(starts.tolist(), lengths) for c in range(s, s + n)]
+    q, k, v, offsets = _jagged_qkv([5, 40, 0, 17, 64, 1])
+    _, placed = sequence_aligned_layout(offsets, q.shape[0], kernel="pytorch")
     dense = fp8_attention_operands(q, k, v, kernel="pytorch")
-    aligned = fp8_attention_operands(q, k, v, kernel="pytorch", v_columns=(columns, width))
-    fast = fp8_attention_operands(q, k, v, kernel="triton", v_columns=(columns, width))
+    aligned = fp8_attention_operands(q, k, v, kernel="pytorch", v_placed=placed)
+    fast = fp8_attention_operands(q, k, v, kernel="triton", v_placed=placed)
     assert all(_same(a, b) for a, b in zip(fast, aligned))
     (vt8, vs), (vt8_aligned, vs_aligned) = dense[2], aligned[2]
-    assert vt8_aligned.shape == (q.shape[1] * q.shape[2], width) and torch.equal(vs_aligned, vs)
-    assert torch.equal(vt8_aligned[:, columns].view(torch.uint8), vt8.view(torch.uint8))
-    unused = torch.ones(width, dtype=torch.bool)
-    unused[columns] = False
-    assert not vt8_aligned[:, unused].float().any()
+    assert vt8_aligned.shape == (q.shape[1] * q.shape[2], placed.shape[0]) and torch.equal(vs_aligned, vs)
+    held = placed >= 0
+    assert torch.equal(vt8_aligned[:, held].view(torch.uint8), vt8.view(torch.uint8))
+    assert not vt8_aligned[:, ~held].float().any()
     for x, y in zip(fp8_attention_dequantize(dense, q.shape, torch.float32, kernel="pytorch"),
-                    fp8_attention_dequantize(aligned, q.shape, torch.float32, columns, kernel="pytorch")):
+                    fp8_attention_dequantize(aligned, q.shape, torch.float32, placed, kernel="pytorch")):
         assert torch.equal(x, y)
 
 
@@ -195,18 +212,15 @@ def test_fp8_attention_operands_with_sequence_aligned_v_columns_hold_the_same_va
 def test_fp8_attention_dequantisation_kernels_give_the_reference_bits(aligned, dtype):
     """One Triton pass per operand (V^T transposed back, gathered from its sequence-aligned columns): the
     reference's bits, a NaN scale's row included; float16 rounds the same as torch's conversion."""
-    from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_columns
+    from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_layout
 
     q, k, v, offsets = _jagged_qkv([5, 40, 0, 17, 64, 1], dim=32)
     v[3, 1, 2] = float("nan")  # its channel's scale is NaN: that whole channel dequantises to NaN
     q = q * 2.0 ** 20  # beyond float16: infinities after rounding, as torch's conversion gives them
-    columns, placed = None, None
-    if aligned:
-        columns, _, width = sequence_aligned_columns(offsets, q.shape[0])
-        placed = (columns, width)
-    operands = fp8_attention_operands(q, k, v, kernel="pytorch", v_columns=placed)
-    fast = fp8_attention_dequantize(operands, q.shape, dtype, columns, kernel="triton")
-    reference = fp8_attention_dequantize(operands, q.shape, dtype, columns, kernel="pytorch")
+    placed = sequence_aligned_layout(offsets, q.shape[0], kernel="pytorch")[1] if aligned else None
+    operands = fp8_attention_operands(q, k, v, kernel="pytorch", v_placed=placed)
+    fast = fp8_attention_dequantize(operands, q.shape, dtype, placed, kernel="triton")
+    reference = fp8_attention_dequantize(operands, q.shape, dtype, placed, kernel="pytorch")
     for name, f, r in zip("qkv", fast, reference):
         assert f.dtype == dtype and f.shape == q.shape, name
         assert torch.equal(f.nan_to_num(0.5), r.nan_to_num(0.5)) and torch.equal(f.isnan(), r.isnan()), name

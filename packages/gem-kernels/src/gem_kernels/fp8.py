@@ -15,9 +15,9 @@ silently finite number.
 
 Padding: the kept dimension can be padded to a multiple of ``rows_to`` (zero rows, scale 1) and the reduced one
 to a multiple of ``cols_to`` (zeros), because the scaled GEMM needs sizes divisible by 16; padded rows and
-columns contribute nothing to a product. Or the reduced dimension's entries can be ``placed`` at given positions
-of a wider output (distinct positions in [0, width); zeros elsewhere): attention's V^T with every sequence
-starting at an aligned column.
+columns contribute nothing to a product. Or the output's reduced dimension can be ``placed``: a map giving each
+output column the input column it holds (-1: a zero column), e.g. attention's V^T with every sequence starting at
+an aligned column (``sequence_aligned_layout``).
 """
 
 from __future__ import annotations
@@ -47,22 +47,21 @@ def _check_input(x: torch.Tensor, dim: int, cols_to: int, placed) -> None:
     if dim not in (0, 1, -1, -2):
         raise ValueError(f"fp8 rowwise quantisation: dim must be 0 or 1 (or -1, -2), got {dim}")
     if placed is not None:
-        positions, width = placed
         if cols_to != 1:
-            raise ValueError("fp8 rowwise quantisation: placed gives the output's width; cols_to must stay 1")
-        if positions.shape != (x.shape[dim],) or positions.dtype != torch.int64:
-            raise ValueError(f"fp8 rowwise quantisation: placed positions must be int64 of shape ({x.shape[dim]},), "
-                             f"got {positions.dtype} of shape {tuple(positions.shape)}")
+            raise ValueError("fp8 rowwise quantisation: placed gives the output's columns; cols_to must stay 1")
+        if placed.dim() != 1 or placed.dtype != torch.int64:
+            raise ValueError(f"fp8 rowwise quantisation: placed must be a 1-D int64 map (each output column's input "
+                             f"column, -1 for none), got {placed.dtype} of shape {tuple(placed.shape)}")
 
 
 def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_to: int = 1,
-                                   placed: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                   placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (2-D, floating point) as E4M3 rows along ``dim`` and their scales: ``([kept, reduced], [kept, 1])``,
-    each padded (or the reduced entries placed: ``(positions, width)``) as the module docstring says."""
+    each padded (or the reduced dimension placed) as the module docstring says."""
     _check_input(x, dim, cols_to, placed)
     rows = (x if dim % 2 == 1 else x.t()).float()  # [kept, reduced]
     if placed is not None:
-        rows = rows.new_zeros(rows.shape[0], placed[1]).index_copy_(1, placed[0], rows)
+        rows = torch.where(placed >= 0, rows[:, placed.clamp(min=0)], 0.0)
     amax = rows.abs().amax(1)
     finite = torch.isfinite(rows).all(1)
     field = scale_exponent_field(torch.where(finite, amax, torch.zeros_like(amax)))
@@ -82,8 +81,7 @@ def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int 
 
 
 def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_to: int = 1,
-                         kernel: str = "auto",
-                         placed: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         kernel: str = "auto", placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8_rowwise_quantize_reference``'s result, from the Triton kernel on CUDA (``kernel="auto"``; ``"triton"``
     forces it, e.g. under the interpreter) or the reference (``"pytorch"``); both give the same bits."""
     from gem_kernels.ops import _validation as V
@@ -99,54 +97,63 @@ def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_
     return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to, placed)
 
 
-def sequence_aligned_columns(offsets: torch.Tensor, total: int, multiple: int = 16):
-    """Columns for a token-major layout in which every sequence starts at a multiple of ``multiple``: each token's
-    column ``[T]``, each sequence's first column ``[B]`` and the layout's width (an upper bound that is itself a
-    multiple, so that no value is read back to the host). Columns between sequences are unused."""
+def sequence_aligned_layout(offsets: torch.Tensor, total: int, multiple: int = 16,
+                            kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """A token-major layout of the ``total`` tokens of sequences ``offsets`` in which every sequence starts at a
+    multiple of ``multiple``: each sequence's first column ``[B]`` and each column's token ``[width]`` (-1 between
+    sequences and after the last). ``width = padded(total + (multiple - 1) * B, multiple)``, a bound that needs no
+    value read back to the host. ``kernel`` as ``fp8_rowwise_quantize``'s: one Triton launch, or the reference."""
+    from gem_kernels.ops import _validation as V
+
+    num_sequences = offsets.shape[0] - 1
+    width = padded(total + (multiple - 1) * num_sequences, multiple)
+    if V.use_triton(kernel, offsets.device) and num_sequences:
+        from gem_kernels.ops.triton.triton_fp8 import triton_sequence_aligned_layout
+
+        return triton_sequence_aligned_layout(offsets, width, multiple)
     offsets = offsets.long()
     lengths = offsets[1:] - offsets[:-1]
     spans = (lengths + multiple - 1) // multiple * multiple
     starts = torch.cumsum(spans, 0) - spans
-    sequence = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths,
-                                       output_size=total)
+    sequence = torch.repeat_interleave(torch.arange(num_sequences, device=offsets.device), lengths, output_size=total)
     columns = torch.arange(total, device=offsets.device) + (starts - offsets[:-1])[sequence]
-    return columns, starts, padded(total + (multiple - 1) * lengths.shape[0], multiple)
+    token = torch.full((width,), -1, dtype=torch.int64, device=offsets.device)
+    return starts, token.index_copy_(0, columns, torch.arange(total, device=offsets.device))
 
 
 def fp8_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str = "auto",
-                           v_columns: tuple[torch.Tensor, int] | None = None):
+                           v_placed: torch.Tensor | None = None):
     """Attention's FP8 operands from ``[T, H, D]`` q, k, v: Q and K rows per token and head ``([T * H, D],
     [T * H, 1])``, V per head channel over the tokens (its product contracts them), transposed ``([H * D, T],
-    [H * D, 1])``. With ``v_columns`` (each token's column and the width, from ``sequence_aligned_columns``)
-    V's tokens sit at those columns of ``[H * D, width]``, zeros elsewhere: a kernel then reads each sequence's
-    tiles from 16-byte aligned addresses. The values, and so the scales, are the same either way."""
+    [H * D, 1])``. With ``v_placed`` (each column's token, from ``sequence_aligned_layout``) V^T is ``[H * D,
+    width]`` with the tokens at those columns, zeros elsewhere: a kernel then reads each sequence's tiles from
+    16-byte aligned addresses. The values, and so the scales, are the same either way."""
     t, h, d = q.shape
     return (fp8_rowwise_quantize(q.reshape(t * h, d), -1, kernel=kernel),
             fp8_rowwise_quantize(k.reshape(t * h, d), -1, kernel=kernel),
-            fp8_rowwise_quantize(v.reshape(t, h * d), 0, kernel=kernel, placed=v_columns))
+            fp8_rowwise_quantize(v.reshape(t, h * d), 0, kernel=kernel, placed=v_placed))
 
 
 def fp8_attention_dequantize(operands, shape: tuple[int, int, int], dtype: torch.dtype,
-                             v_columns: torch.Tensor | None = None, kernel: str = "auto"):
-    """Q, K, V ``[T, H, D]`` in ``dtype`` from ``fp8_attention_operands``' output (``v_columns``: the tokens'
-    columns it was given). Exact wherever ``dtype`` holds the values: every scale is a power of two, and E4M3's
-    3-bit mantissa fits any 16-bit float's. ``kernel`` as ``fp8_rowwise_quantize``'s: one Triton pass per
-    operand, or the PyTorch reference; the same bits."""
+                             v_placed: torch.Tensor | None = None, kernel: str = "auto"):
+    """Q, K, V ``[T, H, D]`` in ``dtype`` from ``fp8_attention_operands``' output (``v_placed``: the map it was
+    given). Exact wherever ``dtype`` holds the values: every scale is a power of two, and E4M3's 3-bit mantissa
+    fits any 16-bit float's. ``kernel`` as ``fp8_rowwise_quantize``'s: one Triton pass per operand, or the
+    PyTorch reference; the same bits."""
     from gem_kernels.ops import _validation as V
 
     T, H, D = shape
     (q8, qs), (k8, ks), (vt8, vs) = operands
+    token = torch.arange(vt8.shape[1], device=vt8.device) if v_placed is None else v_placed
     if V.use_triton(kernel, q8.device) and T:
         from gem_kernels.ops.triton.triton_fp8 import triton_fp8_dequantize, triton_fp8_dequantize_transposed
 
         q, k = (triton_fp8_dequantize(t, s, dtype).view(T, H, D) for t, s in ((q8, qs), (k8, ks)))
-        token = torch.arange(vt8.shape[1], device=vt8.device)
-        if v_columns is not None:  # each column's token, -1 between sequences
-            token = torch.full_like(token, -1).index_copy_(0, v_columns, torch.arange(T, device=vt8.device))
         return q, k, triton_fp8_dequantize_transposed(vt8, vs, token, T, dtype).view(T, H, D)
     q, k = (fp8_dequantize(t, s).to(dtype).view(T, H, D) for t, s in ((q8, qs), (k8, ks)))
-    v = fp8_dequantize(vt8, vs).to(dtype).t()
-    v = v.contiguous() if v_columns is None else v.index_select(0, v_columns)  # kernels read rows of unit stride
+    columns = fp8_dequantize(vt8, vs).to(dtype).t()  # [width, H * D]
+    held = token >= 0
+    v = columns.new_empty(T, H * D).index_copy_(0, token[held], columns[held])  # kernels read rows of unit stride
     return q, k, v.view(T, H, D)
 
 

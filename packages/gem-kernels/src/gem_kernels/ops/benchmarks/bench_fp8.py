@@ -24,7 +24,7 @@ import torch
 from torch.nn import functional as F
 
 from gem_kernels.fp8 import (fp8_attention_operands, fp8_rowwise_quantize, fp8_rowwise_quantize_reference,
-                             sequence_aligned_columns)
+                             sequence_aligned_layout)
 from gem_kernels.fp8_linear import Fp8Recipe, fp8_linear
 from gem_kernels.ops.benchmarks.provenance import git_commit
 from gem_kernels.ops.benchmarks.run_all import (Recorder, bench_ms, fwd_bwd, guarded, lognormal_lengths, offsets,
@@ -140,8 +140,7 @@ def bench_attention(rec: Recorder) -> None:
                 extra = {"target": ATTENTION_TARGET} if impl == "bf16" and case == "jfa_self" else {}
                 rec.add("attention", name, impl, "fwd", bench_ms(run), flops, **extra)
             def quantise():  # as the FP8 call does: V^T in sequence-aligned columns
-                columns, _, width = sequence_aligned_columns(off, tokens)
-                return fp8_attention_operands(q, k, v, v_columns=(columns, width))
+                return fp8_attention_operands(q, k, v, v_placed=sequence_aligned_layout(off, tokens)[1])
 
             rec.add("attention", name, "fp8: quantising q, k, v alone", "fwd", bench_ms(quantise),
                     nbytes=3 * q.numel() * 3)

@@ -11,6 +11,9 @@ Two shapes of work:
   work however long the reduced dimension is. With ``placed`` the second grid runs over the output's columns,
   each reading the input column placed there (or writing a zero).
 
+``sequence_aligned_layout_kernel`` builds that map for attention's V^T in one launch: a program per sequence sums
+the spans of the sequences before it (in blocks) for its first column, then writes its span's tokens.
+
 The scale comes from the bits of ``amax`` (``_scale_fields``), the same integer arithmetic as the reference,
 so both produce the same scale and, with an exact power-of-two scaling, the same elements.
 """
@@ -144,6 +147,40 @@ def fp8_dequantize_transposed_kernel(Q, S, TOKEN, OUT, R, W, stride_r, stride_c,
     tl.store(OUT + token[None, :] * R + rows[:, None], out, mask=(rows < R)[:, None] & (token >= 0)[None, :])
 
 
+@triton.jit
+def sequence_aligned_layout_kernel(OFF, STARTS, TOKEN, B, W, MULTIPLE: tl.constexpr, BLOCK_B: tl.constexpr,
+                                   BLOCK: tl.constexpr):
+    """Program b: STARTS[b], the spans (lengths rounded up to MULTIPLE) of sequences 0 .. b-1 summed; TOKEN over
+    its span: the token at each column, -1 past its length (the last program also fills the columns to W)."""
+    b = tl.program_id(0)
+    start = tl.zeros([], dtype=tl.int64)
+    for c in range(0, b, BLOCK_B):
+        idx = c + tl.arange(0, BLOCK_B)
+        before = idx < b
+        lengths = tl.load(OFF + idx + 1, mask=before, other=0) - tl.load(OFF + idx, mask=before, other=0)
+        start += tl.sum((lengths + MULTIPLE - 1) // MULTIPLE * MULTIPLE)
+    tl.store(STARTS + b, start)
+    first = tl.load(OFF + b).to(tl.int64)
+    n = tl.load(OFF + b + 1).to(tl.int64) - first
+    stop = start + (n + MULTIPLE - 1) // MULTIPLE * MULTIPLE
+    if b == B - 1:
+        stop = W.to(tl.int64)
+    for p0 in range(start, stop, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        j = p - start
+        tl.store(TOKEN + p, tl.where(j < n, first + j, -1), mask=p < stop)
+
+
+def triton_sequence_aligned_layout(offsets: torch.Tensor, width: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gem_kernels.fp8.sequence_aligned_layout``'s ``(starts, token)`` in one launch."""
+    B = offsets.shape[0] - 1
+    starts = torch.empty(B, dtype=torch.int64, device=offsets.device)
+    token = torch.empty(width, dtype=torch.int64, device=offsets.device)
+    launch(sequence_aligned_layout_kernel, lambda c: (B,), (offsets, starts, token, B, width),
+           dict(MULTIPLE=multiple), ("sequence_aligned_layout", multiple), [dict(BLOCK_B=1024, BLOCK=1024, num_warps=4)])
+    return starts, token
+
+
 def triton_fp8_dequantize(elements: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(elements.float() * scale).to(dtype)`` in one pass; ``elements`` ``[R, C]``, ``scale`` ``[R, 1]``."""
     R, C = elements.shape
@@ -177,18 +214,14 @@ def _one_pass_configs(block_c: int) -> list[dict]:
 
 
 def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to: int,
-                                placed: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     along_rows = dim % 2 == 1
     R, C = x.shape if along_rows else (x.shape[1], x.shape[0])  # kept, reduced
     stride_r, stride_c = (x.stride(0), x.stride(1)) if along_rows else (x.stride(1), x.stride(0))
-    R_out, C_out = padded(R, rows_to), padded(C, cols_to) if placed is None else placed[1]
+    R_out, C_out = padded(R, rows_to), padded(C, cols_to) if placed is None else placed.shape[0]
     q = torch.empty(R_out, C_out, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(R_out, dtype=torch.float32, device=x.device)
-    source = q  # unread unless placed
-    if placed is not None:
-        source = torch.full((C_out,), -1, dtype=torch.int64, device=x.device)
-        source.index_copy_(0, placed[0], torch.arange(C, device=x.device))
-    elif stride_c == 1 and C_out <= _ONE_PASS_MAX:
+    if placed is None and stride_c == 1 and C_out <= _ONE_PASS_MAX:
         block_c = next_power_of_2(C_out)
         launch(fp8_rows_kernel, lambda c: (cdiv(R_out, c["ROWS"]),), (x, q, s, R, C, R_out, C_out, stride_r),
                dict(MAX=E4M3_MAX, BLOCK_C=block_c), ("fp8_rows", block_c, x.dtype), _one_pass_configs(block_c))
@@ -201,6 +234,6 @@ def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to
                                                                  ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     used = cdiv(C, _CHUNK_COLS)  # chunks wholly in the padding hold nothing
     amax, bad = amax[:used].amax(0), bad[:used].amax(0)
-    fp8_chunk_cast_kernel[grid](x, amax, bad, q, s, source, R, C, R_out, C_out, stride_r, stride_c, MAX=E4M3_MAX,
-                                PLACED=placed is not None, ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
+    fp8_chunk_cast_kernel[grid](x, amax, bad, q, s, q if placed is None else placed, R, C, R_out, C_out, stride_r,
+                                stride_c, MAX=E4M3_MAX, PLACED=placed is not None, ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     return q, s[:, None]

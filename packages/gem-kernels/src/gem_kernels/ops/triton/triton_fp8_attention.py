@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_columns
+from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_layout
 from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_attention_kernels import (_key_tiles, _load_cols, _online_softmax, _softmax_output,
                                                               _store_rows, _visible)
@@ -122,30 +122,30 @@ def _candidates(block_size: int | None) -> list[dict]:
 
 def _fp8_forward(q, k, v, offsets, max_len: int, spec) -> tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor]:
     """The output ``[T, H, D]`` (q's dtype), the log-sum-exp ``[T, H]``, the FP8 operands with their scales and
-    V's token columns."""
+    the token of each column of V^T."""
     T, H, D = q.shape
-    v_columns, v_starts, v_width = sequence_aligned_columns(offsets, T)
-    operands = fp8_attention_operands(q, k, v, kernel="triton", v_columns=(v_columns, v_width))
+    v_starts, v_placed = sequence_aligned_layout(offsets, T, kernel="triton")
+    operands = fp8_attention_operands(q, k, v, kernel="triton", v_placed=v_placed)
     (q8, qs), (k8, ks), (vt8, vs) = operands
     o = torch.empty_like(q)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     mask_kind, wl, wr, bs, kb = spec.mask_args
     B = offsets.shape[0] - 1
-    args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, v_starts, v_width, H * D, D, H * D, D, o.stride(0), o.stride(1),
+    args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, v_starts, v_placed.shape[0], H * D, D, H * D, D, o.stride(0), o.stride(1),
             H, spec.sm_scale * 1.4426950408889634, wl, wr, bs, kb)
     consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), BLOCK_D=D)
     key = ("fwd_fp8", mask_kind, D, q.dtype, next_power_of_2(max_len), spec.block_size)
     launch(attn_fwd_fp8_kernel, lambda c: (cdiv(max_len, c["BLOCK_M"]), B, H), args, consts, key,
            lambda: _candidates(spec.block_size))
-    return o, lse, operands, v_columns
+    return o, lse, operands, v_placed
 
 
 class _Fp8Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, max_len, spec):
-        o, lse, operands, v_columns = _fp8_forward(q, k, v, offsets, max_len, spec)
+        o, lse, operands, v_placed = _fp8_forward(q, k, v, offsets, max_len, spec)
         (q8, qs), (k8, ks), (vt8, vs) = operands
-        ctx.save_for_backward(q8, qs, k8, ks, vt8, vs, v_columns, o, lse, offsets)
+        ctx.save_for_backward(q8, qs, k8, ks, vt8, vs, v_placed, o, lse, offsets)
         ctx.spec, ctx.shape, ctx.dtype = spec, q.shape, q.dtype
         return o
 
@@ -153,8 +153,8 @@ class _Fp8Attention(torch.autograd.Function):
     def backward(ctx, do):
         from gem_kernels.ops.triton.triton_attention import attention_backward
 
-        q8, qs, k8, ks, vt8, vs, v_columns, o, lse, offsets = ctx.saved_tensors
-        q, k, v = fp8_attention_dequantize(((q8, qs), (k8, ks), (vt8, vs)), ctx.shape, ctx.dtype, v_columns,
+        q8, qs, k8, ks, vt8, vs, v_placed, o, lse, offsets = ctx.saved_tensors
+        q, k, v = fp8_attention_dequantize(((q8, qs), (k8, ks), (vt8, vs)), ctx.shape, ctx.dtype, v_placed,
                                            kernel="triton")
         dq, dk, dv = attention_backward(do, q, k, v, o, lse, offsets, offsets, None, ctx.spec)
         return dq, dk, dv, None, None, None
