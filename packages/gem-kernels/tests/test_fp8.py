@@ -164,6 +164,19 @@ def _rel(a, b):
 
 
 @requires_triton
+@pytest.mark.parametrize("mask", [{}, {"causal": True}])
+def test_fp8_attention_kernel_alone_on_prepared_inputs_gives_the_calls_output(mask):
+    """bench_fp8's kernel-only row: the kernel on operands quantised beforehand, the same output as the call."""
+    from gem_kernels import jagged_flash_attention
+    from gem_kernels.ops.benchmarks.bench_fp8 import fp8_kernel_alone
+
+    q, k, v, offsets = _jagged_qkv([5, 40, 17, 64, 1])
+    out, lse = fp8_kernel_alone(q, k, v, offsets, 64, mask)()
+    assert lse.shape == q.shape[:2]
+    assert torch.equal(out, jagged_flash_attention(q, k, v, offsets, 64, kernel="triton", fp8=True, **mask))
+
+
+@requires_triton
 @pytest.mark.parametrize("lengths", [[5, 40, 0, 17, 64, 1], [16], [0, 0, 3], [1] * 70 + [1100]])
 def test_sequence_aligned_layout_kernel_gives_the_reference_layout(lengths):
     """Every sequence starts at a multiple of 16, its tokens in order, -1 elsewhere; one Triton launch gives the

@@ -120,23 +120,35 @@ def _candidates(block_size: int | None) -> list[dict]:
     return out
 
 
-def _fp8_forward(q, k, v, offsets, max_len: int, spec) -> tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor]:
-    """The output ``[T, H, D]`` (q's dtype), the log-sum-exp ``[T, H]``, the FP8 operands with their scales and
-    the token of each column of V^T."""
-    T, H, D = q.shape
-    v_starts, v_placed = sequence_aligned_layout(offsets, T, kernel="triton")
-    operands = fp8_attention_operands(q, k, v, kernel="triton", v_placed=v_placed)
+def fp8_attention_inputs(q, k, v, offsets) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """What the kernel reads, from ``[T, H, D]`` q, k, v: the FP8 operands with their scales, V^T's first column
+    of each sequence and the token of each of its columns."""
+    v_starts, v_placed = sequence_aligned_layout(offsets, q.shape[0], kernel="triton")
+    return fp8_attention_operands(q, k, v, kernel="triton", v_placed=v_placed), v_starts, v_placed
+
+
+def fp8_attend(operands, v_starts, v_placed, offsets, max_len: int, spec, shape,
+               dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output ``[T, H, D]`` in ``dtype`` and the log-sum-exp ``[T, H]`` from ``fp8_attention_inputs``."""
+    T, H, D = shape
     (q8, qs), (k8, ks), (vt8, vs) = operands
-    o = torch.empty_like(q)
-    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    o = torch.empty(shape, dtype=dtype, device=q8.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q8.device)
     mask_kind, wl, wr, bs, kb = spec.mask_args
     B = offsets.shape[0] - 1
-    args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, v_starts, v_placed.shape[0], H * D, D, H * D, D, o.stride(0), o.stride(1),
+    args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, v_starts, v_placed.shape[0], H * D, D, H * D, D, H * D, D,
             H, spec.sm_scale * 1.4426950408889634, wl, wr, bs, kb)
     consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), BLOCK_D=D)
-    key = ("fwd_fp8", mask_kind, D, q.dtype, next_power_of_2(max_len), spec.block_size)
+    key = ("fwd_fp8", mask_kind, D, dtype, next_power_of_2(max_len), spec.block_size)
     launch(attn_fwd_fp8_kernel, lambda c: (cdiv(max_len, c["BLOCK_M"]), B, H), args, consts, key,
            lambda: _candidates(spec.block_size))
+    return o, lse
+
+
+def _fp8_forward(q, k, v, offsets, max_len: int, spec) -> tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor]:
+    """The output, the log-sum-exp, the FP8 operands and V^T's column map (what the backward needs)."""
+    operands, v_starts, v_placed = fp8_attention_inputs(q, k, v, offsets)
+    o, lse = fp8_attend(operands, v_starts, v_placed, offsets, max_len, spec, q.shape, q.dtype)
     return o, lse, operands, v_placed
 
 
