@@ -81,3 +81,55 @@ def test_bad_table_arguments_are_rejected(table):
     # the same global batch on another number of ranks resumes
     TableStream(table, 8, world_size=2).load_state_dict(TableStream(table, 16).state_dict())
     assert torch.equal(next(iter(TableStream(table, 50, shuffle=False))).dense, table.batch.dense)
+
+
+def _batches(stream, steps):
+    return [b for b in itertools.islice(stream, steps)]
+
+
+@pytest.mark.parametrize("read_rows", [0, 8, 20, 1024])
+def test_reading_several_batches_at_once_gives_the_same_batches(table, read_rows):
+    """Batches cut out of a read of several (the default) equal batches read one by one, field by field: on
+    every rank, across epochs, with a short last batch and empty rank slices."""
+    from gem_data.testing import equal_batches
+
+    for world, batch in ((1, 8), (3, 8), (4, 13)):
+        for rank in range(world):
+            one_by_one = _batches(TableStream(table, batch, rank, world, num_epochs=3, read_rows=0), 100)
+            several = _batches(TableStream(table, batch, rank, world, num_epochs=3, read_rows=read_rows), 100)
+            assert len(several) == len(one_by_one) >= 3
+            assert all(equal_batches(a, b) for a, b in zip(several, one_by_one))
+
+
+def test_reading_ahead_serves_random_access_and_resumes_exactly(table):
+    from gem_data.testing import equal_batches
+
+    plain, ahead = TableStream(table, 6, read_rows=0), TableStream(table, 6, read_rows=30)
+    for index in (4, 5, 3, 20, 9, 9, 0):  # inside, before and after what the last read holds
+        assert equal_batches(ahead.rank_batch(index), plain.rank_batch(index))
+    stream = TableStream(table, 6, read_rows=30)
+    batches = iter(stream)
+    for _ in range(7):
+        next(batches)
+    resumed = TableStream(table, 6, read_rows=30)
+    resumed.load_state_dict(stream.state_dict())
+    assert all(equal_batches(a, b) for a, b in zip(_batches(resumed, 4), _batches(batches, 4)))
+    with pytest.raises(ValueError, match="read_rows must be >= 0"):
+        TableStream(table, 6, read_rows=-1)
+
+
+def test_next_item_tables_read_several_batches_at_once_give_the_same_batches(tmp_path):
+    """The real readers' tables (pointwise with sampled negatives, retrieval with targets) read ahead the same."""
+    from gem_data import NextItemConfig, NextItemDataset
+    from gem_data.testing import equal_batches, small_corpus
+
+    corpus = small_corpus(tmp_path, "tiny", users=60, items=40, attributes=True)
+    for config in (NextItemConfig(num_negatives=2), NextItemConfig(objective="retrieval", queries="every")):
+        table = NextItemDataset(corpus, config).training_table()
+        one_by_one = _batches(TableStream(table, 16, read_rows=0, num_epochs=2), 100)
+        several = _batches(TableStream(table, 16, num_epochs=2), 100)
+        assert len(several) == len(one_by_one) > 4
+        for a, b in zip(several, one_by_one):
+            assert equal_batches(a, b)
+            if b.next_items is not None:
+                assert torch.equal(a.next_items.positives, b.next_items.positives)

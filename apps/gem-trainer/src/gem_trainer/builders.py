@@ -115,12 +115,13 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         eval_fn = lambda: eval_batches(generator, d.batch_size, d.eval_batches, env.rank, env.world_size)  # noqa: E731
     elif d.source in ("sequence_text", "atomic"):
         ranking = build_next_item_dataset(config)
-        train = TableStream(ranking.training_table(), batch_size, rank, world, shuffle=True, seed=config.seed)
+        train = TableStream(ranking.training_table(), batch_size, rank, world, shuffle=True, seed=config.seed,
+                            read_rows=d.read_rows)
         rows_per_epoch = train.rows_per_epoch
     else:
         table = ParquetTable(_files(d.path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
         held_out = _held_out_table(config, table, d.eval_path)
-        train = TableStream(table, batch_size, rank, world, shuffle=True, seed=config.seed)
+        train = TableStream(table, batch_size, rank, world, shuffle=True, seed=config.seed, read_rows=d.read_rows)
         rows_per_epoch = train.rows_per_epoch
         eval_fn = lambda: iter(TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False, num_epochs=1))  # noqa: E731
     if d.num_workers:
@@ -247,7 +248,7 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
         else:
             table = tables[s.name] = ParquetTable(_files(path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
         # an online source replays its stream in time order; offline logs are shuffled
-        streams[s.name] = TableStream(table, d.batch_size, shuffle=not s.online, seed=config.seed)
+        streams[s.name] = TableStream(table, d.batch_size, shuffle=not s.online, seed=config.seed, read_rows=d.read_rows)
     try:
         alignment = FeatureAlignment({n: stream.spec for n, stream in streams.items()}, id_spaces,
                                      {s.name: s.surface for s in m.sources})

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from gem_data import READ_ROWS
 from gem_kernels import Fp8Recipe
 from gem_kunlun import KUNLUN_SIZES, BaselineConfig, InterFormerConfig, KunlunConfig, SasrecConfig
 
@@ -243,6 +244,9 @@ class DataConfig(Section):
     # batches read on a background thread one step ahead (true), or on the training thread when the step asks
     # (false: the same batches without a thread, the thread's reference; see gem_data.read_ahead)
     read_ahead: bool = True
+    # rows a table reader (sequence_text, atomic, parquet) reads at a time, several batches of a small batch size
+    # sharing a read's fixed cost; the batches are the same for any value (0: one batch per read)
+    read_rows: int = Field(READ_ROWS, ge=0)
     skip_bad_rows: bool = False
     balance: bool = False  # length-balanced batches across ranks
     balance_window: int = Field(1, ge=1)

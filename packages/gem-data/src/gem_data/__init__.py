@@ -23,12 +23,13 @@ from gem_data.sequential.corpus import Bags, SequenceCorpus
 from gem_data.sequential.examples import NextItemConfig, NextItemDataset, NextItemTable, RankingExamples
 from gem_data.sequential.time_split import TimeSplit, TimeSplitDataset
 from gem_data.source import BatchSource, ShardedStream, WorkerLoader
-from gem_data.stream import SyntheticStream, TableStream, eval_batches
+from gem_data.stream import READ_ROWS, SyntheticStream, TableStream, eval_batches
 from gem_data.surface_filter import SurfaceFilterStream
 from gem_data.synthetic import SyntheticConfig, SyntheticGenerator
 from gem_data.table import BatchTable, ExampleTable
 
 __all__ = [
+    "READ_ROWS",
     "AlignedRanking",
     "AlignmentError",
     "Bags",

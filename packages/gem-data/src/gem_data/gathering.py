@@ -139,7 +139,10 @@ def gather_pieces(pieces: list[Piece], spec: FeatureSpec) -> Batch:
         b = first.batch
         surface = b.surface if first.plan.surface is None else torch.full_like(b.surface, first.plan.surface)
         return Batch(dense=b.dense, sparse=b.sparse, sequences=b.sequences, labels=b.labels, surface=surface, source=b.source,
-                     next_items=b.next_items)
+                     next_items=b.next_items, representations=b.representations)
+    if any(p.batch.representations for p in pieces):
+        raise ValueError("gathering rows of batches that carry representation features is not supported: join the "
+                         "representations after mixing or cutting batches (a RepresentationJoin around the stream)")
     arrays = [p.view.arrays for p in pieces]
     sequences = {}
     for event in spec.events:

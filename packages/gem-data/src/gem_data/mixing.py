@@ -274,12 +274,15 @@ class ExampleReader:
     """Reads example ranges of a whole ``ShardedStream``, holding one batch of it at a time (with its NumPy
     views, made once: one process takes a row range of the held batch at each of several steps).
 
-    A ``TableStream`` is read by row: exactly the rows asked for, or ``read_ahead`` rows when fewer are asked
-    (one process asks for the next rows of a source step after step, and a table read has a fixed cost worth
-    sharing over several steps). Any other stream is read a global batch at a time.
+    A ``TableStream`` is read by row: exactly the rows asked for, or, when fewer are asked, ``read_ahead`` rows or
+    the stream's own ``read_rows`` if more (one process asks for the next rows of a source step after step, and a
+    table read has a fixed cost worth sharing over several steps, as the stream read alone shares it). Any other
+    stream is read a global batch at a time.
     """
 
     def __init__(self, stream: ShardedStream, read_ahead: int = 0) -> None:
+        if read_ahead and isinstance(stream, TableStream):
+            read_ahead = max(read_ahead, stream.read_rows)
         self.stream, self.chunk, self.read_ahead = stream, stream.global_batch_size, read_ahead
         self.length = known_length(stream)
         self._start, self._view = 0, None  # the held batch covers examples [_start, _start + its size)

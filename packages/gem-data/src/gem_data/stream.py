@@ -7,16 +7,25 @@ epoch after epoch. Both number global batches and shard them as ``ShardedStream`
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
+from torch.utils.data import get_worker_info
 
 from gem_kunlun import Batch, FeatureSpec, lengths_to_offsets
 
+from gem_data.alignment import FeatureAlignment
 from gem_data.batch_ops import concat_batches, select_examples
+from gem_data.gathering import BatchView
 from gem_data.source import ShardedStream
 from gem_data.synthetic import SyntheticGenerator
 from gem_data.table import ExampleTable
 
+
+# rows a TableStream reads from its table at a time (several batches of a small batch size): a table read has a
+# fixed cost (a few dozen small tensor operations assembling the batch) that these rows share; more rows per read
+# gain little and, with long histories, cost more per row
+READ_ROWS = 1024
 
 # NOTE: torch's CPU generator keeps 32 bits of a seed, and the generator's train and eval splits sit 2**31
 # batch indices apart: 128 streams of 2**24 batches each fit below that.
@@ -69,6 +78,10 @@ class TableStream(ShardedStream):
     rather than drop rows. With ``shuffle`` each epoch
     visits blocks in a seeded random order and groups in a seeded random order within each block; the order
     is a pure function of ``(seed, epoch)``, which makes the position alone a complete resumable state.
+
+    Reading: a rank reads the rows of ``max(1, read_rows // batch_size)`` of its batches from the table at once
+    (the batches it will deliver next: in a DataLoader worker, that worker's) and cuts its batches out of them;
+    the batches are the same as read one by one (``read_rows=0``), only the table's fixed cost per read is shared.
     """
 
     def __init__(
@@ -80,9 +93,16 @@ class TableStream(ShardedStream):
         shuffle: bool = True,
         seed: int = 0,
         num_epochs: int | None = None,
+        read_rows: int = READ_ROWS,
     ) -> None:
         super().__init__(batch_size, rank, world_size)
+        if read_rows < 0:
+            raise ValueError(f"read_rows must be >= 0, got {read_rows}")
         self.table, self.shuffle, self.seed, self.num_epochs = table, shuffle, seed, num_epochs
+        self.read_rows, self.batches_per_read = read_rows, max(1, read_rows // batch_size)
+        self._stride = 1  # between the batch indices this reader delivers (DataLoader workers take turns)
+        self._held: tuple | None = None  # (part, parts, stride, first index, row spans, BatchView) of the last read
+        self._alignment: FeatureAlignment | None = None  # cuts batches out of a read (one id space: slicing only)
         self._sizes = torch.tensor(table.block_sizes(), dtype=torch.int64)
         self.rows_per_epoch = int(self._sizes.sum())
         if self.rows_per_epoch == 0:
@@ -101,14 +121,48 @@ class TableStream(ShardedStream):
     def rank_batch(self, index: int) -> Batch | None:
         return self._slice(index, self.rank, self.world_size)
 
-    def _slice(self, index: int, part: int, parts: int) -> Batch | None:
-        """Part ``part`` of ``parts`` of global batch ``index``, split as ``ShardedStream.rank_batch`` does."""
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        self._stride = 1 if info is None else info.num_workers
+        return super().__iter__()
+
+    def _positions(self, index: int, part: int, parts: int) -> torch.Tensor | None:
+        """The row positions of part ``part`` of ``parts`` of global batch ``index`` (as ``ShardedStream.rank_batch``
+        splits it), None past the end."""
         start, end = index * self.global_batch_size, (index + 1) * self.global_batch_size
         if self.num_epochs is not None:
             end = min(end, self.num_epochs * self.rows_per_epoch)
         if start >= end:
             return None
-        return self._rows(torch.arange(start, end).tensor_split(parts)[part])
+        return torch.arange(start, end).tensor_split(parts)[part]
+
+    def _slice(self, index: int, part: int, parts: int) -> Batch | None:
+        """Part ``part`` of ``parts`` of global batch ``index``: from the last read when it holds it, else from a
+        read of this and the next batches this reader will deliver."""
+        held = self._held
+        if held is not None and held[:3] == (part, parts, self._stride):
+            offset, remainder = divmod(index - held[3], self._stride)
+            if not remainder and 0 <= offset < len(held[4]):
+                return self._cut(held[5], *held[4][offset])
+        positions = self._positions(index, part, parts)
+        if positions is None or self.batches_per_read == 1 or positions.numel() == 0:
+            return None if positions is None else self._rows(positions)
+        pieces = [positions]
+        for ahead in range(1, self.batches_per_read):
+            more = self._positions(index + ahead * self._stride, part, parts)
+            if more is None or more.numel() == 0:
+                break
+            pieces.append(more)
+        ends = torch.tensor([p.numel() for p in pieces]).cumsum(0).tolist()
+        spans = list(zip([0, *ends[:-1]], ends))
+        view = BatchView(self._rows(torch.cat(pieces)))
+        self._held = (part, parts, self._stride, index, spans, view)
+        return self._cut(view, *spans[0])
+
+    def _cut(self, view: BatchView, lo: int, hi: int) -> Batch:
+        if self._alignment is None:
+            self._alignment = FeatureAlignment({"table": self.spec}, {"table": ""})
+        return self._alignment.gather([("table", view, lo, hi)])
 
     def _rows(self, positions: torch.Tensor) -> Batch:
         """The rows at ``positions`` of the endless shuffled row sequence (epoch 0, then epoch 1, ...)."""
