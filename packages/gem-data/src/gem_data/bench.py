@@ -29,7 +29,7 @@ from gem_data.readers.atomic import read_atomic
 from gem_data.readers.parquet import ParquetTable, write_parquet
 from gem_data.readers.text import read_sequence_text
 from gem_data.sequential.examples import NextItemConfig, NextItemDataset
-from gem_data.stream import SyntheticStream, TableStream
+from gem_data.stream import READ_ROWS, SyntheticStream, TableStream
 from gem_data.synthetic import SyntheticConfig, SyntheticGenerator
 from gem_data.testing import find_repo_root, shared_data_dir
 
@@ -61,6 +61,13 @@ def measure(name: str, stream, seconds: float, batch_size: int, note: str = "", 
     }
 
 
+def measure_table(name: str, table, seconds: float, batch_size: int, note: str) -> list[dict]:
+    """A table read as the trainer reads it (``READ_ROWS`` rows at a time: several batches), then one batch per
+    read, measured one after the other."""
+    return [measure(name, TableStream(table, batch_size), seconds, batch_size, f"{note}; {READ_ROWS} rows per read"),
+            measure(f"{name}, one batch per read", TableStream(table, batch_size, read_rows=0), seconds, batch_size, note)]
+
+
 def run(seconds: float, data_dir: Path, batch_size: int = 256) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
@@ -74,8 +81,8 @@ def run(seconds: float, data_dir: Path, batch_size: int = 256) -> list[dict]:
         corpus = read_sequence_text(beauty / "Beauty.txt", beauty / "Beauty_item2attributes.json")
         load = time.perf_counter() - start
         dataset = NextItemDataset(corpus, NextItemConfig(num_negatives=1))
-        stream = TableStream(dataset.training_table(), batch_size)
-        rows.append(measure("beauty_text", stream, seconds, batch_size, f"next-item, 1 uniform negative; file read {load:.2f}s"))
+        rows += measure_table("beauty_text", dataset.training_table(), seconds, batch_size,
+                              f"next-item, 1 uniform negative; file read {load:.2f}s")
         sequential.append(("beauty", dataset))
     else:
         rows.append({"reader": "beauty_text", "note": f"skipped: {beauty} absent"})
@@ -85,16 +92,15 @@ def run(seconds: float, data_dir: Path, batch_size: int = 256) -> list[dict]:
         corpus = read_atomic(ml)
         load = time.perf_counter() - start
         dataset = NextItemDataset(corpus, NextItemConfig(num_negatives=1, sampler="popularity", max_history=200))
-        stream = TableStream(dataset.training_table(), batch_size)
-        rows.append(measure("ml100k_atomic", stream, seconds, batch_size, f"next-item, 1 popularity negative, max_history 200; file read {load:.2f}s"))
+        rows += measure_table("ml100k_atomic", dataset.training_table(), seconds, batch_size,
+                              f"next-item, 1 popularity negative, max_history 200; file read {load:.2f}s")
     else:
         rows.append({"reader": "ml100k_atomic", "note": f"skipped: {ml} absent"})
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "synthetic.parquet"
         written = write_parquet((generator.batch(i, 1024) for i in range(16)), generator.spec, path, row_group_size=4096)
-        table = ParquetTable(path)
-        stream = TableStream(table, batch_size)
-        rows.append(measure("parquet", stream, seconds, batch_size, f"{written} synthetic rows, row groups of 4096, block shuffle"))
+        rows += measure_table("parquet", ParquetTable(path), seconds, batch_size,
+                              f"{written} synthetic rows, row groups of 4096, block shuffle")
     sources = {"feed": SyntheticStream(generator, batch_size), "video": SyntheticStream(SyntheticGenerator(SyntheticConfig(seed=1)), batch_size)}
     mix = MixingConfig((MixSource("feed", 3.0), MixSource("video", 1.0, online=True)), batch_size, online_share_start=0.1, online_share_end=0.5, ramp_steps=100)
     rows.append(measure("mixer", MixedStream(sources, mix), seconds, batch_size, "2 synthetic sources, example-level mixing, online ramp"))
@@ -127,12 +133,12 @@ def meta(command: str) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'reader':<20} {'examples/s/core':>16} {'tokens/s/core':>14} {'events/ex':>10}  note"]
+    lines = [f"{'reader':<34} {'examples/s/core':>16} {'tokens/s/core':>14} {'events/ex':>10}  note"]
     for r in rows:
         if "examples_per_s_per_core" in r:
-            lines.append(f"{r['reader']:<20} {r['examples_per_s_per_core']:>16,.0f} {r['tokens_per_s_per_core']:>14,.0f} {r['mean_events_per_example']:>10.1f}  {r['note']}")
+            lines.append(f"{r['reader']:<34} {r['examples_per_s_per_core']:>16,.0f} {r['tokens_per_s_per_core']:>14,.0f} {r['mean_events_per_example']:>10.1f}  {r['note']}")
         else:
-            lines.append(f"{r['reader']:<20} {'-':>16} {'-':>14} {'-':>10}  {r['note']}")
+            lines.append(f"{r['reader']:<34} {'-':>16} {'-':>14} {'-':>10}  {r['note']}")
     return "\n".join(lines)
 
 
