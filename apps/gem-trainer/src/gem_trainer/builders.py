@@ -123,7 +123,8 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         held_out = _held_out_table(config, table, d.eval_path)
         train = TableStream(table, batch_size, rank, world, shuffle=True, seed=config.seed, read_rows=d.read_rows)
         rows_per_epoch = train.rows_per_epoch
-        eval_fn = lambda: iter(TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False, num_epochs=1))  # noqa: E731
+        eval_fn = lambda: iter(TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False,  # noqa: E731
+                                           num_epochs=1, read_rows=d.read_rows))
     if d.num_workers:
         train = WorkerLoader(train, num_workers=d.num_workers)
     if d.train_surfaces is not None:
@@ -273,7 +274,8 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
     elif name in tables:
         held_out = _held_out_table(config, tables[name], next(s for s in m.sources if s.name == name).eval_path or d.eval_path)
         eval_fn = lambda: (alignment.align(name, b) for b in  # noqa: E731
-                           TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False, num_epochs=1))
+                           TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False, num_epochs=1,
+                                       read_rows=d.read_rows))
     else:
         eval_fn = lambda: (alignment.align(name, b) for b in  # noqa: E731
                            eval_batches(generator, d.batch_size, d.eval_batches, env.rank, env.world_size))
