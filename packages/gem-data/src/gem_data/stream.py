@@ -6,8 +6,10 @@ epoch after epoch. Both number global batches and shard them as ``ShardedStream`
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import get_worker_info
@@ -69,6 +71,16 @@ def eval_batches(generator: SyntheticGenerator, batch_size: int, num_batches: in
         yield batch if world_size == 1 else select_examples(batch, rows)
 
 
+class _Read(NamedTuple):
+    """One table read of several batches: whose (rank part, parts, stride between the batch indices), the first
+    batch index, each batch's row span in the read, and the read."""
+
+    whose: tuple[int, int, int]
+    first: int
+    spans: list[tuple[int, int]]
+    view: BatchView
+
+
 class TableStream(ShardedStream):
     """Batches of ``batch_size`` rows of ``table``, epoch after epoch (``num_epochs=None``: endless).
 
@@ -101,7 +113,7 @@ class TableStream(ShardedStream):
         self.table, self.shuffle, self.seed, self.num_epochs = table, shuffle, seed, num_epochs
         self.read_rows, self.batches_per_read = read_rows, max(1, read_rows // batch_size)
         self._stride = 1  # between the batch indices this reader delivers (DataLoader workers take turns)
-        self._held: tuple | None = None  # (part, parts, stride, first index, row spans, BatchView) of the last read
+        self._held: _Read | None = None  # the last read
         self._alignment: FeatureAlignment | None = None  # cuts batches out of a read (one id space: slicing only)
         self._sizes = torch.tensor(table.block_sizes(), dtype=torch.int64)
         self.rows_per_epoch = int(self._sizes.sum())
@@ -139,11 +151,11 @@ class TableStream(ShardedStream):
     def _slice(self, index: int, part: int, parts: int) -> Batch | None:
         """Part ``part`` of ``parts`` of global batch ``index``: from the last read when it holds it, else from a
         read of this and the next batches this reader will deliver."""
-        held = self._held
-        if held is not None and held[:3] == (part, parts, self._stride):
-            offset, remainder = divmod(index - held[3], self._stride)
-            if not remainder and 0 <= offset < len(held[4]):
-                return self._cut(held[5], *held[4][offset])
+        held, whose = self._held, (part, parts, self._stride)
+        if held is not None and held.whose == whose:
+            offset, remainder = divmod(index - held.first, self._stride)
+            if not remainder and 0 <= offset < len(held.spans):
+                return self._cut(held.view, *held.spans[offset])
         positions = self._positions(index, part, parts)
         if positions is None or self.batches_per_read == 1 or positions.numel() == 0:
             return None if positions is None else self._rows(positions)
@@ -153,11 +165,9 @@ class TableStream(ShardedStream):
             if more is None or more.numel() == 0:
                 break
             pieces.append(more)
-        ends = torch.tensor([p.numel() for p in pieces]).cumsum(0).tolist()
-        spans = list(zip([0, *ends[:-1]], ends))
-        view = BatchView(self._rows(torch.cat(pieces)))
-        self._held = (part, parts, self._stride, index, spans, view)
-        return self._cut(view, *spans[0])
+        ends = list(itertools.accumulate(p.numel() for p in pieces))
+        self._held = _Read(whose, index, list(zip([0, *ends[:-1]], ends)), BatchView(self._rows(torch.cat(pieces))))
+        return self._cut(self._held.view, *self._held.spans[0])
 
     def _cut(self, view: BatchView, lo: int, hi: int) -> Batch:
         if self._alignment is None:

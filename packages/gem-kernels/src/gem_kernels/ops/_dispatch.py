@@ -78,17 +78,24 @@ def run_attention(
     )
 
 
+def fp8_attention_spec(max_len: int, heads: int, sm_scale: float, window_left: int | None = None,
+                       window_right: int | None = None, block_size: int | None = None,
+                       window_blocks: int | None = None):
+    """The ``AttnSpec`` of FP8 self-attention: softmax heads over jagged sequences of at most ``max_len``."""
+    from gem_kernels.ops.triton.triton_attention import AttnSpec
+
+    return AttnSpec(max_q=max_len, max_kv=max_len, nq=None, activations=("softmax",) * heads, sm_scale=float(sm_scale),
+                    pw_scale=1.0, window_left=window_left, window_right=window_right, block_size=block_size,
+                    window_blocks=window_blocks)
+
+
 def _run_fp8(q, k, v, offsets, max_len, sm_scale, kernel, window_left, window_right, block_size, window_blocks):
     """Softmax self-attention with FP8 Q, K, V (``ops/triton/triton_fp8_attention``), forward and backward (the
     exact gradient at the quantised operands, the quantiser passing gradients through unchanged); the reference
     twin (``kernel="pytorch"``, and ``"auto"`` off CUDA) runs the exact reference on the dequantised operands."""
     if kernel == "builtin":
         raise ValueError("fp8=True runs kernel 'auto', 'triton' or 'pytorch', not 'builtin'")
-    from gem_kernels.ops.triton.triton_attention import AttnSpec
-
-    spec = AttnSpec(max_q=max_len, max_kv=max_len, nq=None, activations=("softmax",) * q.shape[1],
-                    sm_scale=float(sm_scale), pw_scale=1.0, window_left=window_left, window_right=window_right,
-                    block_size=block_size, window_blocks=window_blocks)
+    spec = fp8_attention_spec(max_len, q.shape[1], sm_scale, window_left, window_right, block_size, window_blocks)
     if V.use_triton(kernel, q.device) and q.shape[0]:
         V.check_triton_head_dim("q", q.shape[2])
         V.check_triton_device("q", q)

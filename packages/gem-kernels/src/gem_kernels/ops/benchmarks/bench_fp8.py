@@ -123,13 +123,12 @@ def bench_linear(rec: Recorder, m: int, width: int) -> None:
 def fp8_kernel_alone(q, k, v, off, longest: int, mask: dict):
     """A call of the FP8 attention kernel on operands quantised beforehand: what quantising in the producer of
     Q, K, V (instead of in the attention call) would leave."""
-    from gem_kernels.ops._dispatch import default_sm_scale
-    from gem_kernels.ops.triton.triton_attention import AttnSpec
+    from gem_kernels.ops._dispatch import default_sm_scale, fp8_attention_spec
     from gem_kernels.ops.triton.triton_fp8_attention import fp8_attend, fp8_attention_inputs
 
-    spec = AttnSpec(max_q=longest, max_kv=longest, nq=None, activations=("softmax",) * q.shape[1],
-                    sm_scale=default_sm_scale(q.shape[2]), pw_scale=1.0,
-                    window_right=0 if mask.get("causal", False) else None)  # as jagged_flash_attention builds it
+    # causal keeps keys j <= i, as jagged_flash_attention passes it
+    spec = fp8_attention_spec(longest, q.shape[1], default_sm_scale(q.shape[2]),
+                              window_right=0 if mask.get("causal", False) else None)
     inputs = fp8_attention_inputs(q, k, v, off)
     return lambda: fp8_attend(*inputs, off, longest, spec, q.shape, q.dtype)
 
