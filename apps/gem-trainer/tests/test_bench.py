@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -77,9 +79,46 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
     assert checkpoint["size_gb"] > 0 and checkpoint["write_s"] > 0
     for mode in ("synchronous", "asynchronous"):
         assert checkpoint[mode]["save_call_ms"] > 0 and 0 <= checkpoint[mode]["cost_share"] < 1
+        # every round timed at least the minimum of steps, the reported one is the median round's
+        assert all(r[mode]["steps"] >= checkpoint["min_steps_timed"] for r in checkpoint["rounds"])
+        stalls = sorted(r[mode]["stall_ms"] for r in checkpoint["rounds"])
+        assert stalls[len(stalls) // 2] == checkpoint[mode]["stall_ms"]
     small = written["trainer_configs"][str(other)]
     assert small["gem"]["examples_per_s"] == pytest.approx(8 / small["gem"]["step_ms"] * 1e3, rel=0.01)
     assert small["bare"]["loss_finite"] and small["trainer_overhead"] > 0
+
+
+def test_an_asynchronous_save_is_timed_until_its_write_is_marked(tmp_path):
+    """The background write's interference counts whole: the window runs until the write is done."""
+    class Checkpoints:
+        def __init__(self):
+            self.polls_left = 0
+
+        def save(self, step, distributed, local, asynchronous):
+            self.polls_left = 7 if asynchronous else 0  # the write outlasts the minimum of 2 steps
+
+        def writing(self):
+            self.polls_left = max(0, self.polls_left - 1)
+            return self.polls_left > 0
+
+        def wait(self):  # blocks until the write is marked
+            self.polls_left = 0
+
+        def path(self, step):
+            folder = tmp_path / f"step-{step}"
+            folder.mkdir(exist_ok=True)
+            (folder / "shard").write_bytes(b"x" * 10)
+            return folder
+
+    trainer = SimpleNamespace(checkpoints=Checkpoints(), step=3, distributed_state=dict, state_dict=dict)
+    args = SimpleNamespace(checkpoint_steps=2, checkpoint_rounds=3, checkpoint_every=200)
+    result = {"step_ms": 1.0}
+    bench.measure_checkpoints(trainer, lambda i: None, result, args, torch.device("cpu"), lambda line: None)
+    checkpoint = result["checkpoint"]
+    # two steps before the write is first asked about, six while it still runs
+    assert [r["asynchronous"]["steps"] for r in checkpoint["rounds"]] == [8, 8, 8]
+    assert [r["synchronous"]["steps"] for r in checkpoint["rounds"]] == [2, 2, 2]
+    assert checkpoint["min_steps_timed"] == 2 and len(checkpoint["rounds"]) == 3
 
 
 def test_model_flops_are_summed_per_benchmark_component():

@@ -144,10 +144,11 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_and_counts_only_once_w
     marker = run_dir / "checkpoints" / "step-6" / MARKER
     for _ in range(3):  # training goes on and changes the weights while the write waits
         trainer.train_step()
-    assert not marker.exists() and manager.latest_step() == 4
+    assert not marker.exists() and manager.latest_step() == 4 and trainer.checkpoints.writing()
     release.set()
     trainer.checkpoints.wait()
     assert marker.exists() and manager.latest_step() == 6 and manager.damage(6) is None
+    assert not trainer.checkpoints.writing()
     trainer.close()
 
     resumed = trainer_at(run_dir, 12)

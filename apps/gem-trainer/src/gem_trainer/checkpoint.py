@@ -95,7 +95,10 @@ class CheckpointManager:
             alone = not dist.is_initialized() or dist.get_world_size() == 1
 
             def write() -> None:
-                dcp.save(staged, checkpoint_id=str(path), process_group=group, no_dist=alone)
+                # NOTE: no copy-ahead: the staged tensors are on the host already, and DCP's copy-ahead loader
+                # would synchronise the GPU's current stream (the training's) for every 10 MB it writes
+                writer = dcp.FileSystemWriter(str(path), per_thread_copy_ahead=0)
+                dcp.save(staged, storage_writer=writer, process_group=group, no_dist=alone)
 
             self._in_flight = _InFlight(step, write, lambda failure: self._finish(step, failure, group))
             return path
@@ -108,6 +111,10 @@ class CheckpointManager:
         self._finish(step, failure, None)
         _barrier()
         return path
+
+    def writing(self) -> bool:
+        """Whether an asynchronous save is still being written (``wait`` then blocks until it is marked)."""
+        return self._in_flight is not None and self._in_flight.thread.is_alive()
 
     def wait(self, agree: bool = True) -> None:
         """Wait for the save in flight (if any) to be written and marked; raise its ``CheckpointError``. ``agree``:
