@@ -121,6 +121,19 @@ def test_an_asynchronous_save_is_timed_until_its_write_is_marked(tmp_path):
     assert checkpoint["min_steps_timed"] == 2 and len(checkpoint["rounds"]) == 3
 
 
+def test_the_model_check_compares_logits_and_every_gradient():
+    from gem_trainer.config import load_config
+
+    args = bench.parse_args(["--config", str(CONFIG), "--out", "unused", "--sparse-features", "3", *TINY])
+    config = load_config(CONFIG, args.overrides)
+    check = bench.check_model_agreement(config, args, torch.device("cpu"))
+    model = bench.build_variant(config, bench.BenchData(batch_size=8, sparse_features=3).spec(), "pytorch",
+                                torch.device("cpu"), config.seed)
+    assert check["parameters_compared"] == len(list(model.parameters()))
+    # on the CPU both variants run PyTorch's ops (fused or not): equal up to float32 rounding
+    assert check["logits_rel_err_plain_vs_gem"] < 1e-4 and check["grad_rel_err_plain_vs_gem"] < 1e-4
+
+
 def test_model_flops_are_summed_per_benchmark_component():
     table = {"layer0.attention": 3.0, "layer1.attention": 4.0, "layer0.pffn": 1.0, "final_summary": 2.0, "mlp": 0.5,
              "heads": 0.25, "embedding.dense_proj": 0.125}

@@ -13,36 +13,47 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("second", [None, "residual", "skip"])
 @pytest.mark.parametrize("shape", [(7, 48), (2, 3, 100), (1, 16)])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "layer_norm_nobias"])
-def test_norm_matches_reference(op, shape, residual, dtype):
+def test_norm_matches_reference(op, shape, second, dtype):
+    """``second``: the norm's second output, h = x + residual or x itself (skip), each given its own gradient."""
     N = shape[-1]
     x = rand(*shape, dtype=dtype)
-    r = rand(*shape, dtype=dtype) if residual else None
+    r = rand(*shape, dtype=dtype) if second == "residual" else None
     w = (1.0 + 0.1 * torch.randn(N)).to(dtype).requires_grad_()
     b = rand(N, dtype=dtype) if op == "layer_norm" else None
     inputs = [t for t in (x, r, w, b) if t is not None]
+    skip = second == "skip"
 
     def fn(kernel):
         if op == "rms_norm":
-            return rms_norm(x, w, 1e-6, residual=r, kernel=kernel)
-        return layer_norm(x, w, b, 1e-5, residual=r, kernel=kernel)
+            return rms_norm(x, w, 1e-6, residual=r, kernel=kernel, skip=skip)
+        return layer_norm(x, w, b, 1e-5, residual=r, kernel=kernel, skip=skip)
 
     outs = {k: fn(k) for k in ("triton", "pytorch")}
-    seeds = [torch.randn(shape).to(dtype)] + ([torch.randn(shape).to(dtype)] if residual else [])
+    seeds = [torch.randn(shape).to(dtype)] + ([torch.randn(shape).to(dtype)] if second else [])
     got = {}
     for kern, out in outs.items():
         out = out if isinstance(out, tuple) else (out,)
+        assert len(out) == (2 if second else 1)
         for o_t in out:
             assert o_t.dtype == dtype
+        if skip:
+            assert torch.equal(out[1], x)
         got[kern] = (out, torch.autograd.grad(out, inputs, seeds))
     (o_t, g_t), (o_r, g_r) = got["triton"], got["pytorch"]
     for a, e in zip(o_t, o_r):
         assert_close(a, e, TOL[dtype], "out")
-    for a, e, n in zip(g_t, g_r, ["x", "r", "w", "b"] if residual else ["x", "w", "b"]):
+    for a, e, n in zip(g_t, g_r, ["x", "r", "w", "b"] if r is not None else ["x", "w", "b"]):
         # NOTE: dweight sums over rows; fp16 rounding of y/dy makes it looser than the elementwise outputs.
         assert_close(a, e, TOL[dtype] * (4 if n in "wb" else 1), f"d{n}")
+
+
+def test_skip_and_residual_exclude_each_other():
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="residual and skip exclude each other"):
+        layer_norm(x, torch.ones(16), None, residual=x, skip=True)
 
 
 @pytest.mark.parametrize("cfg", [dict(ROWS=4, num_warps=4, PREFETCH=True, PER_SM=1),

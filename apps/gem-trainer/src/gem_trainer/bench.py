@@ -674,17 +674,24 @@ def check_ops(device) -> list[dict]:
 
 
 def check_model_agreement(config, args, device) -> dict:
-    """The two variants' logits on one small batch with equal weights (bf16 autocast): they compute one function."""
+    """The two variants' logits and the gradients of their weights on one small batch with equal weights
+    (bf16 autocast): they compute one function, forward and backward."""
     data = BenchData(batch_size=8, sparse_features=args.sparse_features, mean_len=200, max_len=1024, seed=7)
     batch = BenchBatches(data).next().to(device)
     spec = data.spec()
-    logits = {}
+    logits, grads = {}, {}
     for name, kernel in KERNELS.items():
         model = build_variant(config, spec, kernel, device, config.seed)
-        with torch.no_grad(), bench_autocast(device):
+        with bench_autocast(device):
             logits[name] = model(batch).logits.float()
+        logits[name].square().mean().backward()
+        grads[name] = {n: p.grad.float().flatten() for n, p in model.named_parameters() if p.grad is not None}
+        logits[name] = logits[name].detach()
         del model
-    return {"batch_size": 8, "logits_rel_err_plain_vs_gem": round(rel_err(logits["gem"], logits["plain"]), 5)}
+    shared = sorted(set(grads["gem"]) & set(grads["plain"]))
+    gem_grads, plain_grads = (torch.cat([grads[v][n] for n in shared]) for v in ("gem", "plain"))
+    return {"batch_size": 8, "logits_rel_err_plain_vs_gem": round(rel_err(logits["gem"], logits["plain"]), 5),
+            "grad_rel_err_plain_vs_gem": round(rel_err(gem_grads, plain_grads), 5), "parameters_compared": len(shared)}
 
 
 # --- provenance ---------------------------------------------------------------------------------------------------

@@ -175,7 +175,11 @@ class KunlunLayer(nn.Module):
         c = self.config
         compressed = torch.einsum("bnd,nm->bmd", x, self.token_mix.to(x.dtype))
         x_sum = compressed + self.compress_mlp(self.compress_norm(compressed))
-        summary = previous_summary if self.summary is None else self.summary(self.summary_norm(seq), offsets, max_len)
+        if self.summary is None:
+            summary = previous_summary
+        else:
+            normed, seq = self.summary_norm.with_skip(seq)  # seq goes on through the skip path
+            summary = self.summary(normed, offsets, max_len)
         u = torch.cat([x_sum, summary], 1)
         u = u + self.moe(self.moe_norm(u))
         if self.pffn is not None:

@@ -22,3 +22,9 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, kernel=self.kernel)
+
+    def with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x), x)`` for a pre-norm residual branch ``x + f(norm(x))`` written with the returned x: the
+        gradient reaching x along the skip path is added inside the norm's backward kernel, where autograd would
+        add the two gradients of x (each [tokens, d] in float32) in a pass of its own."""
+        return layer_norm(x, self.weight, self.bias, self.eps, kernel=self.kernel, skip=True)

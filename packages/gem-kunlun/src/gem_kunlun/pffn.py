@@ -27,7 +27,8 @@ class PersonalizedFFN(nn.Module):
 
     def forward(self, seq: torch.Tensor, offsets: torch.Tensor, x_sum: torch.Tensor, max_len: int) -> torch.Tensor:
         h, d, b = self.num_heads, self.dim // self.num_heads, x_sum.shape[0]
-        q = self.q(self.norm(seq)).view(-1, h, d)
+        normed, seq = self.norm.with_skip(seq)
+        q = self.q(normed).view(-1, h, d)
         k, v = self.kv(x_sum).reshape(-1, 2, h, d).unbind(1)  # [B * n, H, d]
         kv_offsets = torch.arange(0, (b + 1) * self.num_tokens, self.num_tokens, device=seq.device)
         o = gdpa(q, k, v, offsets, kv_offsets, activation=self.activation, max_seq_len_q=max_len,

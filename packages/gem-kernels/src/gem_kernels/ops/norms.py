@@ -9,7 +9,7 @@ from gem_kernels.ops.pytorch.builtin import builtin_layer_norm, builtin_rms_norm
 from gem_kernels.ops.pytorch.pt_norms import pt_layer_norm, pt_rms_norm
 
 
-def _check(x, weight, bias, residual, kernel) -> bool:
+def _check(x, weight, bias, residual, kernel, skip: bool = False) -> bool:
     V.check_kernel(kernel)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError("x must be a tensor of rank >= 1 ([..., N])")
@@ -29,6 +29,8 @@ def _check(x, weight, bias, residual, kernel) -> bool:
             raise ValueError(f"{n} is on {t.device} but x is on {x.device}")
         if t.dtype not in V.SUPPORTED_DTYPES:
             raise ValueError(f"{n} must be a floating tensor, got {t.dtype}")
+    if residual is not None and skip:
+        raise ValueError("residual and skip exclude each other: skip returns x itself, residual returns x + residual")
     if residual is not None:
         if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}")
@@ -52,18 +54,23 @@ def layer_norm(
     eps: float = 1e-5,
     residual: torch.Tensor | None = None,
     kernel: str = "auto",
+    skip: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm over the last dim of x [..., N] with weight / bias [N] (bias may be None). With a residual
     (x's shape and dtype) it normalises h = x + residual in one pass and returns (y, h), h in x's dtype, so the
     residual stream needs no separate add; otherwise returns y. Statistics are fp32; y is in x's dtype.
-    kernel: "triton", "pytorch", "auto" (Triton on CUDA) or "builtin" (torch's unfused ops)."""
-    if _check(x, weight, bias, residual, kernel):
+    skip: return (y, x), x as the skip path of a pre-norm residual branch ``x + f(y)``: the gradient reaching x
+    through it is added inside the norm's backward pass (autograd would add the two gradients of x in a pass of
+    its own). kernel: "triton", "pytorch", "auto" (Triton on CUDA) or "builtin" (torch's unfused ops)."""
+    if _check(x, weight, bias, residual, kernel, skip):
         from gem_kernels.ops.triton.triton_norms import triton_layer_norm
 
-        return triton_layer_norm(x, weight, bias, eps, residual)
+        return triton_layer_norm(x, weight, bias, eps, residual, skip)
     if kernel == "builtin":
-        return builtin_layer_norm(x, weight, bias, eps, residual)
-    return pt_layer_norm(x, weight, bias, eps, residual)
+        y = builtin_layer_norm(x, weight, bias, eps, residual)
+    else:
+        y = pt_layer_norm(x, weight, bias, eps, residual)
+    return (y, x) if skip else y
 
 
 def rms_norm(
@@ -72,13 +79,16 @@ def rms_norm(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     kernel: str = "auto",
+    skip: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x [..., N]: y = h / sqrt(mean(h^2) + eps) * weight, h = x (+ residual).
-    Returns y, or (y, h) when a residual is given; see layer_norm."""
-    if _check(x, weight, None, residual, kernel):
+    Returns y, or (y, h) when a residual is given, or (y, x) with skip; see layer_norm."""
+    if _check(x, weight, None, residual, kernel, skip):
         from gem_kernels.ops.triton.triton_norms import triton_rms_norm
 
-        return triton_rms_norm(x, weight, eps, residual)
+        return triton_rms_norm(x, weight, eps, residual, skip)
     if kernel == "builtin":
-        return builtin_rms_norm(x, weight, eps, residual)
-    return pt_rms_norm(x, weight, eps, residual)
+        y = builtin_rms_norm(x, weight, eps, residual)
+    else:
+        y = pt_rms_norm(x, weight, eps, residual)
+    return (y, x) if skip else y

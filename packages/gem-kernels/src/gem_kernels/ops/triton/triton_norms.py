@@ -1,6 +1,8 @@
 """Fused LayerNorm / RMSNorm (+ residual add) in Triton, forward and backward.
 
 Forward: one pass reads x (and the residual), writes y (and the sum), and keeps per-row mean / rstd in fp32.
+With ``skip`` x itself is a second output (the skip path of a residual branch): no extra write, and the backward
+adds the gradient that reaches it, as it adds the residual stream's.
 Backward: each program walks a fixed, strided set of row tiles and keeps its weight / bias gradient partials in
 registers; the partials are summed in a fixed order afterwards (``triton_sum_rows``), so the result is
 deterministic (no atomics).
@@ -167,7 +169,8 @@ def _num_bwd_programs(m: int, cfg: dict, device: torch.device) -> int:
 
 class _TritonNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, is_rms):
+    def forward(ctx, x, weight, bias, residual, eps, is_rms, skip=False):
+        # skip: x is also an output (the skip path); its gradient arrives as dh and is added in the backward
         shape = x.shape
         N = shape[-1]
         x2 = x.reshape(-1, N).contiguous()
@@ -185,8 +188,8 @@ class _TritonNorm(torch.autograd.Function):
                ("norm_fwd", is_rms, res2 is not None, bias is not None, block_n, x.dtype),
                lambda: _fwd_cands(block_n))
         ctx.save_for_backward(h, weight, bias, mean, rstd)
-        ctx.is_rms, ctx.has_res, ctx.shape = is_rms, res2 is not None, shape
-        if res2 is None:
+        ctx.is_rms, ctx.has_res, ctx.has_dh, ctx.shape = is_rms, res2 is not None, res2 is not None or skip, shape
+        if not ctx.has_dh:
             return y.view(shape)
         return y.view(shape), h.view(shape)
 
@@ -196,7 +199,7 @@ class _TritonNorm(torch.autograd.Function):
         N = h.shape[-1]
         M = h.shape[0]
         dy2 = dy.reshape(-1, N).contiguous()
-        dh2 = None if (dh is None or not ctx.has_res) else dh.reshape(-1, N).contiguous()
+        dh2 = None if (dh is None or not ctx.has_dh) else dh.reshape(-1, N).contiguous()
         dx = torch.empty_like(h)
         block_n = next_power_of_2(N)
         key = ("norm_bwd", ctx.is_rms, dh2 is not None, bias is not None, block_n, h.dtype)
@@ -221,12 +224,12 @@ class _TritonNorm(torch.autograd.Function):
             dweight, dbias = sum_rows(dw, weight.dtype), None
         else:
             dweight, dbias = sum_rows(dw, weight.dtype, db, bias.dtype)
-        return dx, dweight, dbias, (dx if ctx.has_res else None), None, None
+        return dx, dweight, dbias, (dx if ctx.has_res else None), None, None, None
 
 
-def triton_layer_norm(x, weight, bias, eps, residual=None):
-    return _TritonNorm.apply(x, weight, bias, residual, eps, False)
+def triton_layer_norm(x, weight, bias, eps, residual=None, skip=False):
+    return _TritonNorm.apply(x, weight, bias, residual, eps, False, skip)
 
 
-def triton_rms_norm(x, weight, eps, residual=None):
-    return _TritonNorm.apply(x, weight, None, residual, eps, True)
+def triton_rms_norm(x, weight, eps, residual=None, skip=False):
+    return _TritonNorm.apply(x, weight, None, residual, eps, True, skip)
