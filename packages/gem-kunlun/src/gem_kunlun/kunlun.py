@@ -178,8 +178,9 @@ class KunlunLayer(nn.Module):
         if self.summary is None:
             summary = previous_summary
         else:
-            normed, seq = self.summary_norm.with_skip(seq)  # seq goes on through the skip path
+            normed, seq = self.summary_norm(seq, skip=True)  # seq goes on through the skip path
             summary = self.summary(normed, offsets, max_len)
+            del normed  # [tokens, d] float32, no longer needed
         u = torch.cat([x_sum, summary], 1)
         u = u + self.moe(self.moe_norm(u))
         if self.pffn is not None:

@@ -20,11 +20,10 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(dim, eps=eps, device=device)
         self.kernel = kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps, kernel=self.kernel)
-
-    def with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x), x)`` for a pre-norm residual branch ``x + f(norm(x))`` written with the returned x: the
-        gradient reaching x along the skip path is added inside the norm's backward kernel, where autograd would
-        add the two gradients of x (each [tokens, d] in float32) in a pass of its own."""
-        return layer_norm(x, self.weight, self.bias, self.eps, kernel=self.kernel, skip=True)
+    def forward(self, x: torch.Tensor, skip: bool = False):
+        """``norm(x)``; with ``skip``, ``(norm(x), x)`` for a pre-norm residual branch ``x + f(norm(x))`` written
+        with the returned x: the gradient reaching x along the skip path is added inside the norm's backward kernel,
+        where autograd would add the two gradients of x (each [tokens, d] in float32) in a pass of its own. The
+        caller drops ``norm(x)`` once consumed (under autocast its consumer keeps a bf16 copy, not this float32
+        tensor)."""
+        return layer_norm(x, self.weight, self.bias, self.eps, kernel=self.kernel, skip=skip)
