@@ -177,3 +177,31 @@ def test_host_staging_copies_the_state_and_reuses_its_buffers():
     assert torch.equal(second["w"], weights) and second["w"].data_ptr() == first["w"].data_ptr()
     third = staging.stage({"w": torch.zeros(2, 2), "opt": steps})  # a new shape gets a new buffer
     assert third["w"].shape == (2, 2)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_records_are_written_without_checksums_and_the_checkpoint_loads(two_checkpoints, monkeypatch, asynchronous):
+    """torch.save's per-record CRC32 holds the GIL; the manifest's SHA-256 covers the files instead."""
+    import torch.distributed.checkpoint as dcp
+    import torch.utils.serialization.config as serialization_config
+
+    run_dir, manager = two_checkpoints
+    trainer = trainer_at(run_dir, 8, f"--checkpoint.asynchronous={str(asynchronous).lower()}")
+    assert trainer.resume() and trainer.step == 4
+    trainer.train_step()
+    seen, write = [], dcp.save
+
+    def recording(*args, **kwargs):
+        seen.append(serialization_config.save.compute_crc32)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr("torch.distributed.checkpoint.save", recording)
+    trainer.save_checkpoint()
+    trainer.checkpoints.wait()
+    assert seen == [False] and serialization_config.save.compute_crc32  # switched back once written
+    expected = {k: local(v).clone() for k, v in trainer.model.state_dict().items()}
+    trainer.close()
+    resumed = trainer_at(run_dir, 8)
+    assert resumed.resume(5) and manager.damage(5) is None
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(local(value), expected[key]), key
