@@ -134,6 +134,17 @@ def test_the_model_check_compares_logits_and_every_gradient():
     assert check["logits_rel_err_plain_vs_gem"] < 1e-4 and check["grad_rel_err_plain_vs_gem"] < 1e-4
 
 
+def test_top_kernels_lists_kernels_not_the_components_labels():
+    def event(key, ms, calls):
+        return SimpleNamespace(key=key, self_device_time_total=ms * 1000.0 * 2, device_type="DeviceType.CUDA",
+                               count=calls * 2)
+
+    events = [event("gem::attention", 40.0, 4), event("attn_fwd_kernel", 9.0, 4), event("rotary_kernel", 11.0, 8)]
+    rows = bench.top_kernels(SimpleNamespace(key_averages=lambda: events), steps=2)
+    assert rows == [{"kernel": "rotary_kernel", "ms_per_step": 11.0, "calls": 8},
+                    {"kernel": "attn_fwd_kernel", "ms_per_step": 9.0, "calls": 4}]
+
+
 def test_model_flops_are_summed_per_benchmark_component():
     table = {"layer0.attention": 3.0, "layer1.attention": 4.0, "layer0.pffn": 1.0, "final_summary": 2.0, "mlp": 0.5,
              "heads": 0.25, "embedding.dense_proj": 0.125}

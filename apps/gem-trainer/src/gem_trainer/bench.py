@@ -335,6 +335,9 @@ def top_kernels(prof, steps: int, n: int = 15) -> list[dict]:
     rows = []
     for e in prof.key_averages():
         t = _device_time(e)
+        # NOTE: the components' own labels (gem::...) also show as GPU ranges spanning their kernels: not kernels
+        if e.key.startswith("gem::"):
+            continue
         if t > 0 and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
             rows.append({"kernel": e.key[:120], "ms_per_step": round(t / 1000.0 / steps, 3), "calls": e.count // steps})
     return sorted(rows, key=lambda r: -r["ms_per_step"])[:n]
