@@ -218,8 +218,8 @@ class CheckpointManager:
 
 def _without_record_checksums():
     """DCP writes each tensor with ``torch.save``, which by default computes a CRC32 of every record while holding
-    the GIL (~0.9 s of the 3.4 GB training-benchmark state on a 2-core CPU): during an asynchronous save that time
-    is taken from the training thread. The folder's manifest (SHA-256 of every file, verified before any load)
+    the GIL (the largest such piece of DCP's write): during an asynchronous save that time is taken from the
+    training thread. The folder's manifest (SHA-256 of every file, verified before any load)
     already covers every byte, so the records are written without one. (The switch is process-wide while the save
     runs: a ``torch.save`` elsewhere meanwhile skips the checksum too, which loading tolerates.)"""
     config = serialization_config.save
