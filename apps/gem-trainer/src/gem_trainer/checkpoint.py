@@ -19,7 +19,6 @@ and the end of training wait for it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
@@ -222,9 +221,6 @@ def _without_record_checksums():
     training thread. The folder's manifest (SHA-256 of every file, verified before any load)
     already covers every byte, so the records are written without one. (The switch is process-wide while the save
     runs: a ``torch.save`` elsewhere meanwhile skips the checksum too, which loading tolerates.)"""
-    config = serialization_config.save
-    if not hasattr(config, "compute_crc32"):  # older torch: nothing to switch off
-        return contextlib.nullcontext()
     return serialization_config.patch({"save.compute_crc32": False})
 
 
