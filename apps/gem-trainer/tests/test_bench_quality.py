@@ -9,7 +9,8 @@ from gem_trainer.bench_quality import TARGETS, main, min_ratio, ndcg_sum, run_gr
 
 CONFIG = "apps/gem-trainer/configs/beauty-sasrec.toml"
 TINY = ["--model.sasrec.dim=16", "--data.batch_size=16", "--schedule.warmup_steps=1", "--metrics.progress_bar=false",
-        "--data.sequential.eval_negatives=20", "--data.sequential.eval_seeds=[0]", "--checkpoint.enable=false"]
+        "--data.sequential.eval_negatives=20", "--data.sequential.eval_seeds=[0]", "--checkpoint.enable=false",
+        "--parallelism.compile=off"]  # compiling costs more than these few steps
 
 
 def test_the_rules_score_against_the_targets():

@@ -178,6 +178,45 @@ def test_compiled_blocks_equal_eager_blocks(tmp_path):
     torch.testing.assert_close(torch.tensor(losses(compiled)), torch.tensor(losses(eager)), rtol=1e-5, atol=1e-6)
 
 
+def beauty_sasrec(tmp_path: Path, device: str, *overrides: str) -> list[str]:
+    """SASRec on Beauty for a few steps and a small evaluation, without dropout (whose masks compiled code draws
+    differently): each run's output."""
+    from gem_data.testing import find_repo_root, shared_data_dir
+
+    beauty = shared_data_dir(find_repo_root(Path(__file__))) / "beauty"
+    if not beauty.is_dir():
+        pytest.skip(f"shared real data not found at {beauty} (expected ../shared/data beside the repository)")
+    config = Path(__file__).resolve().parents[1] / "configs" / "beauty-sasrec.toml"
+    common = [f"--config={config}", f"--data.path={beauty}", f"--device={device}", "--metrics.tensorboard=false",
+              "--metrics.log_every=1", "--schedule.steps=6", "--schedule.warmup_steps=1", "--checkpoint.enable=false",
+              "--model.sasrec.dropout=0", "--data.sequential.eval_users=100", '--data.sequential.eval_protocols=["sampled"]']
+    outputs = []
+    for run, extra in (("eager", []), ("compiled", ["--parallelism.compile=reduce-overhead"])):
+        done = subprocess.run([sys.executable, "-m", "gem_trainer.cli", "train", f"--run_dir={tmp_path / run}", *common,
+                               *overrides, *extra], capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        outputs.append(done.stdout + done.stderr)
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "compiled")), torch.tensor(losses(tmp_path / "eager")),
+                               rtol=1e-4, atol=1e-5)
+    evaluated, wanted = (json.loads((tmp_path / run / "eval.json").read_text()) for run in ("compiled", "eager"))
+    assert evaluated["sampled/ndcg@10"] == pytest.approx(wanted["sampled/ndcg@10"], abs=2e-3)
+    return outputs
+
+
+def test_sasrec_blocks_compiled_to_cuda_graphs_train_as_eager_blocks(tmp_path):
+    """``parallelism.compile = "reduce-overhead"`` trains and evaluates SASRec as the eager blocks do (on the CPU
+    the blocks are compiled without graphs)."""
+    beauty_sasrec(tmp_path, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_sasrec_blocks_replay_as_cuda_graphs_on_a_gpu(tmp_path):
+    """On a GPU with the padded layout (fixed shapes), every block runs as CUDA graphs: inductor skips none."""
+    _, compiled = beauty_sasrec(tmp_path, "cuda", "--model.sasrec.layout=padded")
+    assert "skipping cudagraphs" not in compiled, compiled[-3000:]
+
+
 def test_two_ranks_of_a_two_tower_kunlun_sharing_its_item_table_equal_one_process(tmp_path):
     """The item tower reads the history's item table (one table, two features): sharded over 2 ranks, each step
     looks the history and the whole catalogue up in one call, as one process does."""

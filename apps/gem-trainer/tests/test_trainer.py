@@ -211,12 +211,14 @@ def test_log_line_splits_end_to_end_mfu_into_local_mfu_and_scaling_ratio_and_sta
     ("--parallelism.expert=2", r"^parallelism\.expert \(2\) must divide dense_shard \(1\)"),
     ("--parallelism.dense_replicate=2", r"^parallelism\.dense_replicate \(2\) must divide the world size \(1\)"),
     ("--parallelism.sparse_group=3", r"^parallelism\.sparse_group \(3\) must divide the world size \(1\)"),
+    ("--parallelism.compile=reduce-overhead --parallelism.param_dtype=bfloat16",
+     r"^parallelism\.compile = 'reduce-overhead' replays each block as CUDA graphs, which cannot hold FSDP's"),
 ])
 def test_a_layout_that_does_not_fit_the_world_is_a_one_line_config_error(tmp_path, override, message):
     from gem_trainer.config import ConfigError
 
     with pytest.raises(ConfigError, match=message) as error:
-        Trainer(small_config(tmp_path, override), init_distributed("cpu", "gloo"))
+        Trainer(small_config(tmp_path, *override.split()), init_distributed("cpu", "gloo"))
     assert "\n" not in str(error.value)
 
 

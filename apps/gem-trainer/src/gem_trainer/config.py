@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from gem_data import READ_ROWS
 from gem_kernels import Fp8Recipe
@@ -314,7 +314,9 @@ class ParallelismConfig(Section):
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile each block
+    # torch.compile each block: "default" fuses a block's ops; "reduce-overhead" also replays its forward and
+    # backward as CUDA graphs (one process, fixed shapes: SASRec's padded layout); true / false: "default" / "off"
+    compile: Literal["off", "default", "reduce-overhead"] = "off"
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)
     expert_padded: bool = False  # equal-split all-to-all (fixed shapes, capacity per rank)
@@ -323,6 +325,11 @@ class ParallelismConfig(Section):
     sparse_sharding: Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"] = "table_wise"
     sparse_sync_every: int = Field(1, ge=1)  # steps between replica averages (2-D sparse)
     sparse_index_dedup: bool = False  # sequence ids sent once per distinct id (CUDA)
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_switch(cls, value: Any) -> Any:
+        return {True: "default", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _no_zero_degrees(self) -> "ParallelismConfig":

@@ -147,10 +147,10 @@ class FeatureEmbedding(nn.Module):
                 continue
             device = next(iter(ids.values())).device
             events = [e for e in self.spec.events if f"width{self.event_widths[e.name]}" == key]
-            empty = KeyedJaggedTensor.from_lengths_sync(
-                keys=[f.name for e in events for f in e.features],
-                values=torch.zeros(0, dtype=torch.int64, device=device),
-                lengths=torch.zeros(sum(len(e.features) for e in events), dtype=torch.int64, device=device))
+            keys = [f.name for e in events for f in e.features]
+            empty = KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.int64, device=device),
+                                      lengths=torch.zeros(len(keys), dtype=torch.int64, device=device), stride=1,
+                                      length_per_key=[0] * len(keys))
             every = [k for k, c in self.shared_collection.items() if c == key]
             looked_up = collection(KeyedJaggedTensor.concat([empty, self._shared_input(every, ids, 1, device)]))
             shared.update({name: looked_up[name].values() for name in names})
@@ -166,7 +166,9 @@ class FeatureEmbedding(nn.Module):
                 values.append(ids[name].to(device=device, dtype=torch.int64))
                 lengths[i, 0] = ids[name].numel()
         values = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
-        return KeyedJaggedTensor.from_lengths_sync(keys=names, values=values, lengths=lengths.reshape(-1))
+        # NOTE: the ids per key are known from the shapes: TorchRec would otherwise read them back from the device
+        return KeyedJaggedTensor(keys=names, values=values, lengths=lengths.reshape(-1), stride=rows,
+                                 length_per_key=[ids[name].numel() if name in ids else 0 for name in names])
 
 
 class ItemTower(nn.Module):

@@ -24,16 +24,24 @@ class DenseOptions:
     - ``reshard_after_forward``: free each block's gathered parameters after its forward (gather again in
       backward): less memory, one more all-gather per block.
     - ``activation_checkpointing``: recompute each block's activations in backward instead of keeping them.
-    - ``compile``: ``torch.compile`` each block.
+    - ``compile``: ``torch.compile`` each block ("off", or the mode: "default" fuses each block's pointwise ops;
+      "reduce-overhead" also replays each block's forward and backward as CUDA graphs, which is what a small model
+      whose step waits on the host needs; it needs fixed shapes, e.g. SASRec's padded layout, and one process:
+      CUDA graphs cannot hold FSDP's collectives).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
-    compile: bool = False
+    compile: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
 
 
+COMPILE_MODES = ("off", "default", "reduce-overhead")
 Slot = tuple[nn.Module, str]  # where a block sits: (parent module, attribute name or ModuleList index)
 
 
@@ -54,10 +62,11 @@ def apply_activation_checkpointing(slots: list[Slot]) -> None:
             setattr(parent, name, wrapped)
 
 
-def apply_compile(slots: list[Slot]) -> None:
-    """``torch.compile`` the block at every slot, in place (parameters and state-dict names are unchanged)."""
+def apply_compile(slots: list[Slot], mode: str = "default") -> None:
+    """``torch.compile`` the block at every slot in ``mode``, in place (parameters and state-dict names are
+    unchanged)."""
     for slot in slots:
-        block_at(slot).compile()
+        block_at(slot).compile(mode=mode)
 
 
 def apply_fsdp(

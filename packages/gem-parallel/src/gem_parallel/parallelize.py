@@ -76,17 +76,21 @@ def parallelize_kunlun(
                                mesh=meshes.sparse, seed=seed, index_dedup=sparse_index_dedup)
     init_dense_parameters(model, seed, device)
     slots = block_slots(model)
+    fsdp = dims.world_size > 1 or dense.param_dtype is not None or dense.reduce_dtype is not None
     if dense.activation_checkpointing:
         apply_activation_checkpointing(slots)
-    if dense.compile:
-        apply_compile(slots)
+    if dense.compile != "off":
+        if dense.compile == "reduce-overhead" and fsdp:
+            raise LayoutError("compile = 'reduce-overhead' replays each block as CUDA graphs, which cannot hold FSDP's "
+                              "collectives: use it in one process without param_dtype / reduce_dtype, or 'default'")
+        apply_compile(slots, dense.compile)
     # a MoE's local experts are one FSDP unit (one all-gather and one reduce-scatter each, not one per expert)
     experts = [moe.experts for moe in moes] if dims.expert_enabled else []
     expert_mesh = meshes.expert["dense_replicate", "expert_shard"] if dims.expert_enabled else None
     # NOTE: tables are TorchRec's (updated in backward); empty parameters (a projection of zero dense
     # features) have nothing to shard and FSDP2 cannot reduce them
     ignored = {p for p in model.parameters() if hasattr(p, "_in_backward_optimizers") or p.numel() == 0}
-    if dims.world_size > 1 or dense.param_dtype is not None or dense.reduce_dtype is not None:
+    if fsdp:
         apply_fsdp(model, [block_at(s) for s in slots], meshes.dense, dense, ignored, experts, expert_mesh, dims.world_size)
     if dims.world_size > 1:
         for moe in moes:
