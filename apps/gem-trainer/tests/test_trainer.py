@@ -213,6 +213,9 @@ def test_log_line_splits_end_to_end_mfu_into_local_mfu_and_scaling_ratio_and_sta
     ("--parallelism.sparse_group=3", r"^parallelism\.sparse_group \(3\) must divide the world size \(1\)"),
     ("--parallelism.compile=reduce-overhead --parallelism.param_dtype=bfloat16",
      r"^parallelism\.compile = 'reduce-overhead' replays each block as CUDA graphs, which cannot hold FSDP's"),
+    ("--parallelism.compile=reduce-overhead",
+     r"^parallelism\.compile = 'reduce-overhead' needs the model's blocks chained in one nn\.Sequential \(SASRec's\); "
+     r"KunlunModel calls its blocks one by one"),
 ])
 def test_a_layout_that_does_not_fit_the_world_is_a_one_line_config_error(tmp_path, override, message):
     from gem_trainer.config import ConfigError

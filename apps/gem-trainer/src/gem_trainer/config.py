@@ -315,7 +315,8 @@ class ParallelismConfig(Section):
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
     # torch.compile each block: "default" fuses a block's ops; "reduce-overhead" also replays its forward and
-    # backward as CUDA graphs (one process, fixed shapes: SASRec's padded layout); true / false: "default" / "off"
+    # backward as CUDA graphs (SASRec: its blocks chained, fixed shapes in its padded layout; one process);
+    # true / false: "default" / "off"
     compile: Literal["off", "default", "reduce-overhead"] = "off"
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)

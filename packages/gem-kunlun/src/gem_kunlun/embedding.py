@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torchrec import (
@@ -31,7 +33,15 @@ def select_keys(kjt: KeyedJaggedTensor, keys: list[str] | tuple[str, ...]) -> Ke
         raise ValueError(f"features {missing} are missing from the batch, which has {present}")
     if list(keys) == present:
         return kjt
-    return kjt.permute([present.index(k) for k in keys])
+    order = tuple(present.index(k) for k in keys)
+    return kjt.permute(list(order), _permutation(order, kjt.device()))
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``order`` on ``device``, made once: TorchRec would copy it from the host at every permute, and that copy
+    waits for the GPU to finish everything queued before it."""
+    return torch.tensor(order, dtype=torch.int, device=device)
 
 
 def pooled_in_order(pooled: KeyedTensor, keys: list[str]) -> list[torch.Tensor]:
@@ -49,6 +59,10 @@ def mean_per_row(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     empty row), as a mean-pooled bag."""
     sums = values.new_zeros(lengths.numel(), values.shape[1]).index_add_(0, segment_ids(lengths, values.shape[0]), values)
     return sums / lengths.clamp(min=1).to(values.dtype)[:, None]
+
+
+# ids per row when a catalogue of shared ids is looked up on its own (``lookup_shared``): see ``_shared_input``
+SHARED_IDS_PER_ROW = 64
 
 
 class FeatureEmbedding(nn.Module):
@@ -148,27 +162,32 @@ class FeatureEmbedding(nn.Module):
             device = next(iter(ids.values())).device
             events = [e for e in self.spec.events if f"width{self.event_widths[e.name]}" == key]
             keys = [f.name for e in events for f in e.features]
+            rows = max(1, -(-max(ids[name].numel() for name in names) // SHARED_IDS_PER_ROW))
             empty = KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.int64, device=device),
-                                      lengths=torch.zeros(len(keys), dtype=torch.int64, device=device), stride=1,
-                                      length_per_key=[0] * len(keys))
+                                      lengths=torch.zeros(len(keys) * rows, dtype=torch.int64, device=device),
+                                      stride=rows, length_per_key=[0] * len(keys))
             every = [k for k, c in self.shared_collection.items() if c == key]
-            looked_up = collection(KeyedJaggedTensor.concat([empty, self._shared_input(every, ids, 1, device)]))
+            looked_up = collection(KeyedJaggedTensor.concat([empty, self._shared_input(every, ids, rows, device)]))
             shared.update({name: looked_up[name].values() for name in names})
         return shared
 
     @staticmethod
     def _shared_input(names: list[str], ids: dict[str, torch.Tensor], rows: int, device) -> KeyedJaggedTensor:
-        """The shared features' ids as ``rows`` examples: all of a feature's ids in the first (a lookup without
-        pooling returns them in order whatever the rows), none where a feature has no ids."""
-        values, lengths = [], torch.zeros(len(names), rows, dtype=torch.int64, device=device)
-        for i, name in enumerate(names):
-            if name in ids:
+        """The shared features' ids as ``rows`` examples, each feature's ids spread evenly over them (a lookup
+        without pooling returns them in order whatever the rows), none where a feature has no ids.
+
+        NOTE: spread, because the lookup kernel gives each row to one group of threads: a whole catalogue in one
+        row is read one id after another. The lengths come from host ints, never read back from the GPU."""
+        values, lengths, per_key = [], [], []
+        row = torch.arange(rows, device=device)
+        for name in names:
+            n = ids[name].numel() if name in ids else 0
+            if n:
                 values.append(ids[name].to(device=device, dtype=torch.int64))
-                lengths[i, 0] = ids[name].numel()
+            lengths.append((row < n % rows).long() + n // rows)
+            per_key.append(n)
         values = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
-        # NOTE: the ids per key are known from the shapes: TorchRec would otherwise read them back from the device
-        return KeyedJaggedTensor(keys=names, values=values, lengths=lengths.reshape(-1), stride=rows,
-                                 length_per_key=[ids[name].numel() if name in ids else 0 for name in names])
+        return KeyedJaggedTensor(keys=names, values=values, lengths=torch.cat(lengths), stride=rows, length_per_key=per_key)
 
 
 class ItemTower(nn.Module):

@@ -121,7 +121,8 @@ class SasrecModel(nn.Module):
         # a bare parameter, not nn.Embedding: DMP materialising a meta-built model calls the owning module's
         # reset_parameters, and nn.Embedding's would draw N(0, 1), drowning the item vectors
         self.position = nn.Parameter(torch.empty(c.max_seq_len, c.dim, device=device))
-        self.blocks = nn.ModuleList(SasrecBlock(c.dim, c.num_heads, c.dropout, device=device) for _ in range(c.num_blocks))
+        # one Sequential: compiled with CUDA graphs, the whole stack is one graph (see gem_parallel.apply_compile)
+        self.blocks = nn.Sequential(*(SasrecBlock(c.dim, c.num_heads, c.dropout, device=device) for _ in range(c.num_blocks)))
         self.final_norm = nn.LayerNorm(c.dim, device=device)
         self.representation_dim = c.dim
         self.reset_parameters()
@@ -201,8 +202,7 @@ class SasrecModel(nn.Module):
             # NOTE: F.embedding rather than indexing: its backward is a fast dense scatter, not index_put
             x = F.embedding(source, vectors) + F.embedding(recency, self.position) * valid[..., None]
             x = F.dropout(x, c.dropout, self.training)
-            for block in self.blocks:
-                x = block(x)
+            x = self.blocks(x)
             if every:
                 # NOTE: positions count back from the newest event (SASRec's left-padded layout), so an event's
                 # output depends on how many events follow it in the window, as in SASRec's own training

@@ -26,8 +26,8 @@ class DenseOptions:
     - ``activation_checkpointing``: recompute each block's activations in backward instead of keeping them.
     - ``compile``: ``torch.compile`` each block ("off", or the mode: "default" fuses each block's pointwise ops;
       "reduce-overhead" also replays each block's forward and backward as CUDA graphs, which is what a small model
-      whose step waits on the host needs; it needs fixed shapes, e.g. SASRec's padded layout, and one process:
-      CUDA graphs cannot hold FSDP's collectives).
+      whose step waits on the host needs; it needs fixed shapes (SASRec's padded layout), the blocks chained in one
+      ``nn.Sequential`` (see ``compile_units``) and one process: CUDA graphs cannot hold FSDP's collectives).
     """
 
     param_dtype: torch.dtype | None = None
@@ -62,11 +62,26 @@ def apply_activation_checkpointing(slots: list[Slot]) -> None:
             setattr(parent, name, wrapped)
 
 
+def compile_units(slots: list[Slot]) -> list[nn.Module]:
+    """What ``apply_compile`` compiles: each block, except that blocks chained in an ``nn.Sequential`` are one
+    unit, the Sequential itself.
+
+    NOTE: with CUDA graphs ("reduce-overhead") a model's blocks must be one unit: in inference every call of a
+    compiled unit starts a new generation of graph memory, which would overwrite one block's output before the
+    next block read it."""
+    units = []
+    for parent, name in slots:
+        unit = parent if isinstance(parent, nn.Sequential) else block_at((parent, name))
+        if not any(unit is seen for seen in units):
+            units.append(unit)
+    return units
+
+
 def apply_compile(slots: list[Slot], mode: str = "default") -> None:
-    """``torch.compile`` the block at every slot in ``mode``, in place (parameters and state-dict names are
-    unchanged)."""
-    for slot in slots:
-        block_at(slot).compile(mode=mode)
+    """``torch.compile`` each of ``compile_units(slots)`` in ``mode``, in place (parameters and state-dict names
+    are unchanged)."""
+    for unit in compile_units(slots):
+        unit.compile(mode=mode)
 
 
 def apply_fsdp(

@@ -32,7 +32,8 @@ from torch import nn
 
 from gem_kunlun import InterFormerLayer, KunlunLayer, MixtureOfExperts, SasrecBlock
 
-from gem_parallel.dense import DenseOptions, Slot, apply_activation_checkpointing, apply_compile, apply_fsdp, block_at
+from gem_parallel.dense import (DenseOptions, Slot, apply_activation_checkpointing, apply_compile, apply_fsdp, block_at,
+                                compile_units)
 from gem_parallel.expert_parallel import apply_expert_parallel
 from gem_parallel.init import init_dense_parameters
 from gem_parallel.parallel_dims import LayoutError, ParallelDims, ParallelMeshes
@@ -83,6 +84,9 @@ def parallelize_kunlun(
         if dense.compile == "reduce-overhead" and fsdp:
             raise LayoutError("compile = 'reduce-overhead' replays each block as CUDA graphs, which cannot hold FSDP's "
                               "collectives: use it in one process without param_dtype / reduce_dtype, or 'default'")
+        if dense.compile == "reduce-overhead" and len(compile_units(slots)) > 1:
+            raise LayoutError("compile = 'reduce-overhead' needs the model's blocks chained in one nn.Sequential "
+                              f"(SASRec's); {type(model).__name__} calls its blocks one by one: use 'default'")
         apply_compile(slots, dense.compile)
     # a MoE's local experts are one FSDP unit (one all-gather and one reduce-scatter each, not one per expert)
     experts = [moe.experts for moe in moes] if dims.expert_enabled else []
