@@ -44,7 +44,9 @@ def test_bench_batches_have_lognormal_lengths_and_are_valid():
 def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
     out = tmp_path / "train.json"
     other = tmp_path / "small.toml"
-    other.write_text('[model]\nname = "baseline"\n[data]\nbatch_size = 8\n[data.synthetic]\nmax_events = 8\n')
+    # a config that compiles is also measured with its blocks eager (the baseline has none: nothing to compile)
+    other.write_text('[model]\nname = "baseline"\n[data]\nbatch_size = 8\n[data.synthetic]\nmax_events = 8\n'
+                     '[parallelism]\ncompile = "default"\n')
     doc = bench.main(["--config", str(CONFIG), "--out", str(out), "--device", "cpu", "--batch-size", "4",
                       "--sparse-features", "3", "--mean-len", "40", "--max-len", "96", "--warmup", "1",
                       "--steps", "2", "--profile-steps", "1", "--batches", "2", "--trainer-configs", str(other), "--config-steps", "2",
@@ -85,6 +87,9 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
     small = written["trainer_configs"][str(other)]
     assert small["gem"]["examples_per_s"] == pytest.approx(8 / small["gem"]["step_ms"] * 1e3, rel=0.01)
     assert small["bare"]["loss_finite"] and small["trainer_overhead"] > 0
+    assert small["uncompiled"]["bare"]["loss_finite"]
+    eager_ms, compiled_ms = small["uncompiled"]["bare"]["step_ms"], small["bare"]["step_ms"]
+    assert small["compile_speedup"]["bare"] == pytest.approx(eager_ms / compiled_ms, abs=2e-3)
 
 
 def test_an_asynchronous_save_is_timed_until_its_write_is_marked(tmp_path):

@@ -26,7 +26,8 @@ training sees, from which examples/s and MFU follow), for the bare loops also ea
 ``torch.profiler`` whose GPU time is attributed to model components (``gem::<component>`` ranges entered by
 module hooks; backward kernels are matched to the forward op that created their autograd node by sequence
 number). Writes JSON: meta (device, versions, commit, date, command), checks, one entry per variant and the
-ratio.
+ratio. Each of ``--trainer-configs`` runs ``gem`` and ``bare`` on its own data, and a config that compiles its
+blocks (``parallelism.compile``) runs them again eager, beside it (``uncompiled``, ``compile_speedup``).
 """
 
 from __future__ import annotations
@@ -856,6 +857,13 @@ def main(argv=None) -> dict:
     for path in filter(None, args.trainer_configs.split(",")):
         try:
             rows = run_trainer(path, args.trainer_override, None, args, device, log, profile=False)
+            if load_config(Path(path), args.trainer_override).parallelism.compile != "off":
+                # what compiling gains, measured beside it: the same config with its blocks eager
+                eager = run_trainer(path, [*args.trainer_override, "parallelism.compile=off"], None, args, device, log,
+                                    profile=False)
+                rows["uncompiled"] = {"gem": eager["gem"], "bare": eager["bare"]}
+                rows["compile_speedup"] = {k: round(eager[k]["step_ms"] / rows[k]["step_ms"], 3) for k in ("gem", "bare")}
+                log(f"[{path}] compiled over eager (step time): {rows['compile_speedup']}")
             goals = TRAINER_TARGETS.get(Path(path).name, {})
             rows["targets"] = {f"{k} {'<=' if k == 'trainer_overhead' else '>='} {v}":
                                (rows[k] <= v if k == "trainer_overhead" else rows["gem"][k] >= v) for k, v in goals.items()}
