@@ -189,7 +189,8 @@ def beauty_sasrec(tmp_path: Path, device: str, *overrides: str) -> list[str]:
     config = Path(__file__).resolve().parents[1] / "configs" / "beauty-sasrec.toml"
     common = [f"--config={config}", f"--data.path={beauty}", f"--device={device}", "--metrics.tensorboard=false",
               "--metrics.log_every=1", "--schedule.steps=6", "--schedule.warmup_steps=1", "--checkpoint.enable=false",
-              "--model.sasrec.dropout=0", "--data.sequential.eval_users=100", '--data.sequential.eval_protocols=["sampled"]']
+              "--model.sasrec.dropout=0", "--data.sequential.eval_users=100",
+              '--data.sequential.eval_protocols=["sampled"]']
     outputs = []
     for run, extra in (("eager", []), ("compiled", ["--parallelism.compile=reduce-overhead"])):
         done = subprocess.run([sys.executable, "-m", "gem_trainer.cli", "train", f"--run_dir={tmp_path / run}", *common,

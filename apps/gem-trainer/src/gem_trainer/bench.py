@@ -862,7 +862,8 @@ def main(argv=None) -> dict:
                 eager = run_trainer(path, [*args.trainer_override, "parallelism.compile=off"], None, args, device, log,
                                     profile=False)
                 rows["uncompiled"] = {"gem": eager["gem"], "bare": eager["bare"]}
-                rows["compile_speedup"] = {k: round(eager[k]["step_ms"] / rows[k]["step_ms"], 3) for k in ("gem", "bare")}
+                rows["compile_speedup"] = {k: round(eager[k]["step_ms"] / rows[k]["step_ms"], 3)
+                                           for k in ("gem", "bare")}
                 log(f"[{path}] compiled over eager (step time): {rows['compile_speedup']}")
             goals = TRAINER_TARGETS.get(Path(path).name, {})
             rows["targets"] = {f"{k} {'<=' if k == 'trainer_overhead' else '>='} {v}":

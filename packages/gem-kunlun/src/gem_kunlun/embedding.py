@@ -187,7 +187,8 @@ class FeatureEmbedding(nn.Module):
             lengths.append((row < n % rows).long() + n // rows)
             per_key.append(n)
         values = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
-        return KeyedJaggedTensor(keys=names, values=values, lengths=torch.cat(lengths), stride=rows, length_per_key=per_key)
+        return KeyedJaggedTensor(keys=names, values=values, lengths=torch.cat(lengths), stride=rows,
+                                 length_per_key=per_key)
 
 
 class ItemTower(nn.Module):

@@ -122,7 +122,8 @@ class SasrecModel(nn.Module):
         # reset_parameters, and nn.Embedding's would draw N(0, 1), drowning the item vectors
         self.position = nn.Parameter(torch.empty(c.max_seq_len, c.dim, device=device))
         # one Sequential: compiled with CUDA graphs, the whole stack is one graph (see gem_parallel.apply_compile)
-        self.blocks = nn.Sequential(*(SasrecBlock(c.dim, c.num_heads, c.dropout, device=device) for _ in range(c.num_blocks)))
+        self.blocks = nn.Sequential(*(SasrecBlock(c.dim, c.num_heads, c.dropout, device=device)
+                                      for _ in range(c.num_blocks)))
         self.final_norm = nn.LayerNorm(c.dim, device=device)
         self.representation_dim = c.dim
         self.reset_parameters()

@@ -14,6 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
+COMPILE_MODES = ("off", "default", "reduce-overhead")
+
+
 @dataclass(frozen=True)
 class DenseOptions:
     """How the dense part is parallelised (the trainer's ``[parallelism]`` fields of the same names).
@@ -41,7 +44,6 @@ class DenseOptions:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
 
 
-COMPILE_MODES = ("off", "default", "reduce-overhead")
 Slot = tuple[nn.Module, str]  # where a block sits: (parent module, attribute name or ModuleList index)
 
 
