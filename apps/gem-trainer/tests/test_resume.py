@@ -54,19 +54,24 @@ def assert_same_tensors(a, b, where=""):
         assert a == b, where
 
 
+def kill_after_checkpoint(command: list[str], run_dir: Path, step: int, env: dict) -> None:
+    """Start a training run and SIGKILL it as soon as its checkpoint of ``step`` is complete."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = run_dir / "checkpoints" / f"step-{step}" / "COMPLETE"
+    deadline = time.time() + 300
+    while not marker.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+
+
 @pytest.mark.slow
 def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     subprocess.run(train_command(straight), check=True, env=env, capture_output=True, timeout=600)
 
-    process = subprocess.Popen(train_command(interrupted), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = interrupted / "checkpoints" / "step-40" / "COMPLETE"
-    deadline = time.time() + 300
-    while not marker.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    kill_after_checkpoint(train_command(interrupted), interrupted, 40, env)
     assert not (interrupted / "checkpoints" / f"step-{STEPS}").exists()
 
     resumed = subprocess.run(train_command(interrupted), env=env, capture_output=True, text=True, timeout=600)
@@ -75,3 +80,31 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path):
 
     assert final_loss(interrupted) == final_loss(straight)
     assert_same_tensors(final_state(interrupted, tmp_path), final_state(straight, tmp_path))
+
+
+@pytest.mark.slow
+def test_a_compiled_sasrec_resumes_exactly(tmp_path):
+    """``parallelism.compile`` (beauty-sasrec.toml's) keeps the exact resume: compiled dropout draws its masks
+    from the generators a checkpoint restores."""
+    from gem_data.testing import find_repo_root, shared_data_dir
+
+    beauty = shared_data_dir(find_repo_root(Path(__file__))) / "beauty"
+    if not beauty.is_dir():
+        pytest.skip(f"shared real data not found at {beauty} (expected ../shared/data beside the repository)")
+    config = Path(__file__).resolve().parents[1] / "configs" / "beauty-sasrec.toml"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def command(run_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "gem_trainer.cli", "train", f"--config={config}", f"--data.path={beauty}",
+                f"--run_dir={run_dir}", "--schedule.steps=8", "--schedule.warmup_steps=1", "--checkpoint.every_steps=4",
+                "--data.batch_size=64", "--eval.at_end=false", "--metrics.log_every=1", "--metrics.tensorboard=false",
+                "--deterministic=true", "--device=cpu"]
+
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    subprocess.run(command(straight), check=True, env=env, capture_output=True, timeout=600)
+    kill_after_checkpoint(command(interrupted), interrupted, 4, env)
+    resumed = subprocess.run(command(interrupted), env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    losses = [[(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if r["phase"] == "train" and r["step"] > 4] for run in (straight, interrupted)]
+    assert len(losses[0]) == 4 and losses[1][-4:] == losses[0]
