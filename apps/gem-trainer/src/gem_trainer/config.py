@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from gem_data import READ_ROWS
 from gem_kernels import Fp8Recipe
 from gem_kunlun import KUNLUN_SIZES, BaselineConfig, InterFormerConfig, KunlunConfig, SasrecConfig
+from gem_parallel.dense import COMPILE_MODES
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 
@@ -317,7 +318,7 @@ class ParallelismConfig(Section):
     # torch.compile each block: "default" fuses a block's ops; "reduce-overhead" also replays its forward and
     # backward as CUDA graphs (SASRec: its blocks chained, fixed shapes in its padded layout; one process);
     # true / false: "default" / "off"
-    compile: Literal["off", "default", "reduce-overhead"] = "off"
+    compile: Literal[COMPILE_MODES] = "off"  # "off", "default" or "reduce-overhead"
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)
     expert_padded: bool = False  # equal-split all-to-all (fixed shapes, capacity per rank)

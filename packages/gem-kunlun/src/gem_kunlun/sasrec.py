@@ -121,7 +121,7 @@ class SasrecModel(nn.Module):
         # a bare parameter, not nn.Embedding: DMP materialising a meta-built model calls the owning module's
         # reset_parameters, and nn.Embedding's would draw N(0, 1), drowning the item vectors
         self.position = nn.Parameter(torch.empty(c.max_seq_len, c.dim, device=device))
-        # one Sequential: compiled with CUDA graphs, the whole stack is one graph (see gem_parallel.apply_compile)
+        # one Sequential: compiled with CUDA graphs, the whole stack is one graph (see gem_parallel.dense.compile_units)
         self.blocks = nn.Sequential(*(SasrecBlock(c.dim, c.num_heads, c.dropout, device=device)
                                       for _ in range(c.num_blocks)))
         self.final_norm = nn.LayerNorm(c.dim, device=device)
