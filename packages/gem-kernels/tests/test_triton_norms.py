@@ -81,3 +81,36 @@ def test_norm_backward_configs_agree(op, cfg, monkeypatch):
         grads[kern] = torch.autograd.grad(out, inputs, seeds)
     for a, e, n in zip(grads["triton"], grads["pytorch"], ["x", "r", "w", "b"]):
         assert_close(a, e, 1e-5 * (4 if n in "wb" else 1), f"d{n}")
+
+
+@pytest.mark.parametrize("second", [None, "residual", "skip"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norm_output_in_out_dtype(op, second):
+    """A float32 stream normalised straight into float16 (the dtype of the matmul reading y): y matches the
+    reference rounded once to float16, the second output stays float32, and y's float16 gradient reaches the
+    float32 inputs as the reference's does."""
+    shape, N = (37, 48), 48
+    x = rand(*shape)
+    r = rand(*shape) if second == "residual" else None
+    w = (1.0 + 0.1 * torch.randn(N)).requires_grad_()
+    b = rand(N) if op == "layer_norm" else None
+    inputs = [t for t in (x, r, w, b) if t is not None]
+    seeds = [torch.randn(shape).half()] + ([torch.randn(shape)] if second else [])
+    got = {}
+    for kernel in ("triton", "pytorch"):
+        kw = dict(residual=r, kernel=kernel, skip=second == "skip", out_dtype=torch.float16)
+        out = rms_norm(x, w, 1e-6, **kw) if op == "rms_norm" else layer_norm(x, w, b, 1e-5, **kw)
+        out = out if isinstance(out, tuple) else (out,)
+        assert out[0].dtype == torch.float16 and all(o.dtype == torch.float32 for o in out[1:])
+        got[kernel] = (out, torch.autograd.grad(out, inputs, seeds))
+    for a, e in zip(got["triton"][0], got["pytorch"][0]):
+        assert_close(a, e, 1e-3, "out")
+    for a, e in zip(got["triton"][1], got["pytorch"][1]):
+        assert a.dtype == torch.float32
+        assert_close(a, e, 1e-4, "grad")
+
+
+def test_out_dtype_must_be_floating():
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"out_dtype must be None, float16, bfloat16 or float32, got torch.int32"):
+        layer_norm(x, torch.ones(16), None, out_dtype=torch.int32)

@@ -180,7 +180,6 @@ class KunlunLayer(nn.Module):
         else:
             normed, seq = self.summary_norm(seq, skip=True)  # seq goes on through the skip path
             summary = self.summary(normed, offsets, max_len)
-            del normed  # [tokens, d] float32, no longer needed
         u = torch.cat([x_sum, summary], 1)
         u = u + self.moe(self.moe_norm(u))
         if self.pffn is not None:

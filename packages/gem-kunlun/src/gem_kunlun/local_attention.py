@@ -34,7 +34,6 @@ class LocalAttention(nn.Module):
         h, d = self.num_heads, self.dim // self.num_heads
         normed, seq = self.norm(seq, skip=True)
         qkv = self.qkv(normed).view(-1, 3, h, d)
-        del normed  # [tokens, d] float32, no longer needed
         q, k, v = qkv_rotary(qkv, positions, ROTE_BASE, kernel=self.kernel) if self.rote else qkv.unbind(1)
         if self.mode == "block":
             o = block_attention(q, k, v, offsets, block_size=self.block_size, window_blocks=self.window_blocks,

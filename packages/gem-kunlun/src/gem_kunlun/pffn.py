@@ -29,7 +29,6 @@ class PersonalizedFFN(nn.Module):
         h, d, b = self.num_heads, self.dim // self.num_heads, x_sum.shape[0]
         normed, seq = self.norm(seq, skip=True)
         q = self.q(normed).view(-1, h, d)
-        del normed  # [tokens, d] float32, no longer needed
         k, v = self.kv(x_sum).reshape(-1, 2, h, d).unbind(1)  # [B * n, H, d]
         kv_offsets = torch.arange(0, (b + 1) * self.num_tokens, self.num_tokens, device=seq.device)
         o = gdpa(q, k, v, offsets, kv_offsets, activation=self.activation, max_seq_len_q=max_len,

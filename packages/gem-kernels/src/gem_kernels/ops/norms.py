@@ -9,12 +9,14 @@ from gem_kernels.ops.pytorch.builtin import builtin_layer_norm, builtin_rms_norm
 from gem_kernels.ops.pytorch.pt_norms import pt_layer_norm, pt_rms_norm
 
 
-def _check(x, weight, bias, residual, kernel, skip: bool = False) -> bool:
+def _check(x, weight, bias, residual, kernel, skip: bool = False, out_dtype: torch.dtype | None = None) -> bool:
     V.check_kernel(kernel)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError("x must be a tensor of rank >= 1 ([..., N])")
     if x.dtype not in V.SUPPORTED_DTYPES:
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if out_dtype is not None and out_dtype not in V.SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype must be None, float16, bfloat16 or float32, got {out_dtype}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight must be 1-D of size {x.shape[-1]} (x's last dim), got "
                          f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
@@ -55,22 +57,25 @@ def layer_norm(
     residual: torch.Tensor | None = None,
     kernel: str = "auto",
     skip: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm over the last dim of x [..., N] with weight / bias [N] (bias may be None). With a residual
     (x's shape and dtype) it normalises h = x + residual in one pass and returns (y, h), h in x's dtype, so the
     residual stream needs no separate add; otherwise returns y. Statistics are fp32; y is in x's dtype.
     skip: return (y, x), x as the skip path of a pre-norm residual branch ``x + f(y)``: the gradient reaching x
     through it is added inside the norm's backward pass (autograd would add the two gradients of x in a pass of
-    its own). kernel: "triton", "pytorch", "auto" (Triton on CUDA) or "builtin" (torch's unfused ops)."""
-    if _check(x, weight, bias, residual, kernel, skip):
+    its own). out_dtype: y's dtype (None: x's), e.g. the autocast dtype of the matmul that reads y, which then
+needs no cast pass (and y's gradient none back). kernel: "triton", "pytorch", "auto" (Triton on CUDA) or
+"builtin" (torch's unfused ops)."""
+    if _check(x, weight, bias, residual, kernel, skip, out_dtype):
         from gem_kernels.ops.triton.triton_norms import triton_layer_norm
 
-        return triton_layer_norm(x, weight, bias, eps, residual, skip)
+        return triton_layer_norm(x, weight, bias, eps, residual, skip, out_dtype)
     if kernel == "builtin":
         y = builtin_layer_norm(x, weight, bias, eps, residual)
     else:
-        y = pt_layer_norm(x, weight, bias, eps, residual)
-    return (y, x) if skip else y
+        y = pt_layer_norm(x, weight, bias, eps, residual, out_dtype)
+    return _finish(x, y, skip, out_dtype)
 
 
 def rms_norm(
@@ -80,15 +85,24 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     kernel: str = "auto",
     skip: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x [..., N]: y = h / sqrt(mean(h^2) + eps) * weight, h = x (+ residual).
     Returns y, or (y, h) when a residual is given, or (y, x) with skip; see layer_norm."""
-    if _check(x, weight, None, residual, kernel, skip):
+    if _check(x, weight, None, residual, kernel, skip, out_dtype):
         from gem_kernels.ops.triton.triton_norms import triton_rms_norm
 
-        return triton_rms_norm(x, weight, eps, residual, skip)
+        return triton_rms_norm(x, weight, eps, residual, skip, out_dtype)
     if kernel == "builtin":
         y = builtin_rms_norm(x, weight, eps, residual)
     else:
-        y = pt_rms_norm(x, weight, eps, residual)
+        y = pt_rms_norm(x, weight, eps, residual, out_dtype)
+    return _finish(x, y, skip, out_dtype)
+
+
+def _finish(x, y, skip: bool, out_dtype: torch.dtype | None):
+    """The unfused paths' result: y (first of ``(y, h)``) in ``out_dtype`` (the builtin norms cast here, the
+    references already wrote it), and x beside it with ``skip``."""
+    if out_dtype is not None:
+        y = (y[0].to(out_dtype), y[1]) if isinstance(y, tuple) else y.to(out_dtype)
     return (y, x) if skip else y

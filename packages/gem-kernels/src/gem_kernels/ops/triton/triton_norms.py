@@ -169,14 +169,15 @@ def _num_bwd_programs(m: int, cfg: dict, device: torch.device) -> int:
 
 class _TritonNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, is_rms, skip=False):
-        # skip: x is also an output (the skip path); its gradient arrives as dh and is added in the backward
+    def forward(ctx, x, weight, bias, residual, eps, is_rms, skip=False, out_dtype=None):
+        # skip: x is also an output (the skip path); its gradient arrives as dh and is added in the backward.
+        # out_dtype: y's dtype (None: x's); its gradient then arrives in it and is read as it is
         shape = x.shape
         N = shape[-1]
         x2 = x.reshape(-1, N).contiguous()
         M = x2.shape[0]
         res2 = None if residual is None else residual.reshape(-1, N).contiguous()
-        y = torch.empty_like(x2)
+        y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
         h = torch.empty_like(x2) if res2 is not None else x2
         mean = torch.empty(M, dtype=torch.float32, device=x.device)
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
@@ -185,7 +186,8 @@ class _TritonNorm(torch.autograd.Function):
                 eps, x2.stride(0), x2.stride(0) if res2 is None else res2.stride(0), y.stride(0), h.stride(0))
         consts = dict(IS_RMS=is_rms, HAS_RES=res2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n)
         launch(norm_fwd_kernel, lambda c: (cdiv(M, c["ROWS"]),), args, consts,
-               ("norm_fwd", is_rms, res2 is not None, bias is not None, block_n, x.dtype),
+               ("norm_fwd", is_rms, res2 is not None, bias is not None, block_n, x.dtype)
+               + (() if y.dtype == x.dtype else (y.dtype,)),
                lambda: _fwd_cands(block_n))
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.is_rms, ctx.has_res, ctx.has_dh, ctx.shape = is_rms, res2 is not None, res2 is not None or skip, shape
@@ -202,7 +204,8 @@ class _TritonNorm(torch.autograd.Function):
         dh2 = None if (dh is None or not ctx.has_dh) else dh.reshape(-1, N).contiguous()
         dx = torch.empty_like(h)
         block_n = next_power_of_2(N)
-        key = ("norm_bwd", ctx.is_rms, dh2 is not None, bias is not None, block_n, h.dtype)
+        key = ("norm_bwd", ctx.is_rms, dh2 is not None, bias is not None, block_n, h.dtype) + (
+            () if dy2.dtype == h.dtype else (dy2.dtype,))
         partials = []
 
         def args(cfg):
@@ -224,12 +227,12 @@ class _TritonNorm(torch.autograd.Function):
             dweight, dbias = sum_rows(dw, weight.dtype), None
         else:
             dweight, dbias = sum_rows(dw, weight.dtype, db, bias.dtype)
-        return dx, dweight, dbias, (dx if ctx.has_res else None), None, None, None
+        return dx, dweight, dbias, (dx if ctx.has_res else None), None, None, None, None
 
 
-def triton_layer_norm(x, weight, bias, eps, residual=None, skip=False):
-    return _TritonNorm.apply(x, weight, bias, residual, eps, False, skip)
+def triton_layer_norm(x, weight, bias, eps, residual=None, skip=False, out_dtype=None):
+    return _TritonNorm.apply(x, weight, bias, residual, eps, False, skip, out_dtype)
 
 
-def triton_rms_norm(x, weight, eps, residual=None, skip=False):
-    return _TritonNorm.apply(x, weight, None, residual, eps, True, skip)
+def triton_rms_norm(x, weight, eps, residual=None, skip=False, out_dtype=None):
+    return _TritonNorm.apply(x, weight, None, residual, eps, True, skip, out_dtype)
