@@ -9,7 +9,7 @@ is then lowered to TTIR with the argument types of its recorded launch.
 import torch
 from conftest import requires_triton
 
-from gem_kernels import block_attention, gdpa, jagged_flash_attention, layer_norm, rms_norm
+from gem_kernels import block_attention, gdpa, jagged_flash_attention, layer_norm, qkv_rotary_attention, rms_norm
 from gem_kernels.ops.triton import _tuning
 
 pytestmark = requires_triton
@@ -65,6 +65,8 @@ def _run_every_op():
     outs.append(gdpa(q, kc, vc, off, ko, max_seq_len_q=40, max_seq_len_kv=200, kernel="triton"))
     seeds = r(4, 2, 32)
     outs.append(gdpa(seeds, k, v, None, off, max_seq_len_kv=40, kernel="triton"))
+    qkv = r(70, 3, 2, 32) * 1.0  # the fused rotary path rotates a projection output where it lies
+    outs.append(qkv_rotary_attention(qkv, torch.rand(70), off, 40, block_size=16, window_blocks=2, kernel="triton"))
     x, res = r(9, 48, dtype=torch.float16), r(9, 48, dtype=torch.float16)
     w, b = r(48, dtype=torch.float16), r(48, dtype=torch.float16)
     outs += [layer_norm(x, w, b, residual=res, kernel="triton")[0], rms_norm(x, w, kernel="triton")]
@@ -136,7 +138,7 @@ from gem_kernels.ops.triton.triton_attention_kernels import attn_bwd_dkdv_kernel
 spec = ta.AttnSpec(max_q=4096, max_kv=4096, nq=None, activations=("softmax",), sm_scale=1.0, pw_scale=1.0)
 cfg = ta._candidates("dkdv", spec, 128, 4)[0]
 named = dict(ACT=0, MASK_KIND=0, Q_JAGGED=True, HAS_CAND=False, PREC="ieee", BLOCK_M=cfg["BLOCK_M"],
-             BLOCK_N=cfg["BLOCK_N"], BLOCK_D=128)
+             BLOCK_N=cfg["BLOCK_N"], BLOCK_D=128, ROTARY=False)
 types = {}
 for p in kernel.arg_names:
     if p in named:
@@ -147,7 +149,7 @@ for p in kernel.arg_names:
         types[p] = "*i64"
     elif p == "HEAD_IDS":
         types[p] = "*i32"
-    elif p.endswith("scale"):
+    elif p.endswith("scale") or p == "log2_base":
         types[p] = "fp32"
     elif p.startswith("stride") or p in ("NQ", "Wl", "Wr", "BS", "KB"):
         types[p] = "i32"

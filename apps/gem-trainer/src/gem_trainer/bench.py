@@ -601,7 +601,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_ops(device) -> list[dict]:
     """Our kernels and the builtin route against the fp32 reference on random jagged inputs (fwd and grads)."""
-    from gem_kernels import block_attention, gdpa, layer_norm, qkv_rotary, rotary
+    from gem_kernels import block_attention, gdpa, layer_norm, qkv_rotary, qkv_rotary_attention, rotary
 
     g = torch.Generator(device="cpu").manual_seed(1)
     lengths = [700, 1, 64, 129, 0, 333, 1500]
@@ -648,6 +648,10 @@ def check_ops(device) -> list[dict]:
         out = layer_norm(x.bfloat16(), w.bfloat16(), b.bfloat16(), kernel=kern)
         checks.append({"op": "layer_norm", "kernel": kern, "out_rel_err": round(rel_err(out, ref), 5),
                        "ok": rel_err(out, ref) < 1e-2})
+    # a float32 stream normalised straight into the bf16 its matmul reads (the models' norms under autocast)
+    out = layer_norm(x, w, b, kernel="auto", out_dtype=torch.bfloat16)
+    checks.append({"op": "layer_norm", "kernel": "auto", "out_dtype": "bfloat16", "out_rel_err": round(rel_err(out, ref), 5),
+                   "ok": out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2})
     del r
     q, k = rand(T, H, D).requires_grad_(), rand(T, H, D).requires_grad_()
     positions = torch.rand(T, generator=g).to(device) * 15
@@ -673,6 +677,19 @@ def check_ops(device) -> list[dict]:
     row = {"op": "qkv_rotary", "kernel": "auto", "out_rel_err": round(max(rel_err(a, b) for a, b in zip(out, ref)), 5),
            "dqkv_rel_err": round(rel_err(grad, ref_grad), 5)}
     row["ok"] = all(v < 1e-2 for key, v in row.items() if key.endswith("rel_err"))
+    checks.append(row)
+    # rotary attention on the projection's buffer (rotation in place, dq / dk rotated back in the attention backward)
+    ref_in = qkv.detach().clone().requires_grad_()
+    ref = block_attention(*qkv_rotary(ref_in, positions, kernel="pytorch"), off, block_size=64, window_blocks=8,
+                          max_seq_len=1500, kernel="pytorch", validate=False)
+    ref_grad = torch.autograd.grad(ref, ref_in, seeds[0])[0]
+    fused_in = qkv.detach().bfloat16().requires_grad_()
+    out = qkv_rotary_attention(fused_in * 1, positions, off, 1500, block_size=64, window_blocks=8, kernel="auto",
+                               validate=False)
+    grad = torch.autograd.grad(out, fused_in, seeds[0].bfloat16())[0]
+    row = {"op": "qkv_rotary_attention", "kernel": "auto", "out_rel_err": round(rel_err(out, ref), 5),
+           "dqkv_rel_err": round(rel_err(grad, ref_grad), 5)}
+    row["ok"] = all(v < 3e-2 for key, v in row.items() if key.endswith("rel_err"))
     checks.append(row)
     return checks
 

@@ -19,6 +19,7 @@ from gem_kernels.ops import (
     jagged_flash_attention,
     layer_norm,
     qkv_rotary,
+    qkv_rotary_attention,
     rms_norm,
     rotary,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "mx_matmul",
     "mx_quantize",
     "qkv_rotary",
+    "qkv_rotary_attention",
     "rms_norm",
     "rotary",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem_kernels import block_attention, jagged_flash_attention, qkv_rotary
+from gem_kernels import block_attention, jagged_flash_attention, qkv_rotary_attention
 from gem_kunlun.norm import LayerNorm
 from gem_kunlun.rote import ROTE_BASE
 
@@ -34,13 +34,19 @@ class LocalAttention(nn.Module):
         h, d = self.num_heads, self.dim // self.num_heads
         normed, seq = self.norm(seq, skip=True)
         qkv = self.qkv(normed).view(-1, 3, h, d)
-        q, k, v = qkv_rotary(qkv, positions, ROTE_BASE, kernel=self.kernel) if self.rote else qkv.unbind(1)
-        if self.mode == "block":
-            o = block_attention(q, k, v, offsets, block_size=self.block_size, window_blocks=self.window_blocks,
+        if self.rote:
+            # NOTE: one call, so that on the GPU q and k are rotated inside the projection's buffer (which nothing
+            # else reads) and its gradient is written whole by the attention's backward
+            window = dict(block_size=self.block_size, window_blocks=self.window_blocks) if self.mode == "block" else \
+                dict(window=self.window)
+            o = qkv_rotary_attention(qkv, positions, offsets, max_len, ROTE_BASE, **window, kernel=self.kernel,
+                                     validate=False, fp8=self.fp8)
+        elif self.mode == "block":
+            o = block_attention(*qkv.unbind(1), offsets, block_size=self.block_size, window_blocks=self.window_blocks,
                                 max_seq_len=max_len, kernel=self.kernel, validate=False, fp8=self.fp8)
         else:
-            o = jagged_flash_attention(q, k, v, offsets, max_len, window=self.window, kernel=self.kernel, validate=False,
-                                       fp8=self.fp8)
+            o = jagged_flash_attention(*qkv.unbind(1), offsets, max_len, window=self.window, kernel=self.kernel,
+                                       validate=False, fp8=self.fp8)
         return seq + self.out(o.reshape(-1, self.dim))
 
     def visible_pairs(self, lengths: torch.Tensor) -> float:

@@ -80,6 +80,11 @@ def check_max_len(name: str, max_len: int) -> None:
         raise ValueError(f"{name} must be a positive int, got {max_len!r}")
 
 
+def check_positive_int(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def check_window(window: int | None) -> None:
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
         raise ValueError(f"window must be None or an int >= 0, got {window!r}")

@@ -31,9 +31,8 @@ def block_attention(
     V.check_kernel(kernel)
     V.check_self_qkv(q, k, v)
     V.check_offsets_meta("offsets", offsets, q.device)
-    for name, val in (("block_size", block_size), ("window_blocks", window_blocks)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    V.check_positive_int("block_size", block_size)
+    V.check_positive_int("window_blocks", window_blocks)
     if max_seq_len is not None:
         V.check_max_len("max_seq_len", max_seq_len)
     acts = resolve_activations(activation, q.shape[1])

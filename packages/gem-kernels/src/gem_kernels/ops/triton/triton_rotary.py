@@ -4,7 +4,8 @@ One program takes a tile of tokens: it computes the tile's angles, cosines and s
 rotates every head of q and of k with them, reading each input once (its pair partners again, from cache) and
 writing each output once. The backward is the same rotation by the opposite angle (a rotation's transpose), so
 one kernel serves both.
-Inputs may be strided views (q and k split from one fused projection); outputs are contiguous. ``qkv_rotary``
+Inputs may be strided views (q and k split from one fused projection); outputs are contiguous, or the inputs
+themselves (``rotate_qk_in_place``, for attention kernels that read q, k and v in the projection's buffer). ``qkv_rotary``
 takes the fused projection ``[T, 3, H, D]`` whole: the same pass also writes v contiguous, and its backward
 writes the projection's gradient in one buffer (where separate rotation, copy and stacking passes would each
 read and write it again).
@@ -25,9 +26,12 @@ from gem_kernels.ops.triton._tuning import cdiv, launch, next_power_of_2
 def rotary_kernel(
     Q, K, V, QO, KO, VO, POS, T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, log2_base, sign,
-    H: tl.constexpr, D: tl.constexpr, HAS_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, HAS_V: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    # QO, KO (and VO) share the output strides ``stride_ot, stride_oh``; with HAS_V, v is copied along
+    # QO, KO (and VO) share the output strides ``stride_ot, stride_oh``; with HAS_V, v is copied along.
+    # IN_PLACE: QO is Q and KO is K. A channel's pair partner may be loaded by another thread than the one storing
+    # over it, so every load of a head is done before the barrier and every store after it.
     # NOTE: every load and store covers whole rows of D channels (wide, coalesced accesses); the pair partner
     # of each channel (2i <-> 2i + 1) is a second load of the same row, served from L1. Loading even and odd
     # channels apart and storing them apart (stride-2 accesses) ran at a sixteenth of the bandwidth.
@@ -47,10 +51,12 @@ def rotary_kernel(
         o_at = rows[:, None] * stride_ot + h * stride_oh + cols[None, :]
         q = tl.load(Q + q_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q_partner = tl.load(Q + q_at + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(QO + o_at, (q * cos + q_partner * sin).to(QO.dtype.element_ty), mask=mask)
         k_at = rows[:, None] * stride_kt + h * stride_kh
         k = tl.load(K + k_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         k_partner = tl.load(K + k_at + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        if IN_PLACE:
+            tl.debug_barrier()
+        tl.store(QO + o_at, (q * cos + q_partner * sin).to(QO.dtype.element_ty), mask=mask)
         tl.store(KO + o_at, (k * cos + k_partner * sin).to(KO.dtype.element_ty), mask=mask)
         if HAS_V:
             v = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=mask, other=0.0)
@@ -68,9 +74,13 @@ def _rotate(q, k, v, outputs, positions: torch.Tensor, base: float, sign: float)
     vi, vo = (v, outputs[2]) if v is not None else (q, qo)  # not read without HAS_V
     args = (q, k, vi, outputs[0], outputs[1], vo, positions, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             vi.stride(0), vi.stride(1), qo.stride(0), qo.stride(1), math.log2(base), sign)
-    consts = dict(H=H, D=D, HAS_V=v is not None, BLOCK_D=next_power_of_2(D))
+    in_place = outputs[0].data_ptr() == q.data_ptr()
+    assert not in_place or (v is None and outputs[1].data_ptr() == k.data_ptr() and qo.stride() == q.stride() == k.stride())
+    consts = dict(H=H, D=D, HAS_V=v is not None, IN_PLACE=in_place, BLOCK_D=next_power_of_2(D))
+    # NOTE: the tuner times a candidate by running it again, which an in-place rotation must not be: one config
     launch(rotary_kernel, lambda c: (cdiv(T, c["BLOCK_T"]),), args, consts,
-           ("rotary", H, D, q.dtype, v is not None), _CANDIDATES)
+           ("rotary", H, D, q.dtype, v is not None) + (("in_place",) if in_place else ()),
+           _CANDIDATES[:1] if in_place else _CANDIDATES)
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +129,11 @@ class _TritonQkvRotary(torch.autograd.Function):
         dqkv = torch.empty((T, 3, H, D), dtype=dq.dtype, device=dq.device)
         _rotate(dq, dk, dv, (dqkv[:, 0], dqkv[:, 1], dqkv[:, 2]), positions, ctx.base, -1.0)
         return dqkv, None, None
+
+
+def rotate_qk_in_place(qkv: torch.Tensor, positions: torch.Tensor, base: float) -> None:
+    """Rotate the q and k slots of a fused projection ``qkv [T, 3, H, D]`` (unit stride in D) where they lie."""
+    _rotate(qkv[:, 0], qkv[:, 1], None, (qkv[:, 0], qkv[:, 1]), positions.contiguous(), base, 1.0)
 
 
 def triton_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, base: float):
