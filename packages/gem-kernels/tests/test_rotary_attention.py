@@ -30,7 +30,8 @@ def test_fused_path_matches_rotary_then_attention(mode, dtype):
     seed = torch.randn(80, 2, 16).to(dtype)
     kwargs = dict(block_size=16, window_blocks=2) if mode == "block" else dict(window=mode)
     leaf = projection.clone().requires_grad_()
-    qkv = leaf * 1.0  # an intermediate, as a projection's output is: the fused path rotates it where it lies
+    # a projection's output reshaped, as models produce it: the fused path rotates it where it lies
+    qkv = (leaf.view(80, -1) * 1.0).view(80, 3, 2, 16)
     out = qkv_rotary_attention(qkv, positions, OFFSETS, 40, **kwargs, kernel="triton")
     assert out.dtype == dtype and out.shape == (80, 2, 16)
     (grad,) = torch.autograd.grad(out, leaf, seed)
@@ -46,26 +47,14 @@ def test_fused_path_matches_rotary_then_attention(mode, dtype):
 
 
 @requires_triton
-def test_gradient_of_the_rotated_projection_read_beside_the_attention():
-    """The rotated projection the fused Function leaves behind carries its own gradient back (rotated back)."""
-    from gem_kernels.ops.triton.triton_attention import AttnSpec
-    from gem_kernels.ops.triton.triton_rotary_attention import _TritonQkvRotaryAttention
-
-    torch.manual_seed(1)
-    projection = 0.5 * torch.randn(80, 3, 2, 16)
-    positions = torch.rand(80) * 12
-    spec = AttnSpec(max_q=40, max_kv=40, nq=None, activations=("softmax", "softmax"), sm_scale=0.25, pw_scale=1.0,
-                    block_size=16, window_blocks=2)
-    seeds = torch.randn(80, 2, 16), torch.randn(80, 3, 2, 16)
-    leaf = projection.clone().requires_grad_()
-    out, rotated = _TritonQkvRotaryAttention.apply(leaf * 1.0, positions, OFFSETS, spec, 10.0)
-    (grad,) = torch.autograd.grad((out, rotated), leaf, seeds)
-    reference = projection.clone().requires_grad_()
-    q, k, v = qkv_rotary(reference, positions, 10.0, kernel="pytorch")
-    expected = block_attention(q, k, v, OFFSETS, 16, 2, max_seq_len=40, scale=0.25, kernel="pytorch")
-    (expected_grad,) = torch.autograd.grad((expected, torch.stack([q, k, v], 1)), reference, seeds)
-    assert_close(out, expected, 2e-5, "out")
-    assert_close(grad, expected_grad, 2e-5, "dqkv")
+def test_a_reference_saved_before_the_rotation_fails_in_backward():
+    """The buffer is rotated in place: a tensor saved from it earlier would read rotated values, so its backward
+    fails (autograd's version check) rather than computing with them."""
+    qkv = (torch.randn(80, 3 * 32, requires_grad=True) * 1.0)
+    saved_earlier = qkv.sin()  # sin's backward reads its input
+    out = qkv_rotary_attention(qkv.view(80, 3, 2, 16), torch.rand(80), OFFSETS, 40, block_size=16, kernel="triton")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.sum() + saved_earlier.sum()).backward()
 
 
 def test_reference_path_leaves_the_projection_and_bad_inputs_are_one_line_errors():

@@ -11,9 +11,10 @@ back through the rotation just before they are stored.
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_backward, attention_forward
-from gem_kernels.ops.triton.triton_rotary import _rotate, rotate_qk_in_place
+from gem_kernels.ops.triton.triton_rotary import rotate_qk_in_place
 
 
 class _TritonQkvRotaryAttention(torch.autograd.Function):
@@ -21,30 +22,26 @@ class _TritonQkvRotaryAttention(torch.autograd.Function):
     def forward(ctx, qkv, positions, offsets, spec: AttnSpec, base: float):
         positions = positions.contiguous()
         rotate_qk_in_place(qkv, positions, base)
-        ctx.mark_dirty(qkv)
+        # NOTE: not mark_dirty: autograd refuses it on a view (a projection's output reshaped to [T, 3, H, D]) when
+        # the Function returns another tensor. Bumping the version makes any earlier saved reference to the buffer
+        # fail in backward instead of reading the rotated values.
+        increment_version(qkv)
         q, k, v = qkv.unbind(1)
         o, lse = attention_forward(q, k, v, offsets, offsets, None, spec)
         ctx.save_for_backward(qkv, o, lse, offsets, positions)
         ctx.spec, ctx.base = spec, base
-        return o, qkv
+        return o
 
     @staticmethod
-    def backward(ctx, do, d_rotated):
+    def backward(ctx, do):
         qkv, o, lse, offsets, positions = ctx.saved_tensors
         dqkv = torch.empty_like(qkv)
-        grads = dqkv.unbind(1)
         attention_backward(do, *qkv.unbind(1), o, lse, offsets, offsets, None, ctx.spec, rotary=(positions, ctx.base),
-                           grads=grads)
-        if d_rotated is not None:  # the rotated projection was read beside the attention: its gradient, rotated back
-            extra = torch.empty_like(dqkv)
-            d_rotated = d_rotated.contiguous()
-            _rotate(d_rotated[:, 0], d_rotated[:, 1], d_rotated[:, 2], extra.unbind(1), positions, ctx.base, -1.0)
-            dqkv += extra
+                           grads=dqkv.unbind(1))
         return dqkv, None, None, None, None
 
 
 def triton_qkv_rotary_attention(qkv: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor, spec: AttnSpec,
                                 base: float) -> torch.Tensor:
     """``[T, H, D]``; qkv's q and k slots are left rotated (see the module docstring)."""
-    o, _ = _TritonQkvRotaryAttention.apply(qkv, positions, offsets, spec, base)
-    return o
+    return _TritonQkvRotaryAttention.apply(qkv, positions, offsets, spec, base)
