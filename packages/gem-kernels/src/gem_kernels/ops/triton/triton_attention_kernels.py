@@ -163,18 +163,29 @@ def _store_rows(base, rows, stride_t, offs_d, x, mask):
 
 
 @triton.jit
-def _unrotate(x, POS, rows, mask, log2_base, D: tl.constexpr):
+def _unrotate(x, POS, rows, mask, log2_base, dtype, D: tl.constexpr, MODE: tl.constexpr):
     """``x [rows, D]`` (float32), the gradient at rotary-rotated rows, taken back through the rotation: rows
     ``rows`` were rotated by the angle ``POS[row] * base ** (-2i / D)`` per channel pair ``(2i, 2i + 1)``
     (``triton_rotary``'s convention), and a rotation's gradient is the opposite rotation."""
     n: tl.constexpr = x.shape[0]
     pos = tl.load(POS + rows, mask=mask, other=0.0).to(tl.float32)
-    even, odd = tl.split(tl.reshape(x, [n, D // 2, 2]))
-    freq = tl.exp2(-(tl.arange(0, D // 2).to(tl.float32) * 2.0 / D) * log2_base)
-    angle = pos[:, None] * freq[None, :]
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
-    return tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), [n, D])
+    if MODE == 1:
+        even, odd = tl.split(tl.reshape(x, [n, D // 2, 2]))
+        freq = tl.exp2(-(tl.arange(0, D // 2).to(tl.float32) * 2.0 / D) * log2_base)
+        angle = pos[:, None] * freq[None, :]
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+        out = tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), [n, D])
+    else:
+        cols = tl.arange(0, D)
+        # x's pair partners (column c ^ 1) by a product with the swap permutation, exact in the output's dtype
+        swap = tl.where(cols[None, :] == (cols ^ 1)[:, None], 1.0, 0.0).to(dtype)
+        partner = tl.dot(x.to(dtype), swap)
+        freq = tl.exp2(-((cols // 2).to(tl.float32) * 2.0 / D) * log2_base)
+        angle = pos[:, None] * freq[None, :]
+        sign = tl.where(cols % 2 == 0, 1.0, -1.0)
+        out = x * tl.cos(angle) + partner * tl.sin(angle) * sign[None, :]
+    return out
 
 
 @triton.jit
@@ -490,8 +501,8 @@ def attn_bwd_dkdv_kernel(
                                    stride_lt, offs_n, offs_d, fe, hi, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
                                    ACT, MASK_KIND, True, PREC, BLOCK_M)
         dk = dk * dk_scale
-        if ROTARY:
-            dk = _unrotate(dk, POS, k_start + offs_n, kmask, log2_base, BLOCK_D)
+        if ROTARY > 0:
+            dk = _unrotate(dk, POS, k_start + offs_n, kmask, log2_base, DK.dtype.element_ty, BLOCK_D, ROTARY)
         _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, dk.to(DK.dtype.element_ty), kmask)
         _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d, (dv * dv_scale).to(DV.dtype.element_ty),
                     kmask)
@@ -619,8 +630,8 @@ def attn_bwd_dq_kernel(
         dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
                           k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
         dq = dq * dq_scale
-        if ROTARY:
-            dq = _unrotate(dq, POS, q_start + offs_m, qmask, log2_base, BLOCK_D)
+        if ROTARY > 0:
+            dq = _unrotate(dq, POS, q_start + offs_m, qmask, log2_base, DQ.dtype.element_ty, BLOCK_D, ROTARY)
         _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, dq.to(DQ.dtype.element_ty), qmask)
 
 
