@@ -169,23 +169,33 @@ def _unrotate(x, POS, rows, mask, log2_base, dtype, D: tl.constexpr, MODE: tl.co
     (``triton_rotary``'s convention), and a rotation's gradient is the opposite rotation."""
     n: tl.constexpr = x.shape[0]
     pos = tl.load(POS + rows, mask=mask, other=0.0).to(tl.float32)
-    if MODE == 1:
+    if True:
         even, odd = tl.split(tl.reshape(x, [n, D // 2, 2]))
         freq = tl.exp2(-(tl.arange(0, D // 2).to(tl.float32) * 2.0 / D) * log2_base)
         angle = pos[:, None] * freq[None, :]
         cos = tl.cos(angle)
         sin = tl.sin(angle)
         out = tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), [n, D])
-    else:
-        cols = tl.arange(0, D)
-        # x's pair partners (column c ^ 1) by a product with the swap permutation, exact in the output's dtype
-        swap = tl.where(cols[None, :] == (cols ^ 1)[:, None], 1.0, 0.0).to(dtype)
-        partner = tl.dot(x.to(dtype), swap)
-        freq = tl.exp2(-((cols // 2).to(tl.float32) * 2.0 / D) * log2_base)
-        angle = pos[:, None] * freq[None, :]
-        sign = tl.where(cols % 2 == 0, 1.0, -1.0)
-        out = x * tl.cos(angle) + partner * tl.sin(angle) * sign[None, :]
     return out
+
+
+@triton.jit
+def _store_unrotated(base, rows, stride_t, offs_d, x, mask, POS, log2_base, D: tl.constexpr):
+    """Store ``x [rows, D]`` (float32), the gradient at rotary-rotated rows, taken back through the rotation (see
+    ``_unrotate``): stored as it is, then each channel re-read beside its pair partner and stored rotated back.
+    The rows are this program's alone; the barriers order every thread's accesses to them."""
+    _store_rows(base, rows, stride_t, offs_d, x.to(base.dtype.element_ty), mask)
+    tl.debug_barrier()
+    at = base + rows[:, None] * stride_t
+    y = tl.load(at + offs_d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    partner = tl.load(at + (offs_d ^ 1)[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    pos = tl.load(POS + rows, mask=mask, other=0.0).to(tl.float32)
+    angle = pos[:, None] * tl.exp2(-((offs_d // 2).to(tl.float32) * 2.0 / D) * log2_base)[None, :]
+    # x[2i] = y[2i] cos + y[2i+1] sin; x[2i+1] = y[2i+1] cos - y[2i] sin
+    sign = tl.where(offs_d % 2 == 0, 1.0, -1.0)
+    out = y * tl.cos(angle) + partner * tl.sin(angle) * sign[None, :]
+    tl.debug_barrier()
+    _store_rows(base, rows, stride_t, offs_d, out.to(base.dtype.element_ty), mask)
 
 
 @triton.jit
@@ -501,9 +511,12 @@ def attn_bwd_dkdv_kernel(
                                    stride_lt, offs_n, offs_d, fe, hi, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
                                    ACT, MASK_KIND, True, PREC, BLOCK_M)
         dk = dk * dk_scale
-        if ROTARY > 0:
+        if ROTARY == 1:
             dk = _unrotate(dk, POS, k_start + offs_n, kmask, log2_base, DK.dtype.element_ty, BLOCK_D, ROTARY)
-        _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, dk.to(DK.dtype.element_ty), kmask)
+        if ROTARY == 2:
+            _store_unrotated(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, dk, kmask, POS, log2_base, BLOCK_D)
+        else:
+            _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, dk.to(DK.dtype.element_ty), kmask)
         _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d, (dv * dv_scale).to(DV.dtype.element_ty),
                     kmask)
 
@@ -630,9 +643,12 @@ def attn_bwd_dq_kernel(
         dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
                           k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
         dq = dq * dq_scale
-        if ROTARY > 0:
+        if ROTARY == 1:
             dq = _unrotate(dq, POS, q_start + offs_m, qmask, log2_base, DQ.dtype.element_ty, BLOCK_D, ROTARY)
-        _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, dq.to(DQ.dtype.element_ty), qmask)
+        if ROTARY == 2:
+            _store_unrotated(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, dq, qmask, POS, log2_base, BLOCK_D)
+        else:
+            _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, dq.to(DQ.dtype.element_ty), qmask)
 
 
 @triton.jit
