@@ -31,7 +31,7 @@ def qkv_rotary_attention(
 
     The Triton path (``kernel`` "triton", or "auto" on CUDA; not with ``fp8``) rotates q and k in qkv's own buffer:
     afterwards qkv holds the rotated q and k (v unchanged), so pass a projection nothing else reads. Its backward
-    writes the projection's gradient in one buffer, the rotation undone inside the attention kernels. The other
+    writes the projection's gradient in one buffer and rotates its q and k slots back where they lie. The other
     kernels compose ``qkv_rotary`` and the attention op and leave qkv as it was."""
     V.check_kernel(kernel)
     V.check_values("qkv", qkv, 4, "[T, 3, H, D]")

@@ -246,18 +246,9 @@ def softmax_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-import os
-
-
-def _rotary_mode(rotary) -> int:
-    return 0 if rotary is None else int(os.environ.get("GEM_ROTARY_MODE", "2"))
-
-
-def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spec: AttnSpec, rotary=None, grads=None):
-    """dq, dk, dv. ``rotary = (positions, base)``: q and k of a self-attention were rotated by the rotary embedding
-    at ``positions`` (one per row); dq and dk are returned for the rows before the rotation (taken back in the
-    kernels, before they store them). ``grads``: the (dq, dk, dv) tensors to write, e.g. views of one projection's
-    gradient ([T, H, D], unit stride in the last dimension); new ones otherwise."""
+def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spec: AttnSpec, grads=None):
+    """dq, dk, dv. ``grads``: the (dq, dk, dv) tensors to write, e.g. views of one projection's gradient ([T, H, D],
+    unit stride in the last dimension); new ones otherwise."""
     H, D = q.shape[1], q.shape[2]
     R = kv_offsets.shape[0] - 1
     B = q_offsets.shape[0] - 1 if spec.nq is None else R
@@ -273,9 +264,6 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
         # NOTE: broadcast queries collect one partial dQ per example, summed afterwards (deterministic).
         dq = torch.empty_like(q) if spec.nq is None else torch.empty((B * spec.nq, H, D), dtype=torch.float32,
                                                                      device=q.device)
-    if rotary is not None and (spec.nq is not None or kv_index is not None):
-        raise ValueError("a rotary backward needs self-attention (jagged queries that are the keys' rows)")
-    positions, log2_base = (rotary[0], math.log2(rotary[1])) if rotary is not None else (kv_offsets, 0.0)
     if kv_index is not None:
         order = torch.argsort(kv_index, stable=True)
         cand_off = torch.searchsorted(kv_index[order], torch.arange(R + 1, device=q.device))
@@ -303,18 +291,18 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
                         DELTA_FROM_O=delta_from_o),
                    ("dkdv_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
         else:
-            args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, positions,
-                    *strides, *scales, log2_base, wl, wr, bs, kb)
+            args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, *strides, *scales,
+                    wl, wr, bs, kb)
             launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
-                   dict(common, HAS_CAND=kv_index is not None, ROTARY=_rotary_mode(rotary)), ("dkdv",) + key_tail,
+                   dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail,
                    lambda: _candidates("dkdv", spec, D, q.element_size()))
         args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
-                head_ids, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                head_ids, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-                spec.nq or 0, spec.sm_scale * _LOG2E, scale, log2_base, wl, wr, bs, kb)
+                spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
         launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-                dict(common, HAS_KV_IDX=kv_index is not None, DELTA_FROM_O=delta_from_o, ROTARY=_rotary_mode(rotary)),
-                ("dq",) + key_tail, lambda: _candidates("dq", spec, D))
+                dict(common, HAS_KV_IDX=kv_index is not None, DELTA_FROM_O=delta_from_o), ("dq",) + key_tail,
+                lambda: _candidates("dq", spec, D))
     if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
         dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)
     return dq, dk, dv

@@ -163,42 +163,6 @@ def _store_rows(base, rows, stride_t, offs_d, x, mask):
 
 
 @triton.jit
-def _unrotate(x, POS, rows, mask, log2_base, dtype, D: tl.constexpr, MODE: tl.constexpr):
-    """``x [rows, D]`` (float32), the gradient at rotary-rotated rows, taken back through the rotation: rows
-    ``rows`` were rotated by the angle ``POS[row] * base ** (-2i / D)`` per channel pair ``(2i, 2i + 1)``
-    (``triton_rotary``'s convention), and a rotation's gradient is the opposite rotation."""
-    n: tl.constexpr = x.shape[0]
-    pos = tl.load(POS + rows, mask=mask, other=0.0).to(tl.float32)
-    if True:
-        even, odd = tl.split(tl.reshape(x, [n, D // 2, 2]))
-        freq = tl.exp2(-(tl.arange(0, D // 2).to(tl.float32) * 2.0 / D) * log2_base)
-        angle = pos[:, None] * freq[None, :]
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
-        out = tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), [n, D])
-    return out
-
-
-@triton.jit
-def _store_unrotated(base, rows, stride_t, offs_d, x, mask, POS, log2_base, D: tl.constexpr):
-    """Store ``x [rows, D]`` (float32), the gradient at rotary-rotated rows, taken back through the rotation (see
-    ``_unrotate``): stored as it is, then each channel re-read beside its pair partner and stored rotated back.
-    The rows are this program's alone; the barriers order every thread's accesses to them."""
-    _store_rows(base, rows, stride_t, offs_d, x.to(base.dtype.element_ty), mask)
-    tl.debug_barrier()
-    at = base + rows[:, None] * stride_t
-    y = tl.load(at + offs_d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-    partner = tl.load(at + (offs_d ^ 1)[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-    pos = tl.load(POS + rows, mask=mask, other=0.0).to(tl.float32)
-    angle = pos[:, None] * tl.exp2(-((offs_d // 2).to(tl.float32) * 2.0 / D) * log2_base)[None, :]
-    # x[2i] = y[2i] cos + y[2i+1] sin; x[2i+1] = y[2i+1] cos - y[2i] sin
-    sign = tl.where(offs_d % 2 == 0, 1.0, -1.0)
-    out = y * tl.cos(angle) + partner * tl.sin(angle) * sign[None, :]
-    tl.debug_barrier()
-    _store_rows(base, rows, stride_t, offs_d, out.to(base.dtype.element_ty), mask)
-
-
-@triton.jit
 def _load_softmax_stats(LSE_base, DELTA_base, rows, stride_lt, mask, MASKED: tl.constexpr):
     """A softmax head's log-sum-exp and ``delta = rowsum(dO * O)`` for ``rows``; rows outside the sequence get
     an LSE so large that ``exp2(s - lse)`` is 0 for them."""
@@ -456,16 +420,13 @@ def _kv_tile_grads(dk, dv, s_t, dp_t, q, do, lse, delta, allowed, qk_scale, ACT:
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, CAND_OFF, CAND_IDS, HEAD_IDS, POS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, CAND_OFF, CAND_IDS, HEAD_IDS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
-    NQ, qk_scale, dk_scale, dv_scale, log2_base, Wl, Wr, BS, KB,
+    NQ, qk_scale, dk_scale, dv_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_CAND: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROTARY: tl.constexpr,
 ):
-    # ROTARY: K was rotated (rotary embedding at POS, one position per key row, base 2 ** log2_base): dK is taken
-    # back through the rotation before it is stored (the gradient of the projection before the rotation)
     pid_n = tl.program_id(0)
     r = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -510,13 +471,8 @@ def attn_bwd_dkdv_kernel(
             dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot,
                                    stride_lt, offs_n, offs_d, fe, hi, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
                                    ACT, MASK_KIND, True, PREC, BLOCK_M)
-        dk = dk * dk_scale
-        if ROTARY == 1:
-            dk = _unrotate(dk, POS, k_start + offs_n, kmask, log2_base, DK.dtype.element_ty, BLOCK_D, ROTARY)
-        if ROTARY == 2:
-            _store_unrotated(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, dk, kmask, POS, log2_base, BLOCK_D)
-        else:
-            _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, dk.to(DK.dtype.element_ty), kmask)
+        _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, (dk * dk_scale).to(DK.dtype.element_ty),
+                    kmask)
         _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d, (dv * dv_scale).to(DV.dtype.element_ty),
                     kmask)
 
@@ -604,15 +560,15 @@ def _bwd_q_tiles(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, POS,
+    Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lt,
-    NQ, qk_scale, dq_scale, log2_base, Wl, Wr, BS, KB,
+    NQ, qk_scale, dq_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DELTA_FROM_O: tl.constexpr, ROTARY: tl.constexpr,
+    DELTA_FROM_O: tl.constexpr,
 ):
-    # DELTA_FROM_O: as in attn_bwd_dkdv_broadcast_q_kernel; ROTARY: as in attn_bwd_dkdv_kernel, for Q's rows
+    # DELTA_FROM_O: as in attn_bwd_dkdv_broadcast_q_kernel
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -642,13 +598,8 @@ def attn_bwd_dq_kernel(
                           k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, False, PREC, BLOCK_N)
         dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
                           k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
-        dq = dq * dq_scale
-        if ROTARY == 1:
-            dq = _unrotate(dq, POS, q_start + offs_m, qmask, log2_base, DQ.dtype.element_ty, BLOCK_D, ROTARY)
-        if ROTARY == 2:
-            _store_unrotated(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, dq, qmask, POS, log2_base, BLOCK_D)
-        else:
-            _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, dq.to(DQ.dtype.element_ty), qmask)
+        _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, (dq * dq_scale).to(DQ.dtype.element_ty),
+                    qmask)
 
 
 @triton.jit

@@ -1,11 +1,15 @@
 """Self-attention over a fused projection ``qkv [T, 3, H, D]`` with rotary queries and keys, in the projection's
 own buffer, forward and backward.
 
-Rotating q and k into new tensors (``qkv_rotary``) reads and writes the whole projection once forward, and its
-backward packs the three gradients into the projection's gradient in another pass. Here the rotation is done
-where q and k lie (v is not touched), the attention kernels read q, k and v as strided views of the buffer, and
-the backward kernels write dq, dk and dv straight into the slots of one ``[T, 3, H, D]`` gradient, dq and dk taken
-back through the rotation just before they are stored.
+Rotating q and k into new tensors (``qkv_rotary``) reads the whole projection and writes it again (v copied
+along), and its backward packs the three gradients into the projection's gradient in another such pass. Here q
+and k are rotated where they lie (v is not touched), the attention kernels read q, k and v as strided views of
+the buffer, and the backward kernels write dq, dk and dv straight into the slots of one ``[T, 3, H, D]`` gradient,
+whose dq and dk are then rotated back where they lie: two passes over q and k instead of two over all three.
+
+NOTE: rotating dq and dk back inside the backward kernels, before they store them, made those kernels slower on
+the H200 than the separate pass costs, whether the pair swap was done in registers or by storing the tile and
+re-reading it.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ class _TritonQkvRotaryAttention(torch.autograd.Function):
     def backward(ctx, do):
         qkv, o, lse, offsets, positions = ctx.saved_tensors
         dqkv = torch.empty_like(qkv)
-        attention_backward(do, *qkv.unbind(1), o, lse, offsets, offsets, None, ctx.spec, rotary=(positions, ctx.base),
-                           grads=dqkv.unbind(1))
+        attention_backward(do, *qkv.unbind(1), o, lse, offsets, offsets, None, ctx.spec, grads=dqkv.unbind(1))
+        rotate_qk_in_place(dqkv, positions, ctx.base, inverse=True)
         return dqkv, None, None, None, None
 
 
