@@ -266,3 +266,28 @@ def test_untuned_configs_fit_shared_memory(monkeypatch):
     for c in ta._short_kv_candidates(blocks, 128, 2):
         assert c["num_stages"] * 3 * 128 * 128 * 2 <= ta.SMEM_BUDGET, c
     assert ta._fit_stages(3, 0, ta.SMEM_BUDGET) == 1  # one stage is the floor
+
+
+@pytest.mark.parametrize("mode", ["pma", "cross", "self"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_key_values_match_the_references_split_ones(mode, dtype):
+    """k and v passed packed (k ``[Tk, 2, H, D]``, v None: the Triton backward writes one gradient of the pack)
+    give the reference's output and gradients on the split k and v."""
+    off = offsets_of([19, 0, 33, 5])
+    kv_off = offsets_of([3, 1, 4, 2]) if mode == "cross" else off
+    T, H, D = int(off[-1]), 2, 16
+    q = rand(4 if mode == "pma" else T, H, D, dtype=dtype).requires_grad_()
+    kv = rand(int(kv_off[-1]), 2, H, D, dtype=dtype).requires_grad_()
+    args = dict(pma=(None, off), cross=(off, kv_off), self=(off, None))[mode]
+    kwargs = dict(max_seq_len_kv=40) if mode == "pma" else dict(max_seq_len_q=40, max_seq_len_kv=40, activation="gelu")
+    out = gdpa(q, kv, None, *args, **kwargs, kernel="triton")
+    reference = gdpa(q.float(), *kv.float().unbind(1), *args, **kwargs, kernel="pytorch")
+    assert_close(out.float(), reference, TOL[dtype], "out")
+    do = torch.randn(out.shape).to(dtype)
+    got = torch.autograd.grad(out, (q, kv), do)
+    want = torch.autograd.grad(reference, (q, kv), do.float())
+    for a, e, name in zip(got, want, ("dq", "dkv")):
+        assert a.dtype == dtype
+        assert_close(a.float(), e, TOL[dtype], name)
+    with pytest.raises(ValueError, match=r"k packed with v \(v None\) must be \[Tk, 2, H, D\], got \(57, 3, 2, 16\)"):
+        gdpa(q, rand(T, 3, H, D, dtype=dtype), None, *args, **kwargs)

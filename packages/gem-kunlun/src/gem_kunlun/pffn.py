@@ -29,9 +29,9 @@ class PersonalizedFFN(nn.Module):
         h, d, b = self.num_heads, self.dim // self.num_heads, x_sum.shape[0]
         normed, seq = self.norm(seq, skip=True)
         q = self.q(normed).view(-1, h, d)
-        k, v = self.kv(x_sum).reshape(-1, 2, h, d).unbind(1)  # [B * n, H, d]
+        kv = self.kv(x_sum).reshape(-1, 2, h, d)  # [B * n, 2, H, d]: k and v packed
         kv_offsets = torch.arange(0, (b + 1) * self.num_tokens, self.num_tokens, device=seq.device)
-        o = gdpa(q, k, v, offsets, kv_offsets, activation=self.activation, max_seq_len_q=max_len,
+        o = gdpa(q, kv, None, offsets, kv_offsets, activation=self.activation, max_seq_len_q=max_len,
                  max_seq_len_kv=self.num_tokens, kernel=self.kernel, validate=False)
         return seq + self.out(o.reshape(-1, self.dim))
 

@@ -30,9 +30,9 @@ class PMA(nn.Module):
 
     def forward(self, seq: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
         h, d = self.num_heads, self.dim // self.num_heads
-        k, v = self.kv(seq).view(-1, 2, h, d).unbind(1)
-        q = self.seeds.view(self.num_seeds, h, d).to(k.dtype)
-        pooled = gdpa(q, k, v, None, offsets, activation="softmax", max_seq_len_kv=max_len, kernel=self.kernel,
+        kv = self.kv(seq).view(-1, 2, h, d)  # k and v packed: their gradient comes back in one buffer
+        q = self.seeds.view(self.num_seeds, h, d).to(kv.dtype)
+        pooled = gdpa(q, kv, None, None, offsets, activation="softmax", max_seq_len_kv=max_len, kernel=self.kernel,
                       validate=False)  # [B, Nq, H, d]
         return self.out(pooled.reshape(pooled.shape[0], self.num_seeds, self.dim))
 

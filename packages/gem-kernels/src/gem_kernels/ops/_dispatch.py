@@ -40,7 +40,10 @@ def run_attention(
     block_size: int | None = None,
     window_blocks: int | None = None,
     fp8: bool = False,
+    kv: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """kv: the ``[Tk, 2, H, D]`` tensor whose slots k and v are (a fused key-value projection); the Triton backward
+    then writes their gradient in one buffer."""
     head_dim = q.shape[2]
     if fp8:
         return _run_fp8(q, k, v, kv_offsets, max_kv, sm_scale, kernel, window_left, window_right, block_size, window_blocks)
@@ -62,7 +65,7 @@ def run_attention(
     if use_triton and not empty:
         V.check_triton_head_dim("q", head_dim)
         V.check_triton_device("q", q)
-        from gem_kernels.ops.triton.triton_attention import AttnSpec, triton_attention
+        from gem_kernels.ops.triton.triton_attention import AttnSpec, triton_attention, triton_packed_kv_attention
 
         spec = AttnSpec(
             max_q=max_q, max_kv=max_kv, nq=None if q_offsets is not None else q.shape[0],
@@ -70,6 +73,8 @@ def run_attention(
             window_left=window_left, window_right=window_right, block_size=block_size,
             window_blocks=window_blocks,
         )
+        if kv is not None:
+            return triton_packed_kv_attention(q, kv, q_offsets, kv_offsets, kv_index, spec)
         return triton_attention(q, k, v, q_offsets, kv_offsets, kv_index, spec)
     return pt_attention(
         q, k, v, q_offsets, kv_offsets, max_q, max_kv, list(activations), sm_scale, pw_scale,

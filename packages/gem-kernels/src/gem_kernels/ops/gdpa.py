@@ -11,7 +11,7 @@ from gem_kernels.ops._dispatch import default_sm_scale, resolve_activations, run
 def gdpa(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     q_offsets: torch.Tensor | None,
     kv_offsets: torch.Tensor | None = None,
     *,
@@ -35,8 +35,16 @@ def gdpa(
     |i - j| <= W, causal keeps j <= i (positions within each sequence). scale defaults to 1/sqrt(D) for softmax
     (inside the softmax) and 1/max_seq_len_kv for pointwise heads (outside the sum). max_seq_len_q / _kv bound
     the lengths and size the kernel grid; None reads them from the offsets (one device sync). kernel and
-    validate are as in jagged_flash_attention."""
+    validate are as in jagged_flash_attention. k and v may come packed as one fused key-value projection: k
+    ``[Tk, 2, H, D]`` (k, v its slots) and v None; the Triton backward then writes their gradient in one buffer."""
     V.check_kernel(kernel)
+    packed = None
+    if v is None:
+        V.check_values("k", k, 4, "[Tk, 2, H, D] with v None")
+        if k.shape[1] != 2:
+            raise ValueError(f"k packed with v (v None) must be [Tk, 2, H, D], got {tuple(k.shape)}")
+        packed = k
+        k, v = packed.unbind(1)
     for name, t in (("q", q), ("k", k), ("v", v)):
         V.check_values(name, t, 3, "[T, H, D]" if name != "q" or q_offsets is not None else "[Nq, H, D]")
     V.check_same(["q", "k", "v"], [q, k, v])
@@ -100,5 +108,5 @@ def gdpa(
     return run_attention(
         q, k, v, q_offsets, kv_offsets, kv_index, max_q=max_q, max_kv=max_seq_len_kv, activations=acts,
         sm_scale=sm_scale, pw_scale=pw_scale, kernel=kernel, window_left=window,
-        window_right=0 if causal else window,
+        window_right=0 if causal else window, kv=packed,
     )

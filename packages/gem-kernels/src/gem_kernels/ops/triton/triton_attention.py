@@ -248,7 +248,7 @@ def softmax_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
 
 def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spec: AttnSpec, grads=None):
     """dq, dk, dv. ``grads``: the (dq, dk, dv) tensors to write, e.g. views of one projection's gradient ([T, H, D],
-    unit stride in the last dimension); new ones otherwise."""
+    unit stride in the last dimension), any of them None for a new one."""
     H, D = q.shape[1], q.shape[2]
     R = kv_offsets.shape[0] - 1
     B = q_offsets.shape[0] - 1 if spec.nq is None else R
@@ -256,14 +256,15 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
     # [T_out, H]: only the softmax heads read it. The few broadcast queries (PMA) compute it from O in the kernels.
     delta_from_o = _broadcast_q(spec) and kv_index is None and o.stride() == do.stride()
     delta = o if delta_from_o else softmax_delta(do, o)
-    if grads is not None:
-        dq, dk, dv = grads
-    else:
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
+    dq, dk, dv = grads if grads is not None else (None, None, None)
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    if dq is None:
         # NOTE: broadcast queries collect one partial dQ per example, summed afterwards (deterministic).
         dq = torch.empty_like(q) if spec.nq is None else torch.empty((B * spec.nq, H, D), dtype=torch.float32,
                                                                      device=q.device)
+    elif spec.nq is not None:
+        raise ValueError("broadcast queries (PMA) sum their gradient from per-example partials: pass dq as None")
     if kv_index is not None:
         order = torch.argsort(kv_index, stable=True)
         cand_off = torch.searchsorted(kv_index[order], torch.arange(R + 1, device=q.device))
@@ -323,6 +324,28 @@ class _TritonAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+class _TritonPackedKvAttention(torch.autograd.Function):
+    """Attention whose k and v are the two slots of one ``kv [Tk, 2, H, D]`` (a fused key-value projection): the
+    backward writes dk and dv into one gradient of kv, where two gradients of its slots would be stacked by autograd
+    in a pass of their own."""
+
+    @staticmethod
+    def forward(ctx, q, kv, q_offsets, kv_offsets, kv_index, spec):
+        k, v = kv.unbind(1)
+        o, lse = attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec)
+        ctx.save_for_backward(q, kv, o, lse, q_offsets, kv_offsets, kv_index)
+        ctx.spec = spec
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, o, lse, q_offsets, kv_offsets, kv_index = ctx.saved_tensors
+        dkv = torch.empty_like(kv)
+        dq, _, _ = attention_backward(do, q, *kv.unbind(1), o, lse, q_offsets, kv_offsets, kv_index, ctx.spec,
+                                      grads=(None, *dkv.unbind(1)))
+        return dq, dkv, None, None, None, None
+
+
 def triton_attention(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> torch.Tensor:
     """q [Tq, H, D] jagged by q_offsets, or [Nq, H, D] broadcast (q_offsets None, spec.nq set); k, v [Tk, H, D]
     jagged by kv_offsets; returns [Tq, H, D] or [B, Nq, H, D]."""
@@ -330,6 +353,12 @@ def triton_attention(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -
     # (copying them cost ~6 ms a step of the H200 benchmark), only a strided last dimension is copied
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     o = _TritonAttention.apply(q, k, v, q_offsets, kv_offsets, kv_index, spec)
-    if spec.nq is not None:
-        o = o.view(-1, spec.nq, q.shape[1], q.shape[2])
-    return o
+    return o if spec.nq is None else o.view(-1, spec.nq, q.shape[1], q.shape[2])
+
+
+def triton_packed_kv_attention(q, kv, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> torch.Tensor:
+    """``triton_attention`` with k and v the slots of ``kv [Tk, 2, H, D]`` (see _TritonPackedKvAttention)."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    o = _TritonPackedKvAttention.apply(q, kv, q_offsets, kv_offsets, kv_index, spec)
+    return o if spec.nq is None else o.view(-1, spec.nq, q.shape[1], q.shape[2])
