@@ -114,3 +114,26 @@ def test_out_dtype_must_be_floating():
     x = torch.randn(4, 16)
     with pytest.raises(ValueError, match=r"out_dtype must be None, float16, bfloat16 or float32, got torch.int32"):
         layer_norm(x, torch.ones(16), None, out_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_residual_of_another_dtype_is_added_in_float32(op):
+    """A float32 stream plus a float16 update (a branch's matmul output): h stays float32, and the update's gradient
+    comes back in float16, as the reference's."""
+    x, r = rand(37, 48), rand(37, 48, dtype=torch.float16)
+    w = (1.0 + 0.1 * torch.randn(48)).requires_grad_()
+    b = rand(48) if op == "layer_norm" else None
+    inputs = [t for t in (x, r, w, b) if t is not None]
+    seeds = [torch.randn(37, 48), torch.randn(37, 48)]
+    got = {}
+    for kernel in ("triton", "pytorch"):
+        y, h = (rms_norm(x, w, 1e-6, residual=r, kernel=kernel) if op == "rms_norm"
+                else layer_norm(x, w, b, 1e-5, residual=r, kernel=kernel))
+        assert y.dtype == h.dtype == torch.float32
+        got[kernel] = ((y, h), torch.autograd.grad((y, h), inputs, seeds))
+    torch.testing.assert_close(got["triton"][0][1], x + r.float(), rtol=0, atol=0)
+    for a, e in zip(got["triton"][0], got["pytorch"][0]):
+        assert_close(a, e, 1e-5, "out")
+    for a, e, n in zip(got["triton"][1], got["pytorch"][1], "xrwb"):
+        assert a.dtype == e.dtype == (torch.float16 if n == "r" else torch.float32)
+        assert_close(a.float(), e.float(), 1e-3 if n == "r" else 4e-5, f"d{n}")

@@ -84,8 +84,12 @@ def test_a_skipped_component_passes_its_input_on():
     offsets = lengths_to_offsets(torch.tensor([3, 0, 2]))
     seq = torch.randn(5, 16)
     x = torch.randn(3, 5, 16)
-    _, out, _ = layer(x, seq, offsets, torch.zeros(5), 8, None)
-    assert torch.equal(out, seq)
+    _, out, _, pending = layer(x, seq, offsets, torch.zeros(5), 8, None)
+    assert torch.equal(out, seq) and pending is None
+    update = torch.randn(5, 16)  # the previous layer's pending update: added by the summary's norm, passed on
+    _, out, _, pending = layer(x, seq, offsets, torch.zeros(5), 8, None, update)
+    torch.testing.assert_close(out, seq + update)
+    assert pending is None
     with pytest.raises(ValueError, match="skip\\[0\\] cannot switch off 'summary'"):
         dataclasses.replace(TINY, skip=(("summary",),))
 
@@ -214,3 +218,38 @@ def test_dropout_acts_in_training_only_and_recent_tokens_widen_the_mlp():
     assert model.trunk.mlp[0].in_features == plain.trunk.mlp[0].in_features + 2 * config.d_model
     with pytest.raises(ValueError, match="dropout"):
         KunlunConfig(dropout=1.0)
+
+
+@pytest.mark.parametrize("skip", [(), ((), ("pffn", "attention")), ((), ("summary",))])
+def test_updates_left_to_the_next_norm_give_the_model_that_adds_them_at_once(skip, monkeypatch):
+    """pFFN and attention hand their update to the next norm, which adds it in its own pass: the model computes what
+    it computes when every block adds its update itself (outputs and every gradient), whatever CompSkip switches off."""
+    from gem_kunlun.local_attention import LocalAttention
+    from gem_kunlun.pffn import PersonalizedFFN
+
+    config = dataclasses.replace(TINY, num_layers=3, skip=skip)
+    batch = random_batch(6, seed=3)
+    results = []
+    for adds_at_once in (False, True):
+        model = build(config)
+        if adds_at_once:
+            for cls in (LocalAttention, PersonalizedFFN):
+                forward = cls.forward
+
+                def settled(self, *args, pending=None, defer=False, _forward=forward):
+                    assert pending is None
+                    out = _forward(self, *args)
+                    return (out, None) if defer else out
+
+                monkeypatch.setattr(cls, "forward", settled)
+        out = model(batch)
+        loss = out.logits.square().sum() + out.aux_loss
+        results.append((out.logits, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)))
+        monkeypatch.undo()
+    (deferred, grads_deferred), (eager, grads_eager) = results
+    torch.testing.assert_close(deferred, eager, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_deferred, grads_eager):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

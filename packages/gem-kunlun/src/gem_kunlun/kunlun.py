@@ -171,22 +171,27 @@ class KunlunLayer(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.token_mix, std=self.num_tokens_in**-0.5)
 
-    def forward(self, x, seq, offsets, positions, max_len, previous_summary):
+    def forward(self, x, seq, offsets, positions, max_len, previous_summary, pending=None):
+        """``(U, seq, summary, pending)``: the sequence leaves as ``seq + pending`` (pending None: seq), its last
+        update left for the next norm to add in its own pass (``LayerNorm``'s ``pending``); ``pending`` in is the
+        previous layer's."""
         c = self.config
         compressed = torch.einsum("bnd,nm->bmd", x, self.token_mix.to(x.dtype))
         x_sum = compressed + self.compress_mlp(self.compress_norm(compressed))
         if self.summary is None:
             summary = previous_summary
         else:
-            normed, seq = self.summary_norm(seq, skip=True)  # seq goes on through the skip path
+            # seq goes on through the skip path, with the pending update added
+            normed, seq = self.summary_norm(seq, skip=True, pending=pending)
+            pending = None
             summary = self.summary(normed, offsets, max_len)
         u = torch.cat([x_sum, summary], 1)
         u = u + self.moe(self.moe_norm(u))
         if self.pffn is not None:
-            seq = self.pffn(seq, offsets, u[:, : c.num_summary_tokens], max_len)
+            seq, pending = self.pffn(seq, offsets, u[:, : c.num_summary_tokens], max_len, pending=pending, defer=True)
         if self.attention is not None:
-            seq = self.attention(seq, offsets, positions, max_len)
-        return u, seq, summary
+            seq, pending = self.attention(seq, offsets, positions, max_len, pending=pending, defer=True)
+        return u, seq, summary, pending
 
     def flops(self, lengths: torch.Tensor) -> dict[str, float]:
         c, d, b = self.config, self.config.d_model, lengths.numel()
@@ -329,12 +334,13 @@ class KunlunTrunk(nn.Module):
         c = self.config
         if c.dropout:
             x, seq = F.dropout(x, c.dropout, self.training), F.dropout(seq, c.dropout, self.training)
-        summary = None
+        summary = pending = None
         aux = x.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
-            x, seq, summary = layer(x, seq, offsets, positions, c.max_seq_len, summary)
+            x, seq, summary, pending = layer(x, seq, offsets, positions, c.max_seq_len, summary, pending)
             aux = aux + c.balance_loss_weight * layer.moe.last_stats.balance_loss
-        final = self.final_summary(self.final_summary_norm(seq), offsets, c.max_seq_len)
+        normed, seq = self.final_summary_norm(seq, skip=True, pending=pending)  # seq: the updated history, whole
+        final = self.final_summary(normed, offsets, c.max_seq_len)
         tokens = [x, final]
         if c.recent_tokens:
             tokens.append(newest_events(seq, offsets, c.recent_tokens))

@@ -30,9 +30,11 @@ class LocalAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, device=device)
         self.out = nn.Linear(dim, dim, device=device)
 
-    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, max_len: int,
+                pending: torch.Tensor | None = None, defer: bool = False):
+        """``seq + update``; ``pending`` and ``defer`` as in ``PersonalizedFFN.forward``."""
         h, d = self.num_heads, self.dim // self.num_heads
-        normed, seq = self.norm(seq, skip=True)
+        normed, seq = self.norm(seq, skip=True, pending=pending)
         qkv = self.qkv(normed).view(-1, 3, h, d)
         if self.rote:
             # NOTE: one call, so that on the GPU q and k are rotated inside the projection's buffer (which nothing
@@ -47,7 +49,8 @@ class LocalAttention(nn.Module):
         else:
             o = jagged_flash_attention(*qkv.unbind(1), offsets, max_len, window=self.window, kernel=self.kernel,
                                        validate=False, fp8=self.fp8)
-        return seq + self.out(o.reshape(-1, self.dim))
+        update = self.out(o.reshape(-1, self.dim))
+        return (seq, update) if defer else seq + update
 
     def visible_pairs(self, lengths: torch.Tensor) -> float:
         """Query-key pairs the attention computes over real tokens, in closed form per sequence (FLOP counting

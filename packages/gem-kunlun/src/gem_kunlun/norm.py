@@ -19,10 +19,13 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(dim, eps=eps, device=device)
         self.kernel = kernel
 
-    def forward(self, x: torch.Tensor, skip: bool = False):
+    def forward(self, x: torch.Tensor, skip: bool = False, pending: torch.Tensor | None = None):
         """``norm(x)``; with ``skip``, ``(norm(x), x)`` for a pre-norm residual branch ``x + f(norm(x))`` written
         with the returned x: the gradient reaching x along the skip path is added inside the norm's backward kernel,
-        where autograd would add the two gradients of x (each [tokens, d] in float32) in a pass of its own."""
+        where autograd would add the two gradients of x (each [tokens, d] in float32) in a pass of its own.
+        ``pending``: the previous branch's update, not yet added to x (``x + pending`` is the stream): returns
+        ``(norm(x + pending), x + pending)``, the sum made in the norm's own pass instead of an add of its own."""
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        return layer_norm(x, self.weight, self.bias, self.eps, kernel=self.kernel, skip=skip, out_dtype=out_dtype)
+        return layer_norm(x, self.weight, self.bias, self.eps, residual=pending, kernel=self.kernel,
+                          skip=skip and pending is None, out_dtype=out_dtype)

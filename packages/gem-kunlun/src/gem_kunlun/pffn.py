@@ -25,15 +25,19 @@ class PersonalizedFFN(nn.Module):
         self.kv = nn.Linear(dim, 2 * dim, device=device)
         self.out = nn.Linear(dim, dim, device=device)
 
-    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, x_sum: torch.Tensor, max_len: int) -> torch.Tensor:
+    def forward(self, seq: torch.Tensor, offsets: torch.Tensor, x_sum: torch.Tensor, max_len: int,
+                pending: torch.Tensor | None = None, defer: bool = False):
+        """``seq + update``; with ``defer`` ``(seq, update)``, the add left to the next norm (``LayerNorm``'s
+        ``pending``). ``pending``: an update of seq not yet added, added inside this block's norm."""
         h, d, b = self.num_heads, self.dim // self.num_heads, x_sum.shape[0]
-        normed, seq = self.norm(seq, skip=True)
+        normed, seq = self.norm(seq, skip=True, pending=pending)
         q = self.q(normed).view(-1, h, d)
         kv = self.kv(x_sum).reshape(-1, 2, h, d)  # [B * n, 2, H, d]: k and v packed
         kv_offsets = torch.arange(0, (b + 1) * self.num_tokens, self.num_tokens, device=seq.device)
         o = gdpa(q, kv, None, offsets, kv_offsets, activation=self.activation, max_seq_len_q=max_len,
                  max_seq_len_kv=self.num_tokens, kernel=self.kernel, validate=False)
-        return seq + self.out(o.reshape(-1, self.dim))
+        update = self.out(o.reshape(-1, self.dim))
+        return (seq, update) if defer else seq + update
 
     def flops(self, tokens: float, batch_size: int) -> float:
         return (2.0 * self.dim * 2 * self.dim * tokens + 2.0 * self.dim * 2 * self.dim * self.num_tokens * batch_size

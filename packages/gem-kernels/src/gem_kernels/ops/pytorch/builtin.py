@@ -185,13 +185,13 @@ def builtin_attention(
 
 
 def builtin_layer_norm(x, weight, bias, eps, residual=None):
-    h = x if residual is None else x + residual
+    h = x if residual is None else (x + residual).to(x.dtype)
     y = torch.nn.functional.layer_norm(h, (h.shape[-1],), weight, bias, eps)
     return y if residual is None else (y, h)
 
 
 def builtin_rms_norm(x, weight, eps, residual=None):
-    h = x if residual is None else x + residual
+    h = x if residual is None else (x + residual).to(x.dtype)
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
     return y if residual is None else (y, h)
 
