@@ -134,8 +134,9 @@ def test_the_model_check_compares_logits_and_every_gradient():
     model = bench.build_variant(config, bench.BenchData(batch_size=8, sparse_features=3).spec(), "pytorch",
                                 torch.device("cpu"), config.seed)
     assert check["parameters_compared"] == len(list(model.parameters()))
-    # on the CPU both variants run PyTorch's ops (fused or not): equal up to float32 rounding
+    # on the CPU both variants run PyTorch's ops (fused or not): equal up to float32 rounding, routed alike
     assert check["logits_rel_err_plain_vs_gem"] < 1e-4 and check["grad_rel_err_plain_vs_gem"] < 1e-4
+    assert check["routing_equal"] and check["ok"] and check["mode"] == "eval"
 
 
 def test_top_kernels_lists_kernels_not_the_components_labels():
