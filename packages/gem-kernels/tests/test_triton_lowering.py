@@ -70,6 +70,9 @@ def _run_every_op():
     x, res = r(9, 48, dtype=torch.float16), r(9, 48, dtype=torch.float16)
     w, b = r(48, dtype=torch.float16), r(48, dtype=torch.float16)
     outs += [layer_norm(x, w, b, residual=res, kernel="triton")[0], rms_norm(x, w, kernel="triton")]
+    # a float32 stream, a float16 update: the update's gradient is written in float16 by the backward kernel
+    x32 = r(9, 48)
+    outs.append(layer_norm(x32, w.float(), b.float(), residual=res, kernel="triton", out_dtype=torch.float16)[0])
     sum(o.float().sum() for o in outs).backward()
 
 

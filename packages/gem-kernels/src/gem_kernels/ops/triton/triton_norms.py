@@ -68,8 +68,8 @@ def _bwd_load(XN, DY, MEAN, RSTD, t, M, cols, cmask, stride_x, stride_dy, IS_RMS
 
 @triton.jit
 def norm_bwd_kernel(
-    XN, DY, DH, W, MEAN, RSTD, DX, DW, DB, M, N, stride_x, stride_dy, stride_dh, stride_dx,
-    IS_RMS: tl.constexpr, HAS_DH: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    XN, DY, DH, W, MEAN, RSTD, DX, DR, DW, DB, M, N, stride_x, stride_dy, stride_dh, stride_dx,
+    IS_RMS: tl.constexpr, HAS_DH: tl.constexpr, HAS_DR: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PER_SM: tl.constexpr,
 ):
     # PER_SM only sizes the grid (programs per SM); it is a parameter so that the tuner's configs carry it.
@@ -113,6 +113,8 @@ def norm_bwd_kernel(
         if HAS_DH:
             dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DR:  # the residual's gradient in its own dtype (laid out as DX)
+            tl.store(DR + rows[:, None] * stride_dx + cols[None, :], dx.to(DR.dtype.element_ty), mask=mask)
         dw += dy * xhat
         if HAS_BIAS:
             db += dy
@@ -191,6 +193,8 @@ class _TritonNorm(torch.autograd.Function):
                lambda: _fwd_cands(block_n))
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.is_rms, ctx.has_res, ctx.has_dh, ctx.shape = is_rms, res2 is not None, res2 is not None or skip, shape
+        # a residual of another dtype gets its gradient written in it by the kernel (no cast pass after)
+        ctx.residual_dtype = None if res2 is None or res2.dtype == x.dtype else res2.dtype
         if not ctx.has_dh:
             return y.view(shape)
         return y.view(shape), h.view(shape)
@@ -203,9 +207,10 @@ class _TritonNorm(torch.autograd.Function):
         dy2 = dy.reshape(-1, N).contiguous()
         dh2 = None if (dh is None or not ctx.has_dh) else dh.reshape(-1, N).contiguous()
         dx = torch.empty_like(h)
+        dr = None if ctx.residual_dtype is None else torch.empty(h.shape, dtype=ctx.residual_dtype, device=h.device)
         block_n = next_power_of_2(N)
         key = ("norm_bwd", ctx.is_rms, dh2 is not None, bias is not None, block_n, h.dtype) + (
-            () if dy2.dtype == h.dtype else (dy2.dtype,))
+            () if dy2.dtype == h.dtype else (dy2.dtype,)) + (() if dr is None else ("dr", dr.dtype))
         partials = []
 
         def args(cfg):
@@ -215,10 +220,11 @@ class _TritonNorm(torch.autograd.Function):
             dw_db = torch.empty((2 if bias is not None else 1, G, N), dtype=torch.float32, device=h.device)
             dw, db = dw_db[0], dw_db[-1]
             partials[:] = [dw, db]  # the last launch's are the result
-            return (h, dy2, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dw, db, M, N,
+            return (h, dy2, dy2 if dh2 is None else dh2, weight, mean, rstd, dx, dx if dr is None else dr, dw, db, M, N,
                     h.stride(0), dy2.stride(0), dy2.stride(0) if dh2 is None else dh2.stride(0), dx.stride(0))
 
-        consts = dict(IS_RMS=ctx.is_rms, HAS_DH=dh2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n)
+        consts = dict(IS_RMS=ctx.is_rms, HAS_DH=dh2 is not None, HAS_DR=dr is not None, HAS_BIAS=bias is not None,
+                      BLOCK_N=block_n)
         launch(norm_bwd_kernel, lambda c: (_num_bwd_programs(M, c, h.device),), args, consts, key,
                lambda: _bwd_cands(block_n))
         dw, db = partials
@@ -227,7 +233,8 @@ class _TritonNorm(torch.autograd.Function):
             dweight, dbias = sum_rows(dw, weight.dtype), None
         else:
             dweight, dbias = sum_rows(dw, weight.dtype, db, bias.dtype)
-        return dx, dweight, dbias, (dx if ctx.has_res else None), None, None, None, None
+        dresidual = (dx if dr is None else dr.view(ctx.shape)) if ctx.has_res else None
+        return dx, dweight, dbias, dresidual, None, None, None, None
 
 
 def triton_layer_norm(x, weight, bias, eps, residual=None, skip=False, out_dtype=None):
