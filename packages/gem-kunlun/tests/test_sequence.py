@@ -70,3 +70,22 @@ def test_jagged_slices_take_each_run_of_rows_in_order(slices):
     index, offsets = jagged_slices(starts, lengths)
     assert torch.equal(index, torch.tensor([s + i for s, n in slices for i in range(n)], dtype=torch.int64))
     assert torch.equal(offsets, lengths_to_offsets(lengths))
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), keep=st.floats(0.0, 1.0), seed=st.integers(0, 10_000))
+def test_take_rows_is_indexing_forward_and_backward(rows, keep, seed):
+    """A permutation (every row kept) or a truncation (some rows, each once): values and gradients equal those of
+    plain indexing, rows not taken get a zero gradient."""
+    from gem_kunlun.sequence import take_rows
+
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randperm(rows, generator=g)[: max(0, round(keep * rows))]
+    values = torch.randn(rows, 3, 2, generator=g, requires_grad=True)
+    seed_grad = torch.randn(index.numel(), 3, 2, generator=g)
+    got = take_rows(values, index)
+    expected = values[index]
+    assert torch.equal(got, expected)
+    (grad_got,) = torch.autograd.grad(got, values, seed_grad)
+    (grad_expected,) = torch.autograd.grad(expected, values, seed_grad)
+    assert torch.equal(grad_got, grad_expected)

@@ -147,7 +147,8 @@ class FeatureEmbedding(nn.Module):
                 inputs.append(self._shared_input(names, shared_ids or {}, b, batch.dense.device))
             looked_up = collection(KeyedJaggedTensor.concat(inputs))
             for e in types:
-                events[e.name] = torch.stack([looked_up[f.name].values() for f in e.features], 0).sum(0)
+                # NOTE: added one after another: stacking them first writes every vector once more
+                events[e.name] = functools.reduce(torch.add, [looked_up[f.name].values() for f in e.features])
             shared.update({name: looked_up[name].values() for name in names if shared_ids and name in shared_ids})
         return (sparse, dense, events) if shared_ids is None else (sparse, dense, events, shared)
 

@@ -47,7 +47,7 @@ from gem_kunlun.pffn import PersonalizedFFN
 from gem_kunlun.representation_summary import RepresentationSummary
 from gem_kunlun.retrieval import CosineScore, dot_scores, retrieval_logits, scored_item_ids
 from gem_kunlun.rote import time_gap_positions
-from gem_kunlun.sequence import keep_latest, merge_by_time
+from gem_kunlun.sequence import keep_latest, merge_by_time, take_rows
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling
 
 
@@ -250,14 +250,15 @@ class KunlunEncoder(nn.Module):
             index, kept_offsets = keep_latest(sequence.offsets(), c.max_seq_len, total)
             t = sequence.timestamps[index]
             positions = time_gap_positions(t, kept_offsets)
-            values.append(self.event_encoders[name](events[name][index], kept_offsets, positions, c.max_seq_len))
+            kept_events = take_rows(events[name], index)
+            values.append(self.event_encoders[name](kept_events, kept_offsets, positions, c.max_seq_len))
             lengths.append(kept_offsets[1:] - kept_offsets[:-1])
             times.append(t)
         merged, offsets, timestamps, event_type = merge_by_time(values, lengths, times)
         known = all(k is not None for k in host_kept)
         total = sum(min(sum(per_type), c.max_seq_len) for per_type in zip(*host_kept)) if known and host_kept else None
         index, offsets = keep_latest(offsets, c.max_seq_len, total)
-        seq = merged[index] + self.event_type(event_type[index])
+        seq = take_rows(merged, index) + self.event_type(event_type[index])
         tokens = [sparse, dense[:, None]]
         if self.representations is not None:
             tokens.append(self.representations(batch).to(sparse.dtype))

@@ -33,7 +33,31 @@ def merge_by_time(
     by_example = torch.sort(example[by_time], stable=True).indices
     order = by_time[by_example]
     merged_lengths = torch.stack(lengths, 0).sum(0)
-    return torch.cat(values)[order], lengths_to_offsets(merged_lengths), time[order], event_type[order]
+    return take_rows(torch.cat(values), order), lengths_to_offsets(merged_lengths), time[order], event_type[order]
+
+
+class _TakeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, index):
+        ctx.save_for_backward(index)
+        ctx.rows = values.shape[0]
+        return values.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        # every index names a row once: a whole permutation leaves no row unwritten, so nothing needs zeroing
+        whole = index.numel() == ctx.rows
+        out = (grad.new_empty if whole else grad.new_zeros)((ctx.rows, *grad.shape[1:]))
+        return out.index_copy_(0, index, grad), None
+
+
+def take_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` for an ``index`` that names each row at most once (a permutation, a truncation): its
+    backward copies each row's gradient to its one source row, where autograd's gather backward accumulates
+    (sorting the index and adding atomically) into a zeroed buffer. A repeated index is not checked (that would
+    read it back from the device): its rows' gradients would overwrite one another."""
+    return _TakeRows.apply(values, index)
 
 
 def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
