@@ -650,8 +650,9 @@ def check_ops(device) -> list[dict]:
                        "ok": rel_err(out, ref) < 1e-2})
     # a float32 stream normalised straight into the bf16 its matmul reads (the models' norms under autocast)
     out = layer_norm(x, w, b, kernel="auto", out_dtype=torch.bfloat16)
-    checks.append({"op": "layer_norm", "kernel": "auto", "out_dtype": "bfloat16", "out_rel_err": round(rel_err(out, ref), 5),
-                   "ok": out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2})
+    err = rel_err(out, ref)
+    checks.append({"op": "layer_norm", "kernel": "auto", "out_dtype": "bfloat16", "out_rel_err": round(err, 5),
+                   "ok": out.dtype == torch.bfloat16 and err < 1e-2})
     del r
     q, k = rand(T, H, D).requires_grad_(), rand(T, H, D).requires_grad_()
     positions = torch.rand(T, generator=g).to(device) * 15
@@ -722,7 +723,8 @@ def check_model_agreement(config, args, device) -> dict:
         del model
     shared = sorted(set(grads["gem"]) & set(grads["plain"]))
     gem_grads, plain_grads = (torch.cat([grads[v][n] for n in shared]) for v in ("gem", "plain"))
-    check = {"batch_size": 8, "mode": "eval", "logits_rel_err_plain_vs_gem": round(rel_err(logits["gem"], logits["plain"]), 5),
+    check = {"batch_size": 8, "mode": "eval",
+             "logits_rel_err_plain_vs_gem": round(rel_err(logits["gem"], logits["plain"]), 5),
              "grad_rel_err_plain_vs_gem": round(rel_err(gem_grads, plain_grads), 5), "parameters_compared": len(shared),
              "routing_equal": routing["gem"] == routing["plain"], "bounds": MODEL_CHECK_BOUNDS}
     check["ok"] = check["routing_equal"] and all(check[k] < bound for k, bound in MODEL_CHECK_BOUNDS.items())
@@ -863,7 +865,8 @@ def main(argv=None) -> dict:
             doc["checks"]["ops"] = check_ops(device)
             doc["checks"]["model"] = check_model_agreement(config, args, device)
             log(f"checks: {json.dumps(doc['checks'])}")
-            failed = [c["op"] for c in doc["checks"]["ops"] if not c["ok"]] + ([] if doc["checks"]["model"]["ok"] else ["model"])
+            failed = [c["op"] for c in doc["checks"]["ops"] if not c["ok"]]
+            failed += [] if doc["checks"]["model"]["ok"] else ["model"]
             if failed:
                 doc["errors"].append(f"checks failed: {failed}")
         except Exception as e:

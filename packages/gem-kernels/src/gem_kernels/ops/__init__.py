@@ -8,5 +8,5 @@ from gem_kernels.ops.pytorch.pt_activations import ACTIVATIONS
 from gem_kernels.ops.rotary import qkv_rotary, rotary
 from gem_kernels.ops.rotary_attention import qkv_rotary_attention
 
-__all__ = ["ACTIVATIONS", "block_attention", "gdpa", "jagged_flash_attention", "layer_norm", "qkv_rotary", "qkv_rotary_attention",
-           "rms_norm", "rotary"]
+__all__ = ["ACTIVATIONS", "block_attention", "gdpa", "jagged_flash_attention", "layer_norm", "qkv_rotary",
+           "qkv_rotary_attention", "rms_norm", "rotary"]

@@ -37,8 +37,8 @@ def _check(x, weight, bias, residual, kernel, skip: bool = False, out_dtype: tor
         if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}")
         if residual.device != x.device or residual.dtype not in V.SUPPORTED_DTYPES:
-            raise ValueError(f"residual must be a float16, bfloat16 or float32 tensor on {x.device}, got {residual.dtype} "
-                             f"on {residual.device}")
+            raise ValueError(f"residual must be a float16, bfloat16 or float32 tensor on {x.device}, got "
+                             f"{residual.dtype} on {residual.device}")
     use = V.use_triton(kernel, x.device)
     if use and x.shape[-1] > 16384:
         if kernel == "triton":
@@ -63,12 +63,12 @@ def layer_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm over the last dim of x [..., N] with weight / bias [N] (bias may be None). With a residual
     (x's shape, any float dtype: added in float32) it normalises h = x + residual in one pass and returns (y, h), h
-    in x's dtype, so the residual stream needs no separate add; otherwise returns y. Statistics are fp32; y is in x's dtype.
+    in x's dtype, so the residual stream needs no separate add; otherwise returns y. Statistics are fp32.
     skip: return (y, x), x as the skip path of a pre-norm residual branch ``x + f(y)``: the gradient reaching x
     through it is added inside the norm's backward pass (autograd would add the two gradients of x in a pass of
     its own). out_dtype: y's dtype (None: x's), e.g. the autocast dtype of the matmul that reads y, which then
-needs no cast pass (and y's gradient none back). kernel: "triton", "pytorch", "auto" (Triton on CUDA) or
-"builtin" (torch's unfused ops)."""
+    needs no cast pass (and y's gradient none back). kernel: "triton", "pytorch", "auto" (Triton on CUDA) or
+    "builtin" (torch's unfused ops)."""
     if _check(x, weight, bias, residual, kernel, skip, out_dtype):
         from gem_kernels.ops.triton.triton_norms import triton_layer_norm
 

@@ -41,7 +41,8 @@ def qkv_rotary_attention(
     V.check_offsets_meta("offsets", offsets, qkv.device)
     V.check_max_len("max_seq_len", max_seq_len)
     if block_size is not None and window is not None:
-        raise ValueError("block_size and window exclude each other: blocks (block_attention) or a window (jagged_flash_attention)")
+        raise ValueError("block_size and window exclude each other: blocks (block_attention) or a window "
+                         "(jagged_flash_attention)")
     fused = (V.use_triton(kernel, qkv.device) and kernel != "builtin" and not fp8 and qkv.shape[0] > 0
              and qkv.stride(-1) == 1 and _triton_head_dim(qkv.shape[-1], kernel))
     if not fused:

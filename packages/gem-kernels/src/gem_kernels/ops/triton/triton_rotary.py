@@ -5,8 +5,8 @@ rotates every head of q and of k with them, reading each input once (its pair pa
 writing each output once. The backward is the same rotation by the opposite angle (a rotation's transpose), so
 one kernel serves both.
 Inputs may be strided views (q and k split from one fused projection); outputs are contiguous, or the inputs
-themselves (``rotate_qk_in_place``, for attention kernels that read q, k and v in the projection's buffer). ``qkv_rotary``
-takes the fused projection ``[T, 3, H, D]`` whole: the same pass also writes v contiguous, and its backward
+themselves (``rotate_qk_in_place``: attention kernels then read q, k and v in the projection's buffer).
+``qkv_rotary`` takes the fused projection ``[T, 3, H, D]`` whole: the same pass also writes v contiguous, and its backward
 writes the projection's gradient in one buffer (where separate rotation, copy and stacking passes would each
 read and write it again).
 """
@@ -77,7 +77,8 @@ def _rotate(q, k, v, outputs, positions: torch.Tensor, base: float, sign: float)
     args = (q, k, vi, outputs[0], outputs[1], vo, positions, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             vi.stride(0), vi.stride(1), qo.stride(0), qo.stride(1), math.log2(base), sign)
     in_place = outputs[0].data_ptr() == q.data_ptr()
-    assert not in_place or (v is None and outputs[1].data_ptr() == k.data_ptr() and qo.stride() == q.stride() == k.stride())
+    assert not in_place or (v is None and outputs[1].data_ptr() == k.data_ptr()
+                            and qo.stride() == q.stride() == k.stride())
     consts = dict(H=H, D=D, HAS_V=v is not None, IN_PLACE=in_place, BLOCK_D=next_power_of_2(D))
     # NOTE: the tuner times a candidate by running it again, which an in-place rotation must not be: one config
     launch(rotary_kernel, lambda c: (cdiv(T, c["BLOCK_T"]),), args, consts,
