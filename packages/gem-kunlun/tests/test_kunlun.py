@@ -253,3 +253,21 @@ def test_updates_left_to_the_next_norm_give_the_model_that_adds_them_at_once(ski
             assert a is None and b is None
         else:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_event_types_added_as_a_product_equal_the_embedding_lookup():
+    """The encoder adds each event's type vector through a product with one-hot rows: the values and the
+    gradients (of the type vectors and of the events) of the embedding lookup it replaces, in float32 under
+    autocast too."""
+    encoder = build().encoder
+    events = torch.randn(11, TINY.d_model, requires_grad=True)
+    types = torch.randint(0, encoder.event_type.num_embeddings, (11,))
+    seed = torch.randn(11, TINY.d_model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = encoder._with_event_types(events, types)
+    assert got.dtype == torch.float32
+    grads = torch.autograd.grad(got, (events, encoder.event_type.weight), seed)
+    expected = events + encoder.event_type(types)
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(grads, torch.autograd.grad(expected, (events, encoder.event_type.weight), seed)):
+        torch.testing.assert_close(a, b)

@@ -258,13 +258,24 @@ class KunlunEncoder(nn.Module):
         known = all(k is not None for k in host_kept)
         total = sum(min(sum(per_type), c.max_seq_len) for per_type in zip(*host_kept)) if known and host_kept else None
         index, offsets = keep_latest(offsets, c.max_seq_len, total)
-        seq = take_rows(merged, index) + self.event_type(event_type[index])
+        seq = self._with_event_types(take_rows(merged, index), event_type[index])
         tokens = [sparse, dense[:, None]]
         if self.representations is not None:
             tokens.append(self.representations(batch).to(sparse.dtype))
         x = torch.cat(tokens, 1)
         inputs = x, seq, offsets, time_gap_positions(timestamps[index], offsets)
         return inputs if shared_ids is None else (inputs, shared[0])
+
+    def _with_event_types(self, events: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        """``events [T, D] + event_type(types)``, as one product with the types' one-hot rows added to the events.
+
+        NOTE: an embedding's backward sorts every event's type to sum the gradient of a handful of vectors; as a
+        product that gradient is one matrix product over the history. In the events' dtype (float32), outside
+        autocast: the sum starts the residual stream."""
+        weight = self.event_type.weight
+        one_hot = (types[:, None] == torch.arange(weight.shape[0], device=types.device)).to(events.dtype)
+        with torch.autocast(events.device.type, enabled=False):
+            return torch.addmm(events, one_hot, weight.to(events.dtype))
 
     def merged_lengths(self, batch: Batch) -> torch.Tensor:
         """Events per example after truncation and merge, ``[B]`` on the CPU."""
