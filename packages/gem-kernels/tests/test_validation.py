@@ -110,8 +110,11 @@ def test_norm_errors():
         layer_norm(x, torch.ones(8), torch.ones(3))
     with pytest.raises(ValueError, match="residual"):
         rms_norm(x, torch.ones(8), residual=torch.randn(4, 7))
-    with pytest.raises(ValueError, match="residual has dtype"):
-        rms_norm(x, torch.ones(8), residual=x.half())
+    # a residual of another float dtype is added in float32; anything else is refused
+    y, h = rms_norm(x, torch.ones(8), residual=x.half())
+    assert h.dtype == x.dtype
+    with pytest.raises(ValueError, match="residual must be a float16, bfloat16 or float32 tensor on cpu, got torch.int64"):
+        rms_norm(x, torch.ones(8), residual=x.long())
     with pytest.raises(ValueError, match="rank"):
         rms_norm(torch.tensor(1.0), torch.ones(1))
 
