@@ -11,9 +11,10 @@ from gem_kernels import layer_norm
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state dict) whose forward runs gem-kernels' fused norm.
 
-    Every norm of the models that use it feeds a matmul (a projection, an MLP, an expert), so under autocast its
-    output is written in autocast's dtype, the dtype that matmul reads: the value is the one the matmul's cast
-    would make, without the cast's pass over a float32 copy forward, or the gradient's cast back to float32."""
+    The norms of the models that use it feed matmuls (a projection, an MLP, an expert), so under autocast the
+    output is written in autocast's dtype, the dtype those matmuls read: the value is the one the matmul's cast
+    would make, without the cast's pass over a float32 copy forward, or the gradient's cast back to float32.
+    (InterFormer's newest-event token is a norm's output read as it is: it too is in autocast's dtype.)"""
 
     def __init__(self, dim: int, eps: float = 1e-5, kernel: str = "auto", device=None) -> None:
         super().__init__(dim, eps=eps, device=device)
