@@ -1,6 +1,6 @@
-"""qkv_rotary_attention: the fused Triton path (rotation in the projection's buffer, dq and dk rotated back inside the
-attention backward kernels; interpreter on CPU) against the composition it stands for, qkv_rotary then the attention
-op, on the reference kernels."""
+"""qkv_rotary_attention: the fused Triton path (rotation in the projection's buffer, the gradient written whole and its
+dq, dk rotated back where they lie; interpreter on CPU) against the composition it stands for, qkv_rotary then the
+attention op, on the reference kernels."""
 
 import pytest
 import torch
