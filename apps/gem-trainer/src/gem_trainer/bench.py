@@ -679,7 +679,7 @@ def check_ops(device) -> list[dict]:
            "dqkv_rel_err": round(rel_err(grad, ref_grad), 5)}
     row["ok"] = all(v < 1e-2 for key, v in row.items() if key.endswith("rel_err"))
     checks.append(row)
-    # rotary attention on the projection's buffer (rotation in place, dq / dk rotated back in the attention backward)
+    # rotary attention on the projection's buffer (rotation in place, the gradient written whole, dq / dk rotated back)
     ref_in = qkv.detach().clone().requires_grad_()
     ref = block_attention(*qkv_rotary(ref_in, positions, kernel="pytorch"), off, block_size=64, window_blocks=8,
                           max_seq_len=1500, kernel="pytorch", validate=False)

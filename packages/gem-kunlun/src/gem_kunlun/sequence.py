@@ -15,27 +15,6 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
-def merge_by_time(
-    values: list[torch.Tensor], lengths: list[torch.Tensor], timestamps: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge several jagged event sequences into one, ordered by time within each example.
-
-    ``values[e]`` is ``[T_e, D]``, ``lengths[e]`` is ``[B]``, ``timestamps[e]`` is ``[T_e]``. Returns the
-    merged ``values [T, D]``, ``offsets [B+1]``, ``timestamps [T]`` and the event type index ``[T]`` of each
-    merged event. Ties in time keep the order of the inputs. Runs as two stable sorts, no loop over examples.
-    """
-    device = values[0].device
-    example = torch.cat([segment_ids(n, v.shape[0]) for n, v in zip(lengths, values)])
-    event_type = torch.cat([torch.full((v.shape[0],), i, dtype=torch.int64, device=device) for i, v in enumerate(values)])
-    time = torch.cat(timestamps)
-    # NOTE: sort by time first, then stably by example: events end up grouped per example, in time order.
-    by_time = torch.sort(time, stable=True).indices
-    by_example = torch.sort(example[by_time], stable=True).indices
-    order = by_time[by_example]
-    merged_lengths = torch.stack(lengths, 0).sum(0)
-    return take_rows(torch.cat(values), order), lengths_to_offsets(merged_lengths), time[order], event_type[order]
-
-
 class _TakeRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, index):
@@ -58,6 +37,27 @@ def take_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     (sorting the index and adding atomically) into a zeroed buffer. A repeated index is not checked (that would
     read it back from the device): its rows' gradients would overwrite one another."""
     return _TakeRows.apply(values, index)
+
+
+def merge_by_time(
+    values: list[torch.Tensor], lengths: list[torch.Tensor], timestamps: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge several jagged event sequences into one, ordered by time within each example.
+
+    ``values[e]`` is ``[T_e, D]``, ``lengths[e]`` is ``[B]``, ``timestamps[e]`` is ``[T_e]``. Returns the
+    merged ``values [T, D]``, ``offsets [B+1]``, ``timestamps [T]`` and the event type index ``[T]`` of each
+    merged event. Ties in time keep the order of the inputs. Runs as two stable sorts, no loop over examples.
+    """
+    device = values[0].device
+    example = torch.cat([segment_ids(n, v.shape[0]) for n, v in zip(lengths, values)])
+    event_type = torch.cat([torch.full((v.shape[0],), i, dtype=torch.int64, device=device) for i, v in enumerate(values)])
+    time = torch.cat(timestamps)
+    # NOTE: sort by time first, then stably by example: events end up grouped per example, in time order.
+    by_time = torch.sort(time, stable=True).indices
+    by_example = torch.sort(example[by_time], stable=True).indices
+    order = by_time[by_example]
+    merged_lengths = torch.stack(lengths, 0).sum(0)
+    return take_rows(torch.cat(values), order), lengths_to_offsets(merged_lengths), time[order], event_type[order]
 
 
 def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
