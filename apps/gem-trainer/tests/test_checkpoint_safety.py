@@ -1,14 +1,18 @@
 """Checkpoints that survive damage: a damaged newest checkpoint is skipped for the intact one before it, a
-local state that would run code on load is refused, and a disk that fills during a save stops the run in
-one line with the previous checkpoint kept."""
+local state that would run code on load is refused, a write that fails (a full disk, a file size limit, the
+writer process killed) stops the run in one line with the previous checkpoint kept, and an asynchronous save
+holds its step's state while training goes on."""
 
 import errno
+import io
 import json
 import os
 import pickle
+import resource
+import signal
 import subprocess
 import sys
-import threading
+import zipfile
 
 import pytest
 import torch
@@ -101,11 +105,9 @@ def test_local_state_that_would_run_code_is_refused(two_checkpoints):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch,
-                                                                                      asynchronous):
+def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch):
     run_dir, manager = two_checkpoints
-    trainer = trainer_at(run_dir, 8, f"--checkpoint.asynchronous={str(asynchronous).lower()}")
+    trainer = trainer_at(run_dir, 8, "--checkpoint.asynchronous=false")
     assert trainer.resume() and trainer.step == 4
     trainer.train_step()
     trainer.train_step()
@@ -116,7 +118,6 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_chec
     monkeypatch.setattr("torch.distributed.checkpoint.save", full)
     with pytest.raises(CheckpointError) as error:
         trainer.save_checkpoint()
-        trainer.checkpoints.wait()  # an asynchronous save's failure surfaces when it is waited for
     message = str(error.value)
     assert "\n" not in message and "could not write checkpoint" in message and "step-6" in message
     assert "No space left on device" in message and "step-4 is kept" in message
@@ -124,28 +125,64 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_chec
     assert manager.complete_steps() == [2, 4] and manager.damage(4) is None
 
 
-def test_an_asynchronous_save_holds_the_state_of_its_step_and_counts_only_once_written(two_checkpoints, monkeypatch):
+def test_a_write_that_fails_in_the_writer_process_stops_in_one_line_and_keeps_the_previous_checkpoint(
+        two_checkpoints, monkeypatch):
+    """A real failure inside the writer: it starts under a 64 KiB limit on the size of any file it writes."""
+    from gem_trainer.checkpoint_writer import WriterProcess
+
+    run_dir, manager = two_checkpoints
+    trainer = trainer_at(run_dir, 8)
+    assert trainer.config.checkpoint.asynchronous and trainer.resume() and trainer.step == 4
+    trainer.train_step()
+    trainer.train_step()
+    start = WriterProcess._start
+
+    def start_limited(self):
+        # the limit and the ignored signal (else the writer would be killed, not failed) pass to the child at its
+        # start; this process gets its own back at once
+        limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, limits[1]))
+        try:
+            start(self)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+            signal.signal(signal.SIGXFSZ, handler)
+
+    monkeypatch.setattr(WriterProcess, "_start", start_limited)
+    trainer.save_checkpoint()
+    with pytest.raises(CheckpointError) as error:
+        trainer.checkpoints.wait()  # an asynchronous save's failure surfaces when it is waited for
+    message = str(error.value)
+    assert "\n" not in message and "could not write checkpoint" in message and "step-6" in message
+    assert "rank 0: " in message and "step-4 is kept" in message
+    assert not (run_dir / "checkpoints" / "step-6").exists()
+    assert manager.complete_steps() == [2, 4] and manager.damage(4) is None
+    trainer.checkpoints.close()
+
+
+def _held_writer(trainer) -> int:
+    """Write one asynchronous checkpoint (so that the writer runs), then stop the writer process: the next save is
+    staged and handed over, and waits until it is continued."""
+    trainer.save_checkpoint()
+    trainer.checkpoints.wait()
+    os.kill(trainer.checkpoints.writer_pid, signal.SIGSTOP)
+    return trainer.checkpoints.writer_pid
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_step_and_counts_only_once_written(two_checkpoints):
     run_dir, manager = two_checkpoints
     trainer = trainer_at(run_dir, 12)
     assert trainer.config.checkpoint.asynchronous and trainer.resume() and trainer.step == 4
     trainer.train_step()
+    writer = _held_writer(trainer)
     trainer.train_step()
     expected = {k: local(v).clone() for k, v in trainer.model.state_dict().items()}
-    import torch.distributed.checkpoint as dcp
-
-    release, write = threading.Event(), dcp.save
-
-    def held_back(*args, **kwargs):
-        assert release.wait(60)
-        return write(*args, **kwargs)
-
-    monkeypatch.setattr("torch.distributed.checkpoint.save", held_back)
     trainer.save_checkpoint()  # returns with the write held back
     marker = run_dir / "checkpoints" / "step-6" / MARKER
     for _ in range(3):  # training goes on and changes the weights while the write waits
         trainer.train_step()
-    assert not marker.exists() and manager.latest_step() == 4 and trainer.checkpoints.writing()
-    release.set()
+    assert not marker.exists() and manager.latest_step() == 5 and trainer.checkpoints.writing()
+    os.kill(writer, signal.SIGCONT)
     trainer.checkpoints.wait()
     assert marker.exists() and manager.latest_step() == 6 and manager.damage(6) is None
     assert not trainer.checkpoints.writing()
@@ -160,45 +197,81 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_and_counts_only_once_w
         assert torch.equal(local(restored[key]), value), key
 
 
+def test_a_writer_killed_mid_write_fails_that_save_in_one_line_and_the_next_save_starts_a_new_one(two_checkpoints):
+    run_dir, manager = two_checkpoints
+    trainer = trainer_at(run_dir, 12)
+    assert trainer.resume() and trainer.step == 4
+    trainer.train_step()
+    writer = _held_writer(trainer)
+    trainer.train_step()
+    trainer.save_checkpoint()
+    os.kill(writer, signal.SIGKILL)
+    with pytest.raises(CheckpointError, match=r"^the checkpoint writer process died \(exit code -9\) while writing "
+                                              r"step 6$"):
+        trainer.checkpoints.wait()
+    assert manager.latest_step() == 5 and not (run_dir / "checkpoints" / "step-6" / MARKER).exists()
+    trainer.train_step()
+    trainer.save_checkpoint()
+    trainer.checkpoints.wait()
+    assert trainer.checkpoints.writer_pid != writer and manager.latest_step() == 7 and manager.damage(7) is None
+    trainer.close()
+
+
 def local(value: torch.Tensor) -> torch.Tensor:
     """A ShardedTensor's (one) local shard, or the tensor itself."""
     return value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
 
 
-def test_host_staging_copies_the_state_and_reuses_its_buffers():
-    from gem_trainer.checkpoint import HostStaging
+def test_shared_staging_copies_the_state_and_reuses_its_arena(tmp_path):
+    from gem_trainer.checkpoint_writer import SharedStaging, item_key
 
     weights, steps = torch.randn(4, 3), [torch.tensor(2.0), {"lr": 0.1}]
-    staging = HostStaging()
-    first = staging.stage({"w": weights, "opt": steps})
+    staging = SharedStaging()
+
+    def staged_tensor(staged, fqn):
+        (key,) = [k for k in staged.tensors if k[0] == fqn]
+        return staging.arena.view(*staged.tensors[key])
+
+    first, fresh = staging.stage({"w": weights, "opt": steps}, tmp_path, 1, 2, True)
+    assert fresh and {item_key(item.index)[0] for item in first.plan.items} == {"w", "opt.0", "opt.1.lr"}
+    assert torch.equal(staged_tensor(first, "w"), weights) and torch.equal(staged_tensor(first, "opt.0"), steps[0])
+    assert torch.load(io.BytesIO(first.values[("opt.1.lr", None)])) == 0.1
+    arena = staging.arena
     weights.add_(1.0)  # training goes on: the staged copy must not see it
-    assert not torch.equal(first["w"], weights) and first["opt"][1] == {"lr": 0.1}
-    second = staging.stage({"w": weights, "opt": steps})
-    assert torch.equal(second["w"], weights) and second["w"].data_ptr() == first["w"].data_ptr()
-    third = staging.stage({"w": torch.zeros(2, 2), "opt": steps})  # a new shape gets a new buffer
-    assert third["w"].shape == (2, 2)
+    assert not torch.equal(staged_tensor(first, "w"), weights)
+    second, fresh = staging.stage({"w": weights, "opt": steps}, tmp_path, 2, 2, True)
+    assert not fresh and staging.arena is arena and torch.equal(staged_tensor(second, "w"), weights)
+    third, fresh = staging.stage({"w": torch.zeros(20, 20), "opt": steps}, tmp_path, 3, 2, True)
+    assert fresh and staged_tensor(third, "w").shape == (20, 20)  # a new size gets a new arena
+    staging.close()
+
+
+def _record_checksums(folder) -> list[int]:
+    """The CRC-32 of every record of every tensor DCP wrote in ``folder`` (each item is a torch.save archive)."""
+    import torch.distributed.checkpoint as dcp
+
+    checksums = []
+    for info in dcp.FileSystemReader(str(folder)).read_metadata().storage_data.values():
+        data = (folder / info.relative_path).read_bytes()[info.offset: info.offset + info.length]
+        if data[:2] == b"PK":
+            checksums += [record.CRC for record in zipfile.ZipFile(io.BytesIO(data)).infolist()]
+    return checksums
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_records_are_written_without_checksums_and_the_checkpoint_loads(two_checkpoints, monkeypatch, asynchronous):
-    """torch.save's per-record CRC32 holds the GIL; the manifest's SHA-256 covers the files instead."""
-    import torch.distributed.checkpoint as dcp
+def test_records_are_written_without_checksums_and_the_checkpoint_loads(two_checkpoints, asynchronous):
+    """torch.save's per-record CRC32 is DCP's largest piece of work; the manifest's SHA-256 covers the files instead."""
     import torch.utils.serialization.config as serialization_config
 
     run_dir, manager = two_checkpoints
     trainer = trainer_at(run_dir, 8, f"--checkpoint.asynchronous={str(asynchronous).lower()}")
     assert trainer.resume() and trainer.step == 4
     trainer.train_step()
-    seen, write = [], dcp.save
-
-    def recording(*args, **kwargs):
-        seen.append(serialization_config.save.compute_crc32)
-        return write(*args, **kwargs)
-
-    monkeypatch.setattr("torch.distributed.checkpoint.save", recording)
     trainer.save_checkpoint()
     trainer.checkpoints.wait()
-    assert seen == [False] and serialization_config.save.compute_crc32  # switched back once written
+    checksums = _record_checksums(run_dir / "checkpoints" / "step-5")
+    assert len(checksums) > 20 and set(checksums) == {0}
+    assert serialization_config.save.compute_crc32  # switched back once written
     expected = {k: local(v).clone() for k, v in trainer.model.state_dict().items()}
     trainer.close()
     resumed = trainer_at(run_dir, 8)

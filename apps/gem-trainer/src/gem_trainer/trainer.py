@@ -378,9 +378,9 @@ class Trainer:
 
     def close(self) -> None:
         try:
-            # a save still being written completes (or says why not); no barrier: on an error path the other ranks
-            # may never get here
-            self.checkpoints.wait(agree=False)
+            # a save still being written completes (or says why not), then its writer stops; no barrier: on an
+            # error path the other ranks may never get here
+            self.checkpoints.close()
         finally:
             self.input.close()
             self.logger.close()
