@@ -130,25 +130,24 @@ def test_a_write_that_fails_in_the_writer_process_stops_in_one_line_and_keeps_th
     """A real failure inside the writer: it starts under a 64 KiB limit on the size of any file it writes."""
     from gem_trainer.checkpoint_writer import WriterProcess
 
-    run_dir, manager = two_checkpoints
-    trainer = trainer_at(run_dir, 8)
-    assert trainer.config.checkpoint.asynchronous and trainer.resume() and trainer.step == 4
-    trainer.train_step()
-    trainer.train_step()
-    start = WriterProcess._start
+    start = WriterProcess.start
 
     def start_limited(self):
-        # the limit and the ignored signal (else the writer would be killed, not failed) pass to the child at its
-        # start; this process gets its own back at once
-        limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        # the limit passes to the child at its start (whose interpreter ignores SIGXFSZ: a write past the limit
+        # fails rather than kills); this process gets its own back at once
+        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, limits[1]))
         try:
             start(self)
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-            signal.signal(signal.SIGXFSZ, handler)
 
-    monkeypatch.setattr(WriterProcess, "_start", start_limited)
+    monkeypatch.setattr(WriterProcess, "start", start_limited)
+    run_dir, manager = two_checkpoints
+    trainer = trainer_at(run_dir, 8)  # its writer starts under the limit
+    assert trainer.config.checkpoint.asynchronous and trainer.resume() and trainer.step == 4
+    trainer.train_step()
+    trainer.train_step()
     trainer.save_checkpoint()
     with pytest.raises(CheckpointError) as error:
         trainer.checkpoints.wait()  # an asynchronous save's failure surfaces when it is waited for

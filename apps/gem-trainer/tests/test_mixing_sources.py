@@ -132,6 +132,7 @@ def test_resume_mid_ramp_continues_exactly(tmp_path):
     first = trainer_for(tmp_path / "stopped", *args)
     got = [float(first.train_step()["loss"]) for _ in range(3)]
     first.save_checkpoint()
+    first.close()  # the asynchronous save is written and its writer stopped
     second = trainer_for(tmp_path / "stopped", *args)
     assert second.resume() and second.step == 3
     got += [float(second.train_step()["loss"]) for _ in range(3)]

@@ -101,6 +101,11 @@ class CheckpointManager:
         """Whether an asynchronous save is still being written (``wait`` then blocks until it is marked)."""
         return self._writer.busy()
 
+    def start_writer(self) -> None:
+        """Start the asynchronous saves' writer process now (every rank together), so that its start-up overlaps
+        training rather than delaying the first save; the first asynchronous save starts it otherwise."""
+        self._writer.start()
+
     @property
     def writer_pid(self) -> int | None:
         """The process id of this rank's checkpoint writer (None before the first asynchronous save)."""

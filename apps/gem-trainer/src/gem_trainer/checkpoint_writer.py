@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import ctypes
 import io
+import json
 import mmap
-import multiprocessing
 import os
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import uuid
 import weakref
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from pathlib import Path
 from typing import Any
@@ -157,22 +160,23 @@ class WriterProcess:
         self._conn = None
         self._pending: int | None = None
         self._outcome: tuple[int, str | None] | None = None
+        self._has_arena = False  # whether the running writer was handed the current arena
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
     def submit(self, staged: StagedSave, arena: Arena, fresh_arena: bool) -> None:
-        if self._process is not None and not self._process.is_alive():
+        if self._process is not None and self._process.poll() is not None:
             # NOTE: not restarted here: with several ranks a new writer needs every rank's agreement
-            raise RuntimeError(f"the checkpoint writer process exited (code {self._process.exitcode}) since the "
+            raise RuntimeError(f"the checkpoint writer process exited (code {self._process.returncode}) since the "
                                "last save")
         if self._process is None:
-            self._start()
-            fresh_arena = True
-        if fresh_arena:
+            self.start()
+        if fresh_arena or not self._has_arena:
             self._conn.send(("arena", arena.size))
             send_handle(self._conn, arena.fd, self._process.pid)
+            self._has_arena = True
         self._conn.send(("write", staged))
         self._pending, self._outcome = staged.step, None
 
@@ -196,34 +200,42 @@ class WriterProcess:
     def close(self) -> None:
         if self._process is not None:
             self._stop()
-        self._process, self._conn = None, None
+        self._process, self._conn, self._has_arena = None, None, False
 
     def _receive(self) -> tuple[int, str | None]:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            self._process.join(timeout=10)
-            code = self._process.exitcode
+            try:
+                code = self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = "none yet"
             self._stop()
-            self._process = None  # the next save starts a new writer
+            self._process, self._has_arena = None, False  # the next save starts a new writer
             return (self._pending, f"the checkpoint writer process died (exit code {code}) while writing step "
                                    f"{self._pending}")
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the writer now (with several ranks every rank must call this together), so that its start-up
+        (importing torch: seconds) overlaps the training before the first save. ``submit`` starts it otherwise."""
+        if self._process is not None:
+            return
         rendezvous = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             # NOTE: the writers meet in the launcher's store (every rank reaches it), under a prefix of this
             # writer's own that rank 0 draws: two managers in one job never share keys
             prefix = [f"gem-checkpoint-writer/{uuid.uuid4().hex}"]
             dist.broadcast_object_list(prefix, src=0)
-            rendezvous = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), prefix[0],
-                          dist.get_rank(), dist.get_world_size())
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe(duplex=True)
-        self._process = context.Process(target=serve, args=(child, os.getpid(), rendezvous), daemon=True,
-                                        name=f"gem-checkpoint-writer-{dist.get_rank() if dist.is_initialized() else 0}")
-        self._process.start()
-        child.close()
+            rendezvous = [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), prefix[0],
+                          dist.get_rank(), dist.get_world_size()]
+        ours, theirs = socket.socketpair()
+        # NOTE: a plain interpreter on this module, not multiprocessing's spawn, which would first import the
+        # launching program's own main module (the trainer: TorchRec, FBGEMM, the models) in the writer too
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "gem_trainer.checkpoint_writer", str(theirs.fileno()), str(os.getpid()),
+             json.dumps(rendezvous)], pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self._conn = Connection(ours.detach())
         # a manager dropped without close() (a test, an error path) must not leave its writer behind
         self._stop = weakref.finalize(self, _stop_writer, self._process, self._conn)
 
@@ -234,10 +246,11 @@ def _stop_writer(process, conn) -> None:
         conn.send(("stop", None))
     except OSError:
         pass
-    process.join(timeout=60)
-    if process.is_alive():
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
         process.kill()
-        process.join()
+        process.wait()
     conn.close()
 
 
@@ -322,3 +335,11 @@ def _die_with_parent(parent: int) -> None:
             pass
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(0)
+
+
+if __name__ == "__main__":
+    # python -m gem_trainer.checkpoint_writer FD PARENT_PID RENDEZVOUS_JSON (started by WriterProcess.start)
+    # NOTE: served by the module imported under its own name, whose classes the training process pickles
+    from gem_trainer.checkpoint_writer import serve as serve_imported
+
+    serve_imported(Connection(int(sys.argv[1])), int(sys.argv[2]), json.loads(sys.argv[3]))

@@ -117,6 +117,10 @@ class Trainer:
         self.task_weights = builders.task_weights(config, self.spec).to(env.device)
         self.step = self.first_step = 0
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
+        if config.checkpoint.enable and config.checkpoint.asynchronous and env.device.type == "cuda":
+            # NOTE: its start (seconds of imports) then overlaps the first steps instead of delaying the first save;
+            # on a CPU, where runs are short and tests build many trainers, the first save starts it
+            self.checkpoints.start_writer()
         self.logger = MetricLogger(config.run_dir, env.rank, tensorboard=config.metrics.tensorboard)
         skipped, examples = _skipped_rows(self.data)
         if skipped:
