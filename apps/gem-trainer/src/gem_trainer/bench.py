@@ -399,6 +399,10 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
         env = init_distributed(config.device, config.parallelism.collectives)
         fresh_peak(device)
         trainer = Trainer(config, env, data=data)
+        if args.checkpoint_every > 0:
+            # NOTE: checkpoints are off in this config (the measurement saves by itself), so the trainer did not
+            # start its writer; a training run with asynchronous checkpoints does, when it is built
+            trainer.checkpoints.start_writer()
         try:
             gem: dict = {"kernel": _kernel_of(config), "step": "Trainer.train_step"}
 
