@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 import torch.utils.serialization.config as serialization_config
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gem_trainer.checkpoint_writer import SharedStaging, WriterProcess
 

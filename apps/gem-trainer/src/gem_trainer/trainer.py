@@ -119,7 +119,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
         if config.checkpoint.enable and config.checkpoint.asynchronous and env.device.type == "cuda":
             # NOTE: its start (seconds of imports) then overlaps the first steps instead of delaying the first save;
-            # on a CPU, where runs are short and tests build many trainers, the first save starts it
+            # on a CPU, where short runs and evaluations build trainers that may never save, the first save starts it
             self.checkpoints.start_writer()
         self.logger = MetricLogger(config.run_dir, env.rank, tensorboard=config.metrics.tensorboard)
         skipped, examples = _skipped_rows(self.data)
