@@ -240,7 +240,7 @@ class WriterProcess:
 
 
 def _stop_writer(process, conn) -> None:
-    """Ask the writer to stop (it finishes nothing: ``result`` was awaited, or the save is abandoned), then make sure."""
+    """Ask the writer to stop (it reads the request after answering what it was handed before), then make sure."""
     try:
         conn.send(("stop", None))
     except OSError:
@@ -271,7 +271,7 @@ class _StagedPlanner(DefaultSavePlanner):
         return self._arena.view(*self._staged.tensors[key])
 
 
-def serve(conn, parent: int, rendezvous: tuple | None) -> None:
+def serve(conn, parent: int, rendezvous: list | None) -> None:
     """The writer process: write each staged save it is handed, answer ``(step, None | reason)``, until told to
     stop or its training process is gone."""
     _die_with_parent(parent)
@@ -304,7 +304,8 @@ def serve(conn, parent: int, rendezvous: tuple | None) -> None:
             with without_record_checksums():
                 dcp.save({}, storage_writer=writer, planner=_StagedPlanner(staged, arena),
                          no_dist=rendezvous is None)
-        except (Exception, CheckpointException) as error:  # any failure: this rank must still take part in the agreement
+        # any failure (DCP's CheckpointException is a BaseException): this rank must still take part in the agreement
+        except (Exception, CheckpointException) as error:
             failure = error
         try:
             finish_checkpoint(Path(staged.folder).parent, staged.keep_latest, staged.step, failure, None)
@@ -319,7 +320,7 @@ def serve(conn, parent: int, rendezvous: tuple | None) -> None:
 class _ReceivedArena(Arena):
     """The writer's mapping of the training process's arena."""
 
-    def __init__(self, fd: int, size: int) -> None:  # noqa: D107 - no registration: the writer only reads it
+    def __init__(self, fd: int, size: int) -> None:  # not page-locked here: the writer only reads it
         self.fd, self.size, self.pinned = fd, size, False
         self._map = mmap.mmap(fd, max(size, 1))
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
