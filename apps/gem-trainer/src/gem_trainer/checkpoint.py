@@ -61,7 +61,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def path(self, step: int) -> Path:
-        return self.folder / f"step-{step}"
+        return step_path(self.folder, step)
 
     def save(self, step: int, distributed_state: dict[str, Any], local_state: dict[str, Any],
              asynchronous: bool = False) -> Path:
@@ -82,9 +82,8 @@ class CheckpointManager:
             except (OSError, RuntimeError) as error:
                 # NOTE: no agreement with the other ranks here: their writers may already wait for this one's in
                 # DCP's collectives; this rank's error ends the job (torchrun stops the others)
-                previous = self.latest_step()
-                kept = f"step-{previous} is kept" if previous is not None else "no earlier checkpoint exists"
-                raise CheckpointError(f"could not stage checkpoint {path} ({_first_line(error)}); {kept}") from None
+                raise CheckpointError(f"could not stage checkpoint {path} ({first_line(error)}); "
+                                      f"{_what_is_kept(self.folder)}") from None
             return path
         failure = None
         try:
@@ -183,7 +182,18 @@ class CheckpointManager:
             return torch.load(local, weights_only=True)
         except pickle.UnpicklingError as error:
             raise CheckpointError(f"{local} holds more than plain training state; refused to load it "
-                                  f"({_first_line(error)})") from None
+                                  f"({first_line(error)})") from None
+
+
+def step_path(folder: Path, step: int) -> Path:
+    """The folder of checkpoint ``step`` under ``folder``."""
+    return folder / f"step-{step}"
+
+
+def _what_is_kept(folder: Path) -> str:
+    """After a failed save: which checkpoint a resume would use."""
+    steps = complete_steps(folder)
+    return f"step-{steps[-1]} is kept" if steps else "no earlier checkpoint exists"
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -202,20 +212,18 @@ def finish_checkpoint(folder: Path, keep_latest: int, step: int, failure: BaseEx
                       group: dist.ProcessGroup | None) -> None:
     """Every rank's part of checkpoint ``step`` written (or failed): rank 0 writes the marker and prunes to the
     latest ``keep_latest``, or the folder goes and a ``CheckpointError`` says why, naming the checkpoint kept."""
-    path = folder / f"step-{step}"
+    path = step_path(folder, step)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if _any_rank(failure is not None, group):
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-        previous = complete_steps(folder)
-        kept = f"step-{previous[-1]} is kept" if previous else "no earlier checkpoint exists"
-        reason = _first_line(failure) if failure is not None else "another rank failed to write its part"
-        raise CheckpointError(f"could not write checkpoint {path} ({reason}); {kept}")
+        reason = first_line(failure) if failure is not None else "another rank failed to write its part"
+        raise CheckpointError(f"could not write checkpoint {path} ({reason}); {_what_is_kept(folder)}")
     if rank == 0:
         manifest = {name: _fingerprint(path / name) for name in sorted(os.listdir(path))}
         _write_text_synced(path / MARKER, json.dumps({"step": step, "files": manifest}, indent=1))
         for old in complete_steps(folder)[: -keep_latest]:
-            shutil.rmtree(folder / f"step-{old}", ignore_errors=True)
+            shutil.rmtree(step_path(folder, old), ignore_errors=True)
 
 
 def without_record_checksums():
@@ -251,11 +259,12 @@ def _write_text_synced(file: Path, text: str) -> None:
     temporary.replace(file)
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An error in one line (DCP's wrapped failures by their cause)."""
     failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank -> (exception, its stack)
     if isinstance(failures, dict) and failures:
         rank, (inner, _) = next(iter(failures.items()))
-        return f"rank {rank}: {_first_line(inner)}"
+        return f"rank {rank}: {first_line(inner)}"
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0][:300]
 

@@ -70,23 +70,29 @@ class Arena:
     by the training process and the writer alike; page-locked where the state lives on a GPU, so that the copies
     into it run at full PCIe speed without waiting for each tensor."""
 
-    def __init__(self, size: int, pin: bool) -> None:
+    def __init__(self, fd: int, size: int) -> None:
+        """Map the arena of file ``fd`` (the writer maps the one it is handed: it only reads it)."""
+        self.fd, self.size, self.pinned = fd, size, False
+        self._map = mmap.mmap(fd, max(size, 1))
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, size: int, pin: bool) -> "Arena":
         if hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create("gem-checkpoint-staging")
+            fd = os.memfd_create("gem-checkpoint-staging")
         else:
             handle = tempfile.TemporaryFile()
-            self.fd = os.dup(handle.fileno())
+            fd = os.dup(handle.fileno())
             handle.close()
-        os.ftruncate(self.fd, max(size, 1))
-        self.size = size
-        self._map = mmap.mmap(self.fd, max(size, 1))
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.pinned = False
+        os.ftruncate(fd, max(size, 1))
+        arena = cls(fd, size)
         if pin:
-            error = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.tensor.numel(), 0))
+            error = int(torch.cuda.cudart().cudaHostRegister(arena.tensor.data_ptr(), arena.tensor.numel(), 0))
             if error != 0:
+                arena.close()
                 raise RuntimeError(f"could not page-lock {size} bytes of checkpoint staging (cudaError {error})")
-            self.pinned = True
+            arena.pinned = True
+        return arena
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         count = 1
@@ -135,7 +141,7 @@ class SharedStaging:
         if fresh:
             if self.arena is not None:
                 self.arena.close()
-            self.arena = Arena(size, pin)
+            self.arena = Arena.create(size, pin)
         for key, data in sources:
             offset, dtype, shape = tensors[key]
             self.arena.view(offset, dtype, shape).copy_(data, non_blocking=data.is_cuda)
@@ -276,7 +282,7 @@ def serve(conn, parent: int, rendezvous: list | None) -> None:
     stop or its training process is gone."""
     _die_with_parent(parent)
     torch.set_num_threads(1)  # the copies it makes must not take cores from the training process
-    from gem_trainer.checkpoint import CheckpointError, finish_checkpoint, without_record_checksums
+    from gem_trainer.checkpoint import CheckpointError, finish_checkpoint, first_line, without_record_checksums
 
     if rendezvous is not None:
         address, port, prefix, rank, world = rendezvous
@@ -294,7 +300,7 @@ def serve(conn, parent: int, rendezvous: list | None) -> None:
             if arena is not None:
                 arena.close()
             fd = recv_handle(conn)
-            arena = _ReceivedArena(fd, payload)
+            arena = Arena(fd, payload)
             continue
         staged: StagedSave = payload
         failure = None
@@ -313,17 +319,7 @@ def serve(conn, parent: int, rendezvous: list | None) -> None:
         except CheckpointError as error:
             conn.send((staged.step, str(error)))
         except Exception as error:  # the agreement itself failed: say so rather than die silently
-            conn.send((staged.step, f"could not write checkpoint {staged.folder} ({type(error).__name__}: "
-                                    f"{str(error).splitlines()[0] if str(error) else ''})"))
-
-
-class _ReceivedArena(Arena):
-    """The writer's mapping of the training process's arena."""
-
-    def __init__(self, fd: int, size: int) -> None:  # not page-locked here: the writer only reads it
-        self.fd, self.size, self.pinned = fd, size, False
-        self._map = mmap.mmap(fd, max(size, 1))
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+            conn.send((staged.step, f"could not write checkpoint {staged.folder} ({first_line(error)})"))
 
 
 def _die_with_parent(parent: int) -> None:
