@@ -126,10 +126,12 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_chec
 
 
 def test_a_write_that_fails_in_the_writer_process_stops_in_one_line_and_keeps_the_previous_checkpoint(
-        two_checkpoints, monkeypatch):
+        two_checkpoints, monkeypatch, request):
     """A real failure inside the writer: it starts under a 64 KiB limit on the size of any file it writes."""
-    from gem_trainer.checkpoint_writer import WriterProcess
+    from gem_trainer.checkpoint_writer import WriterProcess, stop_idle_writers
 
+    stop_idle_writers()  # the writer must be a new one, started under the limit
+    request.addfinalizer(stop_idle_writers)  # and serve no later manager
     start = WriterProcess.start
 
     def start_limited(self):
@@ -277,3 +279,28 @@ def test_records_are_written_without_checksums_and_the_checkpoint_loads(two_chec
     assert resumed.resume(5) and manager.damage(5) is None
     for key, value in resumed.model.state_dict().items():
         assert torch.equal(local(value), expected[key]), key
+
+
+def test_a_closed_managers_writer_serves_the_next_manager_of_the_process(tmp_path):
+    """Starting a writer imports torch (seconds): a process building manager after manager starts one."""
+    from gem_trainer.checkpoint_writer import stop_idle_writers
+
+    stop_idle_writers()
+    first = CheckpointManager(tmp_path / "first", keep_latest=2)
+    first.save(1, {"w": torch.randn(4, 3)}, {"step": 1}, asynchronous=True)
+    first.wait()
+    writer = first.writer_pid
+    first.close()
+    second = CheckpointManager(tmp_path / "second", keep_latest=2)
+    state = {"w": torch.randn(40, 30), "b": torch.randn(7)}  # another size: the writer is handed a new arena
+    expected = {k: v.clone() for k, v in state.items()}
+    second.save(3, state, {"step": 3}, asynchronous=True)
+    second.wait()
+    assert second.writer_pid == writer and second.complete_steps() == [3] and second.damage(3) is None
+    restored = {k: torch.zeros_like(v) for k, v in state.items()}
+    second.load(3, restored)
+    for key, value in expected.items():
+        assert torch.equal(restored[key], value), key
+    second.close()
+    stop_idle_writers()
+    assert subprocess.run(["kill", "-0", str(writer)], capture_output=True).returncode != 0  # stopped, not left behind

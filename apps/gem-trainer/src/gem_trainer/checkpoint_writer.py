@@ -14,10 +14,15 @@ are serialised to bytes. The writer receives the items, their places in the aren
 With several ranks the writers agree on the plan over a Gloo group of their own, joined through the launcher's
 store. The writer dies with its training process (``PR_SET_PDEATHSIG``): a killed run never finishes a save behind
 the next run's back.
+
+Starting a writer costs seconds (it imports torch). A single-process writer whose manager closed is kept idle for
+the next manager of the process (``IDLE_MAX`` at most: a process that builds trainer after trainer, like a test
+suite or a sweep, starts one); ``stop_idle_writers`` ends them, as the interpreter's exit does.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import io
 import json
@@ -44,6 +49,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 ALIGNMENT = 64  # bytes: every staged tensor starts at a multiple, so that any dtype's view of it is aligned
+IDLE_MAX = 2  # idle single-process writers kept for the next manager
 
 
 @dataclass
@@ -166,6 +172,7 @@ class WriterProcess:
         self._pending: int | None = None
         self._outcome: tuple[int, str | None] | None = None
         self._has_arena = False  # whether the running writer was handed the current arena
+        self._rendezvous: list | None = None  # how a multi-rank writer joined its group (None: single process)
 
     @property
     def pid(self) -> int | None:
@@ -203,8 +210,19 @@ class WriterProcess:
         return outcome[1]
 
     def close(self) -> None:
+        """Stop the writer, or keep it idle for the next manager of this process (a single-process writer that is
+        healthy, with nothing in flight, told to drop its arena)."""
         if self._process is not None:
-            self._stop()
+            if (self._rendezvous is None and self._pending is None and self._process.poll() is None
+                    and len(_IDLE) < IDLE_MAX):
+                self._stop.detach()
+                try:
+                    self._conn.send(("forget", None))
+                    _IDLE.append((self._process, self._conn))
+                except OSError:
+                    _stop_writer(self._process, self._conn)
+            else:
+                self._stop()
         self._process, self._conn, self._has_arena = None, None, False
 
     def _receive(self) -> tuple[int, str | None]:
@@ -233,16 +251,36 @@ class WriterProcess:
             dist.broadcast_object_list(prefix, src=0)
             rendezvous = [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), prefix[0],
                           dist.get_rank(), dist.get_world_size()]
+        self._rendezvous = rendezvous
+        while rendezvous is None and _IDLE:
+            process, conn = _IDLE.pop()
+            if process.poll() is None:
+                self._adopt(process, conn)
+                return
+            conn.close()
         ours, theirs = socket.socketpair()
         # NOTE: a plain interpreter on this module, not multiprocessing's spawn, which would first import the
         # launching program's own main module (the trainer: TorchRec, FBGEMM, the models) in the writer too
-        self._process = subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", "gem_trainer.checkpoint_writer", str(theirs.fileno()), str(os.getpid()),
              json.dumps(rendezvous)], pass_fds=(theirs.fileno(),))
         theirs.close()
-        self._conn = Connection(ours.detach())
+        self._adopt(process, Connection(ours.detach()))
+
+    def _adopt(self, process: subprocess.Popen, conn: Connection) -> None:
+        self._process, self._conn, self._has_arena = process, conn, False
         # a manager dropped without close() (a test, an error path) must not leave its writer behind
-        self._stop = weakref.finalize(self, _stop_writer, self._process, self._conn)
+        self._stop = weakref.finalize(self, _stop_writer, process, conn)
+
+
+_IDLE: list[tuple[subprocess.Popen, Connection]] = []  # writers kept by WriterProcess.close
+
+
+@atexit.register
+def stop_idle_writers() -> None:
+    """Stop the writers kept idle for this process's next checkpoint manager."""
+    while _IDLE:
+        _stop_writer(*_IDLE.pop())
 
 
 def _stop_writer(process, conn) -> None:
@@ -296,6 +334,11 @@ def serve(conn, parent: int, rendezvous: list | None) -> None:
             return
         if kind == "stop":
             return
+        if kind == "forget":  # kept idle for another manager: its arena is no longer this writer's business
+            if arena is not None:
+                arena.close()
+            arena = None
+            continue
         if kind == "arena":
             if arena is not None:
                 arena.close()
