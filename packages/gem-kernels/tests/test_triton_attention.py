@@ -252,6 +252,43 @@ def test_diagonal_block_forward_equals_the_general_kernel(act, monkeypatch):
         assert_close(diagonal[1], general[1], TOL[torch.float32], "lse")
 
 
+@pytest.mark.parametrize("mode", ["blocks", "short_kv"])
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkeypatch):
+    """Independent blocks of a tile's size and short kv sequences of their own run their whole backward as one
+    launch of attn_bwd_short_kv_kernel (delta from O in the kernel, dK / dV summed over the query tiles in
+    registers): dQ, dK and dV equal the delta pre-pass + dK/dV + dQ kernels', with short last blocks, an empty
+    sequence, queries without keys and keys without queries."""
+    from gem_kernels.ops.triton import _tuning, triton_attention
+    from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_backward, attention_forward
+
+    if mode == "blocks":
+        qo = ko = offsets_of([70, 0, 1, 37])
+        spec = AttnSpec(max_q=70, max_kv=70, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16,
+                        block_size=16, window_blocks=1)
+    else:
+        qo, ko = offsets_of([40, 0, 1, 35, 6]), offsets_of([9, 4, 0, 16, 0])
+        spec = AttnSpec(max_q=48, max_kv=16, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16)
+    q = rand(int(qo[-1]), 2, 16, dtype=dtype, scale=0.5)
+    k, v = rand(int(ko[-1]), 2, 16, dtype=dtype, scale=0.5), rand(int(ko[-1]), 2, 16, dtype=dtype)
+    o, lse = attention_forward(q, k, v, qo, ko, None, spec)
+    do = rand(*o.shape, dtype=dtype)
+    launched = []
+    launch = triton_attention.launch
+    monkeypatch.setattr(triton_attention, "launch", lambda kernel, *a: launched.append(kernel) or launch(kernel, *a))
+    fused = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
+    assert launched == [triton_attention.attn_bwd_short_kv_kernel]
+    monkeypatch.setattr(triton_attention, "_fused_backward", lambda spec, kv_index: False)
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    general = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
+    assert launched[1:] == [triton_attention.attn_bwd_delta_kernel, triton_attention.attn_bwd_dkdv_kernel,
+                            triton_attention.attn_bwd_dq_kernel]
+    for got, want, name in zip(fused, general, ("dq", "dk", "dv")):
+        assert got.dtype == dtype
+        assert_close(got, want, TOL[dtype], name)
+
+
 def test_untuned_configs_fit_shared_memory(monkeypatch):
     """Every candidate of the streaming kernels plans its pipeline within SMEM_BUDGET, the first (the untuned
     default) included: a PMA dK/dV default with three 128-row K/V stages asked for more than the H200 has."""

@@ -15,6 +15,7 @@ from gem_kernels.ops.triton.triton_attention_kernels import (
     attn_bwd_dkdv_broadcast_q_kernel,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
+    attn_bwd_short_kv_kernel,
     attn_fwd_kernel,
     attn_fwd_short_kv_kernel,
 )
@@ -145,6 +146,37 @@ def _short_kv_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[d
     return out
 
 
+def _fused_backward(spec: AttnSpec, kv_index) -> bool:
+    """Shapes whose whole backward is one launch of attn_bwd_short_kv_kernel: jagged queries that each see one key
+    tile whole (a short kv sequence of their own, or their own block)."""
+    return spec.nq is None and kv_index is None and (_diagonal_blocks(spec) or _short_kv(spec))
+
+
+def _short_kv_bwd_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[dict]:
+    """(BLOCK_M, Q_TILES, num_warps, num_stages) of attn_bwd_short_kv_kernel. Diagonal blocks fix the query tile to
+    the block and spread the blocks of a sequence over programs (Q_TILES each); short kv sequences take a whole
+    example per program (Q_TILES unused)."""
+    if interpreting():
+        return [dict(BLOCK_M=spec.block_size or 16, Q_TILES=2, num_warps=4, num_stages=1)]
+    diagonal = _diagonal_blocks(spec)
+    q_cap = _pow2_at_least(spec.max_q, 16)
+    block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
+    kv_bytes = 2 * block_n * head_dim * itemsize
+    out = []
+    table = ([(0, 4, 4, 2), (0, 2, 4, 2), (0, 8, 4, 2), (0, 1, 4, 2), (0, 4, 8, 2), (0, 8, 8, 2), (0, 4, 4, 3),
+              (0, 16, 4, 2)] if diagonal else
+             [(64, 1, 8, 2), (64, 1, 4, 2), (32, 1, 4, 2), (128, 1, 8, 2), (64, 1, 8, 3), (32, 1, 4, 3),
+              (128, 1, 8, 3)])
+    for bm, tiles, w, st in table:
+        bm = spec.block_size if diagonal else min(bm, q_cap)
+        q_bytes = 3 * bm * head_dim * itemsize  # Q, dO and O tiles each step
+        st = _fit_stages(st, 0 if diagonal else kv_bytes, q_bytes + (kv_bytes if diagonal else 0))
+        cfg = dict(BLOCK_M=bm, Q_TILES=tiles, num_warps=w, num_stages=st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
 # at most this many broadcast queries (PMA) take the dK / dV kernel that keeps them in one tile
 BROADCAST_Q_MAX = 64
 
@@ -253,9 +285,11 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
     R = kv_offsets.shape[0] - 1
     B = q_offsets.shape[0] - 1 if spec.nq is None else R
     do = do.contiguous()
-    # [T_out, H]: only the softmax heads read it. The few broadcast queries (PMA) compute it from O in the kernels.
+    fused = _fused_backward(spec, kv_index)
+    # [T_out, H]: only the softmax heads read it. The few broadcast queries (PMA) and the one-launch backward
+    # compute it from O in their kernels.
     delta_from_o = _broadcast_q(spec) and kv_index is None and o.stride() == do.stride()
-    delta = o if delta_from_o else softmax_delta(do, o)
+    delta = o if delta_from_o or fused else softmax_delta(do, o)
     dq, dk, dv = grads if grads is not None else (None, None, None)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -283,6 +317,20 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0))
         scales = (spec.nq or 0, spec.sm_scale * _LOG2E, scale, 1.0 if code == 0 else scale)
+        if fused:
+            diagonal = _diagonal_blocks(spec)
+            fargs = (q, k, v, o, do, lse, dq, dk, dv, q_off, kv_offsets, head_ids,
+                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                     o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+                     dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+                     spec.sm_scale * _LOG2E, scale, scale, 1.0 if code == 0 else scale)
+            launch(attn_bwd_short_kv_kernel,
+                   (lambda c: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh)) if diagonal else
+                   (lambda c: (1, B, nh)), fargs,
+                   dict(ACT=code, DIAGONAL=diagonal, PREC=_prec(q.dtype), BLOCK_D=D,
+                        BLOCK_N=spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)),
+                   ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, q.element_size()))
+            continue
         if _broadcast_q(spec) and kv_index is None:  # example r reads kv sequence r
             # the general kernel's arguments without the query offsets, candidates and window / block ones
             bargs = (q, k, v, do, lse, delta, dk, dv, kv_offsets, head_ids) + strides + scales
