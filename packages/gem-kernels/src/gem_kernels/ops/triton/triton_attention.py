@@ -146,10 +146,16 @@ def _short_kv_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[d
     return out
 
 
+# kv sequences up to this long take the one-launch backward: its dK / dV of a 128-key tile stay in registers across
+# the loop, which on the H200 ran 1.3x slower than the separate kernels (cross_kv128, tune run at c70657b)
+FUSED_BWD_KV_MAX = 64
+
+
 def _fused_backward(spec: AttnSpec, kv_index) -> bool:
     """Shapes whose whole backward is one launch of attn_bwd_short_kv_kernel: jagged queries that each see one key
     tile whole (a short kv sequence of their own, or their own block)."""
-    return spec.nq is None and kv_index is None and (_diagonal_blocks(spec) or _short_kv(spec))
+    return spec.nq is None and kv_index is None and (
+        _diagonal_blocks(spec) or (_short_kv(spec) and spec.max_kv <= FUSED_BWD_KV_MAX))
 
 
 def _short_kv_bwd_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[dict]:
@@ -188,17 +194,16 @@ def _broadcast_q(spec: AttnSpec) -> bool:
 
 
 def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[dict]:
-    """(BLOCK_N, KV_TILES, num_warps, num_stages): key tile, key tiles per program, warps, pipeline depth."""
+    """(BLOCK_N, num_warps, num_stages): key tile, warps, pipeline depth; a program streams a whole kv sequence
+    (KV_TILES unused)."""
     if interpreting():
-        return [dict(BLOCK_N=16, KV_TILES=2, num_warps=4, num_stages=1)]
+        return [dict(BLOCK_N=16, KV_TILES=1, num_warps=4, num_stages=1)]
     kv_cap = _pow2_at_least(spec.max_kv, 16)
     q_bytes = 2 * _pow2_at_least(spec.nq, 16) * head_dim * itemsize  # the queries and their dO, loaded once
     out = []
-    for bn, tiles, w, st in [(64, 4, 4, 3), (64, 16, 4, 3), (64, 8, 4, 3), (64, 2, 4, 2), (128, 2, 8, 2),
-                             (128, 4, 4, 2), (32, 8, 4, 3), (128, 1, 8, 2)]:
+    for bn, w, st in [(64, 4, 3), (32, 4, 3), (64, 8, 3), (128, 8, 2), (32, 4, 2), (64, 4, 2), (128, 4, 2)]:
         bn = min(bn, kv_cap)
-        cfg = dict(BLOCK_N=bn, KV_TILES=tiles, num_warps=w,
-                   num_stages=_fit_stages(st, q_bytes, 2 * bn * head_dim * itemsize))
+        cfg = dict(BLOCK_N=bn, KV_TILES=1, num_warps=w, num_stages=_fit_stages(st, q_bytes, 2 * bn * head_dim * itemsize))
         if cfg not in out:
             out.append(cfg)
     return out
@@ -332,13 +337,14 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
                    ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, q.element_size()))
             continue
         if _broadcast_q(spec) and kv_index is None:  # example r reads kv sequence r
-            # the general kernel's arguments without the query offsets, candidates and window / block ones
-            bargs = (q, k, v, do, lse, delta, dk, dv, kv_offsets, head_ids) + strides + scales
-            launch(attn_bwd_dkdv_broadcast_q_kernel,
-                   lambda c: (cdiv(spec.max_kv, c["BLOCK_N"] * c["KV_TILES"]), R, nh), bargs,
+            # one program per kv sequence: dK / dV of its key tiles and the example's dQ partial, in one pass
+            bargs = (q, k, v, do, lse, delta, dk, dv, dq, kv_offsets, head_ids, *strides[:12], dq.stride(0),
+                     dq.stride(1), lse.stride(0), *scales, scale)
+            launch(attn_bwd_dkdv_broadcast_q_kernel, lambda c: (1, R, nh), bargs,
                    dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16),
-                        DELTA_FROM_O=delta_from_o),
-                   ("dkdv_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
+                        DELTA_FROM_O=delta_from_o, WITH_DQ=True),
+                   ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
+            continue
         else:
             args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, *strides, *scales,
                     wl, wr, bs, kb)

@@ -392,7 +392,7 @@ def _bwd_kv_tiles(
         else:
             lse = offs_m.to(tl.float32)  # unread by pointwise heads
             delta = lse
-        dk, dv = _kv_tile_grads(dk, dv, s_t, dp_t, q, do, lse, delta, allowed, qk_scale, ACT, MASKED, PREC)
+        dk, dv, _ = _kv_tile_grads(dk, dv, s_t, dp_t, q, do, lse, delta, allowed, qk_scale, ACT, MASKED, PREC)
     return dk, dv
 
 
@@ -401,7 +401,8 @@ def _kv_tile_grads(dk, dv, s_t, dp_t, q, do, lse, delta, allowed, qk_scale, ACT:
                    PREC: tl.constexpr):
     """One (key tile, query tile) pair of the dK / dV backward, added into ``dk`` and ``dv``, from its transposed
     scores ``s_t = K Q^T`` and ``dp_t = V dO^T``: their probabilities (softmax heads, from the stored log-sum-exp)
-    or activations, and the scores' gradients; pairs outside ``allowed`` give nothing where MASKED."""
+    or activations, and the scores' gradients; pairs outside ``allowed`` give nothing where MASKED. Also returns
+    the transposed scores' gradient (for a dQ summed in the same loop)."""
     if ACT == 0:
         p_t = tl.exp2(s_t * qk_scale - lse[None, :])
         if MASKED:
@@ -415,7 +416,7 @@ def _kv_tile_grads(dk, dv, s_t, dp_t, q, do, lse, delta, allowed, qk_scale, ACT:
             ds_t = tl.where(allowed, ds_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
-    return dk, dv
+    return dk, dv, ds_t
 
 
 @triton.jit
@@ -479,23 +480,26 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def attn_bwd_dkdv_broadcast_q_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KV_OFF, HEAD_IDS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, KV_OFF, HEAD_IDS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
-    NQ, qk_scale, dk_scale, dv_scale,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lt,
+    NQ, qk_scale, dk_scale, dv_scale, dq_scale,
     ACT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_TILES: tl.constexpr, DELTA_FROM_O: tl.constexpr,
+    KV_TILES: tl.constexpr, DELTA_FROM_O: tl.constexpr, WITH_DQ: tl.constexpr,
 ):
     """dK / dV of full attention from ``NQ <= BLOCK_M`` broadcast queries (PMA): the queries, their dO and
     softmax statistics fit one tile, loaded once per program, and ``KV_TILES`` key tiles of one kv sequence stream
     through them (the general kernel would spend a program, and its load latency, on each key tile).
-    DELTA_FROM_O: DELTA is the output O (in dO's layout) and delta is computed from it."""
+    DELTA_FROM_O: DELTA is the output O (in dO's layout) and delta is computed from it.
+    WITH_DQ: a program streams every key tile of its kv sequence (KV_TILES unused) and also writes the example's
+    dQ of the broadcast queries (rows ``r * NQ ..`` of DQ), summed over the tiles in registers: no second pass
+    over K and V for dQ."""
     pid_n = tl.program_id(0)
     r = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     k_start, k_len = _kv_rows(KV_OFF, r)
     n_first = pid_n * (KV_TILES * BLOCK_N)
-    if n_first < k_len:
+    if n_first < k_len or WITH_DQ:  # an empty kv sequence still has its (zero) dQ to write
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         qmask = offs_m < NQ
@@ -512,7 +516,11 @@ def attn_bwd_dkdv_broadcast_q_kernel(
             delta = lse
         K_base = K + h * stride_kh + k_start * stride_kt
         V_base = V + h * stride_vh + k_start * stride_vt
-        n_end = tl.minimum(n_first + KV_TILES * BLOCK_N, k_len)
+        if WITH_DQ:
+            n_end = k_len
+        else:
+            n_end = tl.minimum(n_first + KV_TILES * BLOCK_N, k_len)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for n0 in range(n_first, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             kmask = offs_n < k_len
@@ -521,12 +529,17 @@ def attn_bwd_dkdv_broadcast_q_kernel(
             zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
             s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dk, dv = _kv_tile_grads(zeros, zeros, s_t, dp_t, q, do, lse, delta, kmask[:, None] & qmask[None, :],
-                                    qk_scale, ACT, True, PREC)
+            dk, dv, ds_t = _kv_tile_grads(zeros, zeros, s_t, dp_t, q, do, lse, delta,
+                                          kmask[:, None] & qmask[None, :], qk_scale, ACT, True, PREC)
+            if WITH_DQ:
+                dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, dq, input_precision=PREC)
             _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d,
                         (dk * dk_scale).to(DK.dtype.element_ty), kmask)
             _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d,
                         (dv * dv_scale).to(DV.dtype.element_ty), kmask)
+        if WITH_DQ:
+            _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d,
+                        (dq * dq_scale).to(DQ.dtype.element_ty), qmask)
 
 
 @triton.jit
