@@ -307,6 +307,7 @@ def run_checks(rec: Recorder):
     kv_lens = [16, 40, 3, 64]
     ko = offsets(kv_lens)
     kv_index = torch.tensor([b % 4 for b in range(len(lens))], device="cuda")
+    own_ko = offsets([16, 40, 3, 64, 0, 7, 64, 33, 1, 20, 50])  # a short kv sequence per example (one-launch backward)
 
     cases = []
     for dt in (torch.bfloat16, torch.float16):
@@ -322,6 +323,8 @@ def run_checks(rec: Recorder):
             ("gdpa_cross_index", dt, tol, lambda q, k, v, kern: gdpa(
                 q, k, v, off, ko, activation=["softmax", "gelu", "softmax", "identity"], kv_index=kv_index,
                 kernel=kern), "cross"),
+            ("gdpa_cross_short", dt, tol, lambda q, k, v, kern: gdpa(
+                q, k, v, off, own_ko, activation=["softmax", "silu"] * 2, kernel=kern), "cross_own"),
             ("gdpa_pma", dt, tol, lambda q, k, v, kern: gdpa(q, k, v, None, off, activation=["softmax", "gelu"] * 2,
                                                              kernel=kern), "pma"),
             ("block_64x3", dt, tol, lambda q, k, v, kern: block_attention(q, k, v, off, window_blocks=3,
@@ -333,8 +336,8 @@ def run_checks(rec: Recorder):
     cases = [c for c in cases if c[1] == torch.bfloat16 or c[0] in ("jfa_causal_w", "gdpa_cross_index")]
     for name, dt, tol, fn, mode in cases:
         def one(name=name, dt=dt, tol=tol, fn=fn, mode=mode):
-            Tq = {"self": T, "cross": T, "pma": 32}[mode]
-            Tk = {"self": T, "cross": int(ko[-1]), "pma": T}[mode]
+            Tq = {"self": T, "cross": T, "cross_own": T, "pma": 32}[mode]
+            Tk = {"self": T, "cross": int(ko[-1]), "cross_own": int(own_ko[-1]), "pma": T}[mode]
             q = randn(Tq, H, D, dtype=dt, grad=True, scale=0.3)
             k = randn(Tk, H, D, dtype=dt, grad=True, scale=0.3)
             v = randn(Tk, H, D, dtype=dt, grad=True)
