@@ -112,7 +112,7 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
     names = {name for name, _ in launches}
     assert {"attn_fwd_kernel", "attn_fwd_short_kv_kernel", "attn_bwd_short_kv_kernel", "attn_bwd_dkdv_kernel",
             "attn_bwd_dq_kernel",
-            "attn_bwd_dkdv_broadcast_q_kernel", "attn_bwd_delta_kernel", "attn_fwd_fp8_kernel", "norm_fwd_kernel",
+            "attn_bwd_broadcast_q_kernel", "attn_bwd_delta_kernel", "attn_fwd_fp8_kernel", "norm_fwd_kernel",
             "norm_bwd_kernel", "sum_rows_kernel", "fp8_dequantize_rows_kernel",
             "fp8_dequantize_transposed_kernel", "sequence_aligned_layout_kernel"} <= names, names
     jobs = []

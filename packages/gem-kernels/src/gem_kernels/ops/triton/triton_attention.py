@@ -12,7 +12,7 @@ from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_powe
 from gem_kernels.ops.triton.triton_attention_kernels import (
     ACT_CODES,
     attn_bwd_delta_kernel,
-    attn_bwd_dkdv_broadcast_q_kernel,
+    attn_bwd_broadcast_q_kernel,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
     attn_bwd_short_kv_kernel,
@@ -194,16 +194,15 @@ def _broadcast_q(spec: AttnSpec) -> bool:
 
 
 def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[dict]:
-    """(BLOCK_N, num_warps, num_stages): key tile, warps, pipeline depth; a program streams a whole kv sequence
-    (KV_TILES unused)."""
+    """(BLOCK_N, num_warps, num_stages): key tile, warps, pipeline depth."""
     if interpreting():
-        return [dict(BLOCK_N=16, KV_TILES=1, num_warps=4, num_stages=1)]
+        return [dict(BLOCK_N=16, num_warps=4, num_stages=1)]
     kv_cap = _pow2_at_least(spec.max_kv, 16)
     q_bytes = 2 * _pow2_at_least(spec.nq, 16) * head_dim * itemsize  # the queries and their dO, loaded once
     out = []
-    for bn, w, st in [(64, 4, 3), (32, 4, 3), (64, 8, 3), (128, 8, 2), (32, 4, 2), (64, 4, 2), (128, 4, 2)]:
+    for bn, w, st in [(64, 8, 3), (64, 4, 3), (32, 4, 3), (128, 8, 2), (32, 4, 2), (64, 4, 2), (128, 4, 2)]:
         bn = min(bn, kv_cap)
-        cfg = dict(BLOCK_N=bn, KV_TILES=1, num_warps=w, num_stages=_fit_stages(st, q_bytes, 2 * bn * head_dim * itemsize))
+        cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=_fit_stages(st, q_bytes, 2 * bn * head_dim * itemsize))
         if cfg not in out:
             out.append(cfg)
     return out
@@ -340,23 +339,22 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
             # one program per kv sequence: dK / dV of its key tiles and the example's dQ partial, in one pass
             bargs = (q, k, v, do, lse, delta, dk, dv, dq, kv_offsets, head_ids, *strides[:12], dq.stride(0),
                      dq.stride(1), lse.stride(0), *scales, scale)
-            launch(attn_bwd_dkdv_broadcast_q_kernel, lambda c: (1, R, nh), bargs,
+            launch(attn_bwd_broadcast_q_kernel, lambda c: (1, R, nh), bargs,
                    dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16),
-                        DELTA_FROM_O=delta_from_o, WITH_DQ=True),
+                        DELTA_FROM_O=delta_from_o),
                    ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
             continue
-        else:
-            args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, *strides, *scales,
-                    wl, wr, bs, kb)
-            launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
-                   dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail,
-                   lambda: _candidates("dkdv", spec, D, q.element_size()))
+        args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, *strides, *scales,
+                wl, wr, bs, kb)
+        launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
+               dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail,
+               lambda: _candidates("dkdv", spec, D, q.element_size()))
         args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
                 head_ids, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
         launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-                dict(common, HAS_KV_IDX=kv_index is not None, DELTA_FROM_O=delta_from_o), ("dq",) + key_tail,
+                dict(common, HAS_KV_IDX=kv_index is not None), ("dq",) + key_tail,
                 lambda: _candidates("dq", spec, D))
     if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
         dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)

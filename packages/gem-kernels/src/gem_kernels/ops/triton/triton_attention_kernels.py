@@ -479,67 +479,57 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def attn_bwd_dkdv_broadcast_q_kernel(
+def attn_bwd_broadcast_q_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, KV_OFF, HEAD_IDS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lt,
     NQ, qk_scale, dk_scale, dv_scale, dq_scale,
     ACT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_TILES: tl.constexpr, DELTA_FROM_O: tl.constexpr, WITH_DQ: tl.constexpr,
+    DELTA_FROM_O: tl.constexpr,
 ):
-    """dK / dV of full attention from ``NQ <= BLOCK_M`` broadcast queries (PMA): the queries, their dO and
-    softmax statistics fit one tile, loaded once per program, and ``KV_TILES`` key tiles of one kv sequence stream
-    through them (the general kernel would spend a program, and its load latency, on each key tile).
-    DELTA_FROM_O: DELTA is the output O (in dO's layout) and delta is computed from it.
-    WITH_DQ: a program streams every key tile of its kv sequence (KV_TILES unused) and also writes the example's
-    dQ of the broadcast queries (rows ``r * NQ ..`` of DQ), summed over the tiles in registers: no second pass
-    over K and V for dQ."""
-    pid_n = tl.program_id(0)
+    """The backward of full attention from ``NQ <= BLOCK_M`` broadcast queries (PMA), one program per (kv sequence,
+    head): the queries, their dO and softmax statistics fit one tile, loaded once, and every key tile of the kv
+    sequence streams through them, writing its dK / dV; the example's dQ of the queries (rows ``r * NQ ..`` of DQ,
+    summed over examples afterwards) is summed over the tiles in registers, so K and V are read once.
+    DELTA_FROM_O: DELTA is the output O (in dO's layout) and delta is computed from it."""
     r = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     k_start, k_len = _kv_rows(KV_OFF, r)
-    n_first = pid_n * (KV_TILES * BLOCK_N)
-    if n_first < k_len or WITH_DQ:  # an empty kv sequence still has its (zero) dQ to write
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        qmask = offs_m < NQ
-        o_start = r.to(tl.int64) * NQ
-        q = _load_rows(Q + h * stride_qh, offs_m, stride_qt, offs_d, qmask, True)
-        do = _load_rows(DO + h * stride_doh, o_start + offs_m, stride_dot, offs_d, qmask, True)
-        if ACT == 0 and DELTA_FROM_O:
-            lse, delta = _softmax_stats_from_o(LSE + h, DELTA + h * stride_doh, do, o_start + offs_m, stride_lt,
-                                               stride_dot, offs_d, qmask)
-        elif ACT == 0:
-            lse, delta = _load_softmax_stats(LSE + h, DELTA + h, o_start + offs_m, stride_lt, qmask, True)
-        else:
-            lse = offs_m.to(tl.float32)  # unread by pointwise heads
-            delta = lse
-        K_base = K + h * stride_kh + k_start * stride_kt
-        V_base = V + h * stride_vh + k_start * stride_vt
-        if WITH_DQ:
-            n_end = k_len
-        else:
-            n_end = tl.minimum(n_first + KV_TILES * BLOCK_N, k_len)
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for n0 in range(n_first, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            kmask = offs_n < k_len
-            k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, True)
-            v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
-            zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dk, dv, ds_t = _kv_tile_grads(zeros, zeros, s_t, dp_t, q, do, lse, delta,
-                                          kmask[:, None] & qmask[None, :], qk_scale, ACT, True, PREC)
-            if WITH_DQ:
-                dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, dq, input_precision=PREC)
-            _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d,
-                        (dk * dk_scale).to(DK.dtype.element_ty), kmask)
-            _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d,
-                        (dv * dv_scale).to(DV.dtype.element_ty), kmask)
-        if WITH_DQ:
-            _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d,
-                        (dq * dq_scale).to(DQ.dtype.element_ty), qmask)
+    # NOTE: an empty kv sequence still writes its (zero) dQ
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qmask = offs_m < NQ
+    o_start = r.to(tl.int64) * NQ
+    q = _load_rows(Q + h * stride_qh, offs_m, stride_qt, offs_d, qmask, True)
+    do = _load_rows(DO + h * stride_doh, o_start + offs_m, stride_dot, offs_d, qmask, True)
+    if ACT == 0 and DELTA_FROM_O:
+        lse, delta = _softmax_stats_from_o(LSE + h, DELTA + h * stride_doh, do, o_start + offs_m, stride_lt,
+                                           stride_dot, offs_d, qmask)
+    elif ACT == 0:
+        lse, delta = _load_softmax_stats(LSE + h, DELTA + h, o_start + offs_m, stride_lt, qmask, True)
+    else:
+        lse = offs_m.to(tl.float32)  # unread by pointwise heads
+        delta = lse
+    K_base = K + h * stride_kh + k_start * stride_kt
+    V_base = V + h * stride_vh + k_start * stride_vt
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(0, k_len, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kmask = offs_n < k_len
+        k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, True)
+        v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
+        zeros = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dk, dv, ds_t = _kv_tile_grads(zeros, zeros, s_t, dp_t, q, do, lse, delta, kmask[:, None] & qmask[None, :],
+                                      qk_scale, ACT, True, PREC)
+        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, dq, input_precision=PREC)
+        _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, (dk * dk_scale).to(DK.dtype.element_ty),
+                    kmask)
+        _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d, (dv * dv_scale).to(DV.dtype.element_ty),
+                    kmask)
+    _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, (dq * dq_scale).to(DQ.dtype.element_ty),
+                qmask)
 
 
 @triton.jit
@@ -579,9 +569,7 @@ def attn_bwd_dq_kernel(
     NQ, qk_scale, dq_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DELTA_FROM_O: tl.constexpr,
 ):
-    # DELTA_FROM_O: as in attn_bwd_dkdv_broadcast_q_kernel
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -593,10 +581,7 @@ def attn_bwd_dq_kernel(
         qmask = offs_m < q_len
         q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
         do = _load_rows(DO + h * stride_doh, o_start + offs_m, stride_dot, offs_d, qmask, True)
-        if ACT == 0 and DELTA_FROM_O:
-            lse, delta = _softmax_stats_from_o(LSE + h, DELTA + h * stride_doh, do, o_start + offs_m, stride_lt,
-                                               stride_dot, offs_d, qmask)
-        elif ACT == 0:
+        if ACT == 0:
             lse, delta = _load_softmax_stats(LSE + h, DELTA + h, o_start + offs_m, stride_lt, qmask, True)
         else:
             lse = tl.zeros([BLOCK_M], dtype=tl.float32)
