@@ -146,8 +146,8 @@ def _short_kv_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[d
     return out
 
 
-# kv sequences up to this long take the one-launch backward: its dK / dV of a 128-key tile stay in registers across
-# the loop, which on the H200 ran 1.3x slower than the separate kernels (cross_kv128, tune run at c70657b)
+# kv sequences up to this long take the one-launch backward: with 128 keys its dK / dV tiles, kept in registers
+# across the loop, made it slower than the separate kernels on the H200 (kernels-h200.json, tuning_runs)
 FUSED_BWD_KV_MAX = 64
 
 
