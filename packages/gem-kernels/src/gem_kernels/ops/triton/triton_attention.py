@@ -183,7 +183,7 @@ def _short_kv_bwd_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> li
     return out
 
 
-# at most this many broadcast queries (PMA) take the dK / dV kernel that keeps them in one tile
+# at most this many broadcast queries (PMA) take attn_bwd_broadcast_q_kernel, which keeps them in one tile
 BROADCAST_Q_MAX = 64
 
 
@@ -293,7 +293,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
     # [T_out, H]: only the softmax heads read it. The few broadcast queries (PMA) and the one-launch backward
     # compute it from O in their kernels.
     delta_from_o = _broadcast_q(spec) and kv_index is None and o.stride() == do.stride()
-    delta = o if delta_from_o or fused else softmax_delta(do, o)
+    delta = o if delta_from_o else None if fused else softmax_delta(do, o)
     dq, dk, dv = grads if grads is not None else (None, None, None)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv

@@ -630,7 +630,7 @@ def attn_bwd_short_kv_kernel(
         m_first = pid_m * (Q_TILES * BLOCK_M)
         m_end = tl.minimum(m_first + Q_TILES * BLOCK_M, q_len)
     else:
-        m_first = pid_m * 0
+        m_first = 0
         m_end = q_len
     # NOTE: an example with queries but no keys still writes its (zero) dQ; keys without queries get zero dK / dV
     if m_first < q_len or (not DIAGONAL and k_len > 0):
