@@ -1,7 +1,9 @@
 """Triton kernels shared by JFA, GDPA and BlockAttention.
 
 One forward kernel and two backward kernels (dK/dV per key tile, dQ per query tile; no atomics, so the backward
-is deterministic), after a pre-pass for the softmax's ``delta``, cover every attention op of the package:
+is deterministic), after a pre-pass for the softmax's ``delta``, cover every attention op of the package; shapes
+where every query sees one key tile whole (short kv sequences, independent blocks) or the queries fit one tile
+(PMA) also have kernels of their own that stream tiles through what stays loaded, their backward in one launch:
 
 - queries are jagged (``Q_JAGGED``) or a few broadcast rows (PMA, ``NQ`` rows shared by every example);
 - example ``b`` reads kv sequence ``KV_IDX[b]`` (cross attention where one request serves many candidates);
