@@ -1,15 +1,17 @@
 """Triton kernels shared by JFA, GDPA and BlockAttention.
 
 One forward kernel and two backward kernels (dK/dV per key tile, dQ per query tile; no atomics, so the backward
-is deterministic), after a pre-pass for the softmax's ``delta``, cover every attention op of the package; shapes
-where every query sees one key tile whole (short kv sequences, independent blocks) or the queries fit one tile
-(PMA) also have kernels of their own that stream tiles through what stays loaded, their backward in one launch:
+is deterministic), after a pre-pass for the softmax's ``delta``, cover every attention op of the package:
 
 - queries are jagged (``Q_JAGGED``) or a few broadcast rows (PMA, ``NQ`` rows shared by every example);
 - example ``b`` reads kv sequence ``KV_IDX[b]`` (cross attention where one request serves many candidates);
 - the visible keys of query ``i`` are one interval ``[lo(i), hi(i)]`` whose ends never decrease with ``i``:
   a window ``[i - Wl, i + Wr]`` (``MASK_KIND=0``; full or causal attention are windows) or whole blocks
   (``MASK_KIND=1``: the ``KB`` blocks of ``BS`` tokens ending at ``i``'s block).
+
+Shapes where every query sees one key tile whole (short kv sequences, independent blocks) or all queries fit one
+tile (PMA) also have kernels of their own, which stream tiles through what stays loaded and take the whole backward
+in one launch (PMA's per-example dQ partials are then summed by ``triton_sum_rows``).
 
 Because the interval is monotone, every (query tile, key tile) pair is classified once per program: tiles
 outside the union of intervals are skipped, tiles inside every row's interval run without any mask, and only
