@@ -279,7 +279,7 @@ def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkey
     monkeypatch.setattr(triton_attention, "launch", lambda kernel, *a: launched.append(kernel) or launch(kernel, *a))
     fused = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
     assert launched == [triton_attention.attn_bwd_short_kv_kernel]
-    monkeypatch.setattr(triton_attention, "_fused_backward", lambda spec, kv_index: False)
+    monkeypatch.setattr(triton_attention, "_fused_backward", lambda spec, kv_index, head_dim: False)
     monkeypatch.setattr(_tuning, "_TUNED", {})
     general = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
     assert launched[1:] == [triton_attention.attn_bwd_delta_kernel, triton_attention.attn_bwd_dkdv_kernel,
@@ -287,6 +287,25 @@ def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkey
     for got, want, name in zip(fused, general, ("dq", "dk", "dv")):
         assert got.dtype == dtype
         assert_close(got, want, TOL[dtype], name)
+
+
+def test_the_one_launch_backward_takes_only_the_shapes_it_holds():
+    """Short kv sequences up to FUSED_BWD_KV_MAX keys and independent blocks, without kv_index or broadcast queries,
+    at head dims up to FUSED_BWD_HEAD_DIM_MAX (its five tiles at once would not fit wider heads)."""
+    from gem_kernels.ops.triton.triton_attention import AttnSpec, _fused_backward
+
+    def spec(**kw):
+        return AttnSpec(**{**dict(max_q=4096, max_kv=64, nq=None, activations=("softmax",), sm_scale=1.0,
+                                  pw_scale=1.0), **kw})
+
+    assert _fused_backward(spec(), None, 128) and _fused_backward(spec(max_kv=8192, block_size=64, window_blocks=1),
+                                                                  None, 64)
+    assert not _fused_backward(spec(), None, 256)
+    assert not _fused_backward(spec(max_kv=128), None, 128)
+    assert not _fused_backward(spec(), torch.zeros(3, dtype=torch.int64), 128)
+    assert not _fused_backward(spec(max_q=32, nq=32), None, 128)
+    assert not _fused_backward(spec(max_kv=8192, block_size=64, window_blocks=2), None, 128)
+    assert not _fused_backward(spec(window_left=3), None, 128)
 
 
 def test_untuned_configs_fit_shared_memory(monkeypatch):

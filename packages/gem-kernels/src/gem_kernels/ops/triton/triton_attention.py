@@ -149,12 +149,15 @@ def _short_kv_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[d
 # kv sequences up to this long take the one-launch backward: with 128 keys its dK / dV tiles, kept in registers
 # across the loop, made it slower than the separate kernels on the H200 (kernels-h200.json, tuning_runs)
 FUSED_BWD_KV_MAX = 64
+# and head dims up to this: it holds Q, dO, O, K and V tiles at once, which wider heads would not fit (the separate
+# kernels shrink their tiles for them)
+FUSED_BWD_HEAD_DIM_MAX = 128
 
 
-def _fused_backward(spec: AttnSpec, kv_index) -> bool:
+def _fused_backward(spec: AttnSpec, kv_index, head_dim: int) -> bool:
     """Shapes whose whole backward is one launch of attn_bwd_short_kv_kernel: jagged queries that each see one key
     tile whole (a short kv sequence of their own, or their own block)."""
-    return spec.nq is None and kv_index is None and (
+    return spec.nq is None and kv_index is None and head_dim <= FUSED_BWD_HEAD_DIM_MAX and (
         _diagonal_blocks(spec) or (_short_kv(spec) and spec.max_kv <= FUSED_BWD_KV_MAX))
 
 
@@ -289,7 +292,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
     R = kv_offsets.shape[0] - 1
     B = q_offsets.shape[0] - 1 if spec.nq is None else R
     do = do.contiguous()
-    fused = _fused_backward(spec, kv_index)
+    fused = _fused_backward(spec, kv_index, D)
     # [T_out, H]: only the softmax heads read it. The few broadcast queries (PMA) and the one-launch backward
     # compute it from O in their kernels.
     delta_from_o = _broadcast_q(spec) and kv_index is None and o.stride() == do.stride()
