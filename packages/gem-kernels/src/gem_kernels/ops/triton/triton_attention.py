@@ -340,8 +340,8 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
             continue
         if _broadcast_q(spec) and kv_index is None:  # example r reads kv sequence r
             # one program per kv sequence: dK / dV of its key tiles and the example's dQ partial, in one pass
-            bargs = (q, k, v, do, lse, delta, dk, dv, dq, kv_offsets, head_ids, *strides[:12], dq.stride(0),
-                     dq.stride(1), lse.stride(0), *scales, scale)
+            bargs = (q, k, v, do, lse, delta, dk, dv, dq, kv_offsets, head_ids, *strides, dq.stride(0), dq.stride(1),
+                     *scales, scale)
             launch(attn_bwd_broadcast_q_kernel, lambda c: (1, R, nh), bargs,
                    dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16),
                         DELTA_FROM_O=delta_from_o),

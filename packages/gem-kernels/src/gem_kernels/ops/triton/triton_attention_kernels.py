@@ -486,7 +486,7 @@ def attn_bwd_dkdv_kernel(
 def attn_bwd_broadcast_q_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, KV_OFF, HEAD_IDS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lt,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt, stride_dqt, stride_dqh,
     NQ, qk_scale, dk_scale, dv_scale, dq_scale,
     ACT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DELTA_FROM_O: tl.constexpr,
