@@ -252,6 +252,50 @@ def test_diagonal_block_forward_equals_the_general_kernel(act, monkeypatch):
         assert_close(diagonal[1], general[1], TOL[torch.float32], "lse")
 
 
+@pytest.mark.parametrize("act", ["softmax", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_descriptor_loads_equal_pointer_loads(act, dtype, monkeypatch):
+    """The general kernels read their streamed tiles through tensor descriptors where the layouts allow (TMA on the
+    GPU): the forward's K / V, dK / dV's Q and dO, dQ's K / V; whole tiles, rows past a sequence included, which
+    only masked pairs may meet. Outputs, LSE and gradients equal the pointer loads' on windows, causal blocks and
+    a shared kv sequence, with K / V the strided slots of one packed projection and sequences ending inside a tile
+    or at the tensor's end."""
+    from gem_kernels.ops.triton import _tuning, triton_attention
+    from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_backward, attention_forward
+
+    qo, ko = offsets_of([40, 0, 1, 35]), offsets_of([37, 0, 21])
+    kv_index = torch.tensor([0, 2, 1, 0])
+    q = rand(int(qo[-1]), 2, 16, dtype=dtype, scale=0.5)
+    k, v = rand(int(ko[-1]), 2, 2, 16, dtype=dtype, scale=0.5).unbind(1)
+    do = rand(int(qo[-1]), 2, 16, dtype=dtype)
+    specs = [(AttnSpec(max_q=48, max_kv=40, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16,
+                       window_left=5, window_right=9), ko, kv_index),
+             (AttnSpec(max_q=48, max_kv=48, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16,
+                       block_size=16, window_blocks=2), qo, None)]
+    monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
+    launched, real = [], _tuning._launch
+    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, args, consts, cfg, key: (
+        launched.append(consts.get("TMA")), real(kernel, grid, args, consts, cfg, key)))
+
+    def run(keys, kv_offsets, index, spec):
+        monkeypatch.setattr(_tuning, "_TUNED", {})
+        o, lse = attention_forward(q, *keys, qo, kv_offsets, index, spec)
+        return (o, lse, *attention_backward(do, q, *keys, o, lse, qo, kv_offsets, index, spec))
+
+    for spec, kv_offsets, index in specs:
+        keys = (k, v) if index is not None else (rand(int(qo[-1]), 2, 16, dtype=dtype, scale=0.5),
+                                                 rand(int(qo[-1]), 2, 16, dtype=dtype))
+        launched.clear()
+        tma = run(keys, kv_offsets, index, spec)
+        assert launched == [True, None, True, True] if act == "softmax" else [True, True, True], launched  # None: delta
+        monkeypatch.setattr(triton_attention, "TMA_LOADS", False)
+        pointers = run(keys, kv_offsets, index, spec)
+        monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
+        for got, want, name in zip(tma, pointers, ["out", "lse", "dq", "dk", "dv"]):
+            if name != "lse" or act == "softmax":
+                assert_close(got, want, TOL[dtype] if name != "lse" else TOL[torch.float32], f"{name} {spec}")
+
+
 @pytest.mark.parametrize("mode", ["blocks", "short_kv"])
 @pytest.mark.parametrize("act", ["softmax", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -20,6 +20,8 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
 
 
 def _type(arg) -> str:
+    if isinstance(arg, _tuning.TensorDescriptor):
+        return f"tensordesc<{_TYPES[arg.base.dtype]}{list(arg.block_shape)}>"
     if isinstance(arg, torch.Tensor):
         return "*" + _TYPES[arg.dtype]
     if isinstance(arg, bool):
@@ -141,7 +143,7 @@ from gem_kernels.ops.triton.triton_attention_kernels import attn_bwd_dkdv_kernel
 
 spec = ta.AttnSpec(max_q=4096, max_kv=4096, nq=None, activations=("softmax",), sm_scale=1.0, pw_scale=1.0)
 cfg = ta._candidates("dkdv", spec, 128, 4)[0]
-named = dict(ACT=0, MASK_KIND=0, Q_JAGGED=True, HAS_CAND=False, PREC="ieee", BLOCK_M=cfg["BLOCK_M"],
+named = dict(ACT=0, MASK_KIND=0, Q_JAGGED=True, HAS_CAND=False, PREC="ieee", TMA=False, BLOCK_M=cfg["BLOCK_M"],
              BLOCK_N=cfg["BLOCK_N"], BLOCK_D=128)
 types = {}
 for p in kernel.arg_names:

@@ -19,6 +19,11 @@ from pathlib import Path
 import torch
 import triton
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the Triton version
+    TensorDescriptor = None
+
 _TUNED: dict[tuple, dict] = {}
 _PRESET: dict[str, dict] = {}  # configs loaded from a file, keyed by repr(key)
 _SHIPPED: dict[str, dict] | None = None  # this device's shipped configs, read at the first launch
@@ -90,7 +95,8 @@ def _preset(key: tuple, cands: list[dict]) -> dict | None:
 def specialisation(args: tuple) -> tuple | None:
     """What Triton specialises a compiled kernel on, per non-constexpr argument, at least as finely as Triton
     does (so two launches with equal tuples run the same binary): a tensor's dtype and 16-byte alignment, an
-    integer's width, divisibility by 16 and being 1, a float or bool's type. None for any other argument."""
+    integer's width, divisibility by 16 and being 1, a float or bool's type, a tensor descriptor's dtype, block and
+    padding. None for any other argument."""
     sig = []
     for a in args:
         t = type(a)
@@ -100,6 +106,8 @@ def specialisation(args: tuple) -> tuple | None:
             sig.append((a.dtype, a.data_ptr() & 15 == 0))
         elif t is float or t is bool:
             sig.append(t)
+        elif t is TensorDescriptor:  # Triton specialises a host descriptor on its dtype, block and padding
+            sig.append((a.base.dtype, tuple(a.block_shape), a.padding))
         else:
             return None
     return tuple(sig)

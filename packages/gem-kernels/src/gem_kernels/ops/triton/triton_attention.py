@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,15 @@ from gem_kernels.ops.triton.triton_attention_kernels import (
     attn_fwd_short_kv_kernel,
 )
 from gem_kernels.ops.triton.triton_sum_rows import sum_rows
+
+try:  # host-built tensor descriptors (Triton >= 3.4): the forward's K / V tiles copied by the TMA unit
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the Triton version
+    TensorDescriptor = None
+
+# GEM_KERNELS_TMA=1: the general kernels' streamed tiles through tensor descriptors (off by default until
+# measured against the pointer loads on the H200)
+TMA_LOADS = os.environ.get("GEM_KERNELS_TMA", "0") == "1"
 
 _UNBOUNDED = 1 << 30
 _LOG2E = 1.4426950408889634
@@ -230,6 +240,21 @@ def _head_groups(spec: AttnSpec, device: torch.device) -> tuple[tuple[str, torch
     return _head_groups_on(tuple(spec.activations), device)
 
 
+def _tma_rows(x: torch.Tensor) -> bool:
+    """Whether ``x [T, H, D]`` reads as the ``[T, H * D]`` matrix a tensor descriptor tiles: heads side by side, a
+    power-of-two head dim, start and row stride 16-byte aligned (what the TMA unit requires)."""
+    T, H, D = x.shape
+    size = x.element_size()
+    return (TMA_LOADS and TensorDescriptor is not None and T > 0 and x.stride(2) == 1 and x.stride(1) == D
+            and D & (D - 1) == 0 and D * size >= 16 and x.stride(0) * size % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
+def _row_descriptor(x: torch.Tensor, rows: int) -> "TensorDescriptor":
+    """``x [T, H, D]`` as a ``[T, H * D]`` matrix read in ``[rows, D]`` tiles (one head's rows)."""
+    T, H, D = x.shape
+    return TensorDescriptor(x, [T, H * D], [x.stride(0), 1], [rows, D])
+
+
 def _prec(dtype: torch.dtype) -> str:
     # fp32 inputs get exact fp32 dots (the reference's precision); 16-bit inputs use the tensor cores anyway.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -246,19 +271,19 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
     for act, head_ids in _head_groups(spec, q.device):
         code = ACT_CODES[act]
         args = (q, k, v, o, lse, dummy if q_offsets is None else q_offsets, kv_offsets,
-                dummy if kv_index is None else kv_index, head_ids,
+                dummy if kv_index is None else kv_index, head_ids, k, v,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 o.stride(0), o.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, spec.pw_scale, wl, wr, bs, kb)
         consts = dict(ACT=code, MASK_KIND=mask_kind, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
-                      PREC=_prec(q.dtype), BLOCK_D=D)
+                      PREC=_prec(q.dtype), TMA=False, BLOCK_D=D)
         key = ("fwd", code, mask_kind, spec.nq is None, kv_index is not None, D, q.dtype,
                _bucket(spec.max_q), _bucket(spec.max_kv), spec.block_size, spec.window_left is None,
                spec.window_right is None)
         nh = head_ids.numel()
         diagonal = _diagonal_blocks(spec)
         if diagonal or _short_kv(spec):
-            short_args = args[:-4]  # no window / block arguments: each query sees its one key tile whole
+            short_args = args[:9] + args[11:-4]  # no descriptors, no window / block arguments: each query sees its one key tile whole
             block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
             launch(attn_fwd_short_kv_kernel,
                    lambda c: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
@@ -266,6 +291,10 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
                         PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:],
                    lambda: _short_kv_candidates(spec, D, q.element_size()))
             continue
+        if _tma_rows(k) and _tma_rows(v):
+            consts["TMA"] = True
+            args = (lambda c, a=args: a[:9] + (_row_descriptor(k, c["BLOCK_N"]), _row_descriptor(v, c["BLOCK_N"]))
+                    + a[11:])
         launch(attn_fwd_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
                 lambda: _candidates("fwd", spec, D))
     return o, lse
@@ -347,17 +376,26 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
                         DELTA_FROM_O=delta_from_o),
                    ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
             continue
-        args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, *strides, *scales,
-                wl, wr, bs, kb)
+        # the streamed tiles through tensor descriptors where their layouts allow (see attn_fwd_kernel)
+        tma = _tma_rows(q) and _tma_rows(do)
+        args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, q, do, *strides,
+                *scales, wl, wr, bs, kb)
+        if tma:
+            args = (lambda c, a=args: a[:13] + (_row_descriptor(q, c["BLOCK_M"]), _row_descriptor(do, c["BLOCK_M"]))
+                    + a[15:])
         launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
-               dict(common, HAS_CAND=kv_index is not None), ("dkdv",) + key_tail,
+               dict(common, HAS_CAND=kv_index is not None, TMA=tma), ("dkdv",) + key_tail,
                lambda: _candidates("dkdv", spec, D, q.element_size()))
+        tma = _tma_rows(k) and _tma_rows(v)
         args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
-                head_ids, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                head_ids, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
+        if tma:
+            args = (lambda c, a=args: a[:11] + (_row_descriptor(k, c["BLOCK_N"]), _row_descriptor(v, c["BLOCK_N"]))
+                    + a[13:])
         launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-                dict(common, HAS_KV_IDX=kv_index is not None), ("dq",) + key_tail,
+                dict(common, HAS_KV_IDX=kv_index is not None, TMA=tma), ("dq",) + key_tail,
                 lambda: _candidates("dq", spec, D))
     if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
         dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)

@@ -210,17 +210,23 @@ def _softmax_output(acc, m_i, l_i):
 
 @triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, start, end, k_len,
-    qk_scale, Wl, Wr, BS, KB,
-    ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+    acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt, stride_vt, offs_m, offs_d, start,
+    end, k_len, qk_scale, Wl, Wr, BS, KB,
+    ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kmask = offs_n < k_len
-        kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)
-        v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, MASKED)
-        s = tl.dot(q, kt, input_precision=PREC)
+        if TMA:
+            # NOTE: a descriptor load reads whole tiles; rows past this sequence (another sequence's, or zeros past
+            # the tensor) only ever meet masked scores
+            k = K_desc.load([desc_row + n0, h_col])
+            v = V_desc.load([desc_row + n0, h_col])
+        else:
+            k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)
+            v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASKED:
             allowed = _visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND)
         if ACT == 0:
@@ -272,12 +278,14 @@ def _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED: tl.constexpr, HAS_KV_IDX
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS,
+    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     NQ, qk_scale, out_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """``TMA``: K and V tiles through tensor descriptors of ``[Tk, H * D]`` views (``K_desc`` / ``V_desc``, blocks of
+    ``[BLOCK_N, BLOCK_D]``): whole-tile copies the pointer loads' address arithmetic does not pay for."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -291,19 +299,21 @@ def attn_fwd_kernel(
         q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
         K_base = K + h * stride_kh + k_start * stride_kt
         V_base = V + h * stride_vh + k_start * stride_vt
+        desc_row = k_start.to(tl.int32)
+        h_col = h * BLOCK_D
         lo_al, fs, fe, hi = _key_tiles(m0, q_len, k_len, Wl, Wr, BS, KB, MASK_KIND, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d,
-                                   lo_al, fs, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC,
-                                   BLOCK_N)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d,
-                                   fs, fe, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, False, PREC,
-                                   BLOCK_N)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d,
-                                   fe, hi, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC,
-                                   BLOCK_N)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt,
+                                   stride_vt, offs_m, offs_d, lo_al, fs, k_len, qk_scale, Wl, Wr, BS, KB, ACT,
+                                   MASK_KIND, True, PREC, TMA, BLOCK_N)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt,
+                                   stride_vt, offs_m, offs_d, fs, fe, k_len, qk_scale, Wl, Wr, BS, KB, ACT,
+                                   MASK_KIND, False, PREC, TMA, BLOCK_N)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt,
+                                   stride_vt, offs_m, offs_d, fe, hi, k_len, qk_scale, Wl, Wr, BS, KB, ACT,
+                                   MASK_KIND, True, PREC, TMA, BLOCK_N)
         if ACT == 0:
             out, lse = _softmax_output(acc, m_i, l_i)
             tl.store(LSE + (o_start + offs_m) * stride_lt + h, lse, mask=qmask)
@@ -370,16 +380,20 @@ def attn_fwd_short_kv_kernel(
 
 @triton.jit
 def _bwd_kv_tiles(
-    dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot, stride_lt,
-    offs_n, offs_d, start, end, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
-    ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+    dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, Q_desc, DO_desc, q_row, o_row, h_col, stride_qt, stride_dot,
+    stride_lt, offs_n, offs_d, start, end, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
+    ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         qmask = offs_m < q_len
-        q = _load_rows(Q_base, offs_m, stride_qt, offs_d, qmask, MASKED)
-        do = _load_rows(DO_base, offs_m, stride_dot, offs_d, qmask, MASKED)
+        if TMA:  # rows past the sequence meet only masked pairs (and an LSE that zeroes their probabilities)
+            q = Q_desc.load([q_row + m0, h_col])
+            do = DO_desc.load([o_row + m0, h_col])
+        else:
+            q = _load_rows(Q_base, offs_m, stride_qt, offs_d, qmask, MASKED)
+            do = _load_rows(DO_base, offs_m, stride_dot, offs_d, qmask, MASKED)
         # NOTE: both products are issued before the mask and the statistics' loads, which then overlap them: with
         # the loads first, run_all's backward kernel times were 5-7% above the run before (kernels-h200.json at
         # 1049b4a against 39c5bf6); in this order the sm_90 instruction stream is the earlier run's again
@@ -425,13 +439,14 @@ def _kv_tile_grads(dk, dv, s_t, dp_t, q, do, lse, delta, allowed, qk_scale, ACT:
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, CAND_OFF, CAND_IDS, HEAD_IDS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, CAND_OFF, CAND_IDS, HEAD_IDS, Q_desc, DO_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
     NQ, qk_scale, dk_scale, dv_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_CAND: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """``TMA``: the streamed Q and dO tiles through tensor descriptors (as ``attn_fwd_kernel``'s K / V)."""
     pid_n = tl.program_id(0)
     r = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -467,15 +482,16 @@ def attn_bwd_dkdv_kernel(
             DO_base = DO + h * stride_doh + o_start * stride_dot
             LSE_base = LSE + o_start * stride_lt + h
             DELTA_base = DELTA + o_start * stride_lt + h
-            dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot,
-                                   stride_lt, offs_n, offs_d, lo_al, fs, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
-                                   ACT, MASK_KIND, True, PREC, BLOCK_M)
-            dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot,
-                                   stride_lt, offs_n, offs_d, fs, fe, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
-                                   ACT, MASK_KIND, False, PREC, BLOCK_M)
-            dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_dot,
-                                   stride_lt, offs_n, offs_d, fe, hi, q_len, k_len, qk_scale, Wl, Wr, BS, KB,
-                                   ACT, MASK_KIND, True, PREC, BLOCK_M)
+            q_row, o_row, h_col = q_start.to(tl.int32), o_start.to(tl.int32), h * BLOCK_D
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, Q_desc, DO_desc, q_row, o_row,
+                                   h_col, stride_qt, stride_dot, stride_lt, offs_n, offs_d, lo_al, fs, q_len, k_len,
+                                   qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, TMA, BLOCK_M)
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, Q_desc, DO_desc, q_row, o_row,
+                                   h_col, stride_qt, stride_dot, stride_lt, offs_n, offs_d, fs, fe, q_len, k_len,
+                                   qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, False, PREC, TMA, BLOCK_M)
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, Q_desc, DO_desc, q_row, o_row,
+                                   h_col, stride_qt, stride_dot, stride_lt, offs_n, offs_d, fe, hi, q_len, k_len,
+                                   qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, TMA, BLOCK_M)
         _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d, (dk * dk_scale).to(DK.dtype.element_ty),
                     kmask)
         _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d, (dv * dv_scale).to(DV.dtype.element_ty),
@@ -538,16 +554,20 @@ def attn_bwd_broadcast_q_kernel(
 
 @triton.jit
 def _bwd_q_tiles(
-    dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, start, end, k_len,
-    qk_scale, Wl, Wr, BS, KB,
-    ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+    dq, q, do, lse, delta, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt, stride_vt, offs_m, offs_d,
+    start, end, k_len, qk_scale, Wl, Wr, BS, KB,
+    ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kmask = offs_n < k_len
-        k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)
-        vt = _load_cols(V_base, offs_n, stride_vt, offs_d, kmask, MASKED)
+        if TMA:
+            k = K_desc.load([desc_row + n0, h_col])
+            vt = tl.trans(V_desc.load([desc_row + n0, h_col]))
+        else:
+            k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)
+            vt = _load_cols(V_base, offs_n, stride_vt, offs_d, kmask, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, vt, input_precision=PREC)
         if MASKED:
@@ -567,13 +587,14 @@ def _bwd_q_tiles(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS,
+    Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lt,
     NQ, qk_scale, dq_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """``TMA``: the streamed K and V tiles through tensor descriptors (as ``attn_fwd_kernel``'s)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -594,12 +615,16 @@ def attn_bwd_dq_kernel(
         V_base = V + h * stride_vh + k_start * stride_vt
         lo_al, fs, fe, hi = _key_tiles(m0, q_len, k_len, Wl, Wr, BS, KB, MASK_KIND, BLOCK_M, BLOCK_N)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, lo_al, fs,
-                          k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
-        dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, fs, fe,
-                          k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, False, PREC, BLOCK_N)
-        dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
-                          k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, BLOCK_N)
+        desc_row, h_col = k_start.to(tl.int32), h * BLOCK_D
+        dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt, stride_vt,
+                          offs_m, offs_d, lo_al, fs, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, TMA,
+                          BLOCK_N)
+        dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt, stride_vt,
+                          offs_m, offs_d, fs, fe, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, False, PREC, TMA,
+                          BLOCK_N)
+        dq = _bwd_q_tiles(dq, q, do, lse, delta, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt, stride_vt,
+                          offs_m, offs_d, fe, hi, k_len, qk_scale, Wl, Wr, BS, KB, ACT, MASK_KIND, True, PREC, TMA,
+                          BLOCK_N)
         _store_rows(DQ + h * stride_dqh, o_start + offs_m, stride_dqt, offs_d, (dq * dq_scale).to(DQ.dtype.element_ty),
                     qmask)
 
