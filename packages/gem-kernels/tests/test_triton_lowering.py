@@ -109,9 +109,15 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
     import subprocess
     import sys
 
+    from gem_kernels.ops.triton import triton_attention
+
     launches = _record_launches(monkeypatch)
     _run_every_op()
+    # and the attention kernels' tensor-descriptor variants
+    monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
+    _run_every_op()
     names = {name for name, _ in launches}
+    assert any(named.get("TMA") for _, _, named in launches.values())
     assert {"attn_fwd_kernel", "attn_fwd_short_kv_kernel", "attn_bwd_short_kv_kernel", "attn_bwd_dkdv_kernel",
             "attn_bwd_dq_kernel",
             "attn_bwd_broadcast_q_kernel", "attn_bwd_delta_kernel", "attn_fwd_fp8_kernel", "norm_fwd_kernel",
