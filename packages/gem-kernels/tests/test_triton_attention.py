@@ -368,6 +368,20 @@ def test_untuned_configs_fit_shared_memory(monkeypatch):
     assert ta._fit_stages(3, 0, ta.SMEM_BUDGET) == 1  # one stage is the floor
 
 
+def test_untuned_small_tiles_take_four_warps(monkeypatch):
+    """A block size of 64 cuts the 128-row candidates to 64 x 64 tiles: they run four warps (what the H200's tuning
+    picked for every tile this small), first candidate (the untuned default) included; wider tiles keep eight."""
+    from gem_kernels.ops.triton import triton_attention as ta
+
+    monkeypatch.setattr(ta, "interpreting", lambda: False)
+    blocks = ta.AttnSpec(max_q=4096, max_kv=4096, nq=None, activations=("softmax",), sm_scale=1.0, pw_scale=1.0,
+                         block_size=64, window_blocks=8)
+    full = ta.AttnSpec(max_q=4096, max_kv=4096, nq=None, activations=("softmax",), sm_scale=1.0, pw_scale=1.0)
+    for kind in ("fwd", "dkdv", "dq"):
+        assert all(c["num_warps"] == 4 for c in ta._candidates(kind, blocks, 128)), kind
+        assert any(c["num_warps"] == 8 for c in ta._candidates(kind, full, 128)), kind
+
+
 @pytest.mark.parametrize("mode", ["pma", "cross", "self"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_packed_key_values_match_the_references_split_ones(mode, dtype):

@@ -96,6 +96,10 @@ def _candidates(kind: str, spec: AttnSpec, head_dim: int, itemsize: int = 2) -> 
             # NOTE: tiles that divide the block size never straddle a block edge, so they stay unmasked.
             bm, bn = math.gcd(bm, block), math.gcd(bn, block)
         bm, bn = max(bm, 16), max(bn, 16)
+        if bm * bn <= 64 * 64:
+            # NOTE: a 128-row candidate cut to a block size of 64 would keep its eight warps; every config the H200's
+            # tuning runs picked for tiles this small has four (tuned/nvidia-h200.json)
+            w = min(w, 4)
         if kind == "dkdv":
             # NOTE: dK/dV keeps its K and V tiles and needs about four query tiles more, whatever its stages: in
             # fp32 at head dim 128 the (64, 128) tiles asked the H200 for 256.5 KiB (Triton's count when compiling
