@@ -253,8 +253,7 @@ def test_diagonal_block_forward_equals_the_general_kernel(act, monkeypatch):
 
 
 @pytest.mark.parametrize("act", ["softmax", "gelu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_descriptor_loads_equal_pointer_loads(act, dtype, monkeypatch):
+def test_descriptor_loads_equal_pointer_loads(act, monkeypatch):
     """The general kernels read their streamed tiles through tensor descriptors where the layouts allow (TMA on the
     GPU): the forward's K / V, dK / dV's Q and dO, dQ's K / V; whole tiles, rows past a sequence included, which
     only masked pairs may meet. Outputs, LSE and gradients equal the pointer loads' on windows, causal blocks and
@@ -263,6 +262,8 @@ def test_descriptor_loads_equal_pointer_loads(act, dtype, monkeypatch):
     from gem_kernels.ops.triton import _tuning, triton_attention
     from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_backward, attention_forward
 
+    dtype = torch.float16  # descriptors take 16-bit inputs (the interpreter runs no bfloat16)
+    assert not triton_attention._tma_rows(rand(8, 2, 16))
     qo, ko = offsets_of([40, 0, 1, 35]), offsets_of([37, 0, 21])
     kv_index = torch.tensor([0, 2, 1, 0])
     q = rand(int(qo[-1]), 2, 16, dtype=dtype, scale=0.5)

@@ -245,11 +245,13 @@ def _head_groups(spec: AttnSpec, device: torch.device) -> tuple[tuple[str, torch
 
 
 def _tma_rows(x: torch.Tensor) -> bool:
-    """Whether ``x [T, H, D]`` reads as the ``[T, H * D]`` matrix a tensor descriptor tiles: heads side by side, a
-    power-of-two head dim, start and row stride 16-byte aligned (what the TMA unit requires)."""
+    """Whether ``x [T, H, D]`` reads as the ``[T, H * D]`` matrix a tensor descriptor tiles: 16-bit values (float32
+    inputs are for exactness, and their tiles of the larger configs would not fit shared memory with the descriptors'
+    buffers), heads side by side, a power-of-two head dim, start and row stride 16-byte aligned (the TMA unit's
+    requirements)."""
     T, H, D = x.shape
     size = x.element_size()
-    return (TMA_LOADS and TensorDescriptor is not None and T > 0 and x.stride(2) == 1 and x.stride(1) == D
+    return (TMA_LOADS and TensorDescriptor is not None and T > 0 and size == 2 and x.stride(2) == 1 and x.stride(1) == D
             and D & (D - 1) == 0 and D * size >= 16 and x.stride(0) * size % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
