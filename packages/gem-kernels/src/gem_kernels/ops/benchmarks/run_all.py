@@ -718,7 +718,7 @@ def main(argv=None):
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python -m gem_kernels.ops.benchmarks.run_all " + " ".join(argv or sys.argv[1:]),
-            "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "0"), "tma": os.environ.get("GEM_KERNELS_TMA", "0"),
+            "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "0"), "tma": os.environ.get("GEM_KERNELS_TMA", "1"),
             "dtype": "bfloat16", "H": H, "D": D,
             "flops_note": "unpadded work: 4*H*D per visible pair fwd, x3.5 fwd+bwd; same count for every impl",
             "peak_bw_TBps": 4.2}
