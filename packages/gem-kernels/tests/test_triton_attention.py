@@ -288,7 +288,7 @@ def test_descriptor_loads_equal_pointer_loads(act, monkeypatch):
                                                  rand(int(qo[-1]), 2, 16, dtype=dtype))
         launched.clear()
         tma = run(keys, kv_offsets, index, spec)
-        assert launched == [True, None, True, True] if act == "softmax" else [True, True, True], launched  # None: delta
+        assert launched == [True, True, True], launched  # forward, dQ (and delta), dK / dV
         monkeypatch.setattr(triton_attention, "TMA_LOADS", False)
         pointers = run(keys, kv_offsets, index, spec)
         monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
@@ -303,7 +303,7 @@ def test_descriptor_loads_equal_pointer_loads(act, monkeypatch):
 def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkeypatch):
     """Independent blocks of a tile's size and short kv sequences of their own run their whole backward as one
     launch of attn_bwd_short_kv_kernel (delta from O in the kernel, dK / dV summed over the query tiles in
-    registers): dQ, dK and dV equal the delta pre-pass + dK/dV + dQ kernels', with short last blocks, an empty
+    registers): dQ, dK and dV equal the dQ (which writes delta) + dK/dV kernels', with short last blocks, an empty
     sequence, queries without keys and keys without queries."""
     from gem_kernels.ops.triton import _tuning, triton_attention
     from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_backward, attention_forward
@@ -327,8 +327,7 @@ def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkey
     monkeypatch.setattr(triton_attention, "_fused_backward", lambda spec, kv_index, head_dim: False)
     monkeypatch.setattr(_tuning, "_TUNED", {})
     general = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
-    assert launched[1:] == [triton_attention.attn_bwd_delta_kernel, triton_attention.attn_bwd_dkdv_kernel,
-                            triton_attention.attn_bwd_dq_kernel]
+    assert launched[1:] == [triton_attention.attn_bwd_dq_kernel, triton_attention.attn_bwd_dkdv_kernel]
     for got, want, name in zip(fused, general, ("dq", "dk", "dv")):
         assert got.dtype == dtype
         assert_close(got, want, TOL[dtype], name)

@@ -61,6 +61,10 @@ def _run_every_op():
             block_attention(q, k, v, off, 16, 1, kernel="triton"),
             block_attention(q, k, v, off, 16, 2, kernel="triton"),
             jagged_flash_attention(q, k, v, off, 40, kernel="triton", fp8=True)]
+    # the delta pre-pass (PMA's backward when O and dO lie differently)
+    from gem_kernels.ops.triton.triton_attention import softmax_delta
+
+    softmax_delta(r(70, 2, 32).detach(), r(70, 2, 32).detach())
     # 16-bit inputs: the general kernels' tensor-descriptor variants where those are on
     q16, k16, v16 = (r(70, 2, 32, dtype=torch.float16) for _ in range(3))
     outs += [jagged_flash_attention(q16, k16, v16, off, 40, causal=True, kernel="triton"),

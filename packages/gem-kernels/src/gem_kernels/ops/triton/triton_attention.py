@@ -84,11 +84,11 @@ def _candidates(kind: str, spec: AttnSpec, head_dim: int, itemsize: int = 2) -> 
         cands = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)] if big else \
             [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)]
     elif kind == "dkdv":
-        cands = [(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 3)] if big else \
-            [(32, 64, 8, 1), (32, 32, 4, 1)]
+        cands = [(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 2),
+                 (64, 64, 4, 3)] if big else [(32, 64, 8, 1), (32, 32, 4, 1)]
     else:
-        cands = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 128, 8, 2)] if big else \
-            [(64, 32, 8, 1), (32, 32, 4, 1)]
+        cands = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3),
+                 (64, 64, 4, 3), (128, 64, 8, 3)] if big else [(64, 32, 8, 1), (32, 32, 4, 1)]
     out = []
     for bm, bn, w, st in cands:
         bm, bn = min(bm, q_cap), min(bn, kv_cap)
@@ -328,10 +328,17 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
     B = q_offsets.shape[0] - 1 if spec.nq is None else R
     do = do.contiguous()
     fused = _fused_backward(spec, kv_index, D)
-    # [T_out, H]: only the softmax heads read it. The few broadcast queries (PMA) and the one-launch backward
-    # compute it from O in their kernels.
-    delta_from_o = _broadcast_q(spec) and kv_index is None and o.stride() == do.stride()
-    delta = o if delta_from_o else None if fused else softmax_delta(do, o)
+    # delta = rowsum(dO * O), [T_out, H]: only the softmax heads read it. The one-launch backward and the few
+    # broadcast queries (PMA) compute it from O in their kernels; in the general pair of kernels the dQ kernel does,
+    # for its query rows, and stores it for the dK / dV kernel launched after it.
+    broadcast = _broadcast_q(spec) and kv_index is None
+    delta_from_o = broadcast and o.stride() == do.stride()
+    if fused:
+        delta = None
+    elif broadcast:
+        delta = o if delta_from_o else softmax_delta(do, o)
+    else:
+        delta = torch.empty(o.shape[:2], dtype=torch.float32, device=o.device)
     dq, dk, dv = grads if grads is not None else (None, None, None)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -373,7 +380,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
                         BLOCK_N=spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)),
                    ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, q.element_size()))
             continue
-        if _broadcast_q(spec) and kv_index is None:  # example r reads kv sequence r
+        if broadcast:  # example r reads kv sequence r
             # one program per kv sequence: dK / dV of its key tiles and the example's dQ partial, in one pass
             bargs = (q, k, v, do, lse, delta, dk, dv, dq, kv_offsets, head_ids, *strides, dq.stride(0), dq.stride(1),
                      *scales, scale)
@@ -382,7 +389,19 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
                         DELTA_FROM_O=delta_from_o),
                    ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
             continue
-        # the streamed tiles through tensor descriptors where their layouts allow (see attn_fwd_kernel)
+        # dQ first: it writes delta (softmax heads) for dK / dV. The streamed tiles through tensor descriptors where
+        # their layouts allow (see attn_fwd_kernel).
+        tma = _tma_rows(k) and _tma_rows(v)
+        args = (q, k, v, o, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
+                head_ids, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+                spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
+        if tma:
+            args = (lambda c, a=args: a[:12] + (_row_descriptor(k, c["BLOCK_N"]), _row_descriptor(v, c["BLOCK_N"]))
+                    + a[14:])
+        launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
+               dict(common, HAS_KV_IDX=kv_index is not None, TMA=tma, DELTA_FROM_O=code == 0), ("dq",) + key_tail,
+               lambda: _candidates("dq", spec, D))
         tma = _tma_rows(q) and _tma_rows(do)
         args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, q, do, *strides,
                 *scales, wl, wr, bs, kb)
@@ -392,17 +411,6 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
         launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
                dict(common, HAS_CAND=kv_index is not None, TMA=tma), ("dkdv",) + key_tail,
                lambda: _candidates("dkdv", spec, D, q.element_size()))
-        tma = _tma_rows(k) and _tma_rows(v)
-        args = (q, k, v, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
-                head_ids, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-                spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
-        if tma:
-            args = (lambda c, a=args: a[:11] + (_row_descriptor(k, c["BLOCK_N"]), _row_descriptor(v, c["BLOCK_N"]))
-                    + a[13:])
-        launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-                dict(common, HAS_KV_IDX=kv_index is not None, TMA=tma), ("dq",) + key_tail,
-                lambda: _candidates("dq", spec, D))
     if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
         dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)
     return dq, dk, dv

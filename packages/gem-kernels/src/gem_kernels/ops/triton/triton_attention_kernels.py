@@ -587,14 +587,17 @@ def _bwd_q_tiles(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, K_desc, V_desc,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    Q, K, V, O, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, K_desc, V_desc,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lt,
     NQ, qk_scale, dq_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
-    PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, DELTA_FROM_O: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """``TMA``: the streamed K and V tiles through tensor descriptors (as ``attn_fwd_kernel``'s)."""
+    """``TMA``: the streamed K and V tiles through tensor descriptors (as ``attn_fwd_kernel``'s). ``DELTA_FROM_O``
+    (softmax heads): ``delta = rowsum(dO * O)`` of the program's query rows computed here from its dO tile and O's
+    rows, and stored to DELTA for the dK / dV kernel launched after this one (no pre-pass launch)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -606,7 +609,12 @@ def attn_bwd_dq_kernel(
         qmask = offs_m < q_len
         q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
         do = _load_rows(DO + h * stride_doh, o_start + offs_m, stride_dot, offs_d, qmask, True)
-        if ACT == 0:
+        if ACT == 0 and DELTA_FROM_O:
+            lse = tl.load(LSE + h + (o_start + offs_m) * stride_lt, mask=qmask, other=1.0e30)
+            o = _load_rows(O + h * stride_oh, o_start + offs_m, stride_ot, offs_d, qmask, True)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            tl.store(DELTA + h + (o_start + offs_m) * stride_lt, delta, mask=qmask)
+        elif ACT == 0:
             lse, delta = _load_softmax_stats(LSE + h, DELTA + h, o_start + offs_m, stride_lt, qmask, True)
         else:
             lse = tl.zeros([BLOCK_M], dtype=tl.float32)
