@@ -297,6 +297,40 @@ def test_descriptor_loads_equal_pointer_loads(act, monkeypatch):
                 assert_close(got, want, TOL[dtype] if name != "lse" else TOL[torch.float32], f"{name} {spec}")
 
 
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+def test_short_kv_forward_descriptor_loads_equal_pointer_loads(act, monkeypatch):
+    """The one-key-tile forward streams its query tiles (and the diagonal's key tiles) through tensor descriptors:
+    outputs and LSE equal the pointer loads', for short kv sequences (shared, empty) and independent blocks with a
+    short last block."""
+    from gem_kernels.ops.triton import _tuning, triton_attention
+    from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_forward
+
+    monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
+    dtype = torch.float16
+    qo, ko, off = offsets_of([40, 0, 1, 35]), offsets_of([9, 0, 16]), offsets_of([70, 0, 1, 37])
+    cases = [(rand(int(qo[-1]), 2, 16, dtype=dtype, scale=0.5), rand(int(ko[-1]), 2, 16, dtype=dtype, scale=0.5),
+              rand(int(ko[-1]), 2, 16, dtype=dtype), qo, ko, torch.tensor([0, 2, 1, 0]),
+              AttnSpec(max_q=48, max_kv=16, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16)),
+             (*(rand(108, 2, 16, dtype=dtype, scale=0.5) for _ in range(3)), off, off, None,
+              AttnSpec(max_q=70, max_kv=70, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16,
+                       block_size=16, window_blocks=1))]
+    launched, real = [], _tuning._launch
+    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, args, consts, cfg, key: (
+        launched.append((kernel.fn.__name__, consts.get("TMA"))), real(kernel, grid, args, consts, cfg, key)))
+    for q, k, v, q_offsets, kv_offsets, index, spec in cases:
+        monkeypatch.setattr(_tuning, "_TUNED", {})
+        launched.clear()
+        tma = attention_forward(q, k, v, q_offsets, kv_offsets, index, spec)
+        assert launched == [("attn_fwd_short_kv_kernel", True)], launched
+        monkeypatch.setattr(triton_attention, "TMA_LOADS", False)
+        monkeypatch.setattr(_tuning, "_TUNED", {})
+        pointers = attention_forward(q, k, v, q_offsets, kv_offsets, index, spec)
+        monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
+        assert_close(tma[0], pointers[0], TOL[dtype], f"out {spec}")
+        if act == "softmax":
+            assert_close(tma[1], pointers[1], TOL[torch.float32], f"lse {spec}")
+
+
 @pytest.mark.parametrize("mode", ["blocks", "short_kv"])
 @pytest.mark.parametrize("act", ["softmax", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

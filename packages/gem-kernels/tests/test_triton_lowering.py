@@ -68,10 +68,12 @@ def _run_every_op():
     # 16-bit inputs: the general kernels' tensor-descriptor variants where those are on
     q16, k16, v16 = (r(70, 2, 32, dtype=torch.float16) for _ in range(3))
     outs += [jagged_flash_attention(q16, k16, v16, off, 40, causal=True, kernel="triton"),
-             block_attention(q16, k16, v16, off, 16, 2, kernel="triton")]
+             block_attention(q16, k16, v16, off, 16, 2, kernel="triton"),
+             block_attention(q16, k16, v16, off, 16, 1, kernel="triton")]
     ko = torch.tensor([0, 3, 19, 20, 36])
     kc, vc = r(36, 2, 32), r(36, 2, 32)
     outs.append(gdpa(q, kc, vc, off, ko, max_seq_len_q=40, max_seq_len_kv=16, kernel="triton"))
+    outs.append(gdpa(q.half(), kc.half(), vc.half(), off, ko, max_seq_len_q=40, max_seq_len_kv=16, kernel="triton"))
     outs.append(gdpa(q, kc, vc, off, ko, max_seq_len_q=40, max_seq_len_kv=200, kernel="triton"))
     seeds = r(4, 2, 32)
     outs.append(gdpa(seeds, k, v, None, off, max_seq_len_kv=40, kernel="triton"))

@@ -289,12 +289,18 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
         nh = head_ids.numel()
         diagonal = _diagonal_blocks(spec)
         if diagonal or _short_kv(spec):
-            short_args = args[:9] + args[11:-4]  # no descriptors, no window / block arguments: each query sees its one key tile whole
+            # no window / block arguments: each query sees its one key tile whole
+            short_args = args[:9] + (q, k, v) + args[11:-4]
             block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
+            tma = _tma_rows(q) and (not diagonal or (_tma_rows(k) and _tma_rows(v)))
+            if tma:
+                short_args = (lambda c, a=short_args: a[:9] + (
+                    _row_descriptor(q, c["BLOCK_M"]), *((_row_descriptor(k, block_n), _row_descriptor(v, block_n))
+                                                        if diagonal else (k, v))) + a[12:])
             launch(attn_fwd_short_kv_kernel,
                    lambda c: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
                    dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, DIAGONAL=diagonal,
-                        PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:],
+                        PREC=_prec(q.dtype), TMA=tma, BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:],
                    lambda: _short_kv_candidates(spec, D, q.element_size()))
             continue
         if _tma_rows(k) and _tma_rows(v):

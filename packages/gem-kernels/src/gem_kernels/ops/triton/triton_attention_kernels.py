@@ -324,11 +324,12 @@ def attn_fwd_kernel(
 
 @triton.jit
 def attn_fwd_short_kv_kernel(
-    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS,
+    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, Q_desc, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     NQ, qk_scale, out_scale,
     ACT: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr, DIAGONAL: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_TILES: tl.constexpr,
 ):
     """The forward of attention where every query sees exactly one key tile, whole:
 
@@ -338,7 +339,9 @@ def attn_fwd_short_kv_kernel(
       window): query tile i sees key tile i, and the program streams ``Q_TILES`` such pairs.
 
     Streaming several tiles per program lets their loads pipeline behind the previous tile's work. One key tile
-    makes the softmax exact in one step (no running max), with the same results as ``attn_fwd_kernel``."""
+    makes the softmax exact in one step (no running max), with the same results as ``attn_fwd_kernel``. ``TMA``: the
+    streamed tiles (query tiles, and the diagonal's key tiles) through tensor descriptors; rows past a sequence
+    give outputs that are never stored, or meet masked scores."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -357,12 +360,19 @@ def attn_fwd_short_kv_kernel(
         for m0 in range(m_first, m_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             qmask = offs_m < q_len
-            q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
+            if TMA:
+                q = Q_desc.load([(q_start + m0).to(tl.int32), h * BLOCK_D])
+            else:
+                q = _load_rows(Q + h * stride_qh, q_start + offs_m, stride_qt, offs_d, qmask, True)
             if DIAGONAL:
                 offs_n = m0 + tl.arange(0, BLOCK_N)
                 kmask = offs_n < k_len
-                kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, True)
-                v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
+                if TMA:
+                    kt = tl.trans(K_desc.load([(k_start + m0).to(tl.int32), h * BLOCK_D]))
+                    v = V_desc.load([(k_start + m0).to(tl.int32), h * BLOCK_D])
+                else:
+                    kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, True)
+                    v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
             s = tl.dot(q, kt, input_precision=PREC)
             if ACT == 0:
                 s = tl.where(kmask[None, :], s * qk_scale, -1.0e6)
