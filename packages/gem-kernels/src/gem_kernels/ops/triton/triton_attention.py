@@ -22,7 +22,7 @@ from gem_kernels.ops.triton.triton_attention_kernels import (
 )
 from gem_kernels.ops.triton.triton_sum_rows import sum_rows
 
-try:  # host-built tensor descriptors (Triton >= 3.4): the forward's K / V tiles copied by the TMA unit
+try:  # host-built tensor descriptors (Triton >= 3.4): streamed tiles copied by the TMA unit
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the Triton version
     TensorDescriptor = None

@@ -1,7 +1,8 @@
 """Triton kernels shared by JFA, GDPA and BlockAttention.
 
-One forward kernel and two backward kernels (dK/dV per key tile, dQ per query tile; no atomics, so the backward
-is deterministic), after a pre-pass for the softmax's ``delta``, cover every attention op of the package:
+One forward kernel and two backward kernels (dQ per query tile, which also computes the softmax's ``delta`` for
+the dK/dV kernel launched after it, dK/dV per key tile; no atomics, so the backward is deterministic) cover every
+attention op of the package:
 
 - queries are jagged (``Q_JAGGED``) or a few broadcast rows (PMA, ``NQ`` rows shared by every example);
 - example ``b`` reads kv sequence ``KV_IDX[b]`` (cross attention where one request serves many candidates);
