@@ -297,6 +297,22 @@ def same_with_direct_launch(run) -> bool:
     return all(torch.equal(a, b) for a, b in zip(ref, out))
 
 
+def same_with_pointer_loads(run) -> bool:
+    """``run()`` (a tuple of tensors) gives bit for bit the same with the attention kernels' tiles read through
+    tensor descriptors and through pointer loads (``triton_attention.TMA_LOADS``)."""
+    from gem_kernels.ops.triton import triton_attention
+
+    tma = triton_attention.TMA_LOADS
+    try:
+        triton_attention.TMA_LOADS = False
+        ref = run()
+        triton_attention.TMA_LOADS = True
+        out = run()
+    finally:
+        triton_attention.TMA_LOADS = tma
+    return all(torch.equal(a, b) for a, b in zip(ref, out))
+
+
 def run_checks(rec: Recorder):
     from gem_kernels import block_attention, gdpa, jagged_flash_attention, layer_norm, rms_norm
 
@@ -348,13 +364,17 @@ def run_checks(rec: Recorder):
             g_r = torch.autograd.grad(o_r, [q, k, v], do)
             errs = {"out": rel_err(o_t, o_r)}
             errs.update({f"d{n}": rel_err(a, b) for n, a, b in zip("qkv", g_t, g_r)})
-            direct = same_with_direct_launch(
-                lambda: (lambda o: (o, *torch.autograd.grad(o, [q, k, v], do)))(fn(q, k, v, "triton")))
-            ok = all(e < tol for e in errs.values()) and all(torch.isfinite(x).all() for x in (o_t, *g_t)) and direct
+            def run():
+                o = fn(q, k, v, "triton")
+                return (o, *torch.autograd.grad(o, [q, k, v], do))
+            direct, pointers = same_with_direct_launch(run), same_with_pointer_loads(run)
+            ok = (all(e < tol for e in errs.values()) and all(torch.isfinite(x).all() for x in (o_t, *g_t)) and direct
+                  and pointers)
             rec.checks.append({"name": name, "dtype": str(dt).split(".")[-1], "rel_err": errs, "tol": tol,
-                               "direct_launch_bitwise": direct, "ok": bool(ok)})
+                               "direct_launch_bitwise": direct, "pointer_loads_bitwise": pointers, "ok": bool(ok)})
             print(f"  check {name:18s} {str(dt):15s} {'OK ' if ok else 'BAD'} "
-                  + " ".join(f"{k}={e:.1e}" for k, e in errs.items()) + f" direct-launch-same={direct}", flush=True)
+                  + " ".join(f"{k}={e:.1e}" for k, e in errs.items())
+                  + f" direct-launch-same={direct} pointer-loads-same={pointers}", flush=True)
         guarded(rec, f"check {name}", one)
 
     for dt in (torch.bfloat16, torch.float16):
