@@ -261,6 +261,20 @@ def _row_descriptor(x: torch.Tensor, rows: int) -> "TensorDescriptor":
     return TensorDescriptor(x, [T, H * D], [x.stride(0), 1], [rows, D])
 
 
+def _with_descriptors(args: tuple, at: int, views: list[tuple[torch.Tensor, str | int]]):
+    """``(launch arguments, TMA)``: when every view takes a descriptor (``_tma_rows``), a function of the tile config
+    giving ``args`` with the placeholder slots ``at, at + 1, ...`` replaced by descriptors of ``views`` ((tensor, tile
+    rows: a config key or a number) each), and True; else ``args`` as they are and False."""
+    if not all(_tma_rows(x) for x, _ in views):
+        return args, False
+
+    def with_config(c: dict) -> tuple:
+        descriptors = tuple(_row_descriptor(x, c[rows] if isinstance(rows, str) else rows) for x, rows in views)
+        return args[:at] + descriptors + args[at + len(views):]
+
+    return with_config, True
+
+
 def _prec(dtype: torch.dtype) -> str:
     # fp32 inputs get exact fp32 dots (the reference's precision); 16-bit inputs use the tensor cores anyway.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -282,7 +296,7 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
                 o.stride(0), o.stride(1), lse.stride(0),
                 spec.nq or 0, spec.sm_scale * _LOG2E, spec.pw_scale, wl, wr, bs, kb)
         consts = dict(ACT=code, MASK_KIND=mask_kind, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
-                      PREC=_prec(q.dtype), TMA=False, BLOCK_D=D)
+                      PREC=_prec(q.dtype), BLOCK_D=D)
         key = ("fwd", code, mask_kind, spec.nq is None, kv_index is not None, D, q.dtype,
                _bucket(spec.max_q), _bucket(spec.max_kv), spec.block_size, spec.window_left is None,
                spec.window_right is None)
@@ -290,23 +304,17 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
         diagonal = _diagonal_blocks(spec)
         if diagonal or _short_kv(spec):
             # no window / block arguments: each query sees its one key tile whole
-            short_args = args[:9] + (q, k, v) + args[11:-4]
             block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
-            tma = _tma_rows(q) and (not diagonal or (_tma_rows(k) and _tma_rows(v)))
-            if tma:
-                short_args = (lambda c, a=short_args: a[:9] + (
-                    _row_descriptor(q, c["BLOCK_M"]), *((_row_descriptor(k, block_n), _row_descriptor(v, block_n))
-                                                        if diagonal else (k, v))) + a[12:])
+            # descriptors for the streamed tiles: query tiles, and the diagonal's key tiles
+            short_args, tma = _with_descriptors(args[:9] + (q, k, v) + args[11:-4], 9,
+                                                [(q, "BLOCK_M")] + ([(k, block_n), (v, block_n)] if diagonal else []))
             launch(attn_fwd_short_kv_kernel,
                    lambda c: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
                    dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, DIAGONAL=diagonal,
                         PREC=_prec(q.dtype), TMA=tma, BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:],
                    lambda: _short_kv_candidates(spec, D, q.element_size()))
             continue
-        if _tma_rows(k) and _tma_rows(v):
-            consts["TMA"] = True
-            args = (lambda c, a=args: a[:9] + (_row_descriptor(k, c["BLOCK_N"]), _row_descriptor(v, c["BLOCK_N"]))
-                    + a[11:])
+        args, consts["TMA"] = _with_descriptors(args, 9, [(k, "BLOCK_N"), (v, "BLOCK_N")])
         launch(attn_fwd_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
                 lambda: _candidates("fwd", spec, D))
     return o, lse
@@ -397,23 +405,17 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
             continue
         # dQ first: it writes delta (softmax heads) for dK / dV. The streamed tiles through tensor descriptors where
         # their layouts allow (see attn_fwd_kernel).
-        tma = _tma_rows(k) and _tma_rows(v)
-        args = (q, k, v, o, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
-                head_ids, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-                spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb)
-        if tma:
-            args = (lambda c, a=args: a[:12] + (_row_descriptor(k, c["BLOCK_N"]), _row_descriptor(v, c["BLOCK_N"]))
-                    + a[14:])
+        args, tma = _with_descriptors(
+            (q, k, v, o, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
+             head_ids, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+             o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+             spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb), 12, [(k, "BLOCK_N"), (v, "BLOCK_N")])
         launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
                dict(common, HAS_KV_IDX=kv_index is not None, TMA=tma, DELTA_FROM_O=code == 0), ("dq",) + key_tail,
                lambda: _candidates("dq", spec, D))
-        tma = _tma_rows(q) and _tma_rows(do)
-        args = (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, q, do, *strides,
-                *scales, wl, wr, bs, kb)
-        if tma:
-            args = (lambda c, a=args: a[:13] + (_row_descriptor(q, c["BLOCK_M"]), _row_descriptor(do, c["BLOCK_M"]))
-                    + a[15:])
+        args, tma = _with_descriptors(
+            (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, q, do, *strides,
+             *scales, wl, wr, bs, kb), 13, [(q, "BLOCK_M"), (do, "BLOCK_M")])
         launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
                dict(common, HAS_CAND=kv_index is not None, TMA=tma), ("dkdv",) + key_tail,
                lambda: _candidates("dkdv", spec, D, q.element_size()))
