@@ -85,6 +85,13 @@ def _run_every_op():
     # a float32 stream, a float16 update: the update's gradient is written in float16 by the backward kernel
     x32 = r(9, 48)
     outs.append(layer_norm(x32, w.float(), b.float(), residual=res, kernel="triton", out_dtype=torch.float16)[0])
+    # the FP8 MLP block's producers (LayerNorm and GELU with E4M3 epilogues), GEMMs emulated
+    from gem_kernels import Fp8Recipe
+    from gem_kernels.fp8_mlp import fp8_norm_mlp
+
+    w1, w2 = r(64, 48, dtype=torch.float16), r(48, 64, dtype=torch.float16)
+    outs.append(fp8_norm_mlp(x, w, b, 1e-5, w1, r(64, dtype=torch.float16), w2, None, Fp8Recipe(kernel="triton"),
+                             emulate=True))
     sum(o.float().sum() for o in outs).backward()
 
 
@@ -132,7 +139,8 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
             "attn_bwd_dq_kernel",
             "attn_bwd_broadcast_q_kernel", "attn_bwd_delta_kernel", "attn_fwd_fp8_kernel", "norm_fwd_kernel",
             "norm_bwd_kernel", "sum_rows_kernel", "fp8_dequantize_rows_kernel",
-            "fp8_dequantize_transposed_kernel", "sequence_aligned_layout_kernel"} <= names, names
+            "fp8_dequantize_transposed_kernel", "sequence_aligned_layout_kernel", "bias_gelu_fp8_fwd_kernel",
+            "gelu_fp8_bwd_kernel"} <= names, names
     jobs = []
     for (name, _), (kernel, args, named) in launches.items():
         params = kernel.arg_names

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gem_kernels.fp8 import fp8_dequantize, fp8_rowwise_quantize, fp8_rowwise_quantize_reference
+from gem_kernels.fp8 import fp8_dequantize, fp8_rowwise_quantize, fp8_rowwise_quantize_reference, padded
 from gem_kernels.low_precision import LowPrecisionLinear
 
 _ALIGN = 16  # the scaled GEMM's size multiple
@@ -78,50 +78,83 @@ def _gemm(a, a_scale, b, b_scale, emulate: bool) -> torch.Tensor:
     return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=torch.bfloat16)
 
 
+def forward_gemm(x, x_fp8, weight, recipe: Fp8Recipe, emulate: bool) -> torch.Tensor:
+    """``x @ weight^T`` in bfloat16 from E4M3 operands; ``x_fp8``: x's rows already quantised by its producer
+    (``(elements, scales)``, rows padded to a multiple of 16), or None to quantise them here."""
+    xq, xs = _quantize(x, -1, _ALIGN, 1, recipe.kernel, emulate) if x_fp8 is None else x_fp8
+    wq, ws = _quantize(weight, -1, 1, 1, recipe.kernel, emulate)
+    return _gemm(xq, xs, wq, ws, emulate)[: x.shape[0]]
+
+
+def input_gradient(grad_fp8, rows: int, weight, recipe: Fp8Recipe, emulate: bool) -> torch.Tensor:
+    """``grad @ weight`` in bfloat16 from the output gradient's E4M3 rows (along N) and ``W^T``'s."""
+    wtq, wts = _quantize(weight, 0, 1, 1, recipe.kernel, emulate)  # W^T: rows along N
+    return _gemm(*grad_fp8, wtq, wts, emulate)[:rows]
+
+
+def weight_gradient(grad, x, weight, recipe: Fp8Recipe, emulate: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``grad^T @ x`` in the weight's dtype: in ``dtype`` or, with ``recipe.weight_gradient == "fp8"``, from E4M3
+    columns along M."""
+    if recipe.weight_gradient == "fp8":
+        gtq, gts = _quantize(grad, 0, 1, _ALIGN, recipe.kernel, emulate)  # [N, M]
+        xtq, xts = _quantize(x, 0, 1, _ALIGN, recipe.kernel, emulate)  # [K, M]
+        grad_w = _gemm(gtq, gts, xtq, xts, emulate)
+    else:
+        grad_w = grad.t().to(dtype) @ x.to(dtype)
+    return grad_w.to(weight.dtype)
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe, emulate: bool, dtype: torch.dtype):
-        """``dtype``: the output's, and the high-precision weight gradient's (autocast's, else the input's)."""
-        m = x.shape[0]
-        xq, xs = _quantize(x, -1, _ALIGN, 1, recipe.kernel, emulate)
-        wq, ws = _quantize(weight, -1, 1, 1, recipe.kernel, emulate)
+    def forward(ctx, x, weight, x_elements, x_scales, recipe: Fp8Recipe, emulate: bool, dtype: torch.dtype):
+        """``dtype``: the output's, and the high-precision weight gradient's (autocast's, else the input's);
+        ``x_elements`` / ``x_scales``: x already quantised (None: quantise here)."""
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.emulate, ctx.dtype = recipe, emulate, dtype
-        return _gemm(xq, xs, wq, ws, emulate)[:m].to(dtype)
+        x_fp8 = None if x_elements is None else (x_elements, x_scales)
+        return forward_gemm(x, x_fp8, weight, recipe, emulate).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         recipe, emulate = ctx.recipe, ctx.emulate
-        m = grad.shape[0]
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            gq, gs = _quantize(grad, -1, _ALIGN, 1, recipe.kernel, emulate)
-            wtq, wts = _quantize(weight, 0, 1, 1, recipe.kernel, emulate)  # W^T: rows along N
-            grad_x = _gemm(gq, gs, wtq, wts, emulate)[:m].to(x.dtype)
+            grad_fp8 = _quantize(grad, -1, _ALIGN, 1, recipe.kernel, emulate)
+            grad_x = input_gradient(grad_fp8, grad.shape[0], weight, recipe, emulate).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            if recipe.weight_gradient == "fp8":
-                gtq, gts = _quantize(grad, 0, 1, _ALIGN, recipe.kernel, emulate)  # [N, M]
-                xtq, xts = _quantize(x, 0, 1, _ALIGN, recipe.kernel, emulate)  # [K, M]
-                grad_w = _gemm(gtq, gts, xtq, xts, emulate)
-            else:
-                grad_w = grad.t().to(ctx.dtype) @ x.to(ctx.dtype)
-            grad_w = grad_w.to(weight.dtype)
-        return grad_x, grad_w, None, None, None
+            grad_w = weight_gradient(grad, x, weight, recipe, emulate, ctx.dtype)
+        return grad_x, grad_w, None, None, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Recipe(), emulate: bool = False) -> torch.Tensor:
-    """``x @ weight^T`` (``x [M, K]``, ``weight [N, K]``, no bias) with FP8 GEMMs (module docstring). The output
-    has autocast's dtype when autocast is on for ``x``'s device, else ``x``'s."""
+def check_linear_shapes(name: str, x: torch.Tensor, weight: torch.Tensor, x_fp8) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"fp8_linear: x [M, K] and weight [N, K] needed, got {tuple(x.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"{name}: x [M, K] and weight [N, K] needed, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[1] % _ALIGN or weight.shape[0] % _ALIGN:
-        raise ValueError(f"fp8_linear: in and out features must be multiples of {_ALIGN}, got {tuple(weight.shape)}")
+        raise ValueError(f"{name}: in and out features must be multiples of {_ALIGN}, got {tuple(weight.shape)}")
+    if x_fp8 is not None:
+        elements, scales = x_fp8
+        rows = padded(x.shape[0], _ALIGN)
+        if elements.dtype != torch.float8_e4m3fn or tuple(elements.shape) != (rows, x.shape[1]) or tuple(scales.shape) != (rows, 1):
+            raise ValueError(f"{name}: x_fp8 must be E4M3 elements [{rows}, {x.shape[1]}] (rows padded to {_ALIGN}) and "
+                             f"scales [{rows}, 1], got {elements.dtype} {tuple(elements.shape)} and {tuple(scales.shape)}")
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Autocast's dtype when autocast is on for ``x``'s device, else ``x``'s."""
     device = x.device.type
-    autocast = torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
-    return _Fp8Linear.apply(x, weight, recipe, emulate, dtype)
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Recipe(), emulate: bool = False,
+               x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``x @ weight^T`` (``x [M, K]``, ``weight [N, K]``, no bias) with FP8 GEMMs (module docstring). The output
+    has autocast's dtype when autocast is on for ``x``'s device, else ``x``'s. ``x_fp8``: x's E4M3 rows and
+    scales from its producer (``fp8_layer_norm``, ``fp8_linear_gelu``), which spares the quantisation pass."""
+    check_linear_shapes("fp8_linear", x, weight, x_fp8)
+    elements, scales = (None, None) if x_fp8 is None else x_fp8
+    return _Fp8Linear.apply(x, weight, elements, scales, recipe, emulate, compute_dtype(x))
 
 
 class Fp8Linear(LowPrecisionLinear):

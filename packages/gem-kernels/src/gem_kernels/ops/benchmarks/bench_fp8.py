@@ -7,7 +7,11 @@ and the gradients' errors against fp32 on the first case. Then, for M tokens and
 square K = N layers, one linear forward and forward+backward, quantisation included: bfloat16 (``F.linear``),
 FP8 with the weight gradient in bfloat16 (the default recipe) and FP8 throughout; and the quantisation alone
 (GB/s against the 4.2 TB/s copy). The summary gives each FP8 variant's speed-up over bfloat16 and the crossover
-(the narrowest layer where FP8 pays), from which ``Fp8Recipe``'s defaults come. Writes JSON with provenance.
+(the narrowest layer where FP8 pays), from which ``Fp8Recipe``'s defaults come. Part ``mlp``: the block
+LayerNorm -> Linear -> GELU -> Linear (hidden = K) forward and forward+backward, bfloat16 (our LayerNorm, ``F.linear``,
+``F.gelu``) against ``fp8_norm_mlp`` (activations quantised by their producers), FP8 throughout, and the same block
+with FP8 linears that quantise in passes of their own; checks: the producers' E4M3 bits on the GPU and the block's
+error. Writes JSON with provenance.
 
     PYTHONPATH=packages/gem-kernels/src python -m gem_kernels.ops.benchmarks.bench_fp8 --out fp8.json
 """
@@ -31,6 +35,7 @@ from gem_kernels.ops.benchmarks.run_all import (Recorder, bench_ms, fwd_bwd, gua
                                                 pairs_self)
 
 TOKENS = (16384, 65536, 262144, 1048576)
+MLP_TOKENS = (65536, 262144, 1048576)
 WIDTHS = (512, 1024, 2048, 4096)
 TARGETS = {1024: 1.15, 2048: 1.3, 4096: 1.3}  # speed-up over bfloat16 asked at K = N
 ATTENTION_CASES = [("jfa_self", 256, 512, 4096, {}), ("jfa_causal", 256, 512, 4096, {"causal": True}),
@@ -38,18 +43,19 @@ ATTENTION_CASES = [("jfa_self", 256, 512, 4096, {}), ("jfa_causal", 256, 512, 40
 ATTENTION_TARGET = 1.2  # FP8 forward over our bf16 forward, jfa_self
 VARIANTS = {"fp8": Fp8Recipe(min_features=0, min_tokens=0),
             "fp8_wgrad_fp8": Fp8Recipe(weight_gradient="fp8", min_features=0, min_tokens=0)}
+MLP_ONLY = ("fp8_unfused",)  # the MLP block with FP8 linears that quantise their inputs in passes of their own
 
 
 class FP8Recorder(Recorder):
     def summary(self):
         out = self.attention_summary()
-        cases = list(dict.fromkeys((r["case"], r["pass"]) for r in self.rows if r["op"] == "linear"))
-        for case, pas in cases:
-            rows = {r["impl"]: r for r in self.rows if (r["op"], r["case"], r["pass"]) == ("linear", case, pas)}
+        cases = list(dict.fromkeys((r["op"], r["case"], r["pass"]) for r in self.rows if r["op"] in ("linear", "mlp")))
+        for op, case, pas in cases:
+            rows = {r["impl"]: r for r in self.rows if (r["op"], r["case"], r["pass"]) == (op, case, pas)}
             if "bf16" not in rows:
                 continue
             entry = {"case": case, "pass": pas, "bf16_ms": rows["bf16"]["ms"], "target": rows["bf16"].get("target")}
-            for impl in VARIANTS:
+            for impl in (*VARIANTS, *MLP_ONLY):
                 if impl in rows:
                     entry[f"{impl}_ms"] = rows[impl]["ms"]
                     entry[f"{impl}_speedup"] = round(rows["bf16"]["ms"] / rows[impl]["ms"], 3)
@@ -118,6 +124,90 @@ def bench_linear(rec: Recorder, m: int, width: int) -> None:
         nbytes = m * width * 2 + m * width  # read bf16, write e4m3 (the chunked kernel reads twice: not counted)
         rec.add("quantize", case, "gem", f"dim={dim}", bench_ms(lambda dim=dim: fp8_rowwise_quantize(x.detach(), dim, 16, 16)),
                 nbytes=nbytes)
+
+
+def _mlp_params(width: int):
+    """LayerNorm weight and bias, then the two linears' (hidden = width), bfloat16."""
+    def linear():
+        return ((torch.randn(width, width, device="cuda") * width**-0.5).bfloat16().requires_grad_(),
+                (torch.randn(width, device="cuda") * 0.1).bfloat16().requires_grad_())
+
+    norm = [(torch.randn(width, device="cuda") * 0.1 + 1).bfloat16().requires_grad_(),
+            (torch.randn(width, device="cuda") * 0.1).bfloat16().requires_grad_()]
+    return [*norm, *linear(), *linear()]
+
+
+def mlp_blocks(params) -> dict:
+    """The MLP block's implementations: name -> function of x."""
+    from gem_kernels import layer_norm
+    from gem_kernels.fp8_mlp import fp8_norm_mlp
+
+    nw, nb, w1, b1, w2, b2 = params
+
+    def bf16(x):
+        return F.linear(F.gelu(F.linear(layer_norm(x, nw, nb), w1, b1)), w2, b2)
+
+    def unfused(x):
+        recipe = VARIANTS["fp8"]
+        return fp8_linear(F.gelu(fp8_linear(layer_norm(x, nw, nb), w1, recipe) + b1), w2, recipe) + b2
+
+    blocks = {"bf16": bf16, "fp8_unfused": unfused}
+    for name, recipe in VARIANTS.items():
+        blocks[name] = lambda x, recipe=recipe: fp8_norm_mlp(x, nw, nb, 1e-5, w1, b1, w2, b2, recipe)
+    return blocks
+
+
+def run_mlp_checks(rec: Recorder) -> None:
+    """On the GPU in bfloat16: each producer's E4M3 against quantising its output (same bits), and the block's
+    output and gradients against its emulated twin and against the bfloat16 block."""
+    from gem_kernels.fp8_mlp import fp8_layer_norm, fp8_norm_mlp
+    from gem_kernels.ops.triton.triton_fp8_gelu import triton_bias_gelu_fp8, triton_gelu_fp8_backward
+
+    torch.manual_seed(0)
+    rows, width = 8195, 2048
+    nw, nb, w1, b1, w2, b2 = params = _mlp_params(width)
+    x = (torch.randn(rows, width, device="cuda") * 2).bfloat16().requires_grad_()
+    n, n_fp8 = fp8_layer_norm(x.detach(), nw.detach(), nb.detach(), 1e-5, VARIANTS["fp8"])
+    h, a, *a_fp8 = triton_bias_gelu_fp8(n @ w1.detach().t(), b1.detach(), 16)
+    dh, *dh_fp8 = triton_gelu_fp8_backward(torch.randn_like(a), h, 16)
+    for name, (out, fp8) in {"layer_norm": (n, n_fp8), "bias_gelu": (a, a_fp8), "gelu_backward": (dh, dh_fp8)}.items():
+        ref = fp8_rowwise_quantize_reference(out, -1, 16)
+        same = torch.equal(fp8[0].float(), ref[0].float()) and torch.equal(fp8[1].nan_to_num(-1.0), ref[1].nan_to_num(-1.0))
+        rec.checks.append({"name": f"mlp producer {name}: E4M3 of its output", "same_bits": same, "ok": same})
+        print(f"  mlp producer {name}: same bits {same}", flush=True)
+    g = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    inputs = [x, *params]
+    got = {}
+    blocks = mlp_blocks(params)
+    runs = {"fast": blocks["fp8"], "bf16": blocks["bf16"],
+            "twin": lambda x: fp8_norm_mlp(x, nw, nb, 1e-5, w1, b1, w2, b2, VARIANTS["fp8"], emulate=True)}
+    for name, fn in runs.items():
+        y = fn(x)
+        got[name] = [y.float(), *(t.float() for t in torch.autograd.grad(y, inputs, g))]
+
+    def rel(a, b):
+        return [round(float((p - q).norm() / q.norm()), 5) for p, q in zip(a, b)]
+
+    twin, bf16 = rel(got["fast"], got["twin"]), rel(got["fast"], got["bf16"])
+    ok = max(twin) < 0.02 and max(bf16) < 0.1
+    rec.checks.append({"name": "fp8_norm_mlp", "rel_err_vs_twin [y, dx, dnw, dnb, dw1, db1, dw2, db2]": twin,
+                       "rel_err_vs_bf16 [y, dx, dnw, dnb, dw1, db1, dw2, db2]": bf16, "ok": ok})
+    print(f"  fp8_norm_mlp: vs twin {twin}, vs bf16 {bf16}", flush=True)
+
+
+def bench_mlp(rec: Recorder, m: int, width: int) -> None:
+    case = f"mlp M={m} K=N={width}"
+    params = _mlp_params(width)
+    x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
+    flops = 4.0 * m * width * width  # two GEMMs
+    for name, fn in mlp_blocks(params).items():
+        extra = {"target": TARGETS.get(width)} if name == "bf16" else {}
+        if name != "fp8_wgrad_fp8":
+            with torch.no_grad():
+                rec.add("mlp", case, name, "fwd", bench_ms(lambda fn=fn: fn(x)), flops, **extra)
+        rec.add("mlp", case, name, "fwd+bwd", bench_ms(lambda fn=fn: torch.autograd.grad(fn(x), [x, *params], g)),
+                3 * flops, **extra)
 
 
 def fp8_kernel_alone(q, k, v, off, longest: int, mask: dict):
@@ -197,12 +287,13 @@ def bench_attention(rec: Recorder) -> None:
             print(f"  attention gradient error vs fp32: {errors}", flush=True)
 
 
-def crossover(summary: list[dict], impl: str) -> dict:
-    """Per token count: the narrowest K = N whose forward+backward is faster in ``impl`` than in bfloat16."""
+def crossover(summary: list[dict], impl: str, prefix: str = "") -> dict:
+    """Per token count: the narrowest K = N whose forward+backward is faster in ``impl`` than in bfloat16
+    (``prefix``: "mlp " for the MLP block's cases, "" for one linear's)."""
     out = {}
     for m in TOKENS:
         wins = [w for w in WIDTHS for e in summary
-                if e["case"] == f"M={m} K=N={w}" and e["pass"] == "fwd+bwd" and e.get(f"{impl}_speedup", 0) > 1.0]
+                if e["case"] == f"{prefix}M={m} K=N={w}" and e["pass"] == "fwd+bwd" and e.get(f"{impl}_speedup", 0) > 1.0]
         out[str(m)] = min(wins) if wins else None
     return out
 
@@ -211,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="the smallest token count only")
-    p.add_argument("--parts", default="attention,linear", help="a comma list of attention, linear")
+    p.add_argument("--parts", default="attention,linear,mlp", help="a comma list of attention, linear, mlp")
     a = p.parse_args(argv)
     t0 = time.time()
     import triton
@@ -235,8 +326,16 @@ def main(argv: list[str] | None = None) -> None:
         for width in WIDTHS:
             guarded(rec, f"linear M={m} K=N={width}", lambda m=m, width=width: bench_linear(rec, m, width))
             torch.cuda.empty_cache()  # the next shape's tensors differ in size
+    if "mlp" in parts:
+        print("== mlp block: bf16 vs fp8 with producer-quantised activations ==", flush=True)
+        guarded(rec, "mlp checks", lambda: run_mlp_checks(rec))
+        for m in MLP_TOKENS[:1] if a.quick else MLP_TOKENS:
+            for width in WIDTHS[1:]:
+                guarded(rec, f"mlp M={m} K=N={width}", lambda m=m, width=width: bench_mlp(rec, m, width))
+                torch.cuda.empty_cache()
     summary = rec.summary()
     rec.meta["crossover_fwd_bwd"] = {impl: crossover(summary, impl) for impl in VARIANTS}
+    rec.meta["crossover_fwd_bwd_mlp"] = {impl: crossover(summary, impl, "mlp ") for impl in VARIANTS}
     from gem_kernels.ops.triton import _tuning
 
     rec.meta["autotune"] = os.environ.get("GEM_KERNELS_AUTOTUNE", "0")
@@ -246,12 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     for e in rec.attention_summary():
         print(f"{e['case']:44s} {e['pass']:8s} bf16 {e['bf16_ms']:.3f} ms  fp8 {e['fp8_ms']:.3f} ms  "
               f"x{e['fp8_speedup']}  target {e['target']}")
-    print(f"\n{'case':24s} {'pass':8s} {'bf16 ms':>9s} " + " ".join(f"{v + ' x':>16s}" for v in VARIANTS) + "  target")
+    impls = (*VARIANTS, *MLP_ONLY)
+    print(f"\n{'case':28s} {'pass':8s} {'bf16 ms':>9s} " + " ".join(f"{v + ' x':>16s}" for v in impls) + "  target")
     for e in summary:
         if "K=N" not in e["case"]:  # the attention rows, printed above
             continue
-        print(f"{e['case']:24s} {e['pass']:8s} {e['bf16_ms']:9.3f} "
-              + " ".join(f"{e.get(f'{v}_speedup', float('nan')):16.3f}" for v in VARIANTS) + f"  {e['target']}")
+        print(f"{e['case']:28s} {e['pass']:8s} {e['bf16_ms']:9.3f} "
+              + " ".join(f"{e.get(f'{v}_speedup', float('nan')):16.3f}" for v in impls) + f"  {e['target']}")
     print("crossover (narrowest K=N where fp8 fwd+bwd beats bf16):", rec.meta["crossover_fwd_bwd"])
 
 

@@ -67,6 +67,26 @@ def _store_scales(S, rows, fields, bad, R, R_out):
 
 
 @triton.jit
+def store_fp8_rows(Q, S, y, rows, cols, R, C, R_out, MAX: tl.constexpr):
+    """Epilogue for a kernel that holds whole rows: the rowwise E4M3 of the float32 tile ``y`` ``[ROWS, BLOCK_C]``
+    (rows ``rows`` of ``R``, columns ``cols`` of ``C``) into ``Q`` (``[R_out, C]``, row-major) and its scales into
+    ``S``: the bits ``fp8_rowwise_quantize`` gives for the same values. Rows in ``[R, R_out)`` are padding (zeros,
+    scale 1); ``y`` should hold the values as stored (rounded to the producer's output dtype)."""
+    keep = (rows < R)[:, None] & (cols < C)[None, :]
+    y = tl.where(keep, y, 0.0)
+    ay = tl.abs(y)
+    amax = tl.max(ay, 1)
+    bad = tl.max(tl.where(ay < float("inf"), 0, 1), 1)
+    fields = _scale_fields(amax, bad)
+    _store_scales(S, rows, fields, bad, R, R_out)
+    inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
+    q = tl.where((bad == 0)[:, None], y * inverse[:, None], 0.0)
+    q = _round_to_e4m3(tl.minimum(tl.maximum(q, -MAX), MAX))
+    out = (rows < R_out)[:, None] & (cols < C)[None, :]
+    tl.store(Q + rows[:, None] * C + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
+
+
+@triton.jit
 def fp8_rows_kernel(X, Q, S, R, C, R_out, C_out, stride_r, MAX: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)

@@ -16,16 +16,21 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_kernels.fp8 import E4M3_MAX, padded
 from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
+from gem_kernels.ops.triton.triton_fp8 import store_fp8_rows
+
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 from gem_kernels.ops.triton.triton_sum_rows import sum_rows
 
 
 @triton.jit
 def norm_fwd_kernel(
-    X, RES, W, B, Y, H, MEAN, RSTD, M, N, eps, stride_x, stride_r, stride_y, stride_h,
-    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    X, RES, W, B, Y, H, MEAN, RSTD, Q, S, M, M_out, N, eps, stride_x, stride_r, stride_y, stride_h,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    # FP8: y's rowwise E4M3 (for the scaled GEMM that reads y) goes to Q / S as well, rows M .. M_out padding
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
@@ -47,7 +52,10 @@ def norm_fwd_kernel(
     y = xc * rstd[:, None] * w[None, :]
     if HAS_BIAS:
         y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    y = y.to(Y.dtype.element_ty)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if FP8:
+        store_fp8_rows(Q, S, y.to(tl.float32), rows, cols, M, N, M_out, _E4M3_MAX)
 
 
 @triton.jit
@@ -171,9 +179,11 @@ def _num_bwd_programs(m: int, cfg: dict, device: torch.device) -> int:
 
 class _TritonNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, is_rms, skip=False, out_dtype=None):
+    def forward(ctx, x, weight, bias, residual, eps, is_rms, skip=False, out_dtype=None, fp8_rows_to=0):
         # skip: x is also an output (the skip path); its gradient arrives as dh and is added in the backward.
         # out_dtype: y's dtype (None: x's); its gradient then arrives in it and is read as it is
+        # fp8_rows_to: also return y's rowwise E4M3 and scales ([M, N] rows padded to a multiple of it, [.., 1]),
+        # constants to autograd (the scaled GEMM that reads them has its own backward)
         shape = x.shape
         N = shape[-1]
         x2 = x.reshape(-1, N).contiguous()
@@ -184,23 +194,31 @@ class _TritonNorm(torch.autograd.Function):
         mean = torch.empty(M, dtype=torch.float32, device=x.device)
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
         block_n = next_power_of_2(N)
-        args = (x2, x2 if res2 is None else res2, weight, weight if bias is None else bias, y, h, mean, rstd, M, N,
-                eps, x2.stride(0), x2.stride(0) if res2 is None else res2.stride(0), y.stride(0), h.stride(0))
-        consts = dict(IS_RMS=is_rms, HAS_RES=res2 is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n)
-        launch(norm_fwd_kernel, lambda c: (cdiv(M, c["ROWS"]),), args, consts,
+        M_out = padded(M, fp8_rows_to) if fp8_rows_to else M
+        q = torch.empty(M_out, N, dtype=torch.float8_e4m3fn, device=x.device) if fp8_rows_to else y
+        s = torch.empty(M_out, dtype=torch.float32, device=x.device) if fp8_rows_to else mean
+        args = (x2, x2 if res2 is None else res2, weight, weight if bias is None else bias, y, h, mean, rstd, q, s, M,
+                M_out, N, eps, x2.stride(0), x2.stride(0) if res2 is None else res2.stride(0), y.stride(0), h.stride(0))
+        consts = dict(IS_RMS=is_rms, HAS_RES=res2 is not None, HAS_BIAS=bias is not None, FP8=bool(fp8_rows_to),
+                      BLOCK_N=block_n)
+        launch(norm_fwd_kernel, lambda c: (cdiv(M_out, c["ROWS"]),), args, consts,
                ("norm_fwd", is_rms, res2 is not None, bias is not None, block_n, x.dtype)
-               + (() if y.dtype == x.dtype else (y.dtype,)),
+               + (() if y.dtype == x.dtype else (y.dtype,)) + (("fp8",) if fp8_rows_to else ()),
                lambda: _fwd_cands(block_n))
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.is_rms, ctx.has_res, ctx.has_dh, ctx.shape = is_rms, res2 is not None, res2 is not None or skip, shape
         # a residual of another dtype gets its gradient written in it by the kernel (no cast pass after)
         ctx.residual_dtype = None if res2 is None or res2.dtype == x.dtype else res2.dtype
+        if fp8_rows_to:
+            ctx.mark_non_differentiable(q, s)
+            return (y.view(shape), *((h.view(shape),) if ctx.has_dh else ()), q, s[:, None])
         if not ctx.has_dh:
             return y.view(shape)
         return y.view(shape), h.view(shape)
 
     @staticmethod
-    def backward(ctx, dy, dh=None):
+    def backward(ctx, dy, *others):
+        dh = others[0] if ctx.has_dh else None  # the rest: the E4M3 outputs' (constants)
         h, weight, bias, mean, rstd = ctx.saved_tensors
         N = h.shape[-1]
         M = h.shape[0]
@@ -234,11 +252,11 @@ class _TritonNorm(torch.autograd.Function):
         else:
             dweight, dbias = sum_rows(dw, weight.dtype, db, bias.dtype)
         dresidual = (dx if dr is None else dr.view(ctx.shape)) if ctx.has_res else None
-        return dx, dweight, dbias, dresidual, None, None, None, None
+        return dx, dweight, dbias, dresidual, None, None, None, None, None
 
 
-def triton_layer_norm(x, weight, bias, eps, residual=None, skip=False, out_dtype=None):
-    return _TritonNorm.apply(x, weight, bias, residual, eps, False, skip, out_dtype)
+def triton_layer_norm(x, weight, bias, eps, residual=None, skip=False, out_dtype=None, fp8_rows_to=0):
+    return _TritonNorm.apply(x, weight, bias, residual, eps, False, skip, out_dtype, fp8_rows_to)
 
 
 def triton_rms_norm(x, weight, eps, residual=None, skip=False, out_dtype=None):

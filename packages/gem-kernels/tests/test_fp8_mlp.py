@@ -1,0 +1,122 @@
+"""The FP8 MLP block with producer-quantised activations: each Triton producer (interpreter on CPU) writes the
+E4M3 bits that quantising its own output gives; the block against its PyTorch twin and against float32."""
+
+import pytest
+import torch
+from conftest import requires_triton
+
+from gem_kernels import Fp8Recipe, fp8_linear
+from gem_kernels.fp8 import fp8_rowwise_quantize_reference
+from gem_kernels.fp8_mlp import _gelu_gradient_reference, _gelu_reference, fp8_layer_norm, fp8_linear_gelu, fp8_norm_mlp
+
+
+def _same(a, b):
+    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1].nan_to_num(-1.0), b[1].nan_to_num(-1.0))
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).detach().norm() / b.float().detach().norm())
+
+
+TRITON = Fp8Recipe(min_features=0, min_tokens=0, kernel="triton")
+TWIN = Fp8Recipe(min_features=0, min_tokens=0, kernel="pytorch")
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,width,bias", [(37, 48, True), (64, 96, False)])
+def test_layer_norm_writes_the_e4m3_of_its_output(rows, width, bias, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+    x[5, 7] = float("nan")  # a non-finite row: NaN scale, zero elements
+    w = torch.randn(width, generator=g)
+    b = torch.randn(width, generator=g) if bias else None
+    y, (elements, scales) = fp8_layer_norm(x, w, b, 1e-5, TRITON)
+    padded = -(-rows // 16) * 16  # rows padded to 16: zeros, scale 1
+    assert elements.shape == (padded, width) and scales.shape == (padded, 1)
+    assert _same((elements, scales), fp8_rowwise_quantize_reference(y, -1, 16))
+    twin, twin_fp8 = fp8_layer_norm(x, w, b, 1e-5, TWIN)
+    assert torch.allclose(y.float().nan_to_num(), twin.float().nan_to_num(), rtol=2e-3, atol=2e-3)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bias_gelu_and_its_gradient_write_the_e4m3_of_their_outputs(dtype):
+    from gem_kernels.ops.triton.triton_fp8_gelu import triton_bias_gelu_fp8, triton_gelu_fp8_backward
+
+    g = torch.Generator().manual_seed(1)
+    h0 = (torch.randn(45, 80, generator=g) * 2).to(dtype)
+    bias = torch.randn(80, generator=g)
+    h, a, elements, scales = triton_bias_gelu_fp8(h0, bias, 16)
+    assert torch.equal(h, (h0.float() + bias).to(dtype))  # one rounding of the float32 sum, as the twin's
+    assert torch.allclose(a.float(), _gelu_reference(h).float(), rtol=1e-3, atol=1e-6)
+    assert _same((elements, scales), fp8_rowwise_quantize_reference(a, -1, 16))
+    da = torch.randn(45, 80, generator=g).to(dtype)
+    dh, elements, scales = triton_gelu_fp8_backward(da, h, 16)
+    assert torch.allclose(dh.float(), _gelu_gradient_reference(da, h).float(), rtol=1e-3, atol=1e-5)
+    hf = h.float().requires_grad_()
+    (autograd,) = torch.autograd.grad(torch.nn.functional.gelu(hf), hf, da.float())
+    assert torch.allclose(_gelu_gradient_reference(da.float(), hf.detach()), autograd, rtol=1e-5, atol=1e-6)
+    assert _same((elements, scales), fp8_rowwise_quantize_reference(dh, -1, 16))
+
+
+def _block_inputs(rows=50, width=64, hidden=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g, requires_grad=True)
+    params = [torch.randn(width, generator=g).add_(1).requires_grad_(), torch.randn(width, generator=g).requires_grad_(),
+              (torch.randn(hidden, width, generator=g) / width**0.5).requires_grad_(), torch.randn(hidden, generator=g).requires_grad_(),
+              (torch.randn(width, hidden, generator=g) / hidden**0.5).requires_grad_(), torch.randn(width, generator=g).requires_grad_()]
+    return x, params, torch.randn(rows, width, generator=g)
+
+
+def _block(x, params, recipe, emulate):
+    nw, nb, w1, b1, w2, b2 = params
+    return fp8_norm_mlp(x, nw, nb, 1e-5, w1, b1, w2, b2, recipe, emulate=emulate)
+
+
+def _exact(x, params):
+    nw, nb, w1, b1, w2, b2 = params
+    n = torch.nn.functional.layer_norm(x, (x.shape[-1],), nw, nb, 1e-5)
+    return torch.nn.functional.gelu(n @ w1.t() + b1) @ w2.t() + b2
+
+
+@requires_triton
+@pytest.mark.parametrize("weight_gradient", ["high", "fp8"])
+def test_fp8_norm_mlp_matches_its_twin_and_stays_near_float32(weight_gradient):
+    x, params, g = _block_inputs()
+    inputs = [x, *params]
+    results = {}
+    for name, fn in [("triton", lambda: _block(x, params, Fp8Recipe(weight_gradient, 0, 0, "triton"), True)),
+                     ("twin", lambda: _block(x, params, Fp8Recipe(weight_gradient, 0, 0, "pytorch"), True)),
+                     ("scaled_mm", lambda: _block(x, params, Fp8Recipe(weight_gradient, 0, 0, "pytorch"), False)),
+                     ("exact", lambda: _exact(x, params))]:
+        y = fn()
+        assert y.shape == x.shape and y.dtype == torch.float32
+        results[name] = (y, *torch.autograd.grad(y, inputs, g))
+    for triton, twin, scaled, exact in zip(*(results[k] for k in ("triton", "twin", "scaled_mm", "exact"))):
+        # the same quantised operands up to the producers' last-bit differences (erf, reduction order)
+        assert _rel(triton, twin) < 2e-2
+        assert _rel(scaled, twin) < 2e-2  # torch._scaled_mm against the emulated product
+        assert _rel(triton, exact) < 0.1  # E4M3 keeps 3 mantissa bits
+
+
+def test_fp8_norm_mlp_of_leading_dims_and_the_quantised_input_path():
+    """[..., K] inputs flatten and come back; ``x_fp8`` from a producer gives what quantising x gives."""
+    x, params, _ = _block_inputs(rows=24)
+    y = _block(x.detach().view(2, 12, 64), params, TWIN, True)
+    assert y.shape == (2, 12, 64) and torch.allclose(y.view(24, 64), _block(x.detach(), params, TWIN, True))
+    w = params[2].detach()
+    n, n_fp8 = fp8_layer_norm(x.detach(), params[0].detach(), params[1].detach(), 1e-5, TWIN)
+    assert torch.equal(fp8_linear(n, w, TWIN, x_fp8=n_fp8), fp8_linear(n, w, TWIN))
+    a, _ = fp8_linear_gelu(n, w, None, TWIN, x_fp8=n_fp8)
+    assert a.shape == (24, 96)
+
+
+def test_quantised_inputs_of_the_wrong_shape_are_refused():
+    x = torch.randn(20, 32)
+    w = torch.randn(16, 32)
+    elements, scales = fp8_rowwise_quantize_reference(x, -1, 1)  # rows not padded to 16
+    with pytest.raises(ValueError, match=r"x_fp8 must be E4M3 elements \[32, 32\]"):
+        fp8_linear(x, w, TWIN, x_fp8=(elements, scales))
+    with pytest.raises(ValueError, match="x \\[M, K\\] and weight \\[N, K\\]"):
+        fp8_linear_gelu(x, torch.randn(16, 48), None, TWIN)
