@@ -272,8 +272,17 @@ def test_fp8_attention_reaches_the_sequence_attention_and_trains_near_float32(tm
     assert losses != exact and losses == pytest.approx(exact, rel=0.05)
 
 
-def test_fp8_recipe_reaches_the_wide_layers_and_trains_near_float32(tmp_path):
+def test_fp8_recipe_reaches_the_wide_layers_and_trains_near_float32(tmp_path, monkeypatch):
     from gem_kernels import Fp8Linear
+    from gem_kunlun import norm
+
+    fused, block = [], norm.fp8_norm_mlp
+
+    def counted(*args, **kwargs):  # a norm + MLP whose linears the recipe converted runs as one FP8 block
+        fused.append(args[0].shape)
+        return block(*args, **kwargs)
+
+    monkeypatch.setattr(norm, "fp8_norm_mlp", counted)
 
     steps = ("--schedule.steps=4", "--schedule.warmup_steps=1", "--checkpoint.enable=false")
     # the small model's layers are narrow: the crossover is lowered so that the recipe reaches them
@@ -286,6 +295,7 @@ def test_fp8_recipe_reaches_the_wide_layers_and_trains_near_float32(tmp_path):
     fp8 = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
     assert fp8 and all(m.recipe.weight_gradient == "fp8" and m.recipe.min_tokens == 0 for m in fp8)
     losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
+    assert any(n.endswith("compress_mlp.0") for n in converted) and fused
     reference = Trainer(small_config(tmp_path / "fp32", *steps), trainer.env)
     exact = [float(reference.train_step()["loss"]) for _ in range(4)]
     assert losses != exact and losses == pytest.approx(exact, rel=0.05)

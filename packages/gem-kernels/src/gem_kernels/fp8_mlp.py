@@ -106,7 +106,7 @@ class _Fp8LinearGelu(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = weight_gradient(dh, x, weight, recipe, emulate, ctx.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = dh.float().sum(0).to(ctx.bias_dtype)
+            grad_b = dh.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 

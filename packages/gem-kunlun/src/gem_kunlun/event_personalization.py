@@ -16,7 +16,7 @@ from torch import nn
 from gem_kunlun.config_checks import check_at_least
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.local_attention import LocalAttention
-from gem_kunlun.norm import LayerNorm
+from gem_kunlun.norm import LayerNorm, norm_mlp
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class EventEncoder(nn.Module):
     def forward(self, events, offsets, positions, max_len):
         for attention, norm, ffn in zip(self.layers, self.ffn_norms, self.ffns):
             events = attention(events, offsets, positions, max_len)
-            events = events + ffn(norm(events))
+            events = events + norm_mlp(norm, ffn, events)
         return self.project(events)
 
     def flops(self, lengths: torch.Tensor, dim: int) -> float:

@@ -42,7 +42,7 @@ from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
 from gem_kunlun.local_attention import LocalAttention
 from gem_kunlun.moe import MixtureOfExperts
-from gem_kunlun.norm import LayerNorm
+from gem_kunlun.norm import LayerNorm, norm_mlp
 from gem_kunlun.pffn import PersonalizedFFN
 from gem_kunlun.representation_summary import RepresentationSummary
 from gem_kunlun.retrieval import CosineScore, dot_scores, retrieval_logits, scored_item_ids
@@ -177,7 +177,7 @@ class KunlunLayer(nn.Module):
         previous layer's."""
         c = self.config
         compressed = torch.einsum("bnd,nm->bmd", x, self.token_mix.to(x.dtype))
-        x_sum = compressed + self.compress_mlp(self.compress_norm(compressed))
+        x_sum = compressed + norm_mlp(self.compress_norm, self.compress_mlp, compressed)
         if self.summary is None:
             summary = previous_summary
         else:

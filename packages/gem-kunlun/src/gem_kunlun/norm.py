@@ -1,11 +1,13 @@
-"""LayerNorm through gem-kernels: the fused Triton kernel on GPUs, the PyTorch reference elsewhere."""
+"""LayerNorm through gem-kernels: the fused Triton kernel on GPUs, the PyTorch reference elsewhere; and a LayerNorm
+feeding a Linear-GELU-Linear MLP, which runs as one FP8 block where a recipe made both linears FP8."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from gem_kernels import layer_norm
+from gem_kernels import Fp8Linear, layer_norm
+from gem_kernels.fp8_mlp import fp8_norm_mlp
 
 
 class LayerNorm(nn.LayerNorm):
@@ -30,3 +32,18 @@ class LayerNorm(nn.LayerNorm):
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return layer_norm(x, self.weight, self.bias, self.eps, residual=pending, kernel=self.kernel,
                           skip=skip and pending is None, out_dtype=out_dtype)
+
+
+def norm_mlp(norm: nn.LayerNorm, mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """``mlp(norm(x))`` for an MLP ``Linear, GELU, Linear``. Where a low-precision recipe made both linears FP8
+    (``Fp8Linear``, the same recipe) and the call has the recipe's tokens, it runs as gem-kernels' ``fp8_norm_mlp``:
+    the same parameters and function, with the norm and GELU passes writing the E4M3 operands of the GEMMs after
+    them (no quantisation passes of their own)."""
+    first, second = mlp[0], mlp[-1]
+    fused = (len(mlp) == 3 and isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear)
+             and first.recipe == second.recipe and type(mlp[1]) is nn.GELU and mlp[1].approximate == "none"
+             and x.numel() // x.shape[-1] >= first.recipe.min_tokens)
+    if not fused:
+        return mlp(norm(x))
+    return fp8_norm_mlp(x, norm.weight, norm.bias, norm.eps, first.weight, first.bias, second.weight, second.bias,
+                        first.recipe)
