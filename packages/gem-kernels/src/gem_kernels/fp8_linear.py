@@ -71,19 +71,23 @@ def _quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to: int, kernel: str
     return fp8_rowwise_quantize(x, dim, rows_to, cols_to, kernel=kernel)
 
 
-def _gemm(a, a_scale, b, b_scale, emulate: bool) -> torch.Tensor:
-    """``(a * a_scale) @ (b * b_scale)^T`` in bfloat16, ``a [P, C]`` and ``b [Q, C]`` rowwise E4M3."""
+def _gemm(a, a_scale, b, b_scale, emulate: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(a * a_scale) @ (b * b_scale)^T (+ bias)`` in bfloat16, ``a [P, C]`` and ``b [Q, C]`` rowwise E4M3; the
+    bias ``[Q]`` is added in float32 before the one rounding (the scaled GEMM's epilogue: no pass of its own)."""
+    if bias is not None:
+        bias = bias.to(torch.bfloat16)
     if emulate:
-        return (fp8_dequantize(a, a_scale) @ fp8_dequantize(b, b_scale).t()).to(torch.bfloat16)
-    return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=torch.bfloat16)
+        product = fp8_dequantize(a, a_scale) @ fp8_dequantize(b, b_scale).t()
+        return (product if bias is None else product + bias.float()).to(torch.bfloat16)
+    return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t(), bias=bias, out_dtype=torch.bfloat16)
 
 
-def forward_gemm(x, x_fp8, weight, recipe: Fp8Recipe, emulate: bool) -> torch.Tensor:
-    """``x @ weight^T`` in bfloat16 from E4M3 operands; ``x_fp8``: x's rows already quantised by its producer
-    (``(elements, scales)``, rows padded to a multiple of 16), or None to quantise them here."""
+def forward_gemm(x, x_fp8, weight, recipe: Fp8Recipe, emulate: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` in bfloat16 from E4M3 operands; ``x_fp8``: x's rows already quantised by its
+    producer (``(elements, scales)``, rows padded to a multiple of 16), or None to quantise them here."""
     xq, xs = _quantize(x, -1, _ALIGN, 1, recipe.kernel, emulate) if x_fp8 is None else x_fp8
     wq, ws = _quantize(weight, -1, 1, 1, recipe.kernel, emulate)
-    return _gemm(xq, xs, wq, ws, emulate)[: x.shape[0]]
+    return _gemm(xq, xs, wq, ws, emulate, bias)[: x.shape[0]]
 
 
 def input_gradient(grad_fp8, rows: int, weight, recipe: Fp8Recipe, emulate: bool) -> torch.Tensor:
@@ -106,26 +110,29 @@ def weight_gradient(grad, x, weight, recipe: Fp8Recipe, emulate: bool, dtype: to
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, x_elements, x_scales, recipe: Fp8Recipe, emulate: bool, dtype: torch.dtype):
+    def forward(ctx, x, weight, bias, x_elements, x_scales, recipe: Fp8Recipe, emulate: bool, dtype: torch.dtype):
         """``dtype``: the output's, and the high-precision weight gradient's (autocast's, else the input's);
         ``x_elements`` / ``x_scales``: x already quantised (None: quantise here)."""
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.emulate, ctx.dtype = recipe, emulate, dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         x_fp8 = None if x_elements is None else (x_elements, x_scales)
-        return forward_gemm(x, x_fp8, weight, recipe, emulate).to(dtype)
+        return forward_gemm(x, x_fp8, weight, recipe, emulate, bias).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         recipe, emulate = ctx.recipe, ctx.emulate
         grad = grad.contiguous()
-        grad_x = grad_w = None
+        grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_fp8 = _quantize(grad, -1, _ALIGN, 1, recipe.kernel, emulate)
             grad_x = input_gradient(grad_fp8, grad.shape[0], weight, recipe, emulate).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = weight_gradient(grad, x, weight, recipe, emulate, ctx.dtype)
-        return grad_x, grad_w, None, None, None, None, None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def check_linear_shapes(name: str, x: torch.Tensor, weight: torch.Tensor, x_fp8) -> None:
@@ -148,18 +155,21 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Recipe(), emulate: bool = False,
-               x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``x @ weight^T`` (``x [M, K]``, ``weight [N, K]``, no bias) with FP8 GEMMs (module docstring). The output
-    has autocast's dtype when autocast is on for ``x``'s device, else ``x``'s. ``x_fp8``: x's E4M3 rows and
-    scales from its producer (``fp8_layer_norm``, ``fp8_linear_gelu``), which spares the quantisation pass."""
+               x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` (``x [M, K]``, ``weight [N, K]``, ``bias [N]`` or None) with FP8 GEMMs (module
+    docstring); the bias is added in the GEMM's epilogue (bfloat16 bias, float32 sum). The output has autocast's
+    dtype when autocast is on for ``x``'s device, else ``x``'s. ``x_fp8``: x's E4M3 rows and scales from its
+    producer (``fp8_layer_norm``, ``fp8_linear_gelu``), which spares the quantisation pass."""
     check_linear_shapes("fp8_linear", x, weight, x_fp8)
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"fp8_linear: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     elements, scales = (None, None) if x_fp8 is None else x_fp8
-    return _Fp8Linear.apply(x, weight, elements, scales, recipe, emulate, compute_dtype(x))
+    return _Fp8Linear.apply(x, weight, bias, elements, scales, recipe, emulate, compute_dtype(x))
 
 
 class Fp8Linear(LowPrecisionLinear):
-    """``nn.Linear`` whose GEMMs run in FP8 with rowwise scales (``fp8_linear``); the bias is added after, in the
-    output's precision. Calls with fewer than ``recipe.min_tokens`` rows run as a plain linear."""
+    """``nn.Linear`` whose GEMMs run in FP8 with rowwise scales (``fp8_linear``, the bias in the GEMM's epilogue).
+    Calls with fewer than ``recipe.min_tokens`` rows run as a plain linear."""
 
     recipe: Fp8Recipe = Fp8Recipe()
 
@@ -167,9 +177,7 @@ class Fp8Linear(LowPrecisionLinear):
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] < self.recipe.min_tokens:
             return F.linear(x, self.weight, self.bias)
-        y = fp8_linear(flat, self.weight, self.recipe)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        y = fp8_linear(flat, self.weight, self.recipe, bias=self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -132,7 +132,5 @@ def fp8_norm_mlp(x: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Te
     dtype = compute_dtype(flat)
     n, n_fp8 = fp8_layer_norm(flat, norm_weight, norm_bias, eps, recipe, out_dtype=dtype)
     a, a_fp8 = fp8_linear_gelu(n, weight1, bias1, recipe, emulate, x_fp8=n_fp8)
-    y = fp8_linear(a, weight2, recipe, emulate, x_fp8=a_fp8)
-    if bias2 is not None:
-        y = y + bias2.to(y.dtype)
+    y = fp8_linear(a, weight2, recipe, emulate, x_fp8=a_fp8, bias=bias2)
     return y.reshape(*shape[:-1], weight2.shape[0])

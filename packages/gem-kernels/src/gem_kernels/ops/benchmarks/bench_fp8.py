@@ -149,7 +149,7 @@ def mlp_blocks(params) -> dict:
 
     def unfused(x):
         recipe = VARIANTS["fp8"]
-        return fp8_linear(F.gelu(fp8_linear(layer_norm(x, nw, nb), w1, recipe) + b1), w2, recipe) + b2
+        return fp8_linear(F.gelu(fp8_linear(layer_norm(x, nw, nb), w1, recipe, bias=b1)), w2, recipe, bias=b2)
 
     blocks = {"bf16": bf16, "fp8_unfused": unfused}
     for name, recipe in VARIANTS.items():
