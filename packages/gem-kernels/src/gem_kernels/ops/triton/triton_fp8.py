@@ -67,23 +67,23 @@ def _store_scales(S, rows, fields, bad, R, R_out):
 
 
 @triton.jit
-def store_fp8_rows(Q, S, y, rows, cols, R, C, R_out, MAX: tl.constexpr):
+def store_fp8_rows(Q, S, y, rows, cols, R, C, R_out, C_out, MAX: tl.constexpr):
     """Epilogue for a kernel that holds whole rows: the rowwise E4M3 of the float32 tile ``y`` ``[ROWS, BLOCK_C]``
-    (rows ``rows`` of ``R``, columns ``cols`` of ``C``) into ``Q`` (``[R_out, C]``, row-major) and its scales into
-    ``S``: the bits ``fp8_rowwise_quantize`` gives for the same values. Rows in ``[R, R_out)`` are padding (zeros,
-    scale 1); ``y`` should hold the values as stored (rounded to the producer's output dtype)."""
-    keep = (rows < R)[:, None] & (cols < C)[None, :]
-    y = tl.where(keep, y, 0.0)
+    (rows ``rows`` of ``R``, columns ``cols`` of ``C``) into ``Q`` (``[R_out, C_out]``, row-major) and its scales
+    into ``S``: the bits ``fp8_rowwise_quantize`` gives for the same values. Rows in ``[R, R_out)`` and columns in
+    ``[C, C_out)`` are padding (zeros; scale 1); ``y`` should hold the values as stored (a producer's: rounded to its
+    output dtype)."""
+    y = tl.where((rows < R)[:, None] & (cols < C)[None, :], y, 0.0)
     ay = tl.abs(y)
     amax = tl.max(ay, 1)
-    bad = tl.max(tl.where(ay < float("inf"), 0, 1), 1)
+    bad = tl.max(tl.where(ay < float("inf"), 0, 1), 1)  # NaN compares false: counted
     fields = _scale_fields(amax, bad)
     _store_scales(S, rows, fields, bad, R, R_out)
     inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
     q = tl.where((bad == 0)[:, None], y * inverse[:, None], 0.0)
     q = _round_to_e4m3(tl.minimum(tl.maximum(q, -MAX), MAX))
-    out = (rows < R_out)[:, None] & (cols < C)[None, :]
-    tl.store(Q + rows[:, None] * C + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
+    out = (rows < R_out)[:, None] & (cols < C_out)[None, :]
+    tl.store(Q + rows[:, None] * C_out + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
 
 
 @triton.jit
@@ -93,16 +93,7 @@ def fp8_rows_kernel(X, Q, S, R, C, R_out, C_out, stride_r, MAX: tl.constexpr, RO
     cols = tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
     x = tl.load(X + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    amax = tl.max(ax, 1)
-    bad = tl.max(tl.where(ax < float("inf"), 0, 1), 1)  # NaN compares false: counted
-    fields = _scale_fields(amax, bad)
-    _store_scales(S, rows, fields, bad, R, R_out)
-    inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
-    q = tl.where((bad == 0)[:, None], x * inverse[:, None], 0.0)
-    q = _round_to_e4m3(tl.minimum(tl.maximum(q, -MAX), MAX))
-    out = (rows < R_out)[:, None] & (cols < C_out)[None, :]
-    tl.store(Q + rows[:, None] * C_out + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
+    store_fp8_rows(Q, S, x, rows, cols, R, C, R_out, C_out, MAX)
 
 
 @triton.jit

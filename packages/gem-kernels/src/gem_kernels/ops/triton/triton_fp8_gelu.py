@@ -36,7 +36,7 @@ def bias_gelu_fp8_fwd_kernel(H0, B, H, A, Q, S, R, C, R_out, HAS_BIAS: tl.conste
     x = h.to(tl.float32)
     a = (0.5 * x * (1.0 + tl.math.erf(x * _SQRT1_2))).to(A.dtype.element_ty)
     tl.store(A + rows[:, None] * C + cols[None, :], a, mask=mask)
-    store_fp8_rows(Q, S, a.to(tl.float32), rows, cols, R, C, R_out, MAX)
+    store_fp8_rows(Q, S, a.to(tl.float32), rows, cols, R, C, R_out, C, MAX)
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def gelu_fp8_bwd_kernel(DA, H, DH, Q, S, R, C, R_out, MAX: tl.constexpr, ROWS: t
     pdf = tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
     dh = (da * (cdf + x * pdf)).to(DH.dtype.element_ty)
     tl.store(DH + rows[:, None] * C + cols[None, :], dh, mask=mask)
-    store_fp8_rows(Q, S, dh.to(tl.float32), rows, cols, R, C, R_out, MAX)
+    store_fp8_rows(Q, S, dh.to(tl.float32), rows, cols, R, C, R_out, C, MAX)
 
 
 def _configs(block_c: int) -> list[dict]:

@@ -55,7 +55,7 @@ def norm_fwd_kernel(
     y = y.to(Y.dtype.element_ty)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
     if FP8:
-        store_fp8_rows(Q, S, y.to(tl.float32), rows, cols, M, N, M_out, _E4M3_MAX)
+        store_fp8_rows(Q, S, y.to(tl.float32), rows, cols, M, N, M_out, N, _E4M3_MAX)
 
 
 @triton.jit
