@@ -139,7 +139,7 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
             "attn_bwd_dq_kernel",
             "attn_bwd_broadcast_q_kernel", "attn_bwd_delta_kernel", "attn_fwd_fp8_kernel", "norm_fwd_kernel",
             "norm_bwd_kernel", "sum_rows_kernel", "fp8_dequantize_rows_kernel",
-            "fp8_dequantize_transposed_kernel", "sequence_aligned_layout_kernel", "bias_gelu_fp8_fwd_kernel",
+            "fp8_dequantize_transposed_kernel", "sequence_aligned_layout_kernel", "gelu_fp8_fwd_kernel",
             "gelu_fp8_bwd_kernel"} <= names, names
     jobs = []
     for (name, _), (kernel, args, named) in launches.items():

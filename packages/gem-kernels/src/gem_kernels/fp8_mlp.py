@@ -5,7 +5,8 @@ costs most of what FP8 saves (``benchmarks/results/fp8-h200.json``). Here every 
 its rowwise E4M3 as it writes its output, from the values it already holds in registers:
 
 - the LayerNorm's forward writes ``n`` and ``n``'s E4M3 rows (the first GEMM's input);
-- the first GEMM's epilogue pass adds the bias, applies GELU and writes ``a`` and ``a``'s E4M3 rows (the second's);
+- the GELU pass after the first GEMM (whose epilogue adds the bias) writes ``a`` and ``a``'s E4M3 rows (the
+  second GEMM's input);
 - in the backward, GELU's gradient pass writes ``dh`` and its E4M3 rows (the first GEMM's input gradient).
 
 What is still quantised in a pass of its own: the block's output gradient (it arrives from outside) and the
@@ -74,13 +75,12 @@ class _Fp8LinearGelu(torch.autograd.Function):
     def forward(ctx, x, weight, bias, x_elements, x_scales, recipe: Fp8Recipe, emulate: bool, triton: bool,
                 dtype: torch.dtype):
         x_fp8 = None if x_elements is None else (x_elements, x_scales)
-        h0 = forward_gemm(x, x_fp8, weight, recipe, emulate).to(dtype)
+        h = forward_gemm(x, x_fp8, weight, recipe, emulate, bias).to(dtype)
         if triton:
-            from gem_kernels.ops.triton.triton_fp8_gelu import triton_bias_gelu_fp8
+            from gem_kernels.ops.triton.triton_fp8_gelu import triton_gelu_fp8
 
-            h, a, elements, scales = triton_bias_gelu_fp8(h0, bias, _ALIGN)
+            a, elements, scales = triton_gelu_fp8(h, _ALIGN)
         else:
-            h = h0 if bias is None else (h0.float() + bias.float()).to(dtype)
             a = _gelu_reference(h)
             elements, scales = fp8_rowwise_quantize_reference(a, -1, _ALIGN)
         ctx.save_for_backward(x, weight, h)

@@ -161,16 +161,17 @@ def run_mlp_checks(rec: Recorder) -> None:
     """On the GPU in bfloat16: each producer's E4M3 against quantising its output (same bits), and the block's
     output and gradients against its emulated twin and against the bfloat16 block."""
     from gem_kernels.fp8_mlp import fp8_layer_norm, fp8_norm_mlp
-    from gem_kernels.ops.triton.triton_fp8_gelu import triton_bias_gelu_fp8, triton_gelu_fp8_backward
+    from gem_kernels.ops.triton.triton_fp8_gelu import triton_gelu_fp8, triton_gelu_fp8_backward
 
     torch.manual_seed(0)
     rows, width = 8195, 2048
     nw, nb, w1, b1, w2, b2 = params = _mlp_params(width)
     x = (torch.randn(rows, width, device="cuda") * 2).bfloat16().requires_grad_()
     n, n_fp8 = fp8_layer_norm(x.detach(), nw.detach(), nb.detach(), 1e-5, VARIANTS["fp8"])
-    h, a, *a_fp8 = triton_bias_gelu_fp8(n @ w1.detach().t(), b1.detach(), 16)
+    h = F.linear(n, w1.detach(), b1.detach())
+    a, *a_fp8 = triton_gelu_fp8(h, 16)
     dh, *dh_fp8 = triton_gelu_fp8_backward(torch.randn_like(a), h, 16)
-    for name, (out, fp8) in {"layer_norm": (n, n_fp8), "bias_gelu": (a, a_fp8), "gelu_backward": (dh, dh_fp8)}.items():
+    for name, (out, fp8) in {"layer_norm": (n, n_fp8), "gelu": (a, a_fp8), "gelu_backward": (dh, dh_fp8)}.items():
         ref = fp8_rowwise_quantize_reference(out, -1, 16)
         same = torch.equal(fp8[0].float(), ref[0].float()) and torch.equal(fp8[1].nan_to_num(-1.0), ref[1].nan_to_num(-1.0))
         rec.checks.append({"name": f"mlp producer {name}: E4M3 of its output", "same_bits": same, "ok": same})
@@ -303,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="the smallest token count only")
     p.add_argument("--parts", default="attention,linear,mlp", help="a comma list of attention, linear, mlp")
+    p.add_argument("--save-tuned", help="write the launch configs picked in this run to this JSON (with "
+                                        "GEM_KERNELS_AUTOTUNE=1: the ones to ship in ops/triton/tuned)")
     a = p.parse_args(argv)
     t0 = time.time()
     import triton
@@ -342,6 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     rec.meta["tuned_configs"] = {repr(k): v for k, v in _tuning.tuned_configs().items()}
     rec.meta["wall_s"] = round(time.time() - t0, 1)
     rec.write()
+    if a.save_tuned:
+        _tuning.save_tuned(a.save_tuned)
     for e in rec.attention_summary():
         print(f"{e['case']:44s} {e['pass']:8s} bf16 {e['bf16_ms']:.3f} ms  fp8 {e['fp8_ms']:.3f} ms  "
               f"x{e['fp8_speedup']}  target {e['target']}")

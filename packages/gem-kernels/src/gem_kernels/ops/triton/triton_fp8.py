@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.fp8 import E4M3_MAX, padded
-from gem_kernels.ops.triton._tuning import cdiv, launch, next_power_of_2
+from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
 
 _ONE_PASS_MAX = 8192  # widest contiguous row kept whole in registers
 _ONE_PASS_ELEMENTS = 8192  # elements per program in the one-pass kernel
@@ -47,8 +47,8 @@ def _scale_fields(amax, bad):
 def _round_to_e4m3(q):
     """``q`` (float32, within +-448) rounded to E4M3's precision, ties to even, so that the cast after it is exact.
 
-    Why not leave it to the cast: it rounds the same on the GPU, but the Triton interpreter's FP8 conversion
-    does not (a value just below a binade's top goes down a binade), and the CPU tests compare bits."""
+    Only under the interpreter (``EXACT_CAST``): the GPU's cast rounds the same, but the Triton interpreter's FP8
+    conversion does not (a value just below a binade's top goes down a binade), and the CPU tests compare bits."""
     magnitude = tl.abs(q)
     bits = magnitude.to(tl.int32, bitcast=True)
     normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # keep 3 of 23 mantissa bits
@@ -67,12 +67,12 @@ def _store_scales(S, rows, fields, bad, R, R_out):
 
 
 @triton.jit
-def store_fp8_rows(Q, S, y, rows, cols, R, C, R_out, C_out, MAX: tl.constexpr):
+def store_fp8_rows(Q, S, y, rows, cols, R, C, R_out, C_out, MAX: tl.constexpr, EXACT_CAST: tl.constexpr):
     """Epilogue for a kernel that holds whole rows: the rowwise E4M3 of the float32 tile ``y`` ``[ROWS, BLOCK_C]``
     (rows ``rows`` of ``R``, columns ``cols`` of ``C``) into ``Q`` (``[R_out, C_out]``, row-major) and its scales
     into ``S``: the bits ``fp8_rowwise_quantize`` gives for the same values. Rows in ``[R, R_out)`` and columns in
     ``[C, C_out)`` are padding (zeros; scale 1); ``y`` should hold the values as stored (a producer's: rounded to its
-    output dtype)."""
+    output dtype). ``EXACT_CAST``: round to E4M3 before the cast (the interpreter's; the GPU's cast rounds right)."""
     y = tl.where((rows < R)[:, None] & (cols < C)[None, :], y, 0.0)
     ay = tl.abs(y)
     amax = tl.max(ay, 1)
@@ -81,19 +81,21 @@ def store_fp8_rows(Q, S, y, rows, cols, R, C, R_out, C_out, MAX: tl.constexpr):
     _store_scales(S, rows, fields, bad, R, R_out)
     inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
     q = tl.where((bad == 0)[:, None], y * inverse[:, None], 0.0)
-    q = _round_to_e4m3(tl.minimum(tl.maximum(q, -MAX), MAX))
+    q = tl.minimum(tl.maximum(q, -MAX), MAX)
+    if EXACT_CAST:
+        q = _round_to_e4m3(q)
     out = (rows < R_out)[:, None] & (cols < C_out)[None, :]
     tl.store(Q + rows[:, None] * C_out + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
 
 
 @triton.jit
-def fp8_rows_kernel(X, Q, S, R, C, R_out, C_out, stride_r, MAX: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
+def fp8_rows_kernel(X, Q, S, R, C, R_out, C_out, stride_r, MAX: tl.constexpr, EXACT_CAST: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
     x = tl.load(X + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    store_fp8_rows(Q, S, x, rows, cols, R, C, R_out, C_out, MAX)
+    store_fp8_rows(Q, S, x, rows, cols, R, C, R_out, C_out, MAX, EXACT_CAST)
 
 
 @triton.jit
@@ -110,7 +112,7 @@ def fp8_chunk_amax_kernel(X, AMAX, BAD, R, C, stride_r, stride_c, ROWS: tl.const
 
 @triton.jit
 def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, SOURCE, R, C, R_out, C_out, stride_r, stride_c, MAX: tl.constexpr,
-                          PLACED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+                          EXACT_CAST: tl.constexpr, PLACED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
     amax = tl.load(AMAX + rows, mask=rows < R, other=0.0)
@@ -127,7 +129,9 @@ def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, SOURCE, R, C, R_out, C_out, stride
         x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
     inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
     q = tl.where((bad == 0)[:, None], x * inverse[:, None], 0.0)
-    q = _round_to_e4m3(tl.minimum(tl.maximum(q, -MAX), MAX))
+    q = tl.minimum(tl.maximum(q, -MAX), MAX)
+    if EXACT_CAST:
+        q = _round_to_e4m3(q)
     out = (rows < R_out)[:, None] & (cols < C_out)[None, :]
     tl.store(Q + rows[:, None] * C_out + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
 
@@ -235,7 +239,8 @@ def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to
     if placed is None and stride_c == 1 and C_out <= _ONE_PASS_MAX:
         block_c = next_power_of_2(C_out)
         launch(fp8_rows_kernel, lambda c: (cdiv(R_out, c["ROWS"]),), (x, q, s, R, C, R_out, C_out, stride_r),
-               dict(MAX=E4M3_MAX, BLOCK_C=block_c), ("fp8_rows", block_c, x.dtype), _one_pass_configs(block_c))
+               dict(MAX=E4M3_MAX, EXACT_CAST=interpreting(), BLOCK_C=block_c), ("fp8_rows", block_c, x.dtype),
+               _one_pass_configs(block_c))
         return q, s[:, None]
     chunks = cdiv(C_out, _CHUNK_COLS)
     grid = (cdiv(R_out, _CHUNK_ROWS), chunks)
@@ -246,5 +251,6 @@ def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to
     used = cdiv(C, _CHUNK_COLS)  # chunks wholly in the padding hold nothing
     amax, bad = amax[:used].amax(0), bad[:used].amax(0)
     fp8_chunk_cast_kernel[grid](x, amax, bad, q, s, q if placed is None else placed, R, C, R_out, C_out, stride_r,
-                                stride_c, MAX=E4M3_MAX, PLACED=placed is not None, ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
+                                stride_c, MAX=E4M3_MAX, EXACT_CAST=interpreting(), PLACED=placed is not None,
+                                ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     return q, s[:, None]

@@ -1,9 +1,9 @@
-"""Bias + GELU between two FP8 GEMMs, in Triton: each pass also writes the rowwise E4M3 of what it produces.
+"""GELU between two FP8 GEMMs, in Triton: each pass also writes the rowwise E4M3 of what it produces.
 
-Forward: ``h = h0 + bias`` (rounded to the storage dtype: the backward reads it back), ``a = gelu(h)`` (erf form,
-float32 arithmetic, rounded once), and ``a``'s E4M3 rows and scales for the next GEMM. Backward:
-``dh = da * gelu'(h)`` and ``dh``'s E4M3 rows for the input-gradient GEMM. Each program holds a few whole rows, so
-a row's scale is known before its elements are written and nothing is read twice (``store_fp8_rows``).
+Forward: ``a = gelu(h)`` (erf form, float32 arithmetic, rounded once; ``h`` is the first GEMM's output, its bias
+added in the GEMM's epilogue) and ``a``'s E4M3 rows and scales for the next GEMM. Backward: ``dh = da * gelu'(h)``
+and ``dh``'s E4M3 rows for the input-gradient GEMM. Each program holds a few whole rows, so a row's scale is known
+before its elements are written and nothing is read twice (``store_fp8_rows``).
 """
 
 from __future__ import annotations
@@ -23,24 +23,20 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit
-def bias_gelu_fp8_fwd_kernel(H0, B, H, A, Q, S, R, C, R_out, HAS_BIAS: tl.constexpr, MAX: tl.constexpr,
-                             ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+def gelu_fp8_fwd_kernel(H, A, Q, S, R, C, R_out, MAX: tl.constexpr, EXACT_CAST: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
-    h = tl.load(H0 + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        h += tl.load(B + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
-    h = h.to(H.dtype.element_ty)
-    tl.store(H + rows[:, None] * C + cols[None, :], h, mask=mask)
-    x = h.to(tl.float32)
+    x = tl.load(H + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a = (0.5 * x * (1.0 + tl.math.erf(x * _SQRT1_2))).to(A.dtype.element_ty)
     tl.store(A + rows[:, None] * C + cols[None, :], a, mask=mask)
-    store_fp8_rows(Q, S, a.to(tl.float32), rows, cols, R, C, R_out, C, MAX)
+    store_fp8_rows(Q, S, a.to(tl.float32), rows, cols, R, C, R_out, C, MAX, EXACT_CAST)
 
 
 @triton.jit
-def gelu_fp8_bwd_kernel(DA, H, DH, Q, S, R, C, R_out, MAX: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+def gelu_fp8_bwd_kernel(DA, H, DH, Q, S, R, C, R_out, MAX: tl.constexpr, EXACT_CAST: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
@@ -50,7 +46,7 @@ def gelu_fp8_bwd_kernel(DA, H, DH, Q, S, R, C, R_out, MAX: tl.constexpr, ROWS: t
     pdf = tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
     dh = (da * (cdf + x * pdf)).to(DH.dtype.element_ty)
     tl.store(DH + rows[:, None] * C + cols[None, :], dh, mask=mask)
-    store_fp8_rows(Q, S, dh.to(tl.float32), rows, cols, R, C, R_out, C, MAX)
+    store_fp8_rows(Q, S, dh.to(tl.float32), rows, cols, R, C, R_out, C, MAX, EXACT_CAST)
 
 
 def _configs(block_c: int) -> list[dict]:
@@ -68,17 +64,16 @@ def _outputs(R: int, C: int, rows_to: int, device) -> tuple[int, torch.Tensor, t
             torch.empty(R_out, dtype=torch.float32, device=device))
 
 
-def triton_bias_gelu_fp8(h0: torch.Tensor, bias: torch.Tensor | None, rows_to: int):
-    """``(h, a, a_e4m3, a_scales)`` from a contiguous ``[R, C]`` ``h0`` (see the module docstring)."""
-    R, C = h0.shape
+def triton_gelu_fp8(h: torch.Tensor, rows_to: int):
+    """``(a, a_e4m3, a_scales)`` from a contiguous ``[R, C]`` ``h`` (see the module docstring)."""
+    R, C = h.shape
     block_c = next_power_of_2(C)
-    h, a = torch.empty_like(h0), torch.empty_like(h0)
-    R_out, q, s = _outputs(R, C, rows_to, h0.device)
-    launch(bias_gelu_fp8_fwd_kernel, lambda c: (cdiv(R_out, c["ROWS"]),),
-           (h0, h0 if bias is None else bias, h, a, q, s, R, C, R_out),
-           dict(HAS_BIAS=bias is not None, MAX=E4M3_MAX, BLOCK_C=block_c),
-           ("bias_gelu_fp8_fwd", block_c, h0.dtype, bias is not None), lambda: _configs(block_c))
-    return h, a, q, s[:, None]
+    a = torch.empty_like(h)
+    R_out, q, s = _outputs(R, C, rows_to, h.device)
+    launch(gelu_fp8_fwd_kernel, lambda c: (cdiv(R_out, c["ROWS"]),), (h, a, q, s, R, C, R_out),
+           dict(MAX=E4M3_MAX, EXACT_CAST=interpreting(), BLOCK_C=block_c), ("gelu_fp8_fwd", block_c, h.dtype),
+           lambda: _configs(block_c))
+    return a, q, s[:, None]
 
 
 def triton_gelu_fp8_backward(da: torch.Tensor, h: torch.Tensor, rows_to: int):
@@ -89,5 +84,6 @@ def triton_gelu_fp8_backward(da: torch.Tensor, h: torch.Tensor, rows_to: int):
     dh = torch.empty_like(h)
     R_out, q, s = _outputs(R, C, rows_to, h.device)
     launch(gelu_fp8_bwd_kernel, lambda c: (cdiv(R_out, c["ROWS"]),), (da, h, dh, q, s, R, C, R_out),
-           dict(MAX=E4M3_MAX, BLOCK_C=block_c), ("gelu_fp8_bwd", block_c, h.dtype, da.dtype), lambda: _configs(block_c))
+           dict(MAX=E4M3_MAX, EXACT_CAST=interpreting(), BLOCK_C=block_c), ("gelu_fp8_bwd", block_c, h.dtype, da.dtype),
+           lambda: _configs(block_c))
     return dh, q, s[:, None]

@@ -27,8 +27,8 @@ from gem_kernels.ops.triton.triton_sum_rows import sum_rows
 @triton.jit
 def norm_fwd_kernel(
     X, RES, W, B, Y, H, MEAN, RSTD, Q, S, M, M_out, N, eps, stride_x, stride_r, stride_y, stride_h,
-    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # FP8: y's rowwise E4M3 (for the scaled GEMM that reads y) goes to Q / S as well, rows M .. M_out padding
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -55,7 +55,7 @@ def norm_fwd_kernel(
     y = y.to(Y.dtype.element_ty)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
     if FP8:
-        store_fp8_rows(Q, S, y.to(tl.float32), rows, cols, M, N, M_out, N, _E4M3_MAX)
+        store_fp8_rows(Q, S, y.to(tl.float32), rows, cols, M, N, M_out, N, _E4M3_MAX, EXACT_CAST)
 
 
 @triton.jit
@@ -200,7 +200,7 @@ class _TritonNorm(torch.autograd.Function):
         args = (x2, x2 if res2 is None else res2, weight, weight if bias is None else bias, y, h, mean, rstd, q, s, M,
                 M_out, N, eps, x2.stride(0), x2.stride(0) if res2 is None else res2.stride(0), y.stride(0), h.stride(0))
         consts = dict(IS_RMS=is_rms, HAS_RES=res2 is not None, HAS_BIAS=bias is not None, FP8=bool(fp8_rows_to),
-                      BLOCK_N=block_n)
+                      EXACT_CAST=bool(fp8_rows_to) and interpreting(), BLOCK_N=block_n)
         launch(norm_fwd_kernel, lambda c: (cdiv(M_out, c["ROWS"]),), args, consts,
                ("norm_fwd", is_rms, res2 is not None, bias is not None, block_n, x.dtype)
                + (() if y.dtype == x.dtype else (y.dtype,)) + (("fp8",) if fp8_rows_to else ()),
