@@ -1,0 +1,95 @@
+"""The gathering's fast paths give exactly what the general path (and torchrec's constructor) give, and its reused
+output buffers are never written while a batch handed out still refers to them."""
+
+import copy
+import gc
+
+import pytest
+import torch
+from torchrec import KeyedJaggedTensor
+
+import gem_data.gathering as gathering
+from gem_data import FeatureAlignment, SyntheticConfig, SyntheticGenerator
+from gem_data.gathering import BatchView, BufferPool, Piece
+from gem_data.testing import equal_batches
+
+
+def _same_kjt(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
+    """Every attribute equal (tensors by value)."""
+    if vars(a).keys() != vars(b).keys():
+        return False
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+               for x, y in zip(vars(a).values(), (vars(b)[k] for k in vars(a))))
+
+
+def test_keyed_jagged_is_the_constructors_object():
+    assert gathering._KJT_DEFAULTS is not None  # the installed torchrec takes the fast path
+    keys, values, lengths = ["a", "b", "c"], torch.arange(7), torch.tensor([1, 2, 0, 0, 3, 1])
+    fast = gathering._keyed_jagged(keys, values, lengths, 2, [3, 0, 4])
+    slow = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=2, length_per_key=[3, 0, 4],
+                             offset_per_key=[0, 3, 3, 7])
+    assert type(fast) is KeyedJaggedTensor and _same_kjt(fast, slow)
+    assert torch.equal(fast.offsets(), slow.offsets()) and torch.equal(fast["c"].values(), torch.arange(3, 7))
+
+
+def _random_pieces(seed: int, rows: int = 40, whole: bool = False) -> tuple[list[Piece], FeatureAlignment]:
+    """A few random row ranges of two one-spec sources' batches of ``rows`` rows (``whole``: four whole batches)."""
+    generators = [SyntheticGenerator(SyntheticConfig(seed=s)) for s in (seed, seed + 10)]
+    views = [BatchView(g.batch(i, rows, split="train")) for i, g in enumerate(generators)]
+    alignment = FeatureAlignment({"feed": generators[0].spec, "video": generators[1].spec}, {"feed": "", "video": ""})
+    draw = torch.Generator().manual_seed(seed)
+    pieces = []
+    for _ in range(4 if whole else 1 + seed % 4):
+        source = int(torch.randint(2, (1,), generator=draw))
+        lo = int(torch.randint(rows, (1,), generator=draw))
+        hi = lo + 1 + int(torch.randint(rows - lo, (1,), generator=draw))
+        if whole:
+            lo, hi = 0, rows
+        pieces.append(Piece(alignment._plans[("feed", "video")[source]], views[source], lo, hi))
+    return pieces, alignment
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_same_keys_path_equals_the_general_path(seed):
+    pieces, alignment = _random_pieces(seed)
+    assert all(p.plan.identity for p in pieces)
+    arrays = [p.view.arrays for p in pieces]
+    for event in alignment.spec.events:
+        name, keys = event.name, [f.name for f in event.features]
+        fast, fast_times = gathering._join_same_keys([a.sequences[name] for a in arrays], pieces, keys, events=True)
+        parts = [(a.sequences[name], p.plan.events[name], p) for a, p in zip(arrays, pieces)]
+        general, general_times = gathering._gather_kjt(parts, keys, events=True)
+        assert _same_kjt(fast, general) and torch.equal(fast_times, general_times)
+    keys = [f.name for f in alignment.spec.sparse]
+    fast, _ = gathering._join_same_keys([a.sparse for a in arrays], pieces, keys, events=False)
+    parts = [(a.sparse, p.plan.sparse, p) for a, p in zip(arrays, pieces)]
+    general, _ = gathering._gather_kjt(parts, keys, events=False)
+    assert _same_kjt(fast, general)
+
+
+def test_pooled_buffers_are_never_written_while_a_batch_holds_them(monkeypatch):
+    monkeypatch.setattr(gathering, "POOLED_BYTES", 1)  # every join goes to the pool
+    pool = BufferPool(3)
+    claimed = []  # the buffers handed out, in order
+
+    def claim(size, dtype):
+        out = BufferPool.claim(pool, size, dtype)
+        if out is not None:
+            claimed.append(id(out.base))
+        return out
+
+    monkeypatch.setattr(pool, "claim", claim)
+    monkeypatch.setattr(gathering, "_POOL", pool)
+    largest, alignment = _random_pieces(0, whole=True)
+    gathering.gather_pieces(largest, alignment.spec)  # buffers every later join fits in, free again at once
+    held = []
+    for seed in range(12):
+        pieces, alignment = _random_pieces(seed)
+        batch = gathering.gather_pieces(pieces, alignment.spec)
+        held.append((batch, copy.deepcopy(batch)))
+        if seed % 3 == 2:
+            del held[0]  # a batch let go: its buffers are free again
+            gc.collect()
+    for batch, snapshot in held:
+        assert equal_batches(batch, snapshot)
+    assert len(pool.buffers) <= 3 and len(set(claimed)) < len(claimed)  # buffers were handed out again
