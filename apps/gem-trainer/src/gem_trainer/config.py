@@ -343,8 +343,10 @@ class ParallelismConfig(Section):
 
 class PrecisionConfig(Section):
     autocast: Literal["auto", "bf16", "off"] = "auto"
-    # GEMMs in low precision: "fp8" runs FP8 tensor cores with rowwise scales (Hopper; gem_kernels.fp8_linear),
-    # "mxfp8_emulated" the numerics of MX tensor cores on any device (quality studies; gem_kernels.mx_linear)
+    # GEMMs in low precision: "fp8" runs FP8 tensor cores with rowwise scales (Hopper; gem_kernels.fp8_linear; a
+    # LayerNorm feeding a converted Linear-GELU-Linear runs as one block whose norm and GELU write the GEMMs' FP8
+    # operands, gem_kernels.fp8_mlp), "mxfp8_emulated" the numerics of MX tensor cores on any device (quality
+    # studies; gem_kernels.mx_linear)
     low_precision: Literal["off", "fp8", "mxfp8_emulated"] = "off"
     # fp8: the weight-gradient GEMM in the input's precision ("high") or FP8 too
     fp8_weight_gradient: Literal["high", "fp8"] = "high"

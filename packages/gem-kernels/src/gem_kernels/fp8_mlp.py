@@ -46,15 +46,16 @@ def fp8_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    recipe: Fp8Recipe = Fp8Recipe(), out_dtype: torch.dtype | None = None):
     """LayerNorm of ``x [M, K]`` (``out_dtype``, None: x's) and its E4M3 rows and scales, rows padded to a multiple
     of 16: ``(y, (elements, scales))``; only ``y`` carries a gradient."""
+    from gem_kernels.ops.norms import _check, layer_norm
+
     if x.dim() != 2:
         raise ValueError(f"fp8_layer_norm: x must be [M, K], got {tuple(x.shape)}")
+    _check(x, weight, bias, None, "pytorch", out_dtype=out_dtype)  # the shapes, devices and dtypes, one line each
     if _use_triton(recipe, x, x.shape[1]):
         from gem_kernels.ops.triton.triton_norms import triton_layer_norm
 
         y, elements, scales = triton_layer_norm(x, weight, bias, eps, out_dtype=out_dtype, fp8_rows_to=_ALIGN)
         return y, (elements, scales)
-    from gem_kernels.ops.norms import layer_norm
-
     y = layer_norm(x, weight, bias, eps, kernel="pytorch", out_dtype=out_dtype)
     return y, fp8_rowwise_quantize_reference(y.detach(), -1, _ALIGN)
 
