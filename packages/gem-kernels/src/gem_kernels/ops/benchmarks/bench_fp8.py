@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="the smallest token count only")
     p.add_argument("--parts", default="attention,linear,mlp", help="a comma list of attention, linear, mlp")
+    p.add_argument("--tuned", help="JSON of launch configs from an earlier --save-tuned run (used before the shipped ones)")
     p.add_argument("--save-tuned", help="write the launch configs picked in this run to this JSON (with "
                                         "GEM_KERNELS_AUTOTUNE=1: the ones to ship in ops/triton/tuned)")
     a = p.parse_args(argv)
@@ -317,6 +318,11 @@ def main(argv: list[str] | None = None) -> None:
             "dtype": "bfloat16 activations, float8_e4m3fn rowwise (power-of-two scales)",
             "flops_note": "2*M*K*N forward, 3x that forward+backward; quantisation included in the FP8 times",
             "peak_bw_TBps": 4.2}
+    from gem_kernels.ops.triton import _tuning
+
+    if a.tuned:
+        _tuning.load_tuned(a.tuned)
+        meta["tuned_from"] = a.tuned
     rec = FP8Recorder(a.out, meta)
     print("== checks ==", flush=True)
     guarded(rec, "checks", lambda: run_checks(rec))
@@ -339,7 +345,6 @@ def main(argv: list[str] | None = None) -> None:
     summary = rec.summary()
     rec.meta["crossover_fwd_bwd"] = {impl: crossover(summary, impl) for impl in VARIANTS}
     rec.meta["crossover_fwd_bwd_mlp"] = {impl: crossover(summary, impl, "mlp ") for impl in VARIANTS}
-    from gem_kernels.ops.triton import _tuning
 
     rec.meta["autotune"] = os.environ.get("GEM_KERNELS_AUTOTUNE", "0")
     rec.meta["tuned_configs"] = {repr(k): v for k, v in _tuning.tuned_configs().items()}
