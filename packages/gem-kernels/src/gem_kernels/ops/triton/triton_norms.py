@@ -19,9 +19,9 @@ import triton.language as tl
 from gem_kernels.fp8 import E4M3_MAX, padded
 from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_fp8 import store_fp8_rows
-
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
 from gem_kernels.ops.triton.triton_sum_rows import sum_rows
+
+_E4M3_MAX = tl.constexpr(E4M3_MAX)  # a kernel reads module globals only as constexprs
 
 
 @triton.jit
