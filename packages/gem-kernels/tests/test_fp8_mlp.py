@@ -118,5 +118,7 @@ def test_quantised_inputs_of_the_wrong_shape_are_refused():
         fp8_linear(x, w, TWIN, x_fp8=(elements, scales))
     with pytest.raises(ValueError, match="x \\[M, K\\] and weight \\[N, K\\]"):
         fp8_linear_gelu(x, torch.randn(16, 48), None, TWIN)
+    with pytest.raises(ValueError, match=r"fp8_linear_gelu: bias must be \[16\], got \(32,\)"):
+        fp8_linear_gelu(x, w, torch.zeros(32), TWIN)
     with pytest.raises(ValueError, match="weight must be 1-D of size 32"):
         fp8_layer_norm(x, torch.ones(48), None, 1e-5, TWIN)

@@ -137,11 +137,13 @@ class _Fp8Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-def check_linear_shapes(name: str, x: torch.Tensor, weight: torch.Tensor, x_fp8) -> None:
+def check_linear_shapes(name: str, x: torch.Tensor, weight: torch.Tensor, x_fp8, bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"{name}: x [M, K] and weight [N, K] needed, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[1] % _ALIGN or weight.shape[0] % _ALIGN:
         raise ValueError(f"{name}: in and out features must be multiples of {_ALIGN}, got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{name}: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     if x_fp8 is not None:
         elements, scales = x_fp8
         rows = padded(x.shape[0], _ALIGN)
@@ -162,9 +164,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Rec
     docstring); the bias is added in the GEMM's epilogue (bfloat16 bias, float32 sum). The output has autocast's
     dtype when autocast is on for ``x``'s device, else ``x``'s. ``x_fp8``: x's E4M3 rows and scales from its
     producer (``fp8_layer_norm``, ``fp8_linear_gelu``), which spares the quantisation pass."""
-    check_linear_shapes("fp8_linear", x, weight, x_fp8)
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"fp8_linear: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    check_linear_shapes("fp8_linear", x, weight, x_fp8, bias)
     elements, scales = (None, None) if x_fp8 is None else x_fp8
     return _Fp8Linear.apply(x, weight, bias, elements, scales, recipe, emulate, compute_dtype(x))
 

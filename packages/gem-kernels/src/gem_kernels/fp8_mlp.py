@@ -85,7 +85,7 @@ class _Fp8LinearGelu(torch.autograd.Function):
             a = _gelu_reference(h)
             elements, scales = fp8_rowwise_quantize_reference(a, -1, _ALIGN)
         ctx.save_for_backward(x, weight, h)
-        ctx.recipe, ctx.emulate, ctx.triton, ctx.dtype, ctx.has_bias = recipe, emulate, triton, dtype, bias is not None
+        ctx.recipe, ctx.emulate, ctx.triton, ctx.dtype = recipe, emulate, triton, dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.mark_non_differentiable(elements, scales)
         return a, elements, scales
@@ -106,7 +106,7 @@ class _Fp8LinearGelu(torch.autograd.Function):
             grad_x = input_gradient((elements, scales), dh.shape[0], weight, recipe, emulate).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = weight_gradient(dh, x, weight, recipe, emulate, ctx.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = dh.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
@@ -115,7 +115,7 @@ def fp8_linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     emulate: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``gelu(x @ weight^T + bias)`` (erf GELU) with FP8 GEMMs, and the result's E4M3 rows and scales for the
     next GEMM: ``(a, (elements, scales))``. ``x_fp8`` as ``fp8_linear``'s."""
-    check_linear_shapes("fp8_linear_gelu", x, weight, x_fp8)
+    check_linear_shapes("fp8_linear_gelu", x, weight, x_fp8, bias)
     elements, scales = (None, None) if x_fp8 is None else x_fp8
     a, a_elements, a_scales = _Fp8LinearGelu.apply(x, weight, bias, elements, scales, recipe, emulate,
                                                    _use_triton(recipe, x, weight.shape[0]), compute_dtype(x))
