@@ -23,7 +23,7 @@ def _same_kjt(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
 
 
 def test_keyed_jagged_is_the_constructors_object():
-    assert gathering._KJT_DEFAULTS is not None  # the installed torchrec takes the fast path
+    assert gathering.kjt_defaults() is not None  # the installed torchrec takes the fast path
     keys, values, lengths = ["a", "b", "c"], torch.arange(7), torch.tensor([1, 2, 0, 0, 3, 1])
     fast = gathering._keyed_jagged(keys, values, lengths, 2, [3, 0, 4])
     slow = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=2, length_per_key=[3, 0, 4],

@@ -20,6 +20,7 @@ values per step) was 6-11 us faster per batch in isolation and no faster in the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import threading
@@ -324,13 +325,14 @@ _POOL = BufferPool(8)
 def _keyed_jagged(keys: list[str], values: torch.Tensor, lengths: torch.Tensor, stride: int, sizes: list[int]) -> KeyedJaggedTensor:
     """``KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=stride, length_per_key=sizes,
     offset_per_key=...)``, the same object made without the constructor's call overhead where that is known to be
-    safe (``_KJT_DEFAULTS``)."""
+    safe (``kjt_defaults``)."""
     offsets = [0, *itertools.accumulate(sizes)]
-    if _KJT_DEFAULTS is None:
+    defaults = kjt_defaults()
+    if defaults is None:
         return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=stride, length_per_key=sizes,
                                  offset_per_key=offsets)
     kjt = _new_object(KeyedJaggedTensor)
-    vars(kjt).update(_KJT_DEFAULTS, _keys=keys, _values=values, _lengths=lengths, _stride=stride, _length_per_key=sizes,
+    vars(kjt).update(defaults, _keys=keys, _values=values, _lengths=lengths, _stride=stride, _length_per_key=sizes,
                      _offset_per_key=offsets)
     return kjt
 
@@ -338,14 +340,17 @@ def _keyed_jagged(keys: list[str], values: torch.Tensor, lengths: torch.Tensor, 
 _KJT_PASSED = ("_keys", "_values", "_lengths", "_stride", "_length_per_key", "_offset_per_key")
 
 
-def _kjt_defaults() -> dict | None:
+@functools.cache
+def kjt_defaults() -> dict | None:
     """The attributes torchrec's KeyedJaggedTensor constructor sets besides those ``_keyed_jagged`` passes, when
     they do not depend on the inputs (all None); otherwise None: the constructor is called.
 
     NOTE: the constructor only stores its arguments (its docstring promises attributes and input checks only) but
     costs ~4-6 us a call (a metaclass hook for fx tracing, pt2 and dtype checks: the lengths here are always int64),
     and a mixed batch makes one per key set; storing the same attributes directly costs ~1 us (~15 us less per
-    batch of the synthetic mix in the stream, ~5-10% of its gathering)."""
+    batch of the synthetic mix in the stream, ~5-10% of its gathering). Probed at the first use, not at import: a
+    KeyedJaggedTensor's first construction prints torch.fx's tracing warning, which a command failing on its
+    config before reading any data must not print."""
     one = torch.ones(1, dtype=torch.int64)
     probe = KeyedJaggedTensor(keys=["k"], values=one, lengths=one, stride=1, length_per_key=[1], offset_per_key=[0, 1])
     fields = vars(probe)
@@ -355,7 +360,6 @@ def _kjt_defaults() -> dict | None:
     return defaults
 
 
-_KJT_DEFAULTS = _kjt_defaults()
 _new_object = object.__new__
 
 
