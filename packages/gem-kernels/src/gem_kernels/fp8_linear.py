@@ -52,6 +52,10 @@ class Fp8Recipe:
         if self.min_features < 0 or self.min_tokens < 0:
             raise ValueError(f"Fp8Recipe.min_features / min_tokens must be >= 0, got {self.min_features} / {self.min_tokens}")
 
+    def runs_fp8(self, rows: int) -> bool:
+        """Whether a call with ``rows`` rows (tokens) runs in FP8 (fewer than ``min_tokens``: high precision)."""
+        return rows >= self.min_tokens
+
     def linear(self, linear: nn.Linear) -> "Fp8Linear | None":
         """The FP8 twin of ``linear`` on the same parameters, or None where FP8 does not pay or cannot run."""
         k, n = linear.in_features, linear.out_features
@@ -110,6 +114,23 @@ def weight_gradient(grad, x, weight, recipe: Fp8Recipe, emulate: bool, dtype: to
     return grad_w.to(weight.dtype)
 
 
+def linear_gradients(ctx, grad, grad_fp8, x, weight):
+    """The input, weight and bias gradients of an FP8 linear (those ``ctx.needs_input_grad`` asks for, inputs
+    ``x, weight, bias`` first) from its output gradient ``grad`` and that gradient's E4M3 rows (None: quantised
+    here). ``ctx`` holds ``recipe``, ``emulate``, ``dtype`` and ``bias_dtype`` (None: no bias)."""
+    recipe, emulate = ctx.recipe, ctx.emulate
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        if grad_fp8 is None:
+            grad_fp8 = _quantize(grad, -1, _ALIGN, 1, recipe.kernel, emulate)
+        grad_x = input_gradient(grad_fp8, grad.shape[0], weight, recipe, emulate).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_w = weight_gradient(grad, x, weight, recipe, emulate, ctx.dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        grad_b = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+    return grad_x, grad_w, grad_b
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, x_elements, x_scales, recipe: Fp8Recipe, emulate: bool, dtype: torch.dtype):
@@ -124,17 +145,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        recipe, emulate = ctx.recipe, ctx.emulate
-        grad = grad.contiguous()
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_fp8 = _quantize(grad, -1, _ALIGN, 1, recipe.kernel, emulate)
-            grad_x = input_gradient(grad_fp8, grad.shape[0], weight, recipe, emulate).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = weight_gradient(grad, x, weight, recipe, emulate, ctx.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return (*linear_gradients(ctx, grad.contiguous(), None, x, weight), None, None, None, None, None)
 
 
 def check_linear_shapes(name: str, x: torch.Tensor, weight: torch.Tensor, x_fp8, bias: torch.Tensor | None) -> None:
@@ -177,7 +188,7 @@ class Fp8Linear(LowPrecisionLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] < self.recipe.min_tokens:
+        if not self.recipe.runs_fp8(flat.shape[0]):
             return F.linear(x, self.weight, self.bias)
         y = fp8_linear(flat, self.weight, self.recipe, bias=self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from gem_kernels.fp8 import fp8_rowwise_quantize_reference
 from gem_kernels.fp8_linear import (_ALIGN, Fp8Recipe, check_linear_shapes, compute_dtype, forward_gemm, fp8_linear,
-                                    input_gradient, weight_gradient)
+                                    linear_gradients)
 from gem_kernels.ops import _validation as V
 
 
@@ -93,7 +93,6 @@ class _Fp8LinearGelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, da, *_):
         x, weight, h = ctx.saved_tensors
-        recipe, emulate = ctx.recipe, ctx.emulate
         if ctx.triton:
             from gem_kernels.ops.triton.triton_fp8_gelu import triton_gelu_fp8_backward
 
@@ -101,14 +100,7 @@ class _Fp8LinearGelu(torch.autograd.Function):
         else:
             dh = _gelu_gradient_reference(da, h)
             elements, scales = fp8_rowwise_quantize_reference(dh, -1, _ALIGN)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = input_gradient((elements, scales), dh.shape[0], weight, recipe, emulate).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = weight_gradient(dh, x, weight, recipe, emulate, ctx.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = dh.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return (*linear_gradients(ctx, dh, (elements, scales), x, weight), None, None, None, None, None, None)
 
 
 def fp8_linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe = Fp8Recipe(),

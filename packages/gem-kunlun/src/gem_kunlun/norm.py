@@ -42,7 +42,7 @@ def norm_mlp(norm: nn.LayerNorm, mlp: nn.Sequential, x: torch.Tensor) -> torch.T
     first, second = mlp[0], mlp[-1]
     fused = (len(mlp) == 3 and isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear)
              and first.recipe == second.recipe and type(mlp[1]) is nn.GELU and mlp[1].approximate == "none"
-             and x.numel() // x.shape[-1] >= first.recipe.min_tokens)
+             and first.recipe.runs_fp8(x.numel() // x.shape[-1]))
     if not fused:
         return mlp(norm(x))
     return fp8_norm_mlp(x, norm.weight, norm.bias, norm.eps, first.weight, first.bias, second.weight, second.bias,

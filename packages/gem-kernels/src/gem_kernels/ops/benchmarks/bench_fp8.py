@@ -73,6 +73,11 @@ class FP8Recorder(Recorder):
         return out
 
 
+def relative_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
+    """Each tensor's relative error (Frobenius) against its reference."""
+    return [round(float((p - q).detach().norm() / q.detach().norm()), 5) for p, q in zip(got, ref)]
+
+
 def run_checks(rec: Recorder) -> None:
     torch.manual_seed(0)
     for shape, dim, rows_to, cols_to in [((4097, 1024), -1, 16, 1), ((4097, 1024), 0, 1, 16), ((1024, 4096), -1, 1, 1),
@@ -95,10 +100,7 @@ def run_checks(rec: Recorder) -> None:
             y = fn()
             got[name] = (y.float(), *(t.float() for t in torch.autograd.grad(y, (x, w), g)))
 
-        def rel(a, b):
-            return [round(float((p - q).norm() / q.norm()), 5) for p, q in zip(a, b)]
-
-        twin, bf16 = rel(got["fast"], got["twin"]), rel(got["fast"], got["bf16"])
+        twin, bf16 = relative_errors(got["fast"], got["twin"]), relative_errors(got["fast"], got["bf16"])
         ok = max(twin) < 0.01 and max(bf16) < 0.1
         rec.checks.append({"name": f"fp8_linear weight_gradient={weight_gradient}", "rel_err_vs_twin [y, dx, dw]": twin,
                            "rel_err_vs_bf16 [y, dx, dw]": bf16, "ok": ok})
@@ -186,10 +188,7 @@ def run_mlp_checks(rec: Recorder) -> None:
         y = fn(x)
         got[name] = [y.float(), *(t.float() for t in torch.autograd.grad(y, inputs, g))]
 
-    def rel(a, b):
-        return [round(float((p - q).norm() / q.norm()), 5) for p, q in zip(a, b)]
-
-    twin, bf16 = rel(got["fast"], got["twin"]), rel(got["fast"], got["bf16"])
+    twin, bf16 = relative_errors(got["fast"], got["twin"]), relative_errors(got["fast"], got["bf16"])
     ok = max(twin) < 0.02 and max(bf16) < 0.1
     rec.checks.append({"name": "fp8_norm_mlp", "rel_err_vs_twin [y, dx, dnw, dnb, dw1, db1, dw2, db2]": twin,
                        "rel_err_vs_bf16 [y, dx, dnw, dnb, dw1, db1, dw2, db2]": bf16, "ok": ok})
