@@ -291,8 +291,6 @@ class BufferPool:
     buffers are kept (each up to 1.25x the largest join seen); when none is free (a consumer holding many batches)
     the join allocates as before."""
 
-    FREE_REFS = 3  # the pool's list, the loop's variable and getrefcount's argument
-
     def __init__(self, size: int) -> None:
         self.size, self.buffers, self.lock = size, [], threading.Lock()
 
@@ -301,8 +299,8 @@ class BufferPool:
         with self.lock:  # the check and the claim (the view, which refers to the buffer) in one step
             buffers, spare = self.buffers, None
             for i in range(len(buffers)):
-                buffer = buffers[i]
-                if sys.getrefcount(buffer) == self.FREE_REFS:
+                if _references(buffers, i) == _FREE:
+                    buffer = buffers[i]
                     if buffer.dtype == dtype and buffer.size >= size:
                         return buffer[:size]
                     spare = i
@@ -316,6 +314,15 @@ class BufferPool:
             return buffer[:size]
 
 
+def _references(buffers: list[np.ndarray], i: int) -> int:
+    """``sys.getrefcount`` of ``buffers[i]`` as ``BufferPool.claim`` counts it."""
+    return sys.getrefcount(buffers[i])
+
+
+# NOTE: what the count of a buffer nothing else refers to is, measured through the same call rather than assumed:
+# the references an interpreter holds while counting differ between Python versions, and a baseline too low by one
+# would hand out a buffer a consumer still reads
+_FREE = _references([np.empty(1)], 0)
 POOLED_BYTES = 1 << 18  # joins of at least this many bytes go to the pool's buffers
 _POOL = BufferPool(8)
 
