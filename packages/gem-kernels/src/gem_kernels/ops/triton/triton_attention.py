@@ -81,14 +81,14 @@ def _candidates(kind: str, spec: AttnSpec, head_dim: int, itemsize: int = 2) -> 
     q_cap = _pow2_at_least(spec.max_q, 16)
     block = spec.block_size
     if kind == "fwd":
-        cands = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)] if big else \
+        cands = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3)] if big else \
             [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)]
     elif kind == "dkdv":
         cands = [(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 2),
                  (64, 64, 4, 3)] if big else [(32, 64, 8, 1), (32, 32, 4, 1)]
     else:
         cands = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3),
-                 (64, 64, 4, 3), (128, 64, 8, 3)] if big else [(64, 32, 8, 1), (32, 32, 4, 1)]
+                 (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2)] if big else [(64, 32, 8, 1), (32, 32, 4, 1)]
     out = []
     for bm, bn, w, st in cands:
         bm, bn = min(bm, q_cap), min(bn, kv_cap)
@@ -149,7 +149,7 @@ def _short_kv_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[d
     out = []
     for bm, tiles, w, st in [(128, 4, 8, 3), (128, 1, 8, 2), (128, 2, 8, 3), (128, 8, 8, 3), (64, 4, 4, 3),
                              (64, 8, 4, 3), (64, 2, 4, 2), (128, 4, 4, 3), (64, 1, 4, 2), (128, 16, 8, 4),
-                             (64, 16, 4, 3)]:
+                             (64, 16, 4, 3), (64, 8, 4, 2)]:
         bm = spec.block_size or min(bm, q_cap)
         q_bytes = bm * head_dim * itemsize
         # diagonal blocks stream K / V with the queries; otherwise they are loaded once
