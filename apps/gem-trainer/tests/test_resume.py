@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-STEPS = 160
+STEPS = 80
 ARGS = [
     f"--schedule.steps={STEPS}",
     "--schedule.warmup_steps=10",
