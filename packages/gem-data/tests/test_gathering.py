@@ -93,3 +93,75 @@ def test_pooled_buffers_are_never_written_while_a_batch_holds_them(monkeypatch):
     for batch, snapshot in held:
         assert equal_batches(batch, snapshot)
     assert len(pool.buffers) <= 3 and len(set(claimed)) < len(claimed)  # buffers were handed out again
+
+
+def _random_steps(seed: int, rows: int = 24) -> tuple[list[list[Piece]], FeatureAlignment]:
+    """A few steps of ``rows`` rows each, every step cut from consecutive row ranges of a few source batches (two
+    generators, batches of other sizes than a step, so that pieces straddle them), as the mixer cuts them; one
+    source's surface stamped in some."""
+    draw = torch.Generator().manual_seed(seed)
+    generators = [SyntheticGenerator(SyntheticConfig(seed=s, max_events=32)) for s in (seed, seed + 10)]
+    surfaces = {"feed": None, "video": 2} if seed % 2 else None
+    alignment = FeatureAlignment({"feed": generators[0].spec, "video": generators[1].spec}, {"feed": "", "video": ""}, surfaces)
+    chunks = [int(torch.randint(5, 40, (1,), generator=draw)) for _ in range(2)]
+    held = [[], []]  # per source, its batches read so far
+    position = [0, 0]
+    steps = []
+    for _ in range(2 + seed % 5):
+        share = int(torch.randint(rows + 1, (1,), generator=draw))
+        step = []
+        for source, n in enumerate((share, rows - share)):
+            while n:
+                index, row = divmod(position[source], chunks[source])
+                while len(held[source]) <= index:
+                    held[source].append(BatchView(generators[source].batch(len(held[source]), chunks[source], split="train")))
+                take = min(n, chunks[source] - row)
+                step.append(Piece(alignment._plans[("feed", "video")[source]], held[source][index], row, row + take))
+                position[source] += take
+                n -= take
+        steps.append(step)
+    return steps, alignment
+
+
+def _same_batch(a, b) -> bool:
+    """Every field equal, the key sets attribute by attribute."""
+    return (equal_batches(a, b) and _same_kjt(a.sparse, b.sparse) and a.sequences.keys() == b.sequences.keys()
+            and all(_same_kjt(a.sequences[k].ids, b.sequences[k].ids) for k in a.sequences)
+            and a.next_items is None and b.next_items is None)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_steps_gathered_together_equal_the_steps_gathered_one_by_one(seed):
+    steps, alignment = _random_steps(seed)
+    together = gathering.gather_steps(steps, alignment.spec)
+    one_by_one = [gathering.gather_pieces(step, alignment.spec) for step in steps]
+    assert len(together) == len(steps)
+    # joined at once: the steps' tensors are ranges of the same arrays
+    assert together[0].dense.untyped_storage().data_ptr() == together[-1].dense.untyped_storage().data_ptr()
+    for fast, reference in zip(together, one_by_one):
+        assert _same_batch(fast, reference)
+        assert all(t.is_contiguous() for t in (fast.dense, fast.labels, fast.surface, fast.sparse.values(), fast.sparse.lengths()))
+
+
+def test_steps_of_different_sizes_are_gathered_one_by_one():
+    steps, alignment = _random_steps(3)
+    steps[-1] = steps[-1][:1]  # a shorter last step
+    for fast, reference in zip(gathering.gather_steps(steps, alignment.spec),
+                               [gathering.gather_pieces(step, alignment.spec) for step in steps]):
+        assert _same_batch(fast, reference)
+
+
+def test_pooled_buffers_of_steps_gathered_together_are_never_written_while_a_batch_holds_them(monkeypatch):
+    monkeypatch.setattr(gathering, "POOLED_BYTES", 1)  # every join goes to the pool
+    monkeypatch.setattr(gathering, "_POOL", BufferPool(3))
+    held = []
+    for seed in range(10):
+        steps, alignment = _random_steps(seed)
+        batches = gathering.gather_steps(steps, alignment.spec)
+        held.append((batches[-1], copy.deepcopy(batches[-1])))  # one batch of the steps kept, the others let go
+        del batches
+        if seed % 3 == 2:
+            del held[0]
+            gc.collect()
+    for batch, snapshot in held:
+        assert equal_batches(batch, snapshot)

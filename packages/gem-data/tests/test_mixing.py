@@ -18,6 +18,7 @@ from gem_data import (
     concat_batches,
     select_examples,
 )
+from gem_data import mixing
 from gem_data.testing import equal_batches
 
 SPEC = dict(num_ads=2000, max_events=16)
@@ -164,3 +165,36 @@ def test_a_source_of_unknown_length_is_probed_and_ends_the_mixture_on_every_rank
                         MixingConfig(config.sources, batch_size=20, seed=2))
     assert steps[0] == steps[1] == sum(1 for _ in whole) > 0
     assert whole.counts()["short"] <= 48
+
+
+@pytest.mark.parametrize("batch_size", [7, 64, 200, 300])
+@pytest.mark.parametrize("granularity", ["example", "batch"])
+def test_batches_gathered_several_at_once_are_the_batches_gathered_one_by_one(monkeypatch, batch_size, granularity):
+    config = MixingConfig(CONFIG.sources, batch_size=batch_size, granularity=granularity, online_share_start=0.1,
+                          online_share_end=0.6, ramp_steps=6, seed=5)
+    together = MixedStream(sources(), config)
+    assert together._steps_per_gather == (2048 // batch_size if batch_size <= 256 else 1)
+    monkeypatch.setattr(mixing, "GATHER_ROWS", 0)  # one step at a time: the reference
+    one_by_one = MixedStream(sources(), config)
+    assert one_by_one._steps_per_gather == 1
+    for a, b in itertools.islice(zip(together, one_by_one), 40):
+        assert equal_batches(a, b)
+    assert together.counts() == one_by_one.counts()
+    # random access and asking twice for a batch give it again
+    for index in (3, 3, 1, 39, 2):
+        assert equal_batches(together.global_batch(index), one_by_one.global_batch(index))
+
+
+def test_a_finite_source_ends_batches_gathered_several_at_once_where_it_ends_them_one_by_one(monkeypatch):
+    generator = SyntheticGenerator(SyntheticConfig(**SPEC))
+    table = BatchTable(generator.batch(0, 100), generator.spec)
+    config = MixingConfig((MixSource("log", 1.0), MixSource("live", 1.0)), batch_size=20, seed=1)
+
+    def mixture():
+        return MixedStream({"log": TableStream(table, 16, shuffle=False, num_epochs=1), "live": SyntheticStream(generator, 16)}, config)
+
+    together = list(mixture())
+    monkeypatch.setattr(mixing, "GATHER_ROWS", 0)
+    one_by_one = list(mixture())
+    assert 0 < len(together) == len(one_by_one) < 20
+    assert all(equal_batches(a, b) for a, b in zip(together, one_by_one))

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from gem_kunlun import Batch, EventType, FeatureSpec, SparseFeature
 
-from gem_data.gathering import BatchView, KeyMap, Piece, SourcePlan, gather_pieces
+from gem_data.gathering import BatchView, KeyMap, Piece, SourcePlan, gather_pieces, gather_steps
 from gem_data.source import spec_difference
 
 
@@ -151,13 +151,21 @@ class FeatureAlignment:
         """One union batch of rows ``[lo, hi)`` of each ``(source name, batch, lo, hi)``, in order (see
         ``gem_data.gathering``: slicing and re-keying in one pass). A batch read several times may come as its
         ``BatchView``, made once."""
+        return gather_pieces(self._pieces(segments), self.spec)
+
+    def gather_steps(self, steps: list[list[tuple[str, Batch | BatchView, int, int]]]) -> list[Batch]:
+        """``[self.gather(segments) for segments in steps]``, the batches of several steps joined at once where they
+        can be (see ``gem_data.gathering.gather_steps``)."""
+        return gather_steps([self._pieces(segments) for segments in steps], self.spec)
+
+    def _pieces(self, segments: list[tuple[str, Batch | BatchView, int, int]]) -> list[Piece]:
         views = [(name, batch if isinstance(batch, BatchView) else BatchView(batch), lo, hi) for name, batch, lo, hi in segments]
         if len(self.spaces) > 1:
             for name, view, _, _ in views:
                 if view.batch.next_items is not None:
                     raise AlignmentError(f"source {name!r} has retrieval targets, which score against one item catalogue: "
                                          f"retrieval needs every source in one id space (the mixture has {list(self.spaces)})")
-        return gather_pieces([Piece(self._plans[name], view, lo, hi) for name, view, lo, hi in views], self.spec)
+        return [Piece(self._plans[name], view, lo, hi) for name, view, lo, hi in views]
 
 
 def _ordered(names) -> list[str]:

@@ -15,7 +15,9 @@ sum, which also places the events' timestamps (the first key of an event type ha
 NOTE: in a running mixed stream the gathering costs about twice what it costs in a loop of its own (the source
 reads and the gathering evict each other's code and data from the caches), and fewer NumPy calls do not show
 there: reading every key set of a source batch as one list of keys (one cumulative sum, one concatenation of all
-values per step) was 6-11 us faster per batch in isolation and no faster in the stream, so it was left out.
+values per step) was 6-11 us faster per batch in isolation and no faster in the stream, so it was left out of the
+step-by-step join. Joining several steps at once (``gather_steps``, what one process of the mixer does at small
+batches) pays each call once for all of them, and there the one list of keys does pay.
 """
 
 from __future__ import annotations
@@ -98,21 +100,55 @@ class BatchArrays:
         self.sequences = {name: JaggedView(seq.ids, rows, seq.timestamps) for name, seq in batch.sequences.items()}
 
 
+class KeyedArrays:
+    """NumPy views of every tensor of a batch, its key sets as one list of keys (the sparse keys, then each event
+    type's, in the order asked), to cut many row ranges at once: key ``k``'s values of rows ``[lo, hi)`` lie at
+    ``[bounds[k * rows + lo], bounds[k * rows + hi])`` of the key sets' values laid end to end (not copied: key set
+    ``i``'s are ``values[i]``, from ``starts[i]`` on; an event type's timestamps, ``times[i]``, are one per value of
+    its first key). Made from the batch directly: a source batch gathered this way needs no ``BatchArrays``."""
+
+    __slots__ = ("bounds", "dense", "labels", "lengths", "rows", "source", "starts", "surface", "times", "uniform", "values")
+
+    def __init__(self, batch: Batch, events: list[str]) -> None:
+        kjts = [batch.sparse, *(batch.sequences[name].ids for name in events)]
+        self.rows = rows = batch.batch_size
+        self.dense, self.labels, self.surface = batch.dense.numpy(), batch.labels.numpy(), batch.surface.numpy()
+        self.source = None if batch.source is None else batch.source.numpy()
+        self.values = [kjt.values().numpy() for kjt in kjts]
+        self.times = [None, *(batch.sequences[name].timestamps.numpy() for name in events)]
+        lengths = [kjt.lengths().numpy() for kjt in kjts]
+        # one join holds every key set's values, another every event type's timestamps: their types must agree
+        self.uniform = (len({a.dtype for a in (*self.values, *lengths)}) == 1
+                        and len({t.dtype for t in self.times[1:]}) <= 1)
+        lengths = np.concatenate(lengths)
+        self.lengths = lengths.reshape(-1, rows)
+        self.bounds = np.empty(lengths.size + 1, dtype=np.int64)
+        self.bounds[0] = 0
+        np.add.accumulate(lengths, dtype=np.int64, out=self.bounds[1:])
+        self.starts = self.bounds[[0, *itertools.accumulate(len(kjt.keys()) * rows for kjt in kjts[:-1])]].tolist()
+
+
 class BatchView:
     """A batch and, once first needed, the NumPy views of its tensors (``arrays``): the mixer takes a row range
     of the source batch it holds at each of several steps, and making the views (with the offsets of each key
     set) costs as much as cutting a range out of them. A batch taken whole needs none."""
 
-    __slots__ = ("_arrays", "batch", "rows")
+    __slots__ = ("_arrays", "_keyed", "batch", "rows")
 
     def __init__(self, batch: Batch) -> None:
-        self.batch, self.rows, self._arrays = batch, batch.batch_size, None
+        self.batch, self.rows, self._arrays, self._keyed = batch, batch.batch_size, None, None
 
     @property
     def arrays(self) -> BatchArrays:
         if self._arrays is None:
             self._arrays = BatchArrays(self.batch)
         return self._arrays
+
+    def keyed(self, events: list[str]) -> "KeyedArrays":
+        """Every key set of the batch (the sparse keys, then those of ``events``) as one list of keys, made once."""
+        if self._keyed is None or self._keyed[0] != events:
+            self._keyed = (events, KeyedArrays(self.batch, events))
+        return self._keyed[1]
 
     def event_span(self, event: str, lo: int, hi: int) -> tuple[int, int]:
         """The events of rows ``[lo, hi)`` of event type ``event``."""
@@ -173,6 +209,108 @@ def gather_pieces(pieces: list[Piece], spec: FeatureSpec) -> Batch:
         source=None if any(a.source is None for a in arrays) else _cat([a.source[p.lo : p.hi] for a, p in zip(arrays, pieces)]),
         next_items=_gather_targets(pieces),
     )
+
+
+def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
+    """``[gather_pieces(pieces, spec) for pieces in steps]``, the same batches field by field, made in one pass where
+    every step has the same number of rows and every piece the union's keys (one spec, one id space), without
+    retrieval targets or representation features; otherwise step by step.
+
+    NOTE: at a hundred or two rows a batch, gathering a mixed batch costs as much as reading its sources, and most of
+    it is a fixed cost per field, key set and piece (NumPy calls, Python lists, the tensors and key sets made).
+    Joined together, several steps pay each call once: every key set of a source batch is one list of keys
+    (``BatchView.keyed``), every range of every piece is found with a few array operations, the ranges are cut in one
+    pass and joined step after step, and each step's tensors are consecutive ranges of the joined arrays (views, made
+    by one ``split`` per field; they keep the joined arrays alive until every batch of the steps is let go)."""
+    if len(steps) < 2 or not spec.sparse or not spec.events or not all(event.features for event in spec.events):
+        return [gather_pieces(step, spec) for step in steps]
+    held: dict[int, int] = {}  # id of a source batch's view -> its index in ``views``
+    views: list[BatchView] = []
+    part_view, part_lo, part_hi, part_step, step_rows, identity = [], [], [], [], [], True
+    for s, step in enumerate(steps):
+        for p in step:
+            j = held.get(id(p.view))
+            if j is None:
+                j = held[id(p.view)] = len(views)
+                views.append(p.view)
+            part_view.append(j)
+            part_lo.append(p.lo)
+            part_hi.append(p.hi)
+            part_step.append(s)
+            identity = identity and p.plan.identity
+        step_rows.append(sum(p.hi - p.lo for p in step))
+    rows, events = step_rows[0], [e.name for e in spec.events]
+    keyed = [view.keyed(events) for view in views] if identity else []
+    if (not identity or not rows or any(n != rows for n in step_rows)
+            or any(view.batch.next_items is not None or view.batch.representations for view in views)
+            or not all(k.uniform for k in keyed) or len({k.values[0].dtype for k in keyed}) > 1
+            or len({k.times[1].dtype for k in keyed}) > 1):
+        return [gather_pieces(step, spec) for step in steps]
+    num_steps, pieces = len(steps), [p for step in steps for p in step]
+    parts = list(zip(part_view, part_lo, part_hi))
+    key_sets = [[f.name for f in spec.sparse], *([f.name for f in e.features] for e in spec.events)]
+    set_sizes = [len(keys) for keys in key_sets]
+    num_keys = sum(set_sizes)
+    # every part's range of every key: values [first, last) of its source batch's keys (one list of all key sets)
+    bound_at = [0, *itertools.accumulate(k.bounds.size for k in keyed)][:-1]
+    view_, lo, n = np.array(part_view), np.array(part_lo), np.array(part_hi) - np.array(part_lo)
+    stride = np.array([k.rows for k in keyed])[view_][:, None]  # between a key's rows and the next key's
+    bound = (lo + np.array(bound_at)[view_])[:, None] + np.arange(num_keys) * stride
+    bounds = np.concatenate([k.bounds for k in keyed])
+    first, last = bounds[bound], bounds[bound + n[:, None]]
+    # the values in the output's order: step by step, key by key, part by part (the parts are in step order), each
+    # range cut from its own key set's values
+    num_sets = len(key_sets)
+    key_set = np.repeat(np.arange(num_sets), set_sizes)
+    set_start = np.array([k.starts for k in keyed])[view_]  # [parts, key sets]
+    group = (np.array(part_step)[:, None] * num_keys + np.arange(num_keys)).reshape(-1)
+    order = np.argsort(group, kind="stable")
+    set_values = [values for k in keyed for values in k.values]
+    cut_from, cut_first = view_[:, None] * num_sets + key_set, first - set_start[:, key_set]
+    cut_last = cut_first + last - first
+    cuts = [set_values[i][a:z] for i, a, z in zip(cut_from.reshape(-1)[order].tolist(), cut_first.reshape(-1)[order].tolist(),
+                                                  cut_last.reshape(-1)[order].tolist())]
+    sizes = np.bincount(group, weights=(last - first).reshape(-1), minlength=num_steps * num_keys)
+    sizes = sizes.astype(np.int64).reshape(num_steps, num_keys)  # per step, per key
+    values = torch.from_numpy(_join_array(cuts, int(sizes.sum())))
+    # lengths: [keys, steps * rows] -> [steps, keys, rows], each step's key-major
+    lengths = np.concatenate([keyed[j].lengths[:, a:z] for j, a, z in parts], axis=1).reshape(num_keys, num_steps, rows)
+    lengths = torch.from_numpy(np.ascontiguousarray(lengths.transpose(1, 0, 2)).reshape(-1))
+    # timestamps: each event type's first key has one value per event; step by step, event type by event type
+    set_at = [0, *itertools.accumulate(set_sizes)][:-1]
+    event_keys = set_at[1:]
+    event_group = (np.array(part_step)[:, None] * len(events) + np.arange(len(events))).reshape(-1)
+    event_order = np.argsort(event_group, kind="stable")
+    set_times = [times for k in keyed for times in k.times]
+    times_from = (view_[:, None] * num_sets + np.arange(1, num_sets)).reshape(-1)[event_order].tolist()
+    times_first = first[:, event_keys] - set_start[:, 1:]
+    times_last = times_first + last[:, event_keys] - first[:, event_keys]
+    times = [set_times[i][a:z] for i, a, z in zip(times_from, times_first.reshape(-1)[event_order].tolist(),
+                                                  times_last.reshape(-1)[event_order].tolist())]
+    times = torch.from_numpy(_join_array(times, int(sizes[:, event_keys].sum())))
+    # each step's tensors: consecutive ranges of the joined ones
+    set_values = values.split(np.add.reduceat(sizes, set_at, axis=1).reshape(-1).tolist())
+    set_lengths = lengths.split([size * rows for size in set_sizes] * num_steps)
+    step_times = times.split(sizes[:, event_keys].reshape(-1).tolist())
+    sizes = sizes.tolist()
+
+    def rows_of(field: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
+        return torch.from_numpy(np.concatenate(field)).split(rows)
+
+    dense = rows_of([keyed[j].dense[a:z] for j, a, z in parts])
+    labels = rows_of([keyed[j].labels[a:z] for j, a, z in parts])
+    plans = [p.plan for p in pieces]
+    surface = rows_of([keyed[j].surface[a:z] if plan.surface is None else np.full(z - a, plan.surface, dtype=np.int64)
+                       for (j, a, z), plan in zip(parts, plans)])
+    source = None if any(k.source is None for k in keyed) else rows_of([keyed[j].source[a:z] for j, a, z in parts])
+    batches = []
+    for s in range(num_steps):
+        kjts = [_keyed_jagged(list(keys), set_values[s * num_sets + i], set_lengths[s * num_sets + i], rows,
+                              sizes[s][at : at + size]) for i, (keys, at, size) in enumerate(zip(key_sets, set_at, set_sizes))]
+        sequences = {name: EventSequence(kjt, step_times[s * len(events) + e]) for e, (name, kjt) in enumerate(zip(events, kjts[1:]))}
+        batches.append(Batch(dense=dense[s], sparse=kjts[0], sequences=sequences, labels=labels[s], surface=surface[s],
+                             source=None if source is None else source[s]))
+    return batches
 
 
 # NOTE: slicing and joining happen on NumPy views of the (CPU) tensors: a batch is a few dozen small row ranges,
@@ -270,12 +408,17 @@ def _gather_kjt(parts: list[tuple[JaggedView | None, KeyMap | None, Piece]], key
 def _join(arrays: list[np.ndarray], size: int) -> torch.Tensor:
     """``_cat(arrays)`` of 1-d arrays of ``size`` elements in all, into a reused buffer when large (see
     ``BufferPool``)."""
+    return torch.from_numpy(_join_array(arrays, size))
+
+
+def _join_array(arrays: list[np.ndarray], size: int) -> np.ndarray:
+    """``np.concatenate(arrays)`` of 1-d arrays of ``size`` elements in all, into a reused buffer when large."""
     dtype = arrays[0].dtype
     out = _POOL.claim(size, dtype) if size * dtype.itemsize >= POOLED_BYTES else None
     if out is None:
-        return _cat(arrays)
+        return np.concatenate(arrays)
     np.concatenate(arrays, out=out)
-    return torch.from_numpy(out)
+    return out
 
 
 class BufferPool:

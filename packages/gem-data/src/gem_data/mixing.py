@@ -14,7 +14,9 @@ batch, so training is the same, and ``LengthBalancedStream`` evens out per-rank 
 
 Sources are whole ``ShardedStream``s (rank 0 of 1), addressed by example: example ``e`` of a source is row
 ``e % C`` of its global batch ``e // C``. Each keeps its own position, implied by the draws, and the reader
-holds one batch per source: nothing is merged or copied, memory is bounded per source.
+holds one batch per source: nothing is merged or copied, memory is bounded per source. One process (a world of
+one) gathers small global batches ``GATHER_ROWS`` rows at a time and holds them until it delivers them: the same
+batches as gathered one by one (``FeatureAlignment.gather_steps``), a gather's fixed costs paid once.
 
 ``p_i(t)``: the weights, normalised. With an online share schedule, online and offline sources are
 normalised separately and scaled by ``share(t)`` and ``1 - share(t)``; the share stays at
@@ -32,12 +34,13 @@ source's example position so that loading does not replay the draws.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from gem_kunlun import Batch, FeatureSpec
 
@@ -48,6 +51,8 @@ from gem_data.stream import SyntheticStream, TableStream
 
 ANCHOR_EVERY = 256  # steps between remembered source positions (backward queries replay at most this many draws)
 DRAW_BLOCK = 64  # steps whose compositions are drawn together (see MixedStream._draw)
+GATHER_ROWS = 2048  # one process gathers this many rows of its next global batches at once (see MixedStream._gathered_batch)
+GATHER_STEPS = 8  # ... when that makes at least this many batches (at fewer, larger ones it does not pay)
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,14 @@ class MixedStream(ShardedStream):
         self._latest = 0  # the newest anchor that is not a multiple of ANCHOR_EVERY
         self._compositions: tuple[int, list[tuple[int, ...]]] = (0, [])  # the first step of a block of DRAW_BLOCK, theirs
         self._generator = torch.Generator()  # reseeded for every step's draws
+        # NOTE: like reading ahead, only one process gathers several of its next batches at once (a rank of several
+        # takes its slice of each global batch); and only small batches: at 512 rows and more a gather's fixed
+        # costs are small beside its copying, and several steps' rows copied at once were slower than one by one
+        # (the working set outgrows the caches)
+        steps = GATHER_ROWS // self.global_batch_size
+        self._steps_per_gather = steps if world_size == 1 and steps >= GATHER_STEPS else 1
+        self._gathered: tuple[int, int, list[Batch | None]] | None = None  # first step gathered together, stride, batches
+        self._stride = 1  # between the steps this reader delivers (DataLoader workers take turns)
 
     @property
     def spec(self) -> FeatureSpec:
@@ -220,9 +233,52 @@ class MixedStream(ShardedStream):
         lo = self.rank * share + min(self.rank, extra)
         return self._rows(index, lo, lo + share + (self.rank < extra))
 
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        self._stride = 1 if info is None else info.num_workers
+        return super().__iter__()
+
     def _rows(self, index: int, lo: int, hi: int) -> Batch | None:
         """Rows ``[lo, hi)`` of global batch ``index`` (its examples grouped by source, in source order),
         reading only those rows from the sources."""
+        if self._steps_per_gather > 1:
+            return self._gathered_batch(index)
+        read = self._segments(index, lo, hi)
+        if read is None:
+            return None
+        segments, source = read
+        batch = self.alignment.gather(segments)
+        batch.source = torch.from_numpy(source)
+        return batch
+
+    def _gathered_batch(self, index: int) -> Batch | None:
+        """Global batch ``index``, gathered with the next ``_steps_per_gather - 1`` batches this reader will deliver
+        (the same batches as gathered one by one: ``FeatureAlignment.gather_steps``)."""
+        if self._gathered is not None:
+            first, stride, batches = self._gathered
+            offset, remainder = divmod(index - first, stride)
+            if stride == self._stride and not remainder and 0 <= offset < len(batches) and batches[offset] is not None:
+                batch, batches[offset] = batches[offset], None  # handed out once: asked again, it is gathered again
+                return batch
+        steps, sources = [], []
+        for ahead in range(self._steps_per_gather):
+            read = self._segments(index + ahead * self._stride, 0, self.global_batch_size)
+            if read is None:  # the end of a source: the batches before it are delivered, then the mixture ends
+                break
+            steps.append(read[0])
+            sources.append(read[1])
+        if not steps:
+            return None
+        batches: list[Batch | None] = list(self.alignment.gather_steps(steps))
+        for batch, source in zip(batches, sources):
+            batch.source = torch.from_numpy(source)
+        batch, batches[0] = batches[0], None
+        self._gathered = (index, self._stride, batches)
+        return batch
+
+    def _segments(self, index: int, lo: int, hi: int) -> tuple[list[tuple[str, BatchView, int, int]], np.ndarray] | None:
+        """The source row ranges of rows ``[lo, hi)`` of global batch ``index`` and each row's source index; None
+        past the end (or for a rank's empty share)."""
         start, total = self.positions(index), self.composition(index)
         for reader, first, n in zip(self._readers, start, total):
             # every rank checks the whole global batch, so that all ranks end at the same step
@@ -241,9 +297,7 @@ class MixedStream(ShardedStream):
             first_row += n
         if not segments:
             return None  # a rank's empty share of a global batch smaller than the number of ranks
-        batch = self.alignment.gather(segments)
-        batch.source = torch.from_numpy(source)
-        return batch
+        return segments, source
 
     # -- reporting and state --------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
@@ -268,6 +322,7 @@ class MixedStream(ShardedStream):
             self._anchors[self.position] = tuple(int(state["examples"][n]) for n in self.names)
             self._latest = self.position
         self._compositions = (0, [])
+        self._gathered = None
 
 
 class ExampleReader:
