@@ -164,3 +164,35 @@ def test_the_direct_launch_can_be_turned_off_and_yields_to_launch_hooks(monkeypa
     for _ in range(2):
         _tuning._launch(k, (1,), (x, 32, 0.5), dict(A=3), cfg, ("key",))
     assert [e[0] for e in k.log] == ["triton"] * 4
+
+
+def test_tuning_launches_the_fastest_candidate_timed_from_a_graph_and_skips_failing_ones(monkeypatch):
+    import torch
+
+    _on_a_gpu(monkeypatch, {}, tuning=True)
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    monkeypatch.setattr(_tuning, "FAST_LAUNCH", False)
+    monkeypatch.setattr(_tuning.torch.cuda, "synchronize", lambda: None)
+    times = {2: 0.5, 4: None, 8: 0.3, 16: 0.9}  # ms per num_warps; None: out of shared memory
+    timed = []
+
+    def graph_timed(run):
+        k.log.clear()
+        run()  # one launch of the candidate under test
+        warps = k.log[0][3]["num_warps"]
+        timed.append(warps)
+        if times[warps] is None:
+            raise RuntimeError("out of resources")
+        return times[warps]
+
+    monkeypatch.setattr(_tuning, "candidate_ms", graph_timed)
+    k = _FakeKernel()
+    x = torch.zeros(64)
+    cands = [dict(num_warps=w) for w in times]
+    _tuning.launch(k, lambda c: (c["num_warps"],), (x, 32, 0.5), dict(A=3), ("tuned key",), cands)
+    assert timed == [2, 4, 8, 16]
+    assert _tuning.tuned_configs()[("tuned key",)] == dict(num_warps=8)
+    assert k.log[-1] == ("triton", (8,), (x, 32, 0.5), dict(A=3, num_warps=8))  # the launch that counts
+    # the key keeps its config: no timing again
+    _tuning.launch(k, lambda c: (c["num_warps"],), (x, 32, 0.5), dict(A=3), ("tuned key",), cands)
+    assert timed == [2, 4, 8, 16]
