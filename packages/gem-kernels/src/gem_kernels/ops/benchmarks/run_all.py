@@ -324,6 +324,8 @@ def run_checks(rec: Recorder):
     ko = offsets(kv_lens)
     kv_index = torch.tensor([b % 4 for b in range(len(lens))], device="cuda")
     own_ko = offsets([16, 40, 3, 64, 0, 7, 64, 33, 1, 20, 50])  # a short kv sequence per example (one-launch backward)
+    # one of up to 256 keys per example: the resident key tile's forward, its dQ kernel and the general dK / dV
+    long_ko = offsets([16, 140, 3, 250, 0, 7, 256, 133, 1, 90, 65])
 
     cases = []
     for dt in (torch.bfloat16, torch.float16):
@@ -341,6 +343,8 @@ def run_checks(rec: Recorder):
                 kernel=kern), "cross"),
             ("gdpa_cross_short", dt, tol, lambda q, k, v, kern: gdpa(
                 q, k, v, off, own_ko, activation=["softmax", "silu"] * 2, kernel=kern), "cross_own"),
+            ("gdpa_cross_short_dq", dt, tol, lambda q, k, v, kern: gdpa(
+                q, k, v, off, long_ko, activation=["softmax", "silu"] * 2, kernel=kern), "cross_long"),
             ("gdpa_pma", dt, tol, lambda q, k, v, kern: gdpa(q, k, v, None, off, activation=["softmax", "gelu"] * 2,
                                                              kernel=kern), "pma"),
             ("block_64x3", dt, tol, lambda q, k, v, kern: block_attention(q, k, v, off, window_blocks=3,
@@ -352,8 +356,9 @@ def run_checks(rec: Recorder):
     cases = [c for c in cases if c[1] == torch.bfloat16 or c[0] in ("jfa_causal_w", "gdpa_cross_index")]
     for name, dt, tol, fn, mode in cases:
         def one(name=name, dt=dt, tol=tol, fn=fn, mode=mode):
-            Tq = {"self": T, "cross": T, "cross_own": T, "pma": 32}[mode]
-            Tk = {"self": T, "cross": int(ko[-1]), "cross_own": int(own_ko[-1]), "pma": T}[mode]
+            Tq = {"self": T, "cross": T, "cross_own": T, "cross_long": T, "pma": 32}[mode]
+            Tk = {"self": T, "cross": int(ko[-1]), "cross_own": int(own_ko[-1]), "cross_long": int(long_ko[-1]),
+                  "pma": T}[mode]
             q = randn(Tq, H, D, dtype=dt, grad=True, scale=0.3)
             k = randn(Tk, H, D, dtype=dt, grad=True, scale=0.3)
             v = randn(Tk, H, D, dtype=dt, grad=True)
