@@ -205,24 +205,23 @@ def test_views_of_a_fused_projection_are_read_in_place():
                  1e-6, "jfa out")
 
 
-@pytest.mark.parametrize("max_kv", [16, 200])
 @pytest.mark.parametrize("act", ["softmax", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_short_kv_forward_equals_the_general_kernel(act, dtype, max_kv, monkeypatch):
-    """Full attention to kv sequences of at most one key tile (up to 256 keys) runs attn_fwd_short_kv_kernel
-    (query tiles streamed through K / V loaded once, several per program): its outputs and LSE equal the general
-    forward's, with empty kv sequences, empty and multi-tile query sequences and a shared kv sequence."""
+def test_short_kv_forward_equals_the_general_kernel(act, dtype, monkeypatch):
+    """Full attention to kv sequences of at most one key tile runs attn_fwd_short_kv_kernel (query tiles streamed
+    through K / V loaded once, several per program): its outputs and LSE equal the general forward's, with empty
+    kv sequences, empty and multi-tile query sequences and a shared kv sequence."""
     from gem_kernels.ops.triton import _tuning, triton_attention
     from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_forward
 
-    qo, ko = offsets_of([40, 0, 1, 35]), offsets_of([9, 0, max_kv])
+    qo, ko = offsets_of([40, 0, 1, 35]), offsets_of([9, 0, 16])
     kv_index = torch.tensor([0, 2, 1, 0])
     q = rand(int(qo[-1]), 2, 16, dtype=dtype, scale=0.5)
     k, v = rand(int(ko[-1]), 2, 16, dtype=dtype, scale=0.5), rand(int(ko[-1]), 2, 16, dtype=dtype)
-    spec = AttnSpec(max_q=48, max_kv=max_kv, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16)
-    assert triton_attention._short_kv(spec, 16, q.element_size())
+    spec = AttnSpec(max_q=48, max_kv=16, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16)
+    assert triton_attention._short_kv(spec)
     short = attention_forward(q, k, v, qo, ko, kv_index, spec)
-    monkeypatch.setattr(triton_attention, "_short_kv", lambda *args: False)
+    monkeypatch.setattr(triton_attention, "_short_kv", lambda spec: False)
     monkeypatch.setattr(_tuning, "_TUNED", {})
     general = attention_forward(q, k, v, qo, ko, kv_index, spec)
     assert_close(short[0], general[0], TOL[dtype], "out")
@@ -359,8 +358,7 @@ def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkey
     monkeypatch.setattr(triton_attention, "launch", lambda kernel, *a: launched.append(kernel) or launch(kernel, *a))
     fused = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
     assert launched == [triton_attention.attn_bwd_short_kv_kernel]
-    monkeypatch.setattr(triton_attention, "_fused_backward", lambda *args: False)
-    monkeypatch.setattr(triton_attention, "_short_dq", lambda *args: False)
+    monkeypatch.setattr(triton_attention, "_fused_backward", lambda spec, kv_index, head_dim: False)
     monkeypatch.setattr(_tuning, "_TUNED", {})
     general = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
     assert launched[1:] == [triton_attention.attn_bwd_dq_kernel, triton_attention.attn_bwd_dkdv_kernel]
@@ -378,64 +376,14 @@ def test_the_one_launch_backward_takes_only_the_shapes_it_holds():
         return AttnSpec(**{**dict(max_q=4096, max_kv=64, nq=None, activations=("softmax",), sm_scale=1.0,
                                   pw_scale=1.0), **kw})
 
-    assert _fused_backward(spec(), None, 128, 2) and _fused_backward(
-        spec(max_kv=8192, block_size=64, window_blocks=1), None, 64, 2)
-    assert not _fused_backward(spec(), None, 256, 2)
-    assert not _fused_backward(spec(max_kv=128), None, 128, 2)
-    assert not _fused_backward(spec(), torch.zeros(3, dtype=torch.int64), 128, 2)
-    assert not _fused_backward(spec(max_q=32, nq=32), None, 128, 2)
-    assert not _fused_backward(spec(max_kv=8192, block_size=64, window_blocks=2), None, 128, 2)
-    assert not _fused_backward(spec(window_left=3), None, 128, 2)
-
-
-def test_short_kv_tiles_are_held_where_they_fit():
-    """kv sequences up to 128 keys are one resident tile whatever their width; up to 256 keys only where K and V
-    fit RESIDENT_KV_BYTES (16-bit heads up to 128 wide); dQ takes the short kernel above the one-launch backward's
-    FUSED_BWD_KV_MAX, without kv_index or broadcast queries."""
-    from gem_kernels.ops.triton.triton_attention import AttnSpec, _short_dq, _short_kv
-
-    def spec(**kw):
-        return AttnSpec(**{**dict(max_q=4096, max_kv=256, nq=None, activations=("softmax",), sm_scale=1.0,
-                                  pw_scale=1.0), **kw})
-
-    assert _short_kv(spec(), 128, 2) and _short_kv(spec(max_kv=200), 64, 4) and _short_kv(spec(max_kv=128), 128, 4)
-    assert not _short_kv(spec(), 128, 4) and not _short_kv(spec(), 256, 2) and not _short_kv(spec(max_kv=257), 64, 2)
-    assert not _short_kv(spec(window_left=3), 128, 2) and not _short_kv(spec(max_kv=64, block_size=64), 128, 2)
-    assert _short_dq(spec(), None, 128, 2) and _short_dq(spec(max_kv=65), None, 128, 2)
-    assert not _short_dq(spec(max_kv=64), None, 128, 2)  # the one-launch backward's
-    assert not _short_dq(spec(), torch.zeros(3, dtype=torch.int64), 128, 2)
-    assert not _short_dq(spec(max_q=32, nq=32), None, 128, 2)
-    assert not _short_dq(spec(), None, 128, 4)
-
-
-@pytest.mark.parametrize("act", ["softmax", "silu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_short_kv_dq_equals_the_general_kernel(act, dtype, monkeypatch):
-    """kv sequences of their own too long for the one-launch backward (65 to 256 keys): dQ is
-    attn_bwd_short_kv_kernel with DQ_ONLY (K / V held, query tiles streamed; a softmax head's delta stored for dK /
-    dV), then the general dK / dV kernel. dQ, dK and dV equal the general kernels', with queries without keys, keys
-    without queries and sequences longer than one program's query tiles."""
-    from gem_kernels.ops.triton import _tuning, triton_attention
-    from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_backward, attention_forward
-
-    qo, ko = offsets_of([40, 0, 1, 35, 6]), offsets_of([90, 4, 0, 70, 0])
-    spec = AttnSpec(max_q=48, max_kv=90, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16)
-    q = rand(int(qo[-1]), 2, 16, dtype=dtype, scale=0.5)
-    k, v = rand(int(ko[-1]), 2, 16, dtype=dtype, scale=0.5), rand(int(ko[-1]), 2, 16, dtype=dtype)
-    o, lse = attention_forward(q, k, v, qo, ko, None, spec)
-    do = rand(*o.shape, dtype=dtype)
-    launched = []
-    launch = triton_attention.launch
-    monkeypatch.setattr(triton_attention, "launch", lambda kernel, *a: launched.append(kernel) or launch(kernel, *a))
-    short = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
-    assert launched == [triton_attention.attn_bwd_short_kv_kernel, triton_attention.attn_bwd_dkdv_kernel]
-    monkeypatch.setattr(triton_attention, "_short_dq", lambda *args: False)
-    monkeypatch.setattr(_tuning, "_TUNED", {})
-    general = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
-    assert launched[2:] == [triton_attention.attn_bwd_dq_kernel, triton_attention.attn_bwd_dkdv_kernel]
-    for got, want, name in zip(short, general, ("dq", "dk", "dv")):
-        assert got.dtype == dtype
-        assert_close(got, want, TOL[dtype], name)
+    assert _fused_backward(spec(), None, 128) and _fused_backward(spec(max_kv=8192, block_size=64, window_blocks=1),
+                                                                  None, 64)
+    assert not _fused_backward(spec(), None, 256)
+    assert not _fused_backward(spec(max_kv=128), None, 128)
+    assert not _fused_backward(spec(), torch.zeros(3, dtype=torch.int64), 128)
+    assert not _fused_backward(spec(max_q=32, nq=32), None, 128)
+    assert not _fused_backward(spec(max_kv=8192, block_size=64, window_blocks=2), None, 128)
+    assert not _fused_backward(spec(window_left=3), None, 128)
 
 
 def test_untuned_configs_fit_shared_memory(monkeypatch):
@@ -451,12 +399,6 @@ def test_untuned_configs_fit_shared_memory(monkeypatch):
                          block_size=128, window_blocks=1)
     for c in ta._short_kv_candidates(blocks, 128, 2):
         assert c["num_stages"] * 3 * 128 * 128 * 2 <= ta.SMEM_BUDGET, c
-    # 256 keys held whole: K and V resident beside the streamed query tiles (and Q, dO, O tiles in dQ)
-    cross = ta.AttnSpec(max_q=4096, max_kv=256, nq=None, activations=("softmax",), sm_scale=1.0, pw_scale=1.0)
-    for c in ta._short_kv_candidates(cross, 128, 2):
-        assert 2 * 256 * 128 * 2 + c["num_stages"] * c["BLOCK_M"] * 128 * 2 <= ta.SMEM_BUDGET, c
-    dq = ta._short_dq_candidates(cross, 128, 2)
-    assert dq and all(2 * 256 * 128 * 2 + c["num_stages"] * 3 * c["BLOCK_M"] * 128 * 2 <= ta.SMEM_BUDGET for c in dq)
     assert ta._fit_stages(3, 0, ta.SMEM_BUDGET) == 1  # one stage is the floor
 
 

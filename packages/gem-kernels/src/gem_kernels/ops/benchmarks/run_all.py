@@ -324,7 +324,7 @@ def run_checks(rec: Recorder):
     ko = offsets(kv_lens)
     kv_index = torch.tensor([b % 4 for b in range(len(lens))], device="cuda")
     own_ko = offsets([16, 40, 3, 64, 0, 7, 64, 33, 1, 20, 50])  # a short kv sequence per example (one-launch backward)
-    # one of up to 256 keys per example: the resident key tile's forward, its dQ kernel and the general dK / dV
+    # one of up to 256 keys per example (cross_kv128 / cross_kv256's shapes): the general kernels
     long_ko = offsets([16, 140, 3, 250, 0, 7, 256, 133, 1, 90, 65])
 
     cases = []
@@ -343,7 +343,7 @@ def run_checks(rec: Recorder):
                 kernel=kern), "cross"),
             ("gdpa_cross_short", dt, tol, lambda q, k, v, kern: gdpa(
                 q, k, v, off, own_ko, activation=["softmax", "silu"] * 2, kernel=kern), "cross_own"),
-            ("gdpa_cross_short_dq", dt, tol, lambda q, k, v, kern: gdpa(
+            ("gdpa_cross_256", dt, tol, lambda q, k, v, kern: gdpa(
                 q, k, v, off, long_ko, activation=["softmax", "silu"] * 2, kernel=kern), "cross_long"),
             ("gdpa_pma", dt, tol, lambda q, k, v, kern: gdpa(q, k, v, None, off, activation=["softmax", "gelu"] * 2,
                                                              kernel=kern), "pma"),

@@ -113,26 +113,20 @@ def _candidates(kind: str, spec: AttnSpec, head_dim: int, itemsize: int = 2) -> 
     return out
 
 
-# blocks up to this size are one key tile of attn_fwd_short_kv_kernel, and kv sequences up to this long
-DIAGONAL_BLOCK_MAX = 128
-SHORT_KV_MAX = 256
-# kv sequences longer than DIAGONAL_BLOCK_MAX keep their K and V tiles resident only within this much shared memory
-# (16-bit heads up to 128 wide at 256 keys, beside the streamed query tiles)
-RESIDENT_KV_BYTES = 128 * 1024
+# kv sequences up to this long, or blocks up to this size, are one key tile of attn_fwd_short_kv_kernel
+SHORT_KV_MAX = 128
 
 
-def _short_kv(spec: AttnSpec, head_dim: int, itemsize: int) -> bool:
-    """Full attention over kv sequences that fit one key tile, held by each program for all its query tiles."""
-    tile = _pow2_at_least(spec.max_kv, 16)
-    fits = tile <= DIAGONAL_BLOCK_MAX or 2 * tile * head_dim * itemsize <= RESIDENT_KV_BYTES
-    return (spec.max_kv <= SHORT_KV_MAX and fits and spec.block_size is None and spec.window_left is None
+def _short_kv(spec: AttnSpec) -> bool:
+    """Full attention over kv sequences that fit one key tile."""
+    return (spec.max_kv <= SHORT_KV_MAX and spec.block_size is None and spec.window_left is None
             and spec.window_right is None)
 
 
 def _diagonal_blocks(spec: AttnSpec) -> bool:
-    """Independent blocks (one block per window) of a tile's size: a power of two from 16 to DIAGONAL_BLOCK_MAX."""
+    """Independent blocks (one block per window) of a tile's size: a power of two from 16 to SHORT_KV_MAX."""
     bs = spec.block_size
-    return bs is not None and spec.window_blocks == 1 and 16 <= bs <= DIAGONAL_BLOCK_MAX and bs & (bs - 1) == 0
+    return bs is not None and spec.window_blocks == 1 and 16 <= bs <= SHORT_KV_MAX and bs & (bs - 1) == 0
 
 
 def _fit_stages(stages: int, fixed: int, per_stage: int) -> int:
@@ -174,40 +168,11 @@ FUSED_BWD_KV_MAX = 64
 FUSED_BWD_HEAD_DIM_MAX = 128
 
 
-def _fused_backward(spec: AttnSpec, kv_index, head_dim: int, itemsize: int) -> bool:
+def _fused_backward(spec: AttnSpec, kv_index, head_dim: int) -> bool:
     """Shapes whose whole backward is one launch of attn_bwd_short_kv_kernel: jagged queries that each see one key
     tile whole (a short kv sequence of their own, or their own block)."""
     return spec.nq is None and kv_index is None and head_dim <= FUSED_BWD_HEAD_DIM_MAX and (
-        _diagonal_blocks(spec) or (_short_kv(spec, head_dim, itemsize) and spec.max_kv <= FUSED_BWD_KV_MAX))
-
-
-def _short_dq(spec: AttnSpec, kv_index, head_dim: int, itemsize: int) -> bool:
-    """Shapes whose dQ is attn_bwd_short_kv_kernel with DQ_ONLY (K / V loaded once per program, several query tiles
-    streamed through them), dK / dV the general kernel's: jagged queries that each see a short kv sequence of their
-    own, too long for the one-launch backward."""
-    return (spec.nq is None and kv_index is None and head_dim <= FUSED_BWD_HEAD_DIM_MAX
-            and _short_kv(spec, head_dim, itemsize) and spec.max_kv > FUSED_BWD_KV_MAX)
-
-
-def _short_dq_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[dict]:
-    """(BLOCK_M, Q_TILES, num_warps, num_stages) of attn_bwd_short_kv_kernel with DQ_ONLY: the K / V tile resident,
-    Q, dO and O tiles streamed."""
-    if interpreting():
-        return [dict(BLOCK_M=16, Q_TILES=2, num_warps=4, num_stages=1)]
-    q_cap = _pow2_at_least(spec.max_q, 16)
-    kv_bytes = 2 * _pow2_at_least(spec.max_kv, 16) * head_dim * itemsize
-    out = []
-    for bm, tiles, w, st in [(64, 4, 4, 2), (64, 8, 4, 2), (32, 8, 4, 2), (64, 2, 4, 2), (128, 4, 8, 2),
-                             (64, 16, 4, 2), (32, 16, 4, 3), (64, 4, 8, 2), (32, 4, 4, 2), (64, 8, 4, 3)]:
-        bm = min(bm, q_cap)
-        per_stage = 3 * bm * head_dim * itemsize  # Q, dO and O tiles
-        if kv_bytes + per_stage > SMEM_BUDGET:  # not even one stage beside 256 resident keys
-            continue
-        st = _fit_stages(st, kv_bytes, per_stage)
-        cfg = dict(BLOCK_M=bm, Q_TILES=tiles, num_warps=w, num_stages=st)
-        if cfg not in out:
-            out.append(cfg)
-    return out
+        _diagonal_blocks(spec) or (_short_kv(spec) and spec.max_kv <= FUSED_BWD_KV_MAX))
 
 
 def _short_kv_bwd_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[dict]:
@@ -337,7 +302,7 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
                spec.window_right is None)
         nh = head_ids.numel()
         diagonal = _diagonal_blocks(spec)
-        if diagonal or _short_kv(spec, D, q.element_size()):
+        if diagonal or _short_kv(spec):
             # no window / block arguments: each query sees its one key tile whole
             block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
             # descriptors for the streamed tiles: query tiles, and the diagonal's key tiles
@@ -376,8 +341,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
     R = kv_offsets.shape[0] - 1
     B = q_offsets.shape[0] - 1 if spec.nq is None else R
     do = do.contiguous()
-    fused = _fused_backward(spec, kv_index, D, q.element_size())
-    short_dq = _short_dq(spec, kv_index, D, q.element_size())
+    fused = _fused_backward(spec, kv_index, D)
     # delta = rowsum(dO * O), [T_out, H]: only the softmax heads read it. The one-launch backward and the few
     # broadcast queries (PMA) compute it from O in their kernels; in the general pair of kernels the dQ kernel does,
     # for its query rows, and stores it for the dK / dV kernel launched after it.
@@ -416,19 +380,17 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0))
         scales = (spec.nq or 0, spec.sm_scale * _LOG2E, scale, 1.0 if code == 0 else scale)
-        if fused or short_dq:
-            # the one-key-tile backward's arguments: the one-launch backward reads no delta, DQ_ONLY stores it
-            fargs = (q, k, v, o, do, lse, lse if fused else delta, dq, dk, dv, q_off, kv_offsets, head_ids,
+        if fused:
+            diagonal = _diagonal_blocks(spec)
+            fargs = (q, k, v, o, do, lse, dq, dk, dv, q_off, kv_offsets, head_ids,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                      o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
                      dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
                      spec.sm_scale * _LOG2E, scale, scale, 1.0 if code == 0 else scale)
-        if fused:
-            diagonal = _diagonal_blocks(spec)
             launch(attn_bwd_short_kv_kernel,
                    (lambda c: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh)) if diagonal else
                    (lambda c: (1, B, nh)), fargs,
-                   dict(ACT=code, DIAGONAL=diagonal, DQ_ONLY=False, PREC=_prec(q.dtype), BLOCK_D=D,
+                   dict(ACT=code, DIAGONAL=diagonal, PREC=_prec(q.dtype), BLOCK_D=D,
                         BLOCK_N=spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)),
                    ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, q.element_size()))
             continue
@@ -443,20 +405,14 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
             continue
         # dQ first: it writes delta (softmax heads) for dK / dV. The streamed tiles through tensor descriptors where
         # their layouts allow (see attn_fwd_kernel).
-        if short_dq:
-            launch(attn_bwd_short_kv_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), fargs,
-                   dict(ACT=code, DIAGONAL=False, DQ_ONLY=True, PREC=_prec(q.dtype), BLOCK_D=D,
-                        BLOCK_N=_pow2_at_least(spec.max_kv, 16)),
-                   ("dq_short",) + key_tail, lambda: _short_dq_candidates(spec, D, q.element_size()))
-        else:
-            args, tma = _with_descriptors(
-                (q, k, v, o, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
-                 head_ids, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                 o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-                 spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb), 12, [(k, "BLOCK_N"), (v, "BLOCK_N")])
-            launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-                   dict(common, HAS_KV_IDX=kv_index is not None, TMA=tma, DELTA_FROM_O=code == 0),
-                   ("dq",) + key_tail, lambda: _candidates("dq", spec, D))
+        args, tma = _with_descriptors(
+            (q, k, v, o, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
+             head_ids, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+             o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+             spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb), 12, [(k, "BLOCK_N"), (v, "BLOCK_N")])
+        launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
+               dict(common, HAS_KV_IDX=kv_index is not None, TMA=tma, DELTA_FROM_O=code == 0), ("dq",) + key_tail,
+               lambda: _candidates("dq", spec, D))
         args, tma = _with_descriptors(
             (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, q, do, *strides,
              *scales, wl, wr, bs, kb), 13, [(q, "BLOCK_M"), (do, "BLOCK_M")])

@@ -650,12 +650,12 @@ def attn_bwd_dq_kernel(
 
 @triton.jit
 def attn_bwd_short_kv_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, Q_OFF, KV_OFF, HEAD_IDS,
+    Q, K, V, O, DO, LSE, DQ, DK, DV, Q_OFF, KV_OFF, HEAD_IDS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
     qk_scale, dq_scale, dk_scale, dv_scale,
-    ACT: tl.constexpr, DIAGONAL: tl.constexpr, DQ_ONLY: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
+    ACT: tl.constexpr, DIAGONAL: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
 ):
     """The whole backward (dQ, dK and dV in one launch) of attention where every query sees exactly one key tile,
     whole, as in ``attn_fwd_short_kv_kernel`` (example b reads kv sequence b):
@@ -666,26 +666,22 @@ def attn_bwd_short_kv_kernel(
       whole example, streams every query tile of it (writing its dQ) and writes dK / dV once at the end: the sum
       over query tiles stays in registers, in a fixed order (deterministic, no atomics).
 
-    - ``DQ_ONLY`` (full attention to a kv sequence of one tile, whose dK / dV accumulators would not fit beside it):
-      dQ alone, the program holding K / V and streaming ``Q_TILES`` query tiles of its example through them; a
-      softmax head's delta is stored to DELTA for ``attn_bwd_dkdv_kernel``, launched after it.
-
     Each query row is visited once, so a softmax head's ``delta = rowsum(dO * O)`` is computed here from O instead
     of by a pre-pass. Equal to ``attn_bwd_dkdv_kernel`` + ``attn_bwd_dq_kernel`` on these shapes, in one launch
-    that reads Q, dO and O once (``DQ_ONLY``: to ``attn_bwd_dq_kernel``)."""
+    that reads Q, dO and O once."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     q_start, q_len, o_start = _q_rows(Q_OFF, b, 0, True)
     k_start, k_len = _kv_rows(KV_OFF, b)
-    if DIAGONAL or DQ_ONLY:
+    if DIAGONAL:
         m_first = pid_m * (Q_TILES * BLOCK_M)
         m_end = tl.minimum(m_first + Q_TILES * BLOCK_M, q_len)
     else:
         m_first = 0
         m_end = q_len
     # NOTE: an example with queries but no keys still writes its (zero) dQ; keys without queries get zero dK / dV
-    if m_first < q_len or (not DIAGONAL and not DQ_ONLY and k_len > 0):
+    if m_first < q_len or (not DIAGONAL and k_len > 0):
         offs_d = tl.arange(0, BLOCK_D)
         K_base = K + h * stride_kh + k_start * stride_kt
         V_base = V + h * stride_vh + k_start * stride_vt
@@ -694,7 +690,6 @@ def attn_bwd_short_kv_kernel(
             kmask = offs_n < k_len
             k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, True)
             v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
-        if not DIAGONAL and not DQ_ONLY:
             dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
             dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         for m0 in range(m_first, m_end, BLOCK_M):
@@ -714,8 +709,6 @@ def attn_bwd_short_kv_kernel(
             if ACT == 0:
                 lse, delta = _softmax_stats_from_o(LSE + h, O + h * stride_oh, do, rows, stride_lt, stride_ot,
                                                    offs_d, qmask)
-                if DQ_ONLY:
-                    tl.store(DELTA + h + rows * stride_lt, delta, mask=qmask)
                 p = tl.where(allowed, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
                 ds = p * (dp - delta[:, None])
             else:
@@ -730,10 +723,10 @@ def attn_bwd_short_kv_kernel(
                             (dk_tile * dk_scale).to(DK.dtype.element_ty), kmask)
                 _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d,
                             (dv_tile * dv_scale).to(DV.dtype.element_ty), kmask)
-            elif not DQ_ONLY:
+            else:
                 dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PREC)
                 dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
-        if not DIAGONAL and not DQ_ONLY:
+        if not DIAGONAL:
             _store_rows(DK + h * stride_dkh, k_start + offs_n, stride_dkt, offs_d,
                         (dk * dk_scale).to(DK.dtype.element_ty), kmask)
             _store_rows(DV + h * stride_dvh, k_start + offs_n, stride_dvt, offs_d,
