@@ -240,10 +240,11 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
             identity = identity and p.plan.identity
         step_rows.append(sum(p.hi - p.lo for p in step))
     rows, events = step_rows[0], [e.name for e in spec.events]
-    keyed = [view.keyed(events) for view in views] if identity else []
     if (not identity or not rows or any(n != rows for n in step_rows)
-            or any(view.batch.next_items is not None or view.batch.representations for view in views)
-            or not all(k.uniform for k in keyed) or len({k.values[0].dtype for k in keyed}) > 1
+            or any(view.batch.next_items is not None or view.batch.representations for view in views)):
+        return [gather_pieces(step, spec) for step in steps]
+    keyed = [view.keyed(events) for view in views]  # made only for sources this join can take
+    if (not all(k.uniform for k in keyed) or len({k.values[0].dtype for k in keyed}) > 1
             or len({k.times[1].dtype for k in keyed}) > 1):
         return [gather_pieces(step, spec) for step in steps]
     num_steps, pieces = len(steps), [p for step in steps for p in step]
