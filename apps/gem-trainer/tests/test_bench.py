@@ -50,9 +50,13 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
     doc = bench.main(["--config", str(CONFIG), "--out", str(out), "--device", "cpu", "--batch-size", "4",
                       "--sparse-features", "3", "--mean-len", "40", "--max-len", "96", "--warmup", "1",
                       "--steps", "2", "--profile-steps", "1", "--batches", "2", "--trainer-configs", str(other), "--config-steps", "2",
-                      "--trainer-override", "data.eval_batches=1", "--checkpoint-steps", "2", *TINY])
+                      "--trainer-override", "data.eval_batches=1", "--checkpoint-steps", "2",
+                      "--save-tuned", str(tmp_path / "tuned.json"), *TINY])
     written = json.loads(out.read_text())
     assert written["meta"]["command"].startswith("python -m gem_trainer.bench")
+    # the kernels' tile configs the run launched, in the document and in the file run_all's --tuned reads
+    assert written["meta"]["kernel_autotune"] is False
+    assert json.loads((tmp_path / "tuned.json").read_text()) == written["meta"]["tuned_configs"]
     for key in ("date", "commit", "torch", "device"):
         assert written["meta"][key]
     assert set(written["variants"]) == {"gem", "bare", "plain"} and not written["errors"]

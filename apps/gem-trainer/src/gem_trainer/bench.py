@@ -39,6 +39,7 @@ import datetime
 import gc
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -49,6 +50,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gem_kernels.ops.triton import _tuning
 from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, KunlunModel, SparseFeature
 from gem_kunlun.norm import LayerNorm
 from gem_parallel import PEAK_TFLOPS as PEAK_TABLE
@@ -796,6 +798,10 @@ def parse_args(argv):
     p.add_argument("--mean-len", type=float, default=1024.0)
     p.add_argument("--max-len", type=int, default=None, help="default: the model's max_seq_len")
     p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--tuned", help="kernel tile configs to launch as they are (JSON, as --save-tuned or gem-kernels' "
+                                   "run_all writes them); with GEM_KERNELS_AUTOTUNE=1 every other kernel shape is "
+                                   "tuned at its first launch")
+    p.add_argument("--save-tuned", help="write the tile configs of every kernel shape the run launched to this JSON")
     args, rest = p.parse_known_args(argv)
     unknown = [a for a in rest if not (a.startswith("--") and "=" in a and "." in a.split("=")[0])]
     if unknown:
@@ -824,6 +830,9 @@ def main(argv=None) -> dict:
         lines.append(msg)
 
     doc = {"meta": meta(device, argv), "config": {}, "checks": {}, "variants": {}, "errors": []}
+    doc["meta"]["kernel_autotune"] = _tuning.autotune_enabled()
+    if args.tuned:
+        _tuning.load_tuned(args.tuned)
 
     def write():
         out_path.write_text(json.dumps(doc, indent=1))
@@ -865,6 +874,9 @@ def main(argv=None) -> dict:
     write()
 
     if not args.skip_checks and device.type == "cuda":
+        # NOTE: the checks' small shapes are not the step's: tuning them would only spend time, and their untuned
+        # picks must not stand for the step's kernels
+        tune = os.environ.pop("GEM_KERNELS_AUTOTUNE", None)
         try:
             doc["checks"]["ops"] = check_ops(device)
             doc["checks"]["model"] = check_model_agreement(config, args, device)
@@ -876,6 +888,10 @@ def main(argv=None) -> dict:
         except Exception as e:
             doc["errors"].append(f"checks: {type(e).__name__}: {e}"[:500])
             traceback.print_exc()
+        finally:
+            if tune is not None:
+                os.environ["GEM_KERNELS_AUTOTUNE"] = tune
+            _tuning.forget_picks()
         write()
 
     for name in filter(None, args.variants.split(",")):
@@ -931,6 +947,9 @@ def main(argv=None) -> dict:
         c = v["gem"]["checkpoint"]
         targets[f"checkpoint every {c['every_steps']} steps <= 2% of step time"] = c["asynchronous"]["cost_share"] <= 0.02
     doc["targets"] = targets
+    doc["meta"]["tuned_configs"] = {repr(k): v for k, v in _tuning.tuned_configs().items()}
+    if args.save_tuned:
+        _tuning.save_tuned(args.save_tuned)
     doc["log"] = lines
     write()
     print_table(doc)

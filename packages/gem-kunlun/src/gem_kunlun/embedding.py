@@ -17,7 +17,7 @@ from torchrec import (
 )
 
 from gem_kernels.jagged import segment_ids
-from gem_kunlun.batch import Batch
+from gem_kunlun.batch import Batch, EventSequence
 from gem_kunlun.features import FeatureSpec
 
 
@@ -61,8 +61,32 @@ def mean_per_row(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return sums / lengths.clamp(min=1).to(values.dtype)[:, None]
 
 
-# ids per row when a catalogue of shared ids is looked up on its own (``lookup_shared``): see ``_shared_input``
-SHARED_IDS_PER_ROW = 64
+# ids per row of a lookup without pooling (event ids, shared ids): see ``spread_lengths``
+IDS_PER_ROW = 64
+
+
+def spread_lengths(n: int, rows: int, device) -> torch.Tensor:
+    """``[rows]`` int64: ``n`` ids spread evenly over ``rows`` rows (the first ``n % rows`` rows one more).
+
+    NOTE: a lookup without pooling returns its vectors in id order whatever the rows, but its kernel gives each
+    row to one group of threads, which reads the row's ids one after another: a batch's events as one row per
+    example (hundreds of ids each, a few hundred rows) left most of a GPU idle (the lookup took ~8x its memory
+    traffic's time at 512 examples of ~1,000 events). ``n`` is a host int, never read back from the GPU."""
+    row = torch.arange(rows, device=device)
+    return (row < n % rows).long() + n // rows
+
+
+def spread_events(events: EventSequence, rows: int) -> KeyedJaggedTensor:
+    """The event ids of ``events`` (one id per feature and event) as a KJT of ``rows`` rows for a lookup without
+    pooling: the same ids in the same order, each feature's spread by ``spread_lengths``."""
+    ids, n = events.ids, events.timestamps.shape[0]
+    keys = ids.keys()
+    if ids.values().numel() != n * len(keys):
+        raise ValueError(f"event ids: {ids.values().numel()} ids for {len(keys)} features {keys} of {n} events; "
+                         "each feature carries exactly one id per event")
+    lengths = spread_lengths(n, rows, ids.values().device).repeat(len(keys))
+    return KeyedJaggedTensor(keys=keys, values=ids.values(), lengths=lengths, stride=rows,
+                             length_per_key=[n] * len(keys))
 
 
 class FeatureEmbedding(nn.Module):
@@ -140,11 +164,16 @@ class FeatureEmbedding(nn.Module):
         for key, collection in self.events.items():
             width = int(key.removeprefix("width"))
             types = [e for e in self.spec.events if self.event_widths[e.name] == width]
-            # one lookup per collection: a sharded EmbeddingCollection takes a single KJT
-            inputs = [batch.sequences[e.name].ids for e in types]
+            # one lookup per collection: a sharded EmbeddingCollection takes a single KJT, every key with
+            # as many rows
+            sequences = [batch.sequences[e.name] for e in types]
             names = [k for k, c in self.shared_collection.items() if c == key]
+            counts = [s.timestamps.shape[0] for s in sequences] + [(shared_ids or {})[k].numel()
+                                                                    for k in names if k in (shared_ids or {})]
+            rows = max(1, -(-max(counts, default=0) // IDS_PER_ROW))
+            inputs = [spread_events(s, rows) for s in sequences]
             if names:
-                inputs.append(self._shared_input(names, shared_ids or {}, b, batch.dense.device))
+                inputs.append(self._shared_input(names, shared_ids or {}, rows, batch.dense.device))
             looked_up = collection(KeyedJaggedTensor.concat(inputs))
             for e in types:
                 # NOTE: added one after another: stacking them first writes every vector once more
@@ -163,7 +192,7 @@ class FeatureEmbedding(nn.Module):
             device = next(iter(ids.values())).device
             events = [e for e in self.spec.events if f"width{self.event_widths[e.name]}" == key]
             keys = [f.name for e in events for f in e.features]
-            rows = max(1, -(-max(ids[name].numel() for name in names) // SHARED_IDS_PER_ROW))
+            rows = max(1, -(-max(ids[name].numel() for name in names) // IDS_PER_ROW))
             empty = KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.int64, device=device),
                                       lengths=torch.zeros(len(keys) * rows, dtype=torch.int64, device=device),
                                       stride=rows, length_per_key=[0] * len(keys))
@@ -174,18 +203,14 @@ class FeatureEmbedding(nn.Module):
 
     @staticmethod
     def _shared_input(names: list[str], ids: dict[str, torch.Tensor], rows: int, device) -> KeyedJaggedTensor:
-        """The shared features' ids as ``rows`` examples, each feature's ids spread evenly over them (a lookup
-        without pooling returns them in order whatever the rows), none where a feature has no ids.
-
-        NOTE: spread, because the lookup kernel gives each row to one group of threads: a whole catalogue in one
-        row is read one id after another. The lengths come from host ints, never read back from the GPU."""
+        """The shared features' ids as ``rows`` rows, each feature's ids spread over them (``spread_lengths``),
+        none where a feature has no ids."""
         values, lengths, per_key = [], [], []
-        row = torch.arange(rows, device=device)
         for name in names:
             n = ids[name].numel() if name in ids else 0
             if n:
                 values.append(ids[name].to(device=device, dtype=torch.int64))
-            lengths.append((row < n % rows).long() + n // rows)
+            lengths.append(spread_lengths(n, rows, device))
             per_key.append(n)
         values = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
         return KeyedJaggedTensor(keys=names, values=values, lengths=torch.cat(lengths), stride=rows,

@@ -760,7 +760,7 @@ def main(argv=None):
         run_checks(rec)
         if tune is not None:
             os.environ["GEM_KERNELS_AUTOTUNE"] = tune
-        _tuning._TUNED.clear()  # the checks' untuned choices must not stand for the benchmark's keys
+        _tuning.forget_picks()  # the checks' untuned choices must not stand for the benchmark's keys
     print("== benchmarks ==", flush=True)
     bench_all(rec, t0 + a.budget_s, ops)
     if "rotary" in ops:

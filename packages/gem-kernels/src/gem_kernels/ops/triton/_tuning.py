@@ -58,6 +58,12 @@ def tuned_configs() -> dict[tuple, dict]:
     return dict(_TUNED)
 
 
+def forget_picks() -> None:
+    """Drop the configs picked so far (not the loaded or shipped ones): the next launch of each key picks again,
+    e.g. after checks on small shapes whose untuned picks must not stand for a benchmark's."""
+    _TUNED.clear()
+
+
 def save_tuned(path: str) -> None:
     with open(path, "w") as f:
         json.dump({repr(k): v for k, v in _TUNED.items()}, f, indent=1)
