@@ -7,6 +7,7 @@ Runs on the CPU: the ops are the same, only their cost differs."""
 import collections
 import traceback
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,14 +65,17 @@ def test_a_kunlun_training_step_makes_no_host_sync_beyond_the_known_ones():
     assert ("aten.index.Tensor", "gem_kunlun/moe.py", "local_dispatch") in spy.sites
 
 
-def test_truncation_without_host_lengths_reads_the_size_back_and_computes_the_same(monkeypatch):
+@pytest.mark.parametrize("max_events", [9, 3])
+def test_truncation_without_host_lengths_reads_the_size_back_and_computes_the_same(monkeypatch, max_events):
     """A batch made on the device has no host copy of its lengths: truncation then reads its size from the
-    device (the spy sees it), and the model computes exactly what it does from the host's copy."""
+    device (the spy sees it), and the model computes exactly what it does from the host's copy (which, where no
+    history is cut (max_events 3: at most 6 merged events), skips the truncation's gathers)."""
     from gem_kunlun.batch import EventSequence
 
     torch.manual_seed(0)
     model = KunlunModel(SPEC, CONFIG).eval()  # eval: no routing differences between the two passes
-    batch = random_batch(32, seed=1, max_events=9)
+    assert CONFIG.max_seq_len >= 2 * 3
+    batch = random_batch(32, seed=1, max_events=max_events)
     with torch.no_grad():
         from_host = model(batch).logits
         monkeypatch.setattr(EventSequence, "host_lengths", lambda self: None)

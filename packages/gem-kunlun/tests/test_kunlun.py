@@ -157,6 +157,17 @@ def test_rote_depends_on_time_differences_only():
     torch.testing.assert_close(positions, torch.log1p(torch.tensor([2.0, 1.0, 0.0, 0.0])))
 
 
+def test_time_gaps_of_events_in_time_order_read_each_latest_as_the_last():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([5, 0, 1, 7, 0, 3])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    times = torch.cat([torch.rand(int(n), generator=g).mul(1e5).sort().values for n in lengths])
+    torch.testing.assert_close(time_gap_positions(times, offsets, in_time_order=True), time_gap_positions(times, offsets),
+                               rtol=0, atol=0)
+    empty = time_gap_positions(torch.zeros(0), torch.zeros(3, dtype=torch.int64), in_time_order=True)
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+
+
 def test_sum_kron_linear_equals_its_dense_matrix():
     layer = SumKronLinear(k_in=5, k_out=2, dim=3, dim_out=4, rank=3)
     z = torch.randn(7, 5, 3)
@@ -271,3 +282,23 @@ def test_event_types_added_as_a_product_equal_the_embedding_lookup():
     torch.testing.assert_close(got, expected)
     for a, b in zip(grads, torch.autograd.grad(expected, (events, encoder.event_type.weight), seed)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("fp32_residual", [False, True])
+def test_under_autocast_the_residual_stream_is_in_autocasts_dtype_unless_kept_in_float32(fp32_residual):
+    """The history reaches the layers, and leaves the last one, in bfloat16 under bfloat16 autocast (float32 with
+    fp32_residual); the logits stay close to float32's either way, and every parameter gets a gradient."""
+    model = build(dataclasses.replace(TINY, fp32_residual=fp32_residual)).eval()
+    batch = random_batch(6, seed=3)
+    seen = []
+    model.trunk.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[1].dtype))
+    model.trunk.final_summary_norm.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    with torch.no_grad():
+        exact = model(batch).logits
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(batch)
+    assert seen == [torch.float32 if fp32_residual else torch.bfloat16] * 2
+    torch.testing.assert_close(out.logits.float(), exact, rtol=0.1, atol=0.05)
+    out.logits.float().sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "embedding" not in n and p.requires_grad)

@@ -84,6 +84,10 @@ class KunlunConfig:
     contrastive_temperature: float = 1.0  # of the cosine similarities in that loss
     max_seq_len: int = 256
     kernel: str = "auto"
+    # under autocast the history's residual stream (its event vectors and every update added to them) is kept in
+    # autocast's dtype, as the updates are (the default of torchtitan's and Megatron-LM's mixed precision); True
+    # keeps it in float32, at twice the bytes through every norm, merge and residual add over the history
+    fp32_residual: bool = False
     two_tower: bool = False  # see KunlunModel
     # two-tower: the item tower embeds the candidate's id through the history's table of the same ids
     # (FeatureSpec.shared_ids), so that an item's vector learns from its place in histories too
@@ -240,38 +244,50 @@ class KunlunEncoder(nn.Module):
         {name: [N, D]})``, the vectors looked up with the events (``FeatureEmbedding``)."""
         c, names = self.config, [e.name for e in self.spec.events]
         sparse, dense, events, *shared = self.embedding(batch, shared_ids)
+        device = batch.dense.device.type
+        stream_dtype = None if c.fp32_residual or not torch.is_autocast_enabled(device) else torch.get_autocast_dtype(device)
         values, lengths, times, host_kept = [], [], [], []
         for name in names:
-            sequence = batch.sequences[name]
+            sequence, encoder = batch.sequences[name], self.event_encoders[name]
             # sizes from the host's copy of the lengths where there is one: no wait for the device
             host = sequence.host_lengths()
             host_kept.append(None if host is None else [min(n, c.max_seq_len) for n in host])
-            total = None if host is None else sum(host_kept[-1])
-            index, kept_offsets = keep_latest(sequence.offsets(), c.max_seq_len, total)
-            t = sequence.timestamps[index]
-            positions = time_gap_positions(t, kept_offsets)
-            kept_events = take_rows(events[name], index)
-            values.append(self.event_encoders[name](kept_events, kept_offsets, positions, c.max_seq_len))
+            if host is not None and max(host, default=0) <= c.max_seq_len:
+                # NOTE: nothing to truncate: the rows as they are, where a gather would copy every event vector
+                # (and its backward every gradient)
+                kept_events, t, kept_offsets = events[name], sequence.timestamps, sequence.offsets()
+            else:
+                total = None if host is None else sum(host_kept[-1])
+                index, kept_offsets = keep_latest(sequence.offsets(), c.max_seq_len, total)
+                kept_events, t = take_rows(events[name], index), sequence.timestamps[index]
+            # positions only for an encoder with attention layers to rotate
+            positions = time_gap_positions(t, kept_offsets) if len(encoder.layers) else None
+            encoded = encoder(kept_events, kept_offsets, positions, c.max_seq_len)
+            # the residual stream's dtype from here (see KunlunConfig.fp32_residual): the merge moves half the bytes
+            values.append(encoded if stream_dtype in (None, encoded.dtype) else encoded.to(stream_dtype))
             lengths.append(kept_offsets[1:] - kept_offsets[:-1])
             times.append(t)
         merged, offsets, timestamps, event_type = merge_by_time(values, lengths, times)
-        known = all(k is not None for k in host_kept)
-        total = sum(min(sum(per_type), c.max_seq_len) for per_type in zip(*host_kept)) if known and host_kept else None
-        index, offsets = keep_latest(offsets, c.max_seq_len, total)
-        seq = self._with_event_types(take_rows(merged, index), event_type[index])
+        merged_host = [sum(per_type) for per_type in zip(*host_kept)] if all(k is not None for k in host_kept) else None
+        if merged_host is None or max(merged_host, default=0) > c.max_seq_len:
+            total = None if merged_host is None else sum(min(n, c.max_seq_len) for n in merged_host)
+            index, offsets = keep_latest(offsets, c.max_seq_len, total)
+            merged, event_type, timestamps = take_rows(merged, index), event_type[index], timestamps[index]
+        seq = self._with_event_types(merged, event_type)
         tokens = [sparse, dense[:, None]]
         if self.representations is not None:
             tokens.append(self.representations(batch).to(sparse.dtype))
         x = torch.cat(tokens, 1)
-        inputs = x, seq, offsets, time_gap_positions(timestamps[index], offsets)
+        # the merge leaves every example's events in time order
+        inputs = x, seq, offsets, time_gap_positions(timestamps, offsets, in_time_order=True)
         return inputs if shared_ids is None else (inputs, shared[0])
 
     def _with_event_types(self, events: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         """``events [T, D] + event_type(types)``, as one product with the types' one-hot rows added to the events.
 
         NOTE: an embedding's backward sorts every event's type to sum the gradient of a handful of vectors; as a
-        product that gradient is one matrix product over the history. In the events' dtype (float32), outside
-        autocast: the sum starts the residual stream."""
+        product that gradient is one matrix product over the history. In the events' dtype (the residual
+        stream's), outside autocast: the sum starts the stream."""
         weight = self.event_type.weight
         one_hot = (types[:, None] == torch.arange(weight.shape[0], device=types.device)).to(events.dtype)
         with torch.autocast(events.device.type, enabled=False):

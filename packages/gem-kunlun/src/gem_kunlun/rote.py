@@ -16,11 +16,20 @@ from gem_kernels.jagged import segment_ids
 ROTE_BASE = 10.0
 
 
-def time_gap_positions(timestamps: torch.Tensor, offsets: torch.Tensor, unit_seconds: float = 60.0) -> torch.Tensor:
-    """``log(1 + gap / unit)`` per event, the gap measured back from the example's latest event; ``[T]`` float32."""
+def time_gap_positions(timestamps: torch.Tensor, offsets: torch.Tensor, unit_seconds: float = 60.0,
+                       in_time_order: bool = False) -> torch.Tensor:
+    """``log(1 + gap / unit)`` per event, the gap measured back from the example's latest event; ``[T]`` float32.
+    ``in_time_order``: every example's events are known to be in time order (as a merge leaves them), so its
+    latest is its last; otherwise the latest is searched for (a scatter of every event onto its example, whose
+    atomics on a few hundred rows cost ~0.3 ms at 500,000 events on an H200)."""
     lengths = offsets[1:] - offsets[:-1]
     example = segment_ids(lengths, timestamps.numel())
-    latest = torch.full((lengths.numel(),), float("-inf"), device=timestamps.device, dtype=timestamps.dtype)
-    latest = latest.scatter_reduce(0, example, timestamps, "amax", include_self=True)
+    if in_time_order:
+        if timestamps.numel() == 0:
+            return timestamps.new_zeros(0, dtype=torch.float32)
+        latest = timestamps[(offsets[1:] - 1).clamp(min=0)]  # an empty example's entry is never read
+    else:
+        latest = torch.full((lengths.numel(),), float("-inf"), device=timestamps.device, dtype=timestamps.dtype)
+        latest = latest.scatter_reduce(0, example, timestamps, "amax", include_self=True)
     gap = (latest[example] - timestamps).clamp(min=0).float()
     return torch.log1p(gap / unit_seconds)
