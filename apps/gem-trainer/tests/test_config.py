@@ -162,3 +162,22 @@ def test_every_model_name_has_a_builder_and_every_model_field_a_section_field():
     # sections are generated from the model dataclasses: nothing to keep in step by hand
     assert {f.name for f in dataclasses.fields(KunlunConfig)} | {"size"} == set(ModelConfig.model_fields["kunlun"].annotation.model_fields)
     assert {f.name for f in dataclasses.fields(SasrecConfig)} == set(ModelConfig.model_fields["sasrec"].annotation.model_fields)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], "bfloat16"),
+    (["--model.kunlun.fp32_residual=true"], None),  # a float32 history reads float32 vectors
+    (["--precision.autocast=off"], None),
+    (["--model.name=baseline"], None),
+    (["--model.kunlun.two_tower=true", "--model.kunlun.share_item_table=true", "--data.source=sequence_text",
+      "--data.path=x.txt", "--data.sequential.objective=retrieval"], None),  # an item tower pools the same tables
+    (["--device=cpu"], None),  # fbgemm's CPU lookup writes float32 only
+])
+def test_sequence_lookups_return_autocasts_dtype_only_to_a_history_computed_in_it(overrides, expected):
+    import torch
+
+    from gem_trainer.builders import sequence_lookup_dtype
+
+    config = load_config(None, ["--precision.autocast=bf16", *overrides])
+    device = torch.device("cpu" if "--device=cpu" in overrides else "cuda")
+    assert sequence_lookup_dtype(config, device) == (None if expected is None else getattr(torch, expected))

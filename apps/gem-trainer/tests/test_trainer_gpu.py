@@ -82,3 +82,35 @@ def test_index_dedup_of_the_sequence_tables_trains_the_same(tmp_path):
     assert tables[True].keys() == tables[False].keys() and tables[True]
     for key in tables[True]:
         torch.testing.assert_close(tables[True][key], tables[False][key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_a_kunlun_history_computed_in_bfloat16_looks_its_events_up_in_bfloat16(tmp_path):
+    """Under bf16 autocast the sequence tables (float32, as their optimizer) return bfloat16 rows: each the table's
+    float32 row rounded once; training on them stays finite."""
+    config = load_config(None, [f"--run_dir={tmp_path}", "--device=cuda", "--data.batch_size=64", "--data.eval_batches=1",
+                                "--metrics.tensorboard=false", "--checkpoint.enable=false", "--precision.autocast=bf16"])
+    trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
+    try:
+        collections = [m for m in trainer.model.modules() if type(m).__name__ == "ShardedEmbeddingCollection"]
+        assert collections
+        batch = next(trainer._batches).to(trainer.env.device)
+        checked = 0
+        for sequence in batch.sequences.values():
+            for collection in collections:
+                tables = {k.split(".")[-2]: _local(v) for k, v in collection.state_dict().items() if k.endswith(".weight")}
+                names = [n for n in sequence.ids.keys() if f"t_{n}" in tables]
+                if not names:
+                    continue
+                looked_up = collection(sequence.ids)
+                for name in names:
+                    rows = looked_up[name].values()
+                    expected = tables[f"t_{name}"][sequence.ids[name].values()].to(torch.bfloat16)
+                    assert rows.dtype == torch.bfloat16, name
+                    # one rounding (to nearest, or toward zero: within one bf16 step of the float32 row)
+                    torch.testing.assert_close(rows.float(), expected.float(), rtol=2**-7, atol=1e-30, msg=name)
+                    checked += 1
+        assert checked
+        losses = [float(trainer.train_step()["loss"]) for _ in range(3)]
+        assert all(math.isfinite(x) for x in losses)
+    finally:
+        trainer.close()

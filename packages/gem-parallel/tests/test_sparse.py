@@ -34,3 +34,16 @@ def test_index_dedup_is_refused_without_a_gpu_in_one_line():
 
     with pytest.raises(LayoutError, match="^sparse_index_dedup needs GPUs"):
         shard_embeddings(nn.Linear(2, 2), torch.device("cpu"), index_dedup=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_sequence_lookups_in_another_dtype_are_refused_on_the_cpu_or_unknown_in_one_line(dtype):
+    from torch import nn
+
+    from gem_parallel.parallel_dims import LayoutError
+    from gem_parallel.sparse import shard_embeddings
+
+    expected = "^sequence lookups in torch.bfloat16 need GPUs" if dtype is torch.bfloat16 else \
+        r"^the sequence tables' lookup dtype must be one of \[None, torch.bfloat16, torch.float16\], got torch.int8$"
+    with pytest.raises(LayoutError, match=expected):
+        shard_embeddings(nn.Linear(2, 2), torch.device("cpu"), sequence_dtype=dtype)

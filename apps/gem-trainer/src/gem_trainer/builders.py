@@ -63,6 +63,7 @@ from gem_transfer import (
     without_sparse_feature,
 )
 from gem_trainer.distributed import DistributedEnv
+from gem_trainer.step import autocast_dtype
 
 
 def build_generator(config: TrainerConfig) -> SyntheticGenerator:
@@ -481,6 +482,18 @@ def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelD
         raise ConfigError(f"parallelism.{error}") from None
 
 
+def sequence_lookup_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype | None:
+    """The dtype the sequence tables' lookups return on GPUs: autocast's where every reader of the looked-up event
+    vectors computes in it (a Kunlun history whose residual stream is in autocast's dtype, KunlunConfig's default,
+    without an item tower that pools the same tables' vectors), float32 (None) otherwise."""
+    m = config.model
+    dtype = autocast_dtype(config.precision.autocast, device)
+    if dtype is None or device.type != "cuda" or m.name not in ("kunlun", "domain_experts"):
+        return None
+    kunlun = m.kunlun.build()
+    return None if kunlun.fp32_residual or kunlun.share_item_table else dtype
+
+
 def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDims, meshes: ParallelMeshes,
                       env: DistributedEnv) -> nn.Module:
     """Shard the embedding tables (row-wise Adagrad fused into their backward), split the experts, initialise
@@ -501,6 +514,7 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,
             sparse_optimizer=sparse_optimizer, sparse_optimizer_kwargs=sparse_kwargs, expert_padded=p.expert_padded,
             global_batch_bound=global_batch_bound(config, env), sparse_index_dedup=p.sparse_index_dedup,
+            sparse_sequence_dtype=sequence_lookup_dtype(config, env.device),
         )
     except LayoutError as error:
         raise ConfigError(f"parallelism.{error}") from None

@@ -50,9 +50,10 @@ class InterFormerConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
 
     def encoder_config(self) -> KunlunConfig:
-        """The shared input encoder is Kunlun's, without ROTE (InterFormer's attention uses no time positions)."""
+        """The shared input encoder is Kunlun's, without ROTE (InterFormer's attention uses no time positions),
+        handing the history over in float32 (InterFormer's layers keep their residual stream in it)."""
         return KunlunConfig(d_model=self.d_model, num_heads=self.num_heads, max_seq_len=self.max_seq_len,
-                            rote=False, kernel=self.kernel)
+                            rote=False, kernel=self.kernel, fp32_residual=True)
 
 
 class CrossNetwork(nn.Module):

@@ -62,11 +62,13 @@ def parallelize_kunlun(
     expert_padded: bool = False,
     global_batch_bound: int | None = None,
     sparse_index_dedup: bool = False,
+    sparse_sequence_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Parallelise ``model`` (built on the meta device) as ``dims`` says; returns TorchRec's
     DistributedModelParallel around it (``.module`` is the model, now FSDP2-wrapped). See the module
     docstring for the order of the steps. ``global_batch_bound``: the most examples a training step's
-    global batch can hold (None: unknown), see ``MixtureOfExperts``."""
+    global batch can hold (None: unknown), see ``MixtureOfExperts``. ``sparse_sequence_dtype``: the sequence
+    tables' lookup dtype (``shard_embeddings``' sequence_dtype)."""
     moes = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
     if dims.expert_enabled:
         for moe in moes:
@@ -74,7 +76,8 @@ def parallelize_kunlun(
                 raise LayoutError(f"expert ({dims.expert}) must divide the number of experts of every MoE ({moe.num_experts})")
         apply_expert_parallel(model, meshes.expert.get_group("expert"), padded=expert_padded)
     sharded = shard_embeddings(model, device, sparse_sharding, sparse_optimizer, sparse_optimizer_kwargs,
-                               mesh=meshes.sparse, seed=seed, index_dedup=sparse_index_dedup)
+                               mesh=meshes.sparse, seed=seed, index_dedup=sparse_index_dedup,
+                               sequence_dtype=sparse_sequence_dtype)
     init_dense_parameters(model, seed, device)
     slots = block_slots(model)
     fsdp = dims.world_size > 1 or dense.param_dtype is not None or dense.reduce_dtype is not None

@@ -31,6 +31,8 @@ SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "ta
 # NOTE: TorchRec's CPU kernels shard pooled tables (EmbeddingBagCollection) only these ways; sequence
 # tables (EmbeddingCollection) also row-wise. Row-wise pooled sharding needs a GPU.
 CPU_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise")
+# the sequence tables' lookup dtypes (``shard_embeddings``' sequence_dtype) and fbgemm's names for them
+SEQUENCE_DTYPES = {None: None, torch.bfloat16: "BF16", torch.float16: "FP16"}
 
 
 def embedding_modules(model: nn.Module) -> list[nn.Module]:
@@ -66,6 +68,7 @@ def shard_embeddings(
     mesh: DeviceMesh | None = None,
     seed: int = 0,
     index_dedup: bool = False,
+    sequence_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Shard every embedding table of ``model`` (built on the meta device) and return TorchRec's
     DistributedModelParallel around it.
@@ -78,6 +81,11 @@ def shard_embeddings(
     ``index_dedup``: sequence tables (EmbeddingCollection) send each distinct id of a batch once through
     the all-to-all and expand the looked-up rows afterwards (TorchRec's index dedup; CUDA only): histories
     repeat items, and their rows are the largest message of a sharded step.
+
+    ``sequence_dtype``: the dtype the sequence tables' lookups return and their all-to-all carries (the tables and
+    their optimizer stay float32): ``torch.bfloat16`` or ``torch.float16`` halve the bytes of the largest outputs
+    of a step where every reader of them computes in that dtype anyway; None returns float32. CUDA only (fbgemm's
+    CPU lookup without pooling writes float32 only).
     """
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.model_parallel import DMPCollection
@@ -96,6 +104,11 @@ def shard_embeddings(
                          f"only {CPU_SHARDING_TYPES})")
     if index_dedup and device.type != "cuda":
         raise LayoutError("sparse_index_dedup needs GPUs (fbgemm's unique-index kernel has no CPU version)")
+    if sequence_dtype not in SEQUENCE_DTYPES:
+        raise LayoutError(f"the sequence tables' lookup dtype must be one of {list(SEQUENCE_DTYPES)}, got {sequence_dtype}")
+    if sequence_dtype is not None and device.type != "cuda":
+        raise LayoutError(f"sequence lookups in {sequence_dtype} need GPUs (fbgemm's CPU lookup without pooling "
+                          "writes float32 only)")
     configs = table_configs(model)
     apply_optimizer_in_backward(
         sparse_optimizer or RowWiseAdagrad,
@@ -108,11 +121,15 @@ def shard_embeddings(
         topology=Topology(world_size=dist.get_world_size(group), compute_device=device.type), constraints=constraints
     )
     sharders = None
-    if index_dedup:
+    if index_dedup or sequence_dtype is not None:
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-        sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(use_index_dedup=True)]
+        from fbgemm_gpu.split_embedding_configs import SparseType
+
+        fused = None if sequence_dtype is None else {"output_dtype": getattr(SparseType, SEQUENCE_DTYPES[sequence_dtype])}
+        sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(fused_params=fused,
+                                                                                use_index_dedup=index_dedup)]
     # planned once for a group of ranks 0..G-1 (on rank 0, broadcast to all), then placed on each group
     plan = planner.collective_plan(model, sharders, pg=dist.GroupMember.WORLD)
     keep = dict(init_data_parallel=False, init_parameters=False, data_parallel_wrapper=_NoDataParallel(), sharders=sharders)
