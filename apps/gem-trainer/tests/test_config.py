@@ -181,3 +181,25 @@ def test_sequence_lookups_return_autocasts_dtype_only_to_a_history_computed_in_i
     config = load_config(None, ["--precision.autocast=bf16", *overrides])
     device = torch.device("cpu" if "--device=cpu" in overrides else "cuda")
     assert sequence_lookup_dtype(config, device) == (None if expected is None else getattr(torch, expected))
+
+
+@pytest.mark.parametrize("overrides,device,world,expected", [
+    ([], "cuda", 1, True),
+    ([], "cpu", 1, False),
+    ([], "cuda", 2, False),  # FSDP's experts unit would sit inside the compiled MoE
+    (["--parallelism.compile=default"], "cuda", 1, False),  # the compiled blocks hold their MoEs
+    (["--parallelism.param_dtype=bfloat16"], "cuda", 1, False),
+    (["--parallelism.compile_experts=on"], "cpu", 1, True),
+    (["--parallelism.compile_experts=off"], "cuda", 1, False),
+])
+def test_each_moe_is_compiled_alone_on_one_gpu_with_eager_blocks_unless_set(overrides, device, world, expected):
+    import torch
+
+    from gem_trainer.builders import compile_experts
+
+    assert compile_experts(load_config(None, overrides), torch.device(device), world) is expected
+
+
+def test_compiled_experts_in_compiled_blocks_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="compile_experts = \"on\" compiles the MoEs of blocks left eager"):
+        load_config(None, ["--parallelism.compile_experts=on", "--parallelism.compile=default"])

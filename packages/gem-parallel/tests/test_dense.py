@@ -18,3 +18,8 @@ def test_a_sequential_chain_of_blocks_is_one_compile_unit_and_a_module_list_is_n
 def test_an_unknown_compile_mode_is_refused():
     with pytest.raises(ValueError, match="compile must be one of off, default, reduce-overhead, got 'max'"):
         DenseOptions(compile="max")
+
+
+def test_compiling_the_experts_of_compiled_blocks_is_refused():
+    with pytest.raises(ValueError, match="^compile_experts compiles the MoEs of blocks left eager; with compile = 'default'"):
+        DenseOptions(compile="default", compile_experts=True)

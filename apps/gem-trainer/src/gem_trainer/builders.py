@@ -482,6 +482,16 @@ def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelD
         raise ConfigError(f"parallelism.{error}") from None
 
 
+def compile_experts(config: TrainerConfig, device: torch.device, world_size: int) -> bool:
+    """``parallelism.compile_experts``: "auto" compiles each MoE on a GPU, in one process without FSDP mixed
+    precision, where blocks are not compiled (an eager MoE is a few hundred small kernels a step)."""
+    p = config.parallelism
+    if p.compile_experts != "auto":
+        return p.compile_experts == "on"
+    return (device.type == "cuda" and world_size == 1 and p.compile == "off"
+            and p.param_dtype == p.reduce_dtype == "float32")
+
+
 def sequence_lookup_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype | None:
     """The dtype the sequence tables' lookups return on GPUs: autocast's where every reader of the looked-up event
     vectors computes in it (a Kunlun history whose residual stream is in autocast's dtype, KunlunConfig's default,
@@ -508,7 +518,8 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
     p, dtypes = config.parallelism, {"float32": None, "bfloat16": torch.bfloat16}
     dense = DenseOptions(param_dtype=dtypes[p.param_dtype], reduce_dtype=dtypes[p.reduce_dtype],
                          reshard_after_forward=p.reshard_after_forward,
-                         activation_checkpointing=p.activation_checkpointing, compile=p.compile)
+                         activation_checkpointing=p.activation_checkpointing, compile=p.compile,
+                         compile_experts=compile_experts(config, env.device, dims.world_size))
     try:
         return parallelize_kunlun(
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,

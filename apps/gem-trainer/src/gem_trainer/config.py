@@ -319,6 +319,9 @@ class ParallelismConfig(Section):
     # backward as CUDA graphs (SASRec: its blocks chained, fixed shapes in its padded layout; one process);
     # true / false: "default" / "off"
     compile: Literal[COMPILE_MODES] = "off"  # "off", "default" or "reduce-overhead"
+    # torch.compile each MoE on its own (fixed shapes: a batch's examples and tokens): "auto" where blocks are not
+    # compiled, on a GPU, in one process without FSDP mixed precision
+    compile_experts: Literal["auto", "on", "off"] = "auto"
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)
     expert_padded: bool = False  # equal-split all-to-all (fixed shapes, capacity per rank)
@@ -338,6 +341,9 @@ class ParallelismConfig(Section):
         for name in ("dense_replicate", "dense_shard", "sparse_group"):
             if getattr(self, name) == 0:
                 raise ValueError(f"parallelism.{name} must be >= 1 or -1 (automatic), got 0")
+        if self.compile_experts == "on" and self.compile != "off":
+            raise ValueError(f"parallelism.compile_experts = \"on\" compiles the MoEs of blocks left eager; with "
+                             f"compile = {self.compile!r} each block is compiled, its MoE with it")
         return self
 
 

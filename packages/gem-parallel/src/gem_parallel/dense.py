@@ -31,6 +31,10 @@ class DenseOptions:
       "reduce-overhead" also replays each block's forward and backward as CUDA graphs, which is what a small model
       whose step waits on the host needs; it needs fixed shapes (SASRec's padded layout), the blocks chained in one
       ``nn.Sequential`` (see ``compile_units``) and one process: CUDA graphs cannot hold FSDP's collectives).
+    - ``compile_experts``: ``torch.compile`` each MixtureOfExperts on its own (fixed shapes: a batch's examples,
+      tokens and width; its routing, slot dispatch and batched experts are a few hundred small kernels a step
+      eagerly). Blocks not compiled (a compiled block holds its MoE), one process without FSDP (the experts would
+      be an FSDP unit inside the compiled region).
     """
 
     param_dtype: torch.dtype | None = None
@@ -38,10 +42,14 @@ class DenseOptions:
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
     compile: str = "off"
+    compile_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.compile_experts and self.compile != "off":
+            raise ValueError(f"compile_experts compiles the MoEs of blocks left eager; with compile = {self.compile!r} "
+                             "every block, its MoE with it, is compiled already")
 
 
 Slot = tuple[nn.Module, str]  # where a block sits: (parent module, attribute name or ModuleList index)

@@ -83,6 +83,12 @@ def parallelize_kunlun(
     fsdp = dims.world_size > 1 or dense.param_dtype is not None or dense.reduce_dtype is not None
     if dense.activation_checkpointing:
         apply_activation_checkpointing(slots)
+    if dense.compile_experts:
+        if fsdp or dims.world_size > 1:
+            raise LayoutError("compile_experts needs one process without param_dtype / reduce_dtype: FSDP's experts "
+                              "unit would sit inside the compiled MoE")
+        for moe in moes:
+            moe.compile(dynamic=False)  # in place: parameters and state-dict names unchanged
     if dense.compile != "off":
         if dense.compile == "reduce-overhead" and fsdp:
             raise LayoutError("compile = 'reduce-overhead' replays each block as CUDA graphs, which cannot hold FSDP's "
