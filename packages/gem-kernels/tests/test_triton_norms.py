@@ -5,7 +5,7 @@ import torch
 from conftest import requires_triton
 from gem_kernels_testing import assert_close, rand
 
-from gem_kernels import layer_norm, rms_norm
+from gem_kernels import layer_norm, layer_norm_pair, rms_norm
 
 pytestmark = requires_triton
 
@@ -137,3 +137,51 @@ def test_residual_of_another_dtype_is_added_in_float32(op):
     for a, e, n in zip(got["triton"][1], got["pytorch"][1], "xrwb"):
         assert a.dtype == e.dtype == (torch.float16 if n == "r" else torch.float32)
         assert_close(a.float(), e.float(), 1e-3 if n == "r" else 4e-5, f"d{n}")
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float16])
+@pytest.mark.parametrize("second", [None, "residual", "skip"])
+@pytest.mark.parametrize("cfg", [dict(ROWS=4, num_warps=4, PREFETCH=True, PER_SM=1),
+                                 dict(ROWS=1, num_warps=4, PREFETCH=False, PER_SM=1)])
+def test_a_pair_of_norms_of_one_input_matches_its_reference_and_two_norms(cfg, second, out_dtype, monkeypatch):
+    """layer_norm_pair: both outputs, the stream, and every gradient (x, residual, both weights and biases) as the
+    reference computes them, and as two layer_norm calls on the same rows do (37 rows: several tiles per program)."""
+    from gem_kernels.ops.triton import _tuning, triton_norms
+
+    monkeypatch.setattr(triton_norms, "_bwd_cands", lambda block_n: [cfg])
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    shape, N = (37, 100), 100
+    x = rand(*shape)
+    r = rand(*shape) if second == "residual" else None
+    w1, w2 = ((1.0 + 0.1 * torch.randn(N)).requires_grad_() for _ in range(2))
+    b1, b2 = rand(N), rand(N)
+    inputs = [t for t in (x, r, w1, b1, w2, b2) if t is not None]
+    out_t = out_dtype or torch.float32
+    seeds = [torch.randn(shape).to(out_t), torch.randn(shape).to(out_t)] + ([torch.randn(shape)] if second else [])
+    got = {}
+    for kernel in ("triton", "pytorch", "two norms"):
+        kw = dict(residual=r, skip=second == "skip", out_dtype=out_dtype)
+        if kernel == "two norms":
+            first = layer_norm(x, w1, b1, 1e-5, kernel="pytorch", **kw)
+            first = first if isinstance(first, tuple) else (first,)
+            h = first[1] if second else x
+            y2 = layer_norm(h, w2, b2, 1e-5, kernel="pytorch", out_dtype=out_dtype)
+            out = (first[0], y2, *first[1:])
+        else:
+            out = layer_norm_pair(x, (w1, b1), (w2, b2), 1e-5, kernel=kernel, **kw)
+        assert len(out) == (3 if second else 2)
+        assert out[0].dtype == out[1].dtype == out_t
+        if second == "skip":
+            assert torch.equal(out[2], x)
+        got[kernel] = (out, torch.autograd.grad(out, inputs, seeds))
+    for reference in ("pytorch", "two norms"):
+        for a, e in zip(got["triton"][0], got[reference][0]):
+            assert_close(a, e, 1e-3 if out_dtype else 1e-5, f"out vs {reference}")
+        for a, e in zip(got["triton"][1], got[reference][1]):
+            assert_close(a, e, 1e-3 if out_dtype else 4e-5, f"grad vs {reference}")
+
+
+def test_a_pair_of_norms_needs_two_weight_bias_pairs():
+    x, w = torch.randn(4, 16), torch.ones(16)
+    with pytest.raises(ValueError, match=r"^layer_norm_pair: second must be a \(weight, bias\) pair of tensors"):
+        layer_norm_pair(x, (w, w), (w, None))

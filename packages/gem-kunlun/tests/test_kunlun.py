@@ -247,9 +247,9 @@ def test_updates_left_to_the_next_norm_give_the_model_that_adds_them_at_once(ski
             for cls in (LocalAttention, PersonalizedFFN):
                 forward = cls.forward
 
-                def settled(self, *args, pending=None, defer=False, _forward=forward):
+                def settled(self, *args, pending=None, defer=False, _forward=forward, **normed):
                     assert pending is None
-                    out = _forward(self, *args)
+                    out = _forward(self, *args, **normed)
                     return (out, None) if defer else out
 
                 monkeypatch.setattr(cls, "forward", settled)
@@ -302,3 +302,32 @@ def test_under_autocast_the_residual_stream_is_in_autocasts_dtype_unless_kept_in
     torch.testing.assert_close(out.logits.float(), exact, rtol=0.1, atol=0.05)
     out.logits.float().sum().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "embedding" not in n and p.requires_grad)
+
+
+def test_the_summary_and_pffn_norms_in_one_pass_give_the_model_of_two_norms(monkeypatch):
+    """Each layer normalises its stream for the summary and for pFFN in one call (``LayerNorm(also=)``, gem-kernels'
+    ``layer_norm_pair``): the same logits and gradients as two norms one after the other."""
+    import gem_kunlun.norm as norm_module
+    from gem_kernels import layer_norm, layer_norm_pair
+
+    batch = random_batch(6, seed=4)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return layer_norm_pair(*args, **kwargs)
+
+    def one_after_the_other(x, first, second, eps, residual=None, kernel="auto", skip=False, out_dtype=None):
+        y1, stream = layer_norm(x, *first, eps, residual=residual, kernel=kernel, skip=skip, out_dtype=out_dtype)
+        return y1, layer_norm(stream, *second, eps, kernel=kernel, out_dtype=out_dtype), stream
+
+    results = []
+    for pair in (counted, one_after_the_other):
+        monkeypatch.setattr(norm_module, "layer_norm_pair", pair)
+        model = build().eval()
+        logits = model(batch).logits
+        results.append((logits, torch.autograd.grad(logits.square().sum(), list(model.trunk.parameters()))))
+    assert len(calls) == TINY.num_layers
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -182,17 +182,23 @@ class KunlunLayer(nn.Module):
         c = self.config
         compressed = torch.einsum("bnd,nm->bmd", x, self.token_mix.to(x.dtype))
         x_sum = compressed + norm_mlp(self.compress_norm, self.compress_mlp, compressed)
+        pffn_normed = None
         if self.summary is None:
             summary = previous_summary
         else:
-            # seq goes on through the skip path, with the pending update added
-            normed, seq = self.summary_norm(seq, skip=True, pending=pending)
+            # seq goes on through the skip path, with the pending update added; pFFN's norm reads the same
+            # stream: both norms in one pass over it
+            if self.pffn is not None:
+                normed, pffn_normed, seq = self.summary_norm(seq, skip=True, pending=pending, also=self.pffn.norm)
+            else:
+                normed, seq = self.summary_norm(seq, skip=True, pending=pending)
             pending = None
             summary = self.summary(normed, offsets, max_len)
         u = torch.cat([x_sum, summary], 1)
         u = u + self.moe(self.moe_norm(u))
         if self.pffn is not None:
-            seq, pending = self.pffn(seq, offsets, u[:, : c.num_summary_tokens], max_len, pending=pending, defer=True)
+            seq, pending = self.pffn(seq, offsets, u[:, : c.num_summary_tokens], max_len, pending=pending, defer=True,
+                                     normed=pffn_normed)
         if self.attention is not None:
             seq, pending = self.attention(seq, offsets, positions, max_len, pending=pending, defer=True)
         return u, seq, summary, pending

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem_kernels import Fp8Linear, layer_norm
+from gem_kernels import Fp8Linear, layer_norm, layer_norm_pair
 from gem_kernels.fp8_mlp import fp8_norm_mlp
 
 
@@ -22,14 +22,26 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(dim, eps=eps, device=device)
         self.kernel = kernel
 
-    def forward(self, x: torch.Tensor, skip: bool = False, pending: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, skip: bool = False, pending: torch.Tensor | None = None,
+                also: "LayerNorm | None" = None):
         """``norm(x)``; with ``skip``, ``(norm(x), x)`` for a pre-norm residual branch ``x + f(norm(x))`` written
         with the returned x: the gradient reaching x along the skip path is added inside the norm's backward kernel,
         where autograd would add the two gradients of x (each [tokens, d] in float32) in a pass of its own.
         ``pending``: the previous branch's update, not yet added to x (``x + pending`` is the stream): returns
-        ``(norm(x + pending), x + pending)``, the sum made in the norm's own pass instead of an add of its own."""
+        ``(norm(x + pending), x + pending)``, the sum made in the norm's own pass instead of an add of its own.
+        ``also``: another norm of the same stream (a second pre-norm branch reading it), with ``skip``: returns
+        ``(norm(x'), also(x'), x')``, both in one pass over the stream forward and one backward (gem-kernels'
+        ``layer_norm_pair``) where the two share eps and kernel and have biases, else one after the other."""
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        if also is not None:
+            if not skip:
+                raise ValueError("LayerNorm(also=...) returns the stream too: it needs skip=True")
+            if (also.eps, also.kernel) == (self.eps, self.kernel) and self.bias is not None and also.bias is not None:
+                return layer_norm_pair(x, (self.weight, self.bias), (also.weight, also.bias), self.eps, residual=pending,
+                                       kernel=self.kernel, skip=pending is None, out_dtype=out_dtype)
+            normed, stream = self(x, skip=True, pending=pending)
+            return normed, also(stream), stream
         return layer_norm(x, self.weight, self.bias, self.eps, residual=pending, kernel=self.kernel,
                           skip=skip and pending is None, out_dtype=out_dtype)
 

@@ -26,11 +26,15 @@ class PersonalizedFFN(nn.Module):
         self.out = nn.Linear(dim, dim, device=device)
 
     def forward(self, seq: torch.Tensor, offsets: torch.Tensor, x_sum: torch.Tensor, max_len: int,
-                pending: torch.Tensor | None = None, defer: bool = False):
+                pending: torch.Tensor | None = None, defer: bool = False, normed: torch.Tensor | None = None):
         """``seq + update``; with ``defer`` ``(seq, update)``, the add left to the next norm (``LayerNorm``'s
-        ``pending``). ``pending``: an update of seq not yet added, added inside this block's norm."""
+        ``pending``). ``pending``: an update of seq not yet added, added inside this block's norm. ``normed``:
+        ``self.norm(seq)`` made already (in one pass with another norm of the same seq: ``LayerNorm(also=...)``)."""
         h, d, b = self.num_heads, self.dim // self.num_heads, x_sum.shape[0]
-        normed, seq = self.norm(seq, skip=True, pending=pending)
+        if normed is None:
+            normed, seq = self.norm(seq, skip=True, pending=pending)
+        elif pending is not None:
+            raise ValueError("PersonalizedFFN: an update pending for seq was not in the given normed rows")
         q = self.q(normed).view(-1, h, d)
         kv = self.kv(x_sum).reshape(-1, 2, h, d)  # [B * n, 2, H, d]: k and v packed
         kv_offsets = torch.arange(0, (b + 1) * self.num_tokens, self.num_tokens, device=seq.device)

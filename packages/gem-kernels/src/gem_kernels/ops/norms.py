@@ -6,7 +6,7 @@ import torch
 
 from gem_kernels.ops import _validation as V
 from gem_kernels.ops.pytorch.builtin import builtin_layer_norm, builtin_rms_norm
-from gem_kernels.ops.pytorch.pt_norms import pt_layer_norm, pt_rms_norm
+from gem_kernels.ops.pytorch.pt_norms import pt_layer_norm, pt_layer_norm_pair, pt_rms_norm
 
 
 def _check(x, weight, bias, residual, kernel, skip: bool = False, out_dtype: torch.dtype | None = None) -> bool:
@@ -78,6 +78,40 @@ def layer_norm(
     else:
         y = pt_layer_norm(x, weight, bias, eps, residual, out_dtype)
     return _finish(x, y, skip, out_dtype)
+
+
+def layer_norm_pair(
+    x: torch.Tensor,
+    first: tuple[torch.Tensor, torch.Tensor],
+    second: tuple[torch.Tensor, torch.Tensor],
+    eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+    kernel: str = "auto",
+    skip: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Two LayerNorms of one input that differ only in their affine (``first``, ``second``: ``(weight, bias)``, each
+    ``[N]``): ``(y1, y2)``, or ``(y1, y2, h)`` with a residual or skip (h as ``layer_norm`` returns it). Both
+    normalise the same rows (with a residual, its float32 sum); the Triton kernel reads them once forward and once
+    backward for both, where two norms would read the input, and their gradients, twice."""
+    for name, pair in (("first", first), ("second", second)):
+        if not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[1], torch.Tensor):
+            raise ValueError(f"layer_norm_pair: {name} must be a (weight, bias) pair of tensors")
+    (w1, b1), (w2, b2) = first, second
+    _check(x, w2, b2, residual, kernel, skip, out_dtype)
+    if _check(x, w1, b1, residual, kernel, skip, out_dtype):
+        from gem_kernels.ops.triton.triton_norms import triton_layer_norm
+
+        return triton_layer_norm(x, w1, b1, eps, residual, skip, out_dtype, weight2=w2, bias2=b2)
+    if kernel == "builtin":
+        y1, h = builtin_layer_norm(x, w1, b1, eps, residual) if residual is not None else (
+            builtin_layer_norm(x, w1, b1, eps), x)
+        ys = (y1, builtin_layer_norm(h, w2, b2, eps))
+        if out_dtype is not None:
+            ys = tuple(y.to(out_dtype) for y in ys)
+        return (*ys, h) if residual is not None or skip else ys
+    out = pt_layer_norm_pair(x, first, second, eps, residual, out_dtype)
+    return (*out, x) if skip else out
 
 
 def rms_norm(
