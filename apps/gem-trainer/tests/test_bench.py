@@ -51,7 +51,7 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
                       "--sparse-features", "3", "--mean-len", "40", "--max-len", "96", "--warmup", "1",
                       "--steps", "2", "--profile-steps", "1", "--batches", "2", "--trainer-configs", str(other), "--config-steps", "2",
                       "--trainer-override", "data.eval_batches=1", "--checkpoint-steps", "2",
-                      "--save-tuned", str(tmp_path / "tuned.json"), *TINY])
+                      "--save-tuned", str(tmp_path / "tuned.json"), "--parallelism.compile_experts=on", *TINY])
     written = json.loads(out.read_text())
     assert written["meta"]["command"].startswith("python -m gem_trainer.bench")
     # the kernels' tile configs the run launched, in the document and in the file run_all's --tuned reads
@@ -67,6 +67,7 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
         assert v["tflops"] >= 0 and 0 <= v["mfu_local"] < 1
         assert v["examples_per_s"] == pytest.approx(4 / v["step_ms"] * 1e3, rel=0.01)
     for name in ("gem", "plain"):
+        # gem's MoEs compiled (parallelism.compile_experts): their ranges still wrap their kernels
         components = written["variants"][name]["components_ms_per_step"]
         assert {"attention", "pffn", "moe", "embedding"} <= set(components)
         assert all(0 <= c["share_of_step"] for c in components.values())

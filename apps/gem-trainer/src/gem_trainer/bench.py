@@ -247,13 +247,17 @@ def component_ranges(model: KunlunModel):
     the context is open."""
     stack, handles = [], []
 
+    # NOTE: run eagerly, outside any compiled region: a compiled module (the trainer's MoEs) would otherwise trace
+    # its hooks into its graph, where the ranges no longer wrap its kernels
     def enter(name):
+        @torch._dynamo.disable
         def hook(module, args):
             rf = torch.profiler.record_function(f"gem::{name}")
             rf.__enter__()
             stack.append(rf)
         return hook
 
+    @torch._dynamo.disable
     def leave(module, args, output):
         stack.pop().__exit__(None, None, None)
 

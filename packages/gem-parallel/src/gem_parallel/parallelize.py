@@ -84,7 +84,7 @@ def parallelize_kunlun(
     if dense.activation_checkpointing:
         apply_activation_checkpointing(slots)
     if dense.compile_experts:
-        if fsdp or dims.world_size > 1:
+        if fsdp:
             raise LayoutError("compile_experts needs one process without param_dtype / reduce_dtype: FSDP's experts "
                               "unit would sit inside the compiled MoE")
         for moe in moes:
