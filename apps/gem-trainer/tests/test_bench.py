@@ -70,7 +70,8 @@ def test_bench_runs_every_variant_and_writes_the_json(tmp_path):
         # gem's MoEs compiled (parallelism.compile_experts): their ranges still wrap their kernels
         components = written["variants"][name]["components_ms_per_step"]
         assert {"attention", "pffn", "moe", "embedding"} <= set(components)
-        assert all(0 <= c["share_of_step"] for c in components.values())
+        assert all(0 <= c["share_of_step"] and 0 <= c["host_ms"] for c in components.values())
+        assert sum(c["host_ms"] for c in components.values()) > 0
         assert "tflops" in components["attention"] and "tflops" not in components["norm"]  # norms count no FLOPs
         # each component names its costliest launching ops, their times within its own
         ops = components["attention"]["ops"]

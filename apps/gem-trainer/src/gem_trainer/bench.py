@@ -577,9 +577,13 @@ def profile_components(name: str, model: KunlunModel, step, result: dict, args, 
     # NOTE: on CPU there are no kernels: the ops' own CPU time stands in (the smoke test's path)
     breakdown = attribute_device_time(prof.events(), args.profile_steps,
                                       _device_time if device.type == "cuda" else _cpu_time)
+    # the host's side: each component's ops' own CPU time (inflated by the profiler's own work, so read across
+    # components, not against the step): where a step waits on its launches, the components that make it wait
+    host = attribute_device_time(prof.events(), args.profile_steps, _cpu_time)
     # per component: its share of the (unprofiled) step and, where the model counts its FLOPs, the rate it reaches
     flops = component_flops(args.flop_table)
     for component, times in breakdown.items():
+        times["host_ms"] = host.get(component, {}).get("total_ms", 0.0)
         times["share_of_step"] = round(times["total_ms"] / result["step_ms"], 4)
         if flops.get(component) and times["total_ms"] > 0:
             times["tflops"] = round(3.0 * flops[component] / (times["total_ms"] / 1e3) / 1e12, 1)
@@ -590,6 +594,8 @@ def profile_components(name: str, model: KunlunModel, step, result: dict, args, 
     result["gpu_idle_ms_per_step"] = round(max(0.0, result["step_ms"] - result["profiled_gpu_ms_per_step"]), 2)
     result["top_kernels"] = top_kernels(prof, args.profile_steps)
     log(f"[{name}] components (ms/step): " + ", ".join(f"{k} {v['total_ms']}" for k, v in breakdown.items()))
+    log(f"[{name}] components' host ms/step (profiled): " + ", ".join(
+        f"{k} {v['total_ms']}" for k, v in sorted(host.items(), key=lambda kv: -kv[1]["total_ms"])))
 
 
 def component_flops(table: dict[str, float]) -> dict[str, float]:
