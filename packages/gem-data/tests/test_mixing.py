@@ -167,9 +167,11 @@ def test_a_source_of_unknown_length_is_probed_and_ends_the_mixture_on_every_rank
     assert whole.counts()["short"] <= 48
 
 
-@pytest.mark.parametrize("batch_size", [7, 64, 200, 300])
+@pytest.mark.parametrize("batch_size", [7, 32, 64, 200, 300])
 @pytest.mark.parametrize("granularity", ["example", "batch"])
 def test_batches_gathered_several_at_once_are_the_batches_gathered_one_by_one(monkeypatch, batch_size, granularity):
+    """(At 32 whole batches, the feed's steps are its batches taken whole, handed out without a copy, between
+    steps of the other sources' rows joined together.)"""
     config = MixingConfig(CONFIG.sources, batch_size=batch_size, granularity=granularity, online_share_start=0.1,
                           online_share_end=0.6, ramp_steps=6, seed=5)
     together = MixedStream(sources(), config)

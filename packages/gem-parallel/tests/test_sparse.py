@@ -47,3 +47,11 @@ def test_sequence_lookups_in_another_dtype_are_refused_on_the_cpu_or_unknown_in_
         r"^the sequence tables' lookup dtype must be one of \[None, torch.bfloat16, torch.float16\], got torch.int8$"
     with pytest.raises(LayoutError, match=expected):
         shard_embeddings(nn.Linear(2, 2), torch.device("cpu"), sequence_dtype=dtype)
+
+
+def test_sequence_lookups_in_a_half_dtype_set_fbgemms_output_dtype():
+    from gem_parallel.sparse import sequence_fused_params
+
+    assert sequence_fused_params(None) is None
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        assert sequence_fused_params(dtype)["output_dtype"].value == name

@@ -171,10 +171,15 @@ class Piece(NamedTuple):  # NOTE: a tuple, not a frozen dataclass: a few are mad
         return self.hi - self.lo
 
 
+def _whole(piece: Piece) -> bool:
+    """Whether ``piece`` is its source batch whole, in the union's keys: gathering it copies nothing."""
+    return piece.plan.identity and piece.lo == 0 and piece.hi == piece.view.rows
+
+
 def gather_pieces(pieces: list[Piece], spec: FeatureSpec) -> Batch:
     """One batch of ``spec`` holding the rows of every piece, in order."""
     first = pieces[0]
-    if len(pieces) == 1 and first.plan.identity and first.lo == 0 and first.hi == first.view.rows:
+    if len(pieces) == 1 and _whole(first):
         b = first.batch
         surface = b.surface if first.plan.surface is None else torch.full_like(b.surface, first.plan.surface)
         return Batch(dense=b.dense, sparse=b.sparse, sequences=b.sequences, labels=b.labels, surface=surface, source=b.source,
@@ -224,6 +229,12 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
     by one ``split`` per field; they keep the joined arrays alive until every batch of the steps is let go)."""
     if len(steps) < 2 or not spec.sparse or not spec.events or not all(event.features for event in spec.events):
         return [gather_pieces(step, spec) for step in steps]
+    whole = [len(step) == 1 and _whole(step[0]) for step in steps]
+    if any(whole):
+        # NOTE: a step that is one source batch taken whole (whole-batch mixing) is that batch, made without copying
+        # a row (``gather_pieces``); only the other steps are joined
+        joined = iter(gather_steps([step for step, w in zip(steps, whole) if not w], spec))
+        return [gather_pieces(step, spec) if w else next(joined) for step, w in zip(steps, whole)]
     held: dict[int, int] = {}  # id of a source batch's view -> its index in ``views``
     views: list[BatchView] = []
     part_view, part_lo, part_hi, part_step, step_rows, identity = [], [], [], [], [], True

@@ -31,7 +31,7 @@ SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "ta
 # NOTE: TorchRec's CPU kernels shard pooled tables (EmbeddingBagCollection) only these ways; sequence
 # tables (EmbeddingCollection) also row-wise. Row-wise pooled sharding needs a GPU.
 CPU_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise")
-# the sequence tables' lookup dtypes (``shard_embeddings``' sequence_dtype) and fbgemm's names for them
+# the sequence tables' lookup dtypes (``shard_embeddings``' sequence_dtype) and TorchRec's names for them
 SEQUENCE_DTYPES = {None: None, torch.bfloat16: "BF16", torch.float16: "FP16"}
 
 
@@ -125,11 +125,8 @@ def shard_embeddings(
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-        from fbgemm_gpu.split_embedding_configs import SparseType
-
-        fused = None if sequence_dtype is None else {"output_dtype": getattr(SparseType, SEQUENCE_DTYPES[sequence_dtype])}
-        sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(fused_params=fused,
-                                                                                use_index_dedup=index_dedup)]
+        sharders = [EmbeddingBagCollectionSharder(),
+                    EmbeddingCollectionSharder(fused_params=sequence_fused_params(sequence_dtype), use_index_dedup=index_dedup)]
     # planned once for a group of ranks 0..G-1 (on rank 0, broadcast to all), then placed on each group
     plan = planner.collective_plan(model, sharders, pg=dist.GroupMember.WORLD)
     keep = dict(init_data_parallel=False, init_parameters=False, data_parallel_wrapper=_NoDataParallel(), sharders=sharders)
@@ -154,6 +151,15 @@ def shard_embeddings(
         sharded = DistributedModelParallel(model, env=env, device=device, plan=plan, **keep)
     init_tables(sharded, configs, seed)
     return sharded
+
+
+def sequence_fused_params(sequence_dtype: torch.dtype | None) -> dict[str, Any] | None:
+    """The sequence tables' sharder parameters for lookups in ``sequence_dtype`` (None: TorchRec's defaults)."""
+    from torchrec.modules.embedding_configs import DataType, data_type_to_sparse_type
+
+    if sequence_dtype is None:
+        return None
+    return {"output_dtype": data_type_to_sparse_type(DataType[SEQUENCE_DTYPES[sequence_dtype]])}
 
 
 def init_tables(model: nn.Module, configs: dict[str, Any], seed: int) -> None:
