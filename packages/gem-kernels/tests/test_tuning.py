@@ -1,6 +1,7 @@
 """The launch-time tuner's config choice: presets given with load_tuned, this device's shipped file, candidates."""
 
 import json
+import os
 
 from gem_kernels.ops.triton import _tuning
 
@@ -196,3 +197,12 @@ def test_tuning_launches_the_fastest_candidate_timed_from_a_graph_and_skips_fail
     # the key keeps its config: no timing again
     _tuning.launch(k, lambda c: (c["num_warps"],), (x, 32, 0.5), dict(A=3), ("tuned key",), cands)
     assert timed == [2, 4, 8, 16]
+
+
+def test_launches_inside_untuned_do_not_tune_and_their_picks_are_dropped_after(monkeypatch):
+    monkeypatch.setenv("GEM_KERNELS_AUTOTUNE", "1")
+    monkeypatch.setattr(_tuning, "_TUNED", {("before",): {"BLOCK": 1}})
+    with _tuning.untuned():
+        assert "GEM_KERNELS_AUTOTUNE" not in os.environ
+        _tuning._TUNED[("check",)] = {"BLOCK": 2}
+    assert os.environ["GEM_KERNELS_AUTOTUNE"] == "1" and _tuning._TUNED == {}

@@ -39,7 +39,6 @@ import datetime
 import gc
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -884,12 +883,11 @@ def main(argv=None) -> dict:
     write()
 
     if not args.skip_checks and device.type == "cuda":
-        # NOTE: the checks' small shapes are not the step's: tuning them would only spend time, and their untuned
-        # picks must not stand for the step's kernels
-        tune = os.environ.pop("GEM_KERNELS_AUTOTUNE", None)
+        # NOTE: the checks' small shapes are not the step's (``untuned``)
         try:
-            doc["checks"]["ops"] = check_ops(device)
-            doc["checks"]["model"] = check_model_agreement(config, args, device)
+            with _tuning.untuned():
+                doc["checks"]["ops"] = check_ops(device)
+                doc["checks"]["model"] = check_model_agreement(config, args, device)
             log(f"checks: {json.dumps(doc['checks'])}")
             failed = [c["op"] for c in doc["checks"]["ops"] if not c["ok"]]
             failed += [] if doc["checks"]["model"]["ok"] else ["model"]
@@ -898,10 +896,6 @@ def main(argv=None) -> dict:
         except Exception as e:
             doc["errors"].append(f"checks: {type(e).__name__}: {e}"[:500])
             traceback.print_exc()
-        finally:
-            if tune is not None:
-                os.environ["GEM_KERNELS_AUTOTUNE"] = tune
-            _tuning.forget_picks()
         write()
 
     for name in filter(None, args.variants.split(",")):

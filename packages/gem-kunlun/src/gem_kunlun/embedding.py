@@ -168,12 +168,12 @@ class FeatureEmbedding(nn.Module):
             # as many rows
             sequences = [batch.sequences[e.name] for e in types]
             names = [k for k, c in self.shared_collection.items() if c == key]
-            counts = [s.timestamps.shape[0] for s in sequences] + [(shared_ids or {})[k].numel()
-                                                                    for k in names if k in (shared_ids or {})]
+            given = shared_ids or {}
+            counts = [s.timestamps.shape[0] for s in sequences] + [given[k].numel() for k in names if k in given]
             rows = max(1, -(-max(counts, default=0) // IDS_PER_ROW))
             inputs = [spread_events(s, rows) for s in sequences]
             if names:
-                inputs.append(self._shared_input(names, shared_ids or {}, rows, batch.dense.device))
+                inputs.append(self._shared_input(names, given, rows, batch.dense.device))
             looked_up = collection(KeyedJaggedTensor.concat(inputs))
             for e in types:
                 # NOTE: added one after another: stacking them first writes every vector once more

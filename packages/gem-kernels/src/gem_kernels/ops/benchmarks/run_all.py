@@ -755,12 +755,9 @@ def main(argv=None):
         _tuning.load_tuned(a.tuned)
     if ops - {"rotary"} and not a.skip_checks:
         print("== correctness (triton vs fp32 reference, relative error) ==", flush=True)
-        # NOTE: correctness does not depend on the tile config; tuning here would only spend compile time.
-        tune = os.environ.pop("GEM_KERNELS_AUTOTUNE", None)
-        run_checks(rec)
-        if tune is not None:
-            os.environ["GEM_KERNELS_AUTOTUNE"] = tune
-        _tuning.forget_picks()  # the checks' untuned choices must not stand for the benchmark's keys
+        # NOTE: correctness does not depend on the tile config
+        with _tuning.untuned():
+            run_checks(rec)
     print("== benchmarks ==", flush=True)
     bench_all(rec, t0 + a.budget_s, ops)
     if "rotary" in ops:

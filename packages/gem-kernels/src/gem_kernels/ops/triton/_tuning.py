@@ -12,6 +12,7 @@ kernel is kept per (key, constexprs, argument specialisation) and its launcher c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -58,10 +59,18 @@ def tuned_configs() -> dict[tuple, dict]:
     return dict(_TUNED)
 
 
-def forget_picks() -> None:
-    """Drop the configs picked so far (not the loaded or shipped ones): the next launch of each key picks again,
-    e.g. after checks on small shapes whose untuned picks must not stand for a benchmark's."""
-    _TUNED.clear()
+@contextlib.contextmanager
+def untuned():
+    """Launches inside take their untuned (or loaded, or shipped) configs, and what they picked is dropped after:
+    for checks on small shapes, whose tuning would only spend time and whose picks must not stand for a
+    benchmark's keys."""
+    tune = os.environ.pop("GEM_KERNELS_AUTOTUNE", None)
+    try:
+        yield
+    finally:
+        if tune is not None:
+            os.environ["GEM_KERNELS_AUTOTUNE"] = tune
+        _TUNED.clear()
 
 
 def save_tuned(path: str) -> None:
