@@ -65,3 +65,17 @@ def test_host_lengths_travel_with_the_batch_and_a_stale_copy_is_not_used():
     other = random_batch(8, seed=4, max_events=5).sequences["buy"]
     stale = EventSequence(ids=other.ids, timestamps=other.timestamps, known_lengths=[n + 1 for n in other.lengths().tolist()])
     assert stale.host_lengths() is None
+
+
+def test_sparse_counts_are_taken_on_the_host_and_travel_with_the_batch():
+    # a KJT built from lengths alone has no per-key counts: moved to a GPU so, the first lookup would read them
+    # back from the device
+    batch = random_batch(8, seed=5)
+    bare = KeyedJaggedTensor(keys=batch.sparse.keys(), values=batch.sparse.values(), lengths=batch.sparse.lengths())
+    batch = dataclasses.replace(batch, sparse=bare)
+    assert bare._length_per_key is None
+    expected = [int(n) for n in bare.lengths().view(len(bare.keys()), -1).sum(1)]
+    moved = batch.to(torch.device("cpu")).sparse
+    assert moved._length_per_key == expected
+    assert moved._offset_per_key == [0, *torch.tensor(expected).cumsum(0).tolist()]
+    assert torch.equal(moved.values(), bare.values()) and torch.equal(moved.lengths(), bare.lengths())

@@ -55,3 +55,20 @@ def test_sequence_lookups_in_a_half_dtype_set_fbgemms_output_dtype():
     assert sequence_fused_params(None) is None
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         assert sequence_fused_params(dtype)["output_dtype"].value == name
+
+
+def test_recat_is_made_once_per_arguments_and_equals_torchrecs():
+    from torchrec.distributed import dist_data
+
+    from gem_parallel.sparse import memoize_recat
+
+    memoize_recat()
+    memoize_recat()  # idempotent: wrapped once
+    made = dist_data._get_recat
+    assert made.memoized and not getattr(made.original, "memoized", False)
+    cpu = torch.device("cpu")
+    for args in [(2, 4, 1, cpu, None), (3, 2, 1, cpu, None), (2, 4, 2, cpu, None), (2, 2, 1, cpu, [3, 5])]:
+        first, again = made(*args), made(*args)
+        assert first is again
+        assert torch.equal(first, made.original(*args))
+    assert made(0, 4, 1, cpu, None) is None  # an empty local split has no index

@@ -15,6 +15,19 @@ from gem_kunlun.features import FeatureSpec
 from gem_kunlun.sequence import lengths_to_offsets
 
 
+def with_host_counts(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """``kjt``, its ids per key counted while it is on the host (``to`` and ``pin_memory`` carry the counts).
+
+    NOTE: a KJT moved to a GPU without them is counted there at its first lookup (TorchRec's split reads
+    ``length_per_key`` back to the host): a copy that waits for everything queued on the GPU, which then idles
+    while the host launches the step's first kernels.
+    """
+    if kjt.device().type == "cpu":
+        kjt.length_per_key()
+        kjt.offset_per_key()
+    return kjt
+
+
 @dataclass
 class EventSequence:
     """The events of one type for every example of a batch, in time order within each example.
@@ -197,7 +210,7 @@ class Batch:
     def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
         return Batch(
             dense=self.dense.to(device, non_blocking=non_blocking),
-            sparse=self.sparse.to(device, non_blocking=non_blocking),
+            sparse=with_host_counts(self.sparse).to(device, non_blocking=non_blocking),
             sequences={k: v.to(device, non_blocking) for k, v in self.sequences.items()},
             labels=self.labels.to(device, non_blocking=non_blocking),
             surface=self.surface.to(device, non_blocking=non_blocking),
@@ -211,7 +224,7 @@ class Batch:
         GPU (torch's DataLoader calls this when asked to pin)."""
         return Batch(
             dense=self.dense.pin_memory(),
-            sparse=self.sparse.pin_memory(),
+            sparse=with_host_counts(self.sparse).pin_memory(),
             sequences={k: v.pin_memory() for k, v in self.sequences.items()},
             labels=self.labels.pin_memory(),
             surface=self.surface.pin_memory(),

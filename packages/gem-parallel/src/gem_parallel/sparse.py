@@ -97,6 +97,7 @@ def shard_embeddings(
 
     if sharding_type not in SHARDING_TYPES:
         raise LayoutError(f"sparse_sharding must be one of {SHARDING_TYPES}, got {sharding_type!r}")
+    memoize_recat()
     if device.type == "cpu" and sharding_type not in CPU_SHARDING_TYPES and any(
         isinstance(m, EmbeddingBagCollection) for m in embedding_modules(model)
     ):
@@ -151,6 +152,36 @@ def shard_embeddings(
         sharded = DistributedModelParallel(model, env=env, device=device, plan=plan, **keep)
     init_tables(sharded, configs, seed)
     return sharded
+
+
+def memoize_recat() -> None:
+    """Make TorchRec's all-to-all reorder index once per argument set and device (idempotent).
+
+    NOTE: TorchRec 1.6 builds that index (``dist_data._get_recat``) from a Python list at every lookup:
+    ``torch.tensor(list, device=cuda)``, a blocking copy that waits for everything queued on the GPU. Two such
+    waits a step (the pooled and the sequence lookups) drain the queue, and the GPU then idles while the host
+    launches the step's first kernels. The index is a pure function of the arguments, read only (TorchRec 1.8
+    makes it once per module). Inside a compiled region the original runs (a cached tensor would be a constant).
+    """
+    from torchrec.distributed import dist_data
+
+    original = dist_data._get_recat
+    if getattr(original, "memoized", False):
+        return
+    made: dict[tuple, torch.Tensor | None] = {}
+
+    def get_recat(local_split, num_splits, stagger=1, device=None, batch_size_per_rank=None):
+        if torch.compiler.is_compiling():
+            return original(local_split, num_splits, stagger, device, batch_size_per_rank)
+        key = (local_split, num_splits, stagger, None if device is None else torch.device(device),
+               None if batch_size_per_rank is None else tuple(batch_size_per_rank))
+        if key not in made:
+            made[key] = original(local_split, num_splits, stagger, device, batch_size_per_rank)
+        return made[key]
+
+    get_recat.memoized = True
+    get_recat.original = original
+    dist_data._get_recat = get_recat
 
 
 def sequence_fused_params(sequence_dtype: torch.dtype | None) -> dict[str, Any] | None:
