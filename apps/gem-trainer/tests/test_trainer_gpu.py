@@ -32,6 +32,27 @@ def test_batches_reach_the_gpu_from_page_locked_memory_and_train(tmp_path):
         trainer.close()
 
 
+def test_a_training_step_waits_on_the_gpu_nowhere(tmp_path):
+    # a device value read on the host (or a blocking copy to the device) drains the GPU's queue, which then idles while
+    # the host launches the next kernels: a step runs without any (torch's sync debug mode raises at the first)
+    config = load_config(None, [f"--run_dir={tmp_path}", "--device=cuda", "--data.batch_size=64", "--data.eval_batches=1",
+                                "--metrics.tensorboard=false", "--checkpoint.enable=false"])
+    trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
+    try:
+        for _ in range(3):  # compiled parts are compiled, the loss checks have a previous step to read
+            trainer.train_step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(2):
+                trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    finally:
+        trainer.close()
+
+
 def test_an_asynchronous_checkpoint_from_the_gpu_restores_the_state_of_its_step(tmp_path):
     # staging goes through page-locked buffers (sharded tables, dense parameters, optimizer state)
     config = load_config(None, [f"--run_dir={tmp_path}", "--device=cuda", "--data.batch_size=64", "--data.eval_batches=1",

@@ -47,3 +47,32 @@ def test_one_float32_group_gives_the_same_floats_as_summing_squared_norms(seed, 
     assert torch.equal(total, expected)
     scale = (max_norm / (expected + 1e-6)).clamp(max=1.0)
     assert all(torch.equal(p.grad, x * scale) for p, x in zip(params, grads))
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e9])
+def test_a_fused_adamw_given_the_clip_factor_steps_as_after_clipped_gradients(max_norm):
+    def setup(seed):
+        g = torch.Generator().manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((64, 32), (32,), (7, 3, 5))]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 5
+        return params, torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=True)
+
+    clipped, reference = setup(0)
+    handed, fused = setup(0)
+    for _ in range(3):  # a few steps: the factor is handed anew at each
+        total = clip_grad_norm_(clipped, max_norm)
+        reference.step()
+        assert torch.equal(clip_grad_norm_(handed, max_norm, optimizer=fused), total)
+        assert fused.grad_scale is not None  # handed over: the gradients are left as they were
+        fused.step()
+        for a, b in zip(handed, clipped):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # an optimizer that does not take a scale gets the gradients clipped, and a stale factor is cleared
+    plain = torch.optim.AdamW(handed, lr=0.1, fused=False)
+    plain.grad_scale = torch.tensor(2.0)
+    for p in handed:
+        p.grad = torch.ones_like(p)
+    total = clip_grad_norm_(handed, 1.0, optimizer=plain)
+    assert plain.grad_scale is None
+    assert all(torch.allclose(p.grad, torch.full_like(p, float(1.0 / (total + 1e-6)))) for p in handed)

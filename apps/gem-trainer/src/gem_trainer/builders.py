@@ -532,7 +532,9 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
 
 
 def build_optimizers(config: TrainerConfig, model: nn.Module):
-    """Dense AdamW over every parameter not updated in backward, combined with TorchRec's fused sparse optimizer."""
+    """Dense AdamW over every parameter not updated in backward, combined with TorchRec's fused sparse optimizer:
+    ``(combined, dense, dense_adamw)`` (the dense one keyed, as checkpoints store it, and the torch AdamW inside it,
+    which gradient clipping hands its factor to)."""
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
     o = config.optimizer
@@ -550,9 +552,10 @@ def build_optimizers(config: TrainerConfig, model: nn.Module):
         groups = [{"params": kind} for kind in kinds if kind]
         return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True)
 
-    dense = KeyedOptimizerWrapper(params, adamw)
+    dense_adamw = adamw(list(params.values()))
+    dense = KeyedOptimizerWrapper(params, lambda tensors: dense_adamw)  # the wrapper hands it the same tensors
     combined = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense)])
-    return combined, dense
+    return combined, dense, dense_adamw
 
 
 def build_lr_scheduler(config: TrainerConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

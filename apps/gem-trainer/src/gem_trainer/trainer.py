@@ -97,7 +97,7 @@ class Trainer:
         self.model = builders.parallelize_model(config, model, self.dims, self.meshes, env)
         self._modules = list(self.model.modules())
         self.sparse_replicas = SparseReplicas(self.model, self.meshes.sparse, config.parallelism.sparse_sync_every)
-        self.optimizer, self.dense_optimizer = builders.build_optimizers(config, self.model)
+        self.optimizer, self.dense_optimizer, self._dense_adamw = builders.build_optimizers(config, self.model)
         self.scheduler = builders.build_lr_scheduler(config, self.dense_optimizer)
         # expert-parallel experts differ across their group: their norm is summed over it when clipping
         owned = {id(p) for m in self.model.modules() if isinstance(m, MixtureOfExperts) and self.dims.expert_enabled
@@ -237,7 +237,7 @@ class Trainer:
         loss.backward()
         clip = self.config.optimizer.grad_clip
         grad_norm = clip_grad_norm_(self.dense_params, clip if clip is not None else math.inf, self.expert_params,
-                                    self.expert_group)
+                                    self.expert_group, optimizer=self._dense_adamw)
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

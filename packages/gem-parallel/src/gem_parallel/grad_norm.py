@@ -14,22 +14,37 @@ def clip_grad_norm_(
     max_norm: float,
     expert_parameters: list[torch.nn.Parameter] = (),
     expert_group: dist.ProcessGroup | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
-    """Scale gradients in place so that their global 2-norm is at most ``max_norm``; return that norm.
+    """Scale gradients so that their global 2-norm is at most ``max_norm``; return that norm.
 
     ``parameters`` may be plain tensors or DTensors on any meshes (one reduction per mesh). Expert
     parameters hold different experts on the ranks of ``expert_group``: their squared norms are summed
     over it, so every rank computes the norm of the whole model and clips by the same factor.
+
+    ``optimizer``: the optimizer over these gradients that steps next. Where it is a fused Adam / AdamW and the
+    gradients are plain float32 tensors on one device (no experts), the clip factor is handed to it as its
+    ``grad_scale`` (its one kernel divides every gradient by ``1 / factor`` as it reads it)
+    rather than multiplied into the gradients here: the same update, one pass over every gradient fewer (~0.4 ms a
+    step on the H200 benchmark). Otherwise the gradients are scaled here and its ``grad_scale`` is cleared: it holds
+    one step's factor, set by each call.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     expert_grads = [p.grad for p in expert_parameters if p.grad is not None]
+    deferred = optimizer is not None and _takes_grad_scale(optimizer)
+    if optimizer is not None:
+        optimizer.grad_scale = None
     if not expert_grads and _one_float32_group(grads):
         # NOTE: the common case (plain float32 tensors on one device, no experts) takes the norm of the per-tensor
         # norms directly: squaring it, adding zero and taking the root would give the same float (sqrt(x * x) == x
         # in IEEE float32 while x * x neither overflows nor underflows) at four kernel launches and ~0.1 ms of
         # host time more per step
         total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+        factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        if deferred:
+            optimizer.grad_scale = factor.reciprocal()
+        else:
+            torch._foreach_mul_(grads, factor)
         return total
     dense = _squared_norm(grads)
     experts = _squared_norm(expert_grads)
@@ -45,6 +60,12 @@ def clip_grad_norm_(
     for (device, dtype), grads in local.items():
         torch._foreach_mul_(grads, scale.to(device=device, dtype=dtype))
     return total
+
+
+def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` divides the gradients by its ``grad_scale`` itself: torch's fused Adam and AdamW (the
+    unfused and foreach ones refuse a scale)."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
 
 
 def _one_float32_group(grads: list[torch.Tensor]) -> bool:
