@@ -72,3 +72,17 @@ def test_recat_is_made_once_per_arguments_and_equals_torchrecs():
         assert first is again
         assert torch.equal(first, made.original(*args))
     assert made(0, 4, 1, cpu, None) is None  # an empty local split has no index
+
+
+def test_the_kept_recats_are_bounded():
+    from torchrec.distributed import dist_data
+
+    from gem_parallel.sparse import RECATS_KEPT, memoize_recat
+
+    memoize_recat()
+    cpu = torch.device("cpu")
+    first = dist_data._get_recat(2, 2, 1, cpu, [1, 2])
+    for size in range(3, RECATS_KEPT + 3):  # per-rank batch sizes varying from batch to batch
+        dist_data._get_recat(2, 2, 1, cpu, [1, size])
+    again = dist_data._get_recat(2, 2, 1, cpu, [1, 2])  # dropped, made anew
+    assert again is not first and torch.equal(again, first)

@@ -33,6 +33,7 @@ SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "ta
 CPU_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise")
 # the sequence tables' lookup dtypes (``shard_embeddings``' sequence_dtype) and TorchRec's names for them
 SEQUENCE_DTYPES = {None: None, torch.bfloat16: "BF16", torch.float16: "FP16"}
+RECATS_KEPT = 64  # all-to-all reorder indices kept by memoize_recat, the oldest dropped first
 
 
 def embedding_modules(model: nn.Module) -> list[nn.Module]:
@@ -176,6 +177,8 @@ def memoize_recat() -> None:
         key = (local_split, num_splits, stagger, None if device is None else torch.device(device),
                None if batch_size_per_rank is None else tuple(batch_size_per_rank))
         if key not in made:
+            if len(made) >= RECATS_KEPT:  # per-rank batch sizes that vary from batch to batch make new keys
+                del made[next(iter(made))]
             made[key] = original(local_split, num_splits, stagger, device, batch_size_per_rank)
         return made[key]
 
