@@ -26,14 +26,12 @@ def clip_grad_norm_(
     gradients are plain float32 tensors on one device (no experts), the clip factor is handed to it as its
     ``grad_scale`` (its one kernel divides every gradient by ``1 / factor`` as it reads it) rather than multiplied
     into the gradients here: the same update, one pass over every gradient fewer (that multiply took 0.4 ms of the
-    H200 benchmark's step, train-h200.json). Otherwise the gradients are scaled here and its ``grad_scale`` is
-    cleared: it holds one step's factor, set by each call.
+    H200 benchmark's step, train-h200.json). The factor holds for that one step: the optimizer's next step drops
+    it (a step hook), so a step without clipping after it applies none. Otherwise the gradients are scaled here.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     expert_grads = [p.grad for p in expert_parameters if p.grad is not None]
     deferred = optimizer is not None and _takes_grad_scale(optimizer)
-    if optimizer is not None:
-        optimizer.grad_scale = None
     if not expert_grads and _one_float32_group(grads):
         # NOTE: the common case (plain float32 tensors on one device, no experts) takes the norm of the per-tensor
         # norms directly: squaring it, adding zero and taking the root would give the same float (sqrt(x * x) == x
@@ -42,7 +40,7 @@ def clip_grad_norm_(
         total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
         if deferred:
-            optimizer.grad_scale = factor.reciprocal()
+            _hand_over(optimizer, factor)
         else:
             torch._foreach_mul_(grads, factor)
         return total
@@ -60,6 +58,14 @@ def clip_grad_norm_(
     for (device, dtype), grads in local.items():
         torch._foreach_mul_(grads, scale.to(device=device, dtype=dtype))
     return total
+
+
+def _hand_over(optimizer: torch.optim.Optimizer, factor: torch.Tensor) -> None:
+    """``optimizer``'s next step divides every gradient by ``1 / factor``, and only that step."""
+    if not getattr(optimizer, "_drops_grad_scale", False):
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: setattr(opt, "grad_scale", None))
+        optimizer._drops_grad_scale = True
+    optimizer.grad_scale = factor.reciprocal()
 
 
 def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
