@@ -26,6 +26,8 @@ from gem_data import (
     SyntheticGenerator,
     SyntheticStream,
     TableStream,
+    TimeSplit,
+    TimeSplitDataset,
     concat_batches,
     select_examples,
 )
@@ -48,6 +50,8 @@ def mixtures(tmp_path_factory):
     last = [NextItemDataset(shop_corpus, NextItemConfig(num_negatives=2, objective="retrieval", seed=s)) for s in (1, 2)]
     every = [NextItemDataset(shop_corpus, NextItemConfig(num_negatives=2, objective="retrieval", queries="every", seed=s))
              for s in (3, 4)]
+    split = TimeSplit(0.5, 0.8)
+    periods = {p: TimeSplitDataset(shop_corpus, NextItemConfig(num_negatives=1, seed=5), split, p) for p in ("offline", "online")}
     three = (MixSource("feed", 5.0), MixSource("video", 3.0), MixSource("live", 2.0, online=True))
 
     def synthetic(chunk):
@@ -67,6 +71,15 @@ def mixtures(tmp_path_factory):
             lambda: {"shop": TableStream(shop.training_table(), 8), "films": TableStream(films.training_table(), 8, seed=2)},
             MixingConfig((MixSource("shop", 1.0), MixSource("films", 2.0)), batch_size=12, seed=11),
             lambda s: FeatureAlignment({n: x.spec for n, x in s.items()}, surfaces={"shop": 0, "films": 1})),
+        "time split: offline shuffled + online in order, one corpus": (
+            lambda: {"offline": TableStream(periods["offline"].training_table(), 8, seed=3),
+                     "online": TableStream(periods["online"].training_table(), 8, shuffle=False)},
+            MixingConfig((MixSource("offline", 1.0), MixSource("online", 1.0, online=True)), batch_size=12,
+                         online_share_start=0.2, online_share_end=0.8, ramp_steps=6, seed=19), None),
+        "time split, read one batch at a time": (
+            lambda: {"offline": TableStream(periods["offline"].training_table(), 16, seed=3, read_rows=0),
+                     "online": TableStream(periods["online"].training_table(), 16, shuffle=False, read_rows=0)},
+            MixingConfig((MixSource("offline", 2.0), MixSource("online", 1.0, online=True)), batch_size=16, seed=23), None),
         "retrieval, a query per row": (
             lambda: {"a": TableStream(last[0].training_table(), 8), "b": TableStream(last[1].training_table(), 8, seed=1)},
             MixingConfig((MixSource("a", 1.0), MixSource("b", 1.0)), batch_size=10, seed=13), None),
@@ -185,6 +198,11 @@ SAVED = {
     ("tables: finite shuffled + endless in order", 1, 2): "11477cbb4654eee8",
     ("two domains, aligned, stamped surfaces", 0, 1): "c31daf313441c61f",
     ("two domains, aligned, stamped surfaces", 1, 2): "933b2eacf8befa16",
+    # ... and, for the time-split mixtures, as it gave them before sources of one corpus were read together (f469217)
+    ("time split: offline shuffled + online in order, one corpus", 0, 1): "75e5b27d00726be0",
+    ("time split: offline shuffled + online in order, one corpus", 1, 2): "531891cc37f18733",
+    ("time split, read one batch at a time", 0, 1): "a1363e809b56bbd9",
+    ("time split, read one batch at a time", 1, 2): "bcd95bd3224cd83e",
     ("retrieval, a query per row", 0, 1): "a7a06bc45abfd47f",
     ("retrieval, a query per event", 0, 1): "8715f4e061e03e4c",
     ("retrieval, a query per event", 1, 2): "062fabc0f48b0237",
@@ -206,7 +224,8 @@ def test_the_mixture_is_exactly_the_reference_and_the_saved_one(mixtures, name, 
     assert fingerprint(got) == SAVED[(name, rank, world_size)]
 
 
-@pytest.mark.parametrize("name", ["synthetic ramp", "tables: finite shuffled + endless in order", "two domains, aligned, stamped surfaces"])
+@pytest.mark.parametrize("name", ["synthetic ramp", "tables: finite shuffled + endless in order", "two domains, aligned, stamped surfaces",
+                                  "time split: offline shuffled + online in order, one corpus"])
 def test_a_resumed_mixture_continues_with_exactly_the_same_batches(mixtures, name):
     mixture = mixtures[name]
     whole = list(itertools.islice(build(mixture), STEPS))
@@ -217,3 +236,13 @@ def test_a_resumed_mixture_continues_with_exactly_the_same_batches(mixtures, nam
     resumed.load_state_dict(first.state_dict())
     for g, e in zip(itertools.islice(resumed, STEPS - 5), whole[5:], strict=True):
         assert_same(g, e)
+
+
+@pytest.mark.parametrize("name, joined", [("time split: offline shuffled + online in order, one corpus", True),
+                                          ("time split, read one batch at a time", True),
+                                          ("retrieval, a query per event", True),
+                                          ("two domains, aligned, stamped surfaces", False),
+                                          ("tables: finite shuffled + endless in order", False)])
+def test_tables_of_one_corpus_are_mixed_in_one_assembly(mixtures, name, joined):
+    # the exact checks above then cover the joined reads (several steps at once, and one at a time)
+    assert build(mixtures[name])._joined is joined
