@@ -198,7 +198,7 @@ SAVED = {
     ("tables: finite shuffled + endless in order", 1, 2): "11477cbb4654eee8",
     ("two domains, aligned, stamped surfaces", 0, 1): "c31daf313441c61f",
     ("two domains, aligned, stamped surfaces", 1, 2): "933b2eacf8befa16",
-    # ... and, for the time-split mixtures, as it gave them before sources of one corpus were read together (f469217)
+    # ... and, for the time-split mixtures (two periods of one corpus), as it gave them at f469217
     ("time split: offline shuffled + online in order, one corpus", 0, 1): "75e5b27d00726be0",
     ("time split: offline shuffled + online in order, one corpus", 1, 2): "531891cc37f18733",
     ("time split, read one batch at a time", 0, 1): "a1363e809b56bbd9",
@@ -237,12 +237,3 @@ def test_a_resumed_mixture_continues_with_exactly_the_same_batches(mixtures, nam
     for g, e in zip(itertools.islice(resumed, STEPS - 5), whole[5:], strict=True):
         assert_same(g, e)
 
-
-@pytest.mark.parametrize("name, joined", [("time split: offline shuffled + online in order, one corpus", True),
-                                          ("time split, read one batch at a time", True),
-                                          ("retrieval, a query per event", True),
-                                          ("two domains, aligned, stamped surfaces", False),
-                                          ("tables: finite shuffled + endless in order", False)])
-def test_tables_of_one_corpus_are_mixed_in_one_assembly(mixtures, name, joined):
-    # the exact checks above then cover the joined reads (several steps at once, and one at a time)
-    assert build(mixtures[name])._joined is joined

@@ -5,10 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gem_data import BatchTable, NextItemConfig, NextItemDataset, TableStream, concat_batches, read_atomic, read_sequence_text
-from gem_data.table import join_selections
-from gem_data.table import joined as joined_tables
-from gem_data.testing import equal_batches, find_repo_root, shared_data_dir, small_corpus
+from gem_data import NextItemConfig, NextItemDataset, TableStream, read_atomic, read_sequence_text
+from gem_data.testing import find_repo_root, shared_data_dir
 
 DATA = shared_data_dir(find_repo_root(Path(__file__)))
 
@@ -229,52 +227,3 @@ def test_hash_uniform_mixes_the_salt_as_a_one_element_tensor_would():
     keys = torch.randint(0, 2**62, (500,), generator=g)
     for salt in [0, 1, 2**31, 2**32, 2**62 - 1, *torch.randint(0, 2**62, (20,), generator=g).tolist()]:
         assert torch.equal(hash_uniform(keys, salt), on_a_tensor(keys, salt))
-
-
-def assert_batches_equal(got, expected):
-    assert equal_batches(got, expected)
-    assert (got.next_items is None) == (expected.next_items is None)
-    if expected.next_items is not None:
-        g, e = got.next_items, expected.next_items
-        assert (g.every, g.loss) == (e.every, e.loss) and torch.equal(g.positives, e.positives)
-        assert (g.negatives is None and e.negatives is None) or torch.equal(g.negatives, e.negatives)
-
-
-@pytest.mark.parametrize("options", [dict(num_negatives=2), dict(num_negatives=2, objective="retrieval"),
-                                     dict(num_negatives=2, objective="retrieval", queries="every"),
-                                     dict(num_negatives=0, objective="retrieval", loss="softmax")])
-def test_reads_of_joined_tables_assemble_into_the_batch_of_their_takes(corpus, options):
-    # two tables of one corpus that differ only in what `select` reads (seed, sampler) assemble together
-    a = NextItemDataset(corpus, NextItemConfig(**options, seed=1)).training_table()
-    b = NextItemDataset(corpus, NextItemConfig(**options, seed=2, sampler="popularity")).training_table()
-    assert a.joins(b) and b.joins(a)
-    rows_a, rows_b = torch.tensor([5, 0, 9, 9, 3]), torch.tensor([7, 1, 2])
-    selected = [a.select(0, rows_a, 0), b.select(0, rows_b, 1)]
-    expected = concat_batches([a.take(0, rows_a, 0), b.take(0, rows_b, 1)])
-    assert_batches_equal(a.take_selected(selected), expected)
-    # a selection cut into runs and joined again is the same selection
-    joined = join_selections(selected)
-    runs = joined.split([2, 0, 4, 2])
-    assert [r.users.numel() for r in runs] == [2, 0, 4, 2]
-    assert_batches_equal(a.take_selected(runs), expected)
-    assert_batches_equal(a.take_selected([joined]), expected)
-
-
-def test_tables_join_only_over_one_corpus_assembled_alike(corpus, tmp_path):
-    table = NextItemDataset(corpus, NextItemConfig(num_negatives=1)).training_table()
-    other_corpus = small_corpus(tmp_path, "shop", 20, 30, True)
-    assert not table.joins(NextItemDataset(other_corpus, NextItemConfig(num_negatives=1)).training_table())
-    assert not table.joins(NextItemDataset(corpus, NextItemConfig(num_negatives=1, max_history=2)).training_table())
-    assert not table.joins(NextItemDataset(corpus, NextItemConfig(num_negatives=1, objective="retrieval")).training_table())
-    assert not table.joins(BatchTable(table.take(0, torch.arange(4), 0), table.spec))
-    assert not joined_tables([table, BatchTable(table.take(0, torch.arange(4), 0), table.spec)])
-    assert joined_tables([table, NextItemDataset(corpus, NextItemConfig(num_negatives=1, seed=9)).training_table()])
-
-
-def test_a_table_stream_assembles_a_read_across_epochs_as_its_takes(corpus):
-    table = NextItemDataset(corpus, NextItemConfig(num_negatives=1)).training_table()
-    stream = TableStream(table, 8, seed=3)
-    positions = torch.arange(stream.rows_per_epoch - 5, stream.rows_per_epoch + 7)  # the end of epoch 0, then epoch 1
-    parts = stream._parts(positions)
-    assert [epoch for _, _, epoch in parts] == [0, 1]
-    assert_batches_equal(stream._rows(positions), concat_batches([table.take(*part) for part in parts]))

@@ -143,10 +143,6 @@ class FeatureAlignment:
         """Whether ``name``'s batches need no re-keying (its features are the union's)."""
         return self._plans[name].identity
 
-    def passes_through(self, name: str) -> bool:
-        """Whether ``name``'s batches are union batches as they are: nothing re-keyed, no surface stamped."""
-        return self._plans[name].identity and self._plans[name].surface is None
-
     def align(self, name: str, batch: Batch) -> Batch:
         """``batch`` of source ``name`` in the union spec (a new batch; ``batch`` is left as it was)."""
         return self.gather([(name, batch, 0, batch.batch_size)])

@@ -18,11 +18,6 @@ holds one batch per source: nothing is merged or copied, memory is bounded per s
 one) gathers small global batches ``GATHER_ROWS`` rows at a time and holds them until it delivers them: the same
 batches as gathered one by one (``FeatureAlignment.gather_steps``), a gather's fixed costs paid once.
 
-Sources that are tables of one corpus assembled alike (two periods of one log, ``gem_data.table.JoinedTable``)
-and that the alignment passes through as they are skip the per-source batches altogether: a mixed batch is one
-assembly of every source's rows, the next ``read_rows`` rows at once as a ``TableStream`` alone reads them, so
-mixing them costs what reading one of them costs.
-
 ``p_i(t)``: the weights, normalised. With an online share schedule, online and offline sources are
 normalised separately and scaled by ``share(t)`` and ``1 - share(t)``; the share stays at
 ``online_share_start`` until ``ramp_start``, moves linearly to ``online_share_end`` over ``ramp_steps``
@@ -53,7 +48,6 @@ from gem_data.alignment import FeatureAlignment
 from gem_data.gathering import BatchView
 from gem_data.source import ShardedStream, spec_difference
 from gem_data.stream import SyntheticStream, TableStream
-from gem_data.table import join_selections, joined
 
 ANCHOR_EVERY = 256  # steps between remembered source positions (backward queries replay at most this many draws)
 DRAW_BLOCK = 64  # steps whose compositions are drawn together (see MixedStream._draw)
@@ -172,10 +166,6 @@ class MixedStream(ShardedStream):
         self._steps_per_gather = steps if world_size == 1 and steps >= GATHER_STEPS else 1
         self._gathered: tuple[int, int, list[Batch | None]] | None = None  # first step gathered together, stride, batches
         self._stride = 1  # between the steps this reader delivers (DataLoader workers take turns)
-        self._joined = (all(isinstance(s, TableStream) for s in self.sources) and joined([s.table for s in self.sources])
-                        and all(alignment.passes_through(n) for n in self.names))
-        self._steps_per_read = max(1, min(getattr(s, "read_rows", 0) for s in self.sources) // self.batch_size)
-        self._joined_read: _JoinedRead | None = None  # the last assembly of several steps' rows
 
     @property
     def spec(self) -> FeatureSpec:
@@ -251,8 +241,6 @@ class MixedStream(ShardedStream):
     def _rows(self, index: int, lo: int, hi: int) -> Batch | None:
         """Rows ``[lo, hi)`` of global batch ``index`` (its examples grouped by source, in source order),
         reading only those rows from the sources."""
-        if self._joined:
-            return self._joined_rows(index, lo, hi)
         if self._steps_per_gather > 1:
             return self._gathered_batch(index)
         read = self._segments(index, lo, hi)
@@ -288,72 +276,27 @@ class MixedStream(ShardedStream):
         self._gathered = (index, self._stride, batches)
         return batch
 
-    def _joined_rows(self, index: int, lo: int, hi: int) -> Batch | None:
-        """Rows ``[lo, hi)`` of global batch ``index`` of joined tables (see the module docstring): from the last
-        assembly when it holds them, else from one assembly of these rows and of the next steps' this reader
-        delivers (the same rows as assembled step by step)."""
-        read, whose = self._joined_read, (lo, hi, self._stride)
-        if read is not None and read.whose == whose:
-            offset, remainder = divmod(index - read.first, self._stride)
-            if not remainder and 0 <= offset < len(read.sources):
-                return read.cut(offset, self.alignment, self.names[0])
-        steps = []
-        for ahead in range(self._steps_per_read):
-            found = self._source_rows(index + ahead * self._stride, lo, hi)
-            if found is None:  # the end of a source: the steps before it are delivered, then the mixture ends
-                break
-            steps.append(found)
-        if not steps:
-            return None
-        # each source's examples of every step selected at once (a selection has fixed costs: the ownership
-        # checks of its sampled negatives, the lookups of its epochs' orders), then cut back into the steps' runs
-        runs: dict[int, list[tuple[int, int]]] = {}  # source -> its (first, end) per step it appears in, in order
-        for ranges, _ in steps:
-            for i, first, end in ranges:
-                runs.setdefault(i, []).append((first, end))
-        pieces = {}
-        for i, spans in runs.items():
-            positions = torch.cat([torch.arange(first, end) for first, end in spans])
-            selected = join_selections(self.sources[i].selections(positions))
-            pieces[i] = iter(selected.split([end - first for first, end in spans]))
-        batch = self.sources[0].table.take_selected([next(pieces[i]) for ranges, _ in steps for i, _, _ in ranges])
-        sources = [source for _, source in steps]
-        if len(sources) == 1:
-            batch.source = torch.from_numpy(sources[0])
-            return batch
-        self._joined_read = _JoinedRead(whose, index, sources, BatchView(batch))
-        return self._joined_read.cut(0, self.alignment, self.names[0])
-
-    def _source_rows(self, index: int, lo: int, hi: int) -> tuple[list[tuple[int, int, int]], np.ndarray] | None:
-        """The examples that make rows ``[lo, hi)`` of global batch ``index``, as ``(source index, first example,
-        end)`` in source order, and each row's source index; None past the end (or for a rank's empty share)."""
+    def _segments(self, index: int, lo: int, hi: int) -> tuple[list[tuple[str, BatchView, int, int]], np.ndarray] | None:
+        """The source row ranges of rows ``[lo, hi)`` of global batch ``index`` and each row's source index; None
+        past the end (or for a rank's empty share)."""
         start, total = self.positions(index), self.composition(index)
         for reader, first, n in zip(self._readers, start, total):
             # every rank checks the whole global batch, so that all ranks end at the same step
             if n and not reader.available(first + n):
                 return None
-        ranges = []
+        segments = []
         source = np.empty(hi - lo, dtype=np.int64)  # each example's source index
         first_row = 0  # of source i in the global batch
         for i, n in enumerate(total):
             a, b = max(lo, first_row), min(hi, first_row + n)
             if a < b:
                 offset = start[i] - first_row
-                ranges.append((i, a + offset, b + offset))
+                for view, x, y in self._readers[i].read(a + offset, b + offset):
+                    segments.append((self.names[i], view, x, y))
                 source[a - lo : b - lo] = i
             first_row += n
-        if not ranges:
+        if not segments:
             return None  # a rank's empty share of a global batch smaller than the number of ranks
-        return ranges, source
-
-    def _segments(self, index: int, lo: int, hi: int) -> tuple[list[tuple[str, BatchView, int, int]], np.ndarray] | None:
-        """The source row ranges of rows ``[lo, hi)`` of global batch ``index`` and each row's source index; None
-        past the end (or for a rank's empty share)."""
-        found = self._source_rows(index, lo, hi)
-        if found is None:
-            return None
-        ranges, source = found
-        segments = [(self.names[i], view, x, y) for i, first, end in ranges for view, x, y in self._readers[i].read(first, end)]
         return segments, source
 
     # -- reporting and state --------------------------------------------------------------------------------
@@ -379,25 +322,7 @@ class MixedStream(ShardedStream):
             self._anchors[self.position] = tuple(int(state["examples"][n]) for n in self.names)
             self._latest = self.position
         self._compositions = (0, [])
-        self._gathered = self._joined_read = None
-
-
-@dataclass
-class _JoinedRead:
-    """One assembly of the rows of several steps (``MixedStream._joined_rows``): of rank rows ``whose[:2]`` and
-    stride ``whose[2]``, from step ``first`` on; step ``i``'s rows follow those of the steps before it."""
-
-    whose: tuple[int, int, int]
-    first: int
-    sources: list[np.ndarray]  # each step's rows' source indices
-    view: BatchView
-
-    def cut(self, offset: int, alignment: FeatureAlignment, name: str) -> Batch:
-        """Step ``first + offset * stride``'s rows (a copy of its row range)."""
-        lo = sum(len(s) for s in self.sources[:offset])
-        batch = alignment.gather([(name, self.view, lo, lo + len(self.sources[offset]))])
-        batch.source = torch.from_numpy(self.sources[offset])
-        return batch
+        self._gathered = None
 
 
 class ExampleReader:

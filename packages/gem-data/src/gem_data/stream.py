@@ -178,17 +178,6 @@ class TableStream(ShardedStream):
         """The rows at ``positions`` of the endless shuffled row sequence (epoch 0, then epoch 1, ...)."""
         if positions.numel() == 0:  # a rank's empty share of a short final batch
             return self.table.take(0, positions, 0)
-        if callable(getattr(self.table, "take_selected", None)):  # a JoinedTable: its parts in one assembly
-            return self.table.take_selected(self.selections(positions))
-        return concat_batches([self.table.take(*part) for part in self._parts(positions)])
-
-    def selections(self, positions: torch.Tensor) -> list:
-        """What a ``JoinedTable``'s ``select`` says of the rows at ``positions`` (one selection per epoch and
-        block they span), to assemble with other reads of joined tables (``MixedStream``)."""
-        return [self.table.select(*part) for part in self._parts(positions)]
-
-    def _parts(self, positions: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
-        """``(block, rows, epoch)`` of the rows at ``positions``, one per epoch and block they span, in order."""
         epochs = positions // self.rows_per_epoch
         parts = []
         for epoch in torch.unique_consecutive(epochs).tolist():
@@ -200,8 +189,8 @@ class TableStream(ShardedStream):
                 offset = in_epoch[slot == s] - block_start[s]
                 group = self.table.group_size
                 rows = self._group_order(epoch, block)[offset // group] * group + offset % group
-                parts.append((block, rows, epoch))
-        return parts
+                parts.append(self.table.take(block, rows, epoch))
+        return concat_batches(parts)
 
     def _block_order(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = ("blocks", epoch)

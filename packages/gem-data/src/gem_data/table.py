@@ -29,35 +29,6 @@ class ExampleTable(Protocol):
     def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch: ...
 
 
-class JoinedTable(ExampleTable, Protocol):
-    """A table whose reads can be joined with those of the tables it ``joins`` (e.g. two periods of one log):
-    ``select(block, rows, epoch)`` says which examples the rows are (a NamedTuple of a few index vectors with a
-    ``split(rows)`` into consecutive runs; ``join_selections`` concatenates them), and
-    ``take_selected([selection, ...])`` assembles the rows of every selection, in order, as one batch: the batch
-    that ``take`` of each selection and their concatenation would give, built in one pass. ``TableStream`` reads
-    its rows so, and a mixture of joined tables builds each mixed batch so, without a copy per source."""
-
-    def select(self, block: int, rows: torch.Tensor, epoch: int) -> object: ...
-
-    def take_selected(self, selections: list) -> Batch: ...
-
-    def joins(self, other: object) -> bool: ...
-
-
-def join_selections(selections: list):
-    """One selection of every row of ``selections`` (NamedTuples of one type whose fields are tensors or None),
-    in order (one selection: as it is)."""
-    if len(selections) == 1:
-        return selections[0]
-    return type(selections[0])(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*selections)))
-
-
-def joined(tables: list) -> bool:
-    """Whether every table of ``tables`` is a ``JoinedTable`` that the first one ``joins``."""
-    first = tables[0]
-    return all(callable(getattr(t, "take_selected", None)) for t in tables) and all(first.joins(t) for t in tables[1:])
-
-
 class BatchTable:
     """An in-memory table holding one big ``Batch`` (one block): for data that already fits in memory."""
 

@@ -24,10 +24,9 @@ Two training objectives:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 from torchrec import KeyedJaggedTensor
@@ -44,7 +43,6 @@ from gem_kunlun import (
 )
 
 from gem_data.batch_ops import gather_jagged, jagged_index
-from gem_data.table import join_selections
 from gem_data.sequential.corpus import SequenceCorpus
 from gem_data.sequential.sampling import NegativeSampler, salt_of
 
@@ -282,59 +280,7 @@ class NextItemDataset:
             yield start, batch
 
 
-class PointwiseRows(NamedTuple):
-    """Which examples some rows of a ``NextItemTable`` are: per row its user, history length, candidate, label."""
-
-    users: torch.Tensor
-    history_length: torch.Tensor
-    candidates: torch.Tensor
-    labels: torch.Tensor
-
-    def split(self, rows: list[int]) -> list["PointwiseRows"]:
-        """The selections of consecutive runs of ``rows[i]`` rows."""
-        return [PointwiseRows(*fields) for fields in zip(*(f.split(rows) for f in self))]
-
-
-class RetrievalRows(NamedTuple):
-    """Which examples some rows of a ``RetrievalTable`` are: per row its user, history length, candidate (the
-    item after the history) and number of queries, per query its positive and sampled negatives (None: the
-    whole catalogue)."""
-
-    users: torch.Tensor
-    history_length: torch.Tensor
-    candidates: torch.Tensor
-    queries: torch.Tensor
-    positives: torch.Tensor
-    negatives: torch.Tensor | None
-
-    def split(self, rows: list[int]) -> list["RetrievalRows"]:
-        """The selections of consecutive runs of ``rows[i]`` rows."""
-        queries = [int(q.sum()) for q in self.queries.split(rows)]
-        negatives = [None] * len(rows) if self.negatives is None else self.negatives.split(queries)
-        per_row = (f.split(rows) for f in (self.users, self.history_length, self.candidates, self.queries))
-        return [RetrievalRows(*fields, p, n) for *fields, p, n in zip(*per_row, self.positives.split(queries), negatives)]
-
-
-class _SelectedRowsTable:
-    """What the two next-item tables share as ``JoinedTable``s (``gem_data.table``): reads of tables over one
-    corpus whose batches are assembled alike (the same configuration but for the seed and the negative sampler,
-    which only ``select`` uses) are joined into one assembly."""
-
-    dataset: NextItemDataset
-
-    def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
-        return self.take_selected([self.select(block, rows, epoch)])
-
-    def joins(self, other: object) -> bool:
-        if type(other) is not type(self) or other.dataset.corpus is not self.dataset.corpus:
-            return False
-
-        def assembly(config: NextItemConfig) -> NextItemConfig:
-            return dataclasses.replace(config, seed=0, sampler="uniform", popularity_power=1.0)
-        return assembly(other.dataset.config) == assembly(self.dataset.config)
-
-
-class NextItemTable(_SelectedRowsTable):
+class NextItemTable:
     """The training rows as an ``ExampleTable``: example ``e`` owns rows ``e * G .. e * G + G - 1``
     (``G = 1 + num_negatives``), the positive first. Negatives are drawn per ``(seed, epoch, row)``."""
 
@@ -345,7 +291,7 @@ class NextItemTable(_SelectedRowsTable):
     def block_sizes(self) -> list[int]:
         return [self.dataset.num_training_examples * self.group_size]
 
-    def select(self, block: int, rows: torch.Tensor, epoch: int) -> PointwiseRows:
+    def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
         d = self.dataset
         example, slot = rows // self.group_size, rows % self.group_size
         users, k = d.example_user[example], d.example_k[example]
@@ -354,15 +300,10 @@ class NextItemTable(_SelectedRowsTable):
         negative = slot > 0
         if bool(negative.any()):
             candidates[negative] = d.sampler.draw(users[negative], rows[negative], salt_of(d.config.seed, epoch))
-        return PointwiseRows(users, k, candidates, ~negative)
-
-    def take_selected(self, selections: list[PointwiseRows]) -> Batch:
-        d = self.dataset
-        users, k, candidates, labels = join_selections(selections)
-        return d.assemble(users, d.history(users, k), candidates, labels)
+        return d.assemble(users, d.history(users, k), candidates, ~negative)
 
 
-class RetrievalTable(_SelectedRowsTable):
+class RetrievalTable:
     """Training rows carrying ``Batch.next_items`` (see the module docstring): a row per prefix
     (``queries = "last"``) or per user (``"every"``). Negatives are a pure function of
     ``(seed, epoch, target position)``, so a resumed run draws the same ones."""
@@ -376,7 +317,7 @@ class RetrievalTable(_SelectedRowsTable):
         d = self.dataset
         return [d.sequence_users.numel() if d.config.queries == "every" else d.num_training_examples]
 
-    def select(self, block: int, rows: torch.Tensor, epoch: int) -> RetrievalRows:
+    def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
         d, c = self.dataset, self.dataset.config
         if c.queries == "every":
             users = d.sequence_users[rows]
@@ -384,12 +325,10 @@ class RetrievalTable(_SelectedRowsTable):
             start, kept = d.history_window(users, history_length)
             positions = jagged_index(start + 1, kept)  # where in corpus.items each query's next item sits
             query_users = torch.repeat_interleave(users, kept)
-            queries = kept
         else:
             users, history_length = d.example_user[rows], d.example_k[rows]
             positions = d.corpus.offsets[users] + history_length
             query_users = users
-            queries = torch.ones_like(users)
         positives = d.corpus.items[positions]
         negatives = None
         if c.num_negatives:
@@ -397,12 +336,7 @@ class RetrievalTable(_SelectedRowsTable):
             keys = (positions[:, None] * k + torch.arange(k)).reshape(-1)
             negatives = d.sampler.draw(query_users.repeat_interleave(k), keys, salt_of(c.seed, epoch)).view(-1, k)
         last_target = d.corpus.items[d.corpus.offsets[users] + history_length]
-        return RetrievalRows(users, history_length, last_target, queries, positives, negatives)
-
-    def take_selected(self, selections: list[RetrievalRows]) -> Batch:
-        d, c = self.dataset, self.dataset.config
-        users, history_length, candidates, _, positives, negatives = join_selections(selections)
-        batch = d.assemble(users, d.history(users, history_length), candidates, torch.ones(users.numel()))
+        batch = d.assemble(users, d.history(users, history_length), last_target, torch.ones(users.numel()))
         batch.next_items = NextItemTargets(every=c.queries == "every", positives=positives, negatives=negatives,
                                            loss=c.loss, catalogue=d.catalogue())
         return batch
