@@ -53,6 +53,23 @@ def test_a_training_step_waits_on_the_gpu_nowhere(tmp_path):
         trainer.close()
 
 
+def test_compiled_kunlun_blocks_run_the_triton_kernels_between_their_graphs_and_train_as_eager_ones(tmp_path):
+    # Dynamo cannot trace the kernels' launch path: under parallelism.compile each op launching them runs eagerly
+    # between the block's compiled graphs (it failed inside Triton's launcher before)
+    losses = {}
+    for mode in ("off", "default"):
+        config = load_config(None, [f"--run_dir={tmp_path / mode}", "--device=cuda", "--data.batch_size=64",
+                                    "--data.eval_batches=1", "--metrics.tensorboard=false", "--checkpoint.enable=false",
+                                    f"--parallelism.compile={mode}", "--parallelism.compile_experts=off"])
+        trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
+        try:
+            losses[mode] = [float(trainer.train_step()["loss"]) for _ in range(4)]
+        finally:
+            trainer.close()
+    # the same kernels on the same batches; only the compiled glue's bf16 rounding differs
+    torch.testing.assert_close(torch.tensor(losses["default"]), torch.tensor(losses["off"]), rtol=2e-2, atol=1e-3)
+
+
 def test_an_asynchronous_checkpoint_from_the_gpu_restores_the_state_of_its_step(tmp_path):
     # staging goes through page-locked buffers (sharded tables, dense parameters, optimizer state)
     config = load_config(None, [f"--run_dir={tmp_path}", "--device=cuda", "--data.batch_size=64", "--data.eval_batches=1",

@@ -8,6 +8,9 @@ Launches after a kernel's first one skip Triton's per-call binding (``JITFunctio
 re-specialises every argument on every launch, host time that short calls make the GPU wait for): the compiled
 kernel is kept per (key, constexprs, argument specialisation) and its launcher called directly.
 ``FAST_LAUNCH = False`` (or GEM_KERNELS_FAST_LAUNCH=0) sends every launch through Triton's own path.
+
+Under ``torch.compile`` the ops that launch these kernels run eagerly between the caller's graphs
+(``eager_under_compile``): Dynamo cannot trace the launch path (the direct launcher, the tensor descriptors).
 """
 
 from __future__ import annotations
@@ -133,6 +136,12 @@ try:  # what Triton's driver asks torch for (torch.cuda.current_stream builds a 
 except ImportError:  # pragma: no cover - depends on the torch build
     def _current_stream(device: int) -> int:
         return torch.cuda.current_stream(device).cuda_stream
+
+
+def eager_under_compile(op):
+    """``op`` (a function launching Triton kernels through ``launch``) run as it is where a ``torch.compile``d caller
+    calls it: its graph breaks around the op, which autograd then differentiates as in eager mode."""
+    return torch.compiler.disable(op, recursive=True)
 
 
 def _direct_launch_ok() -> bool:

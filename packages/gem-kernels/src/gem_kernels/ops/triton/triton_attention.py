@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
+from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_attention_kernels import (
     ACT_CODES,
     attn_bwd_delta_kernel,
@@ -461,6 +461,7 @@ class _TritonPackedKvAttention(torch.autograd.Function):
         return dq, dkv, None, None, None, None
 
 
+@eager_under_compile
 def triton_attention(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> torch.Tensor:
     """q [Tq, H, D] jagged by q_offsets, or [Nq, H, D] broadcast (q_offsets None, spec.nq set); k, v [Tk, H, D]
     jagged by kv_offsets; returns [Tq, H, D] or [B, Nq, H, D]."""
@@ -471,6 +472,7 @@ def triton_attention(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -
     return o if spec.nq is None else o.view(-1, spec.nq, q.shape[1], q.shape[2])
 
 
+@eager_under_compile
 def triton_packed_kv_attention(q, kv, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> torch.Tensor:
     """``triton_attention`` with k and v the slots of ``kv [Tk, 2, H, D]`` (see _TritonPackedKvAttention)."""
     q = q if q.stride(-1) == 1 else q.contiguous()

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_layout
-from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
+from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_attention_kernels import (_key_tiles, _load_cols, _online_softmax, _softmax_output,
                                                               _store_rows, _visible)
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
@@ -172,6 +172,7 @@ class _Fp8Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+@eager_under_compile
 def triton_fp8_attention(q, k, v, offsets, max_len: int, spec) -> torch.Tensor:
     """q, k, v ``[T, H, D]`` jagged by ``offsets``, softmax heads masked as ``spec`` (an ``AttnSpec``) says;
     returns ``[T, H, D]`` in q's dtype, differentiable (see the module docstring)."""

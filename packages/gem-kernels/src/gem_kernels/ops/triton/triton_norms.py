@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.fp8 import E4M3_MAX, padded
-from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
+from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_fp8 import store_fp8_rows
 from gem_kernels.ops.triton.triton_sum_rows import sum_rows
 
@@ -294,10 +294,12 @@ class _TritonNorm(torch.autograd.Function):
         return dx, dweight, dbias, dresidual, None, None, None, None, None, dweight2, dbias2
 
 
+@eager_under_compile
 def triton_layer_norm(x, weight, bias, eps, residual=None, skip=False, out_dtype=None, fp8_rows_to=0, weight2=None,
                       bias2=None):
     return _TritonNorm.apply(x, weight, bias, residual, eps, False, skip, out_dtype, fp8_rows_to, weight2, bias2)
 
 
+@eager_under_compile
 def triton_rms_norm(x, weight, eps, residual=None, skip=False, out_dtype=None):
     return _TritonNorm.apply(x, weight, None, residual, eps, True, skip, out_dtype)

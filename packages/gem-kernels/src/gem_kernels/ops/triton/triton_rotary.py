@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.ops.triton._tuning import cdiv, launch, next_power_of_2
+from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, launch, next_power_of_2
 
 
 @triton.jit
@@ -140,9 +140,11 @@ def rotate_qk_in_place(qkv: torch.Tensor, positions: torch.Tensor, base: float, 
     _rotate(qkv[:, 0], qkv[:, 1], None, (qkv[:, 0], qkv[:, 1]), positions.contiguous(), base, -1.0 if inverse else 1.0)
 
 
+@eager_under_compile
 def triton_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, base: float):
     return _TritonRotary.apply(q, k, positions, base)
 
 
+@eager_under_compile
 def triton_qkv_rotary(qkv: torch.Tensor, positions: torch.Tensor, base: float):
     return _TritonQkvRotary.apply(qkv, positions, base)

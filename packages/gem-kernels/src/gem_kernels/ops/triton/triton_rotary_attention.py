@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import increment_version
 
+from gem_kernels.ops.triton._tuning import eager_under_compile
 from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_backward, attention_forward
 from gem_kernels.ops.triton.triton_rotary import rotate_qk_in_place
 
@@ -45,6 +46,7 @@ class _TritonQkvRotaryAttention(torch.autograd.Function):
         return dqkv, None, None, None, None
 
 
+@eager_under_compile
 def triton_qkv_rotary_attention(qkv: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor, spec: AttnSpec,
                                 base: float) -> torch.Tensor:
     """``[T, H, D]``; qkv's q and k slots are left rotated (see the module docstring)."""
