@@ -236,4 +236,3 @@ def test_a_resumed_mixture_continues_with_exactly_the_same_batches(mixtures, nam
     resumed.load_state_dict(first.state_dict())
     for g, e in zip(itertools.islice(resumed, STEPS - 5), whole[5:], strict=True):
         assert_same(g, e)
-

@@ -206,3 +206,28 @@ def test_launches_inside_untuned_do_not_tune_and_their_picks_are_dropped_after(m
         assert "GEM_KERNELS_AUTOTUNE" not in os.environ
         _tuning._TUNED[("check",)] = {"BLOCK": 2}
     assert os.environ["GEM_KERNELS_AUTOTUNE"] == "1" and _tuning._TUNED == {}
+
+
+def test_a_compiled_caller_runs_the_triton_ops_between_its_graphs():
+    # Dynamo cannot trace the launch path: each op launching Triton kernels breaks the caller's graph and runs as it
+    # is; the caller's result and gradients are the eager ones
+    import torch
+
+    from gem_kernels import jagged_flash_attention, layer_norm
+
+    torch.manual_seed(0)
+    offsets = torch.tensor([0, 5, 12], dtype=torch.int64)
+    q, k, v = (torch.randn(12, 2, 16, requires_grad=True) for _ in range(3))
+    weight, bias = torch.ones(32, requires_grad=True), torch.zeros(32, requires_grad=True)
+
+    def caller(q, k, v):
+        o = jagged_flash_attention(q * 2, k, v, offsets, max_seq_len=8, kernel="triton", validate=False)
+        return layer_norm(o.reshape(12, 32) + 1, weight, bias, kernel="triton").square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(caller, backend="eager", fullgraph=False)
+    got, expected = compiled(q, k, v), caller(q, k, v)
+    grads, wanted = (torch.autograd.grad(x, (q, k, v, weight)) for x in (got, expected))
+    torch.testing.assert_close(got, expected)
+    for g, w in zip(grads, wanted):
+        torch.testing.assert_close(g, w)
