@@ -1,5 +1,5 @@
-"""The trainer's GPU input path and asynchronous checkpoints from the GPU (run where a CUDA device is; the
-benchmark sweeps run them on the H200)."""
+"""The trainer on a GPU: its input path, a step without device synchronisation, compiled blocks around the Triton
+kernels, asynchronous checkpoints (run where a CUDA device is; the benchmark sweeps run them on the H200)."""
 
 import math
 

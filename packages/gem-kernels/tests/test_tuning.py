@@ -1,8 +1,12 @@
-"""The launch-time tuner's config choice: presets given with load_tuned, this device's shipped file, candidates."""
+"""The launch-time tuner's config choice: presets given with load_tuned, this device's shipped file, candidates;
+the direct launch; the ops launching kernels under torch.compile."""
 
 import json
 import os
 
+import torch
+
+from gem_kernels import jagged_flash_attention, layer_norm
 from gem_kernels.ops.triton import _tuning
 
 KEY = ("norm_bwd", False, False, True, 1024, "torch.bfloat16")
@@ -65,8 +69,6 @@ def _triton_specialisation(arg):
 def test_equal_specialisations_are_equal_for_triton():
     import itertools
 
-    import torch
-
     x = torch.zeros(256, dtype=torch.bfloat16)
     y = torch.zeros(256, dtype=torch.float32)
     args = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, 2**31 - 16, 2**31, 2**31 + 16, 2**40 + 3, 2**62, 0.5, 1.0, True,
@@ -115,8 +117,6 @@ def _fast(monkeypatch):
 
 
 def test_a_repeated_launch_calls_the_compiled_kernel_directly(monkeypatch):
-    import torch
-
     _fast(monkeypatch)
     k = _FakeKernel()
     cfg = dict(num_warps=4)
@@ -130,8 +130,6 @@ def test_a_repeated_launch_calls_the_compiled_kernel_directly(monkeypatch):
 
 
 def test_what_changes_the_binary_goes_through_triton_again(monkeypatch):
-    import torch
-
     _fast(monkeypatch)
     k = _FakeKernel()
     cfg = dict(num_warps=4)
@@ -151,8 +149,6 @@ def test_what_changes_the_binary_goes_through_triton_again(monkeypatch):
 
 
 def test_the_direct_launch_can_be_turned_off_and_yields_to_launch_hooks(monkeypatch):
-    import torch
-
     _fast(monkeypatch)
     k = _FakeKernel()
     cfg = dict(num_warps=4)
@@ -168,8 +164,6 @@ def test_the_direct_launch_can_be_turned_off_and_yields_to_launch_hooks(monkeypa
 
 
 def test_tuning_launches_the_fastest_candidate_timed_from_a_graph_and_skips_failing_ones(monkeypatch):
-    import torch
-
     _on_a_gpu(monkeypatch, {}, tuning=True)
     monkeypatch.setattr(_tuning, "_TUNED", {})
     monkeypatch.setattr(_tuning, "FAST_LAUNCH", False)
@@ -211,10 +205,6 @@ def test_launches_inside_untuned_do_not_tune_and_their_picks_are_dropped_after(m
 def test_a_compiled_caller_runs_the_triton_ops_between_its_graphs():
     # Dynamo cannot trace the launch path: each op launching Triton kernels breaks the caller's graph and runs as it
     # is; the caller's result and gradients are the eager ones
-    import torch
-
-    from gem_kernels import jagged_flash_attention, layer_norm
-
     torch.manual_seed(0)
     offsets = torch.tensor([0, 5, 12], dtype=torch.int64)
     q, k, v = (torch.randn(12, 2, 16, requires_grad=True) for _ in range(3))
