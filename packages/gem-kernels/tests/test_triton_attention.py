@@ -223,6 +223,7 @@ def test_short_kv_forward_equals_the_general_kernel(act, dtype, monkeypatch):
     short = attention_forward(q, k, v, qo, ko, kv_index, spec)
     monkeypatch.setattr(triton_attention, "_short_kv", lambda spec: False)
     monkeypatch.setattr(_tuning, "_TUNED", {})
+    monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the kernels picked before
     general = attention_forward(q, k, v, qo, ko, kv_index, spec)
     assert_close(short[0], general[0], TOL[dtype], "out")
     if act == "softmax":
@@ -246,6 +247,7 @@ def test_diagonal_block_forward_equals_the_general_kernel(act, monkeypatch):
     diagonal = attention_forward(q, k, v, off, off, None, spec)
     monkeypatch.setattr(triton_attention, "_diagonal_blocks", lambda spec: False)
     monkeypatch.setattr(_tuning, "_TUNED", {})
+    monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the kernels picked before
     general = attention_forward(q, k, v, off, off, None, spec)
     assert_close(diagonal[0], general[0], TOL[torch.float32], "out")
     if act == "softmax":
@@ -276,10 +278,11 @@ def test_descriptor_loads_equal_pointer_loads(act, monkeypatch):
     monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
     launched, real = [], _tuning._launch
     monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, args, consts, cfg, key: (
-        launched.append(consts.get("TMA")), real(kernel, grid, args, consts, cfg, key)))
+        launched.append(consts.get("TMA")), real(kernel, grid, args, consts, cfg, key))[1])
 
     def run(keys, kv_offsets, index, spec):
         monkeypatch.setattr(_tuning, "_TUNED", {})
+        monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the kernels picked before
         o, lse = attention_forward(q, *keys, qo, kv_offsets, index, spec)
         return (o, lse, *attention_backward(do, q, *keys, o, lse, qo, kv_offsets, index, spec))
 
@@ -316,14 +319,16 @@ def test_short_kv_forward_descriptor_loads_equal_pointer_loads(act, monkeypatch)
                        block_size=16, window_blocks=1))]
     launched, real = [], _tuning._launch
     monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, args, consts, cfg, key: (
-        launched.append((kernel.fn.__name__, consts.get("TMA"))), real(kernel, grid, args, consts, cfg, key)))
+        launched.append((kernel.fn.__name__, consts.get("TMA"))), real(kernel, grid, args, consts, cfg, key))[1])
     for q, k, v, q_offsets, kv_offsets, index, spec in cases:
         monkeypatch.setattr(_tuning, "_TUNED", {})
+        monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the kernels picked before
         launched.clear()
         tma = attention_forward(q, k, v, q_offsets, kv_offsets, index, spec)
         assert launched == [("attn_fwd_short_kv_kernel", True)], launched
         monkeypatch.setattr(triton_attention, "TMA_LOADS", False)
         monkeypatch.setattr(_tuning, "_TUNED", {})
+        monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the kernels picked before
         pointers = attention_forward(q, k, v, q_offsets, kv_offsets, index, spec)
         monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
         assert_close(tma[0], pointers[0], TOL[dtype], f"out {spec}")
@@ -354,12 +359,14 @@ def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkey
     o, lse = attention_forward(q, k, v, qo, ko, None, spec)
     do = rand(*o.shape, dtype=dtype)
     launched = []
-    launch = triton_attention.launch
-    monkeypatch.setattr(triton_attention, "launch", lambda kernel, *a: launched.append(kernel) or launch(kernel, *a))
+    launch = _tuning.launch
+    monkeypatch.setattr(_tuning, "launch", lambda kernel, *a: launched.append(kernel) or launch(kernel, *a))
+    monkeypatch.setattr(_tuning, "_PLANS", {})
     fused = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
     assert launched == [triton_attention.attn_bwd_short_kv_kernel]
     monkeypatch.setattr(triton_attention, "_fused_backward", lambda spec, kv_index, head_dim: False)
     monkeypatch.setattr(_tuning, "_TUNED", {})
+    monkeypatch.setattr(_tuning, "_PLANS", {})  # the plan of this shape holds the one-launch backward
     general = attention_backward(do, q, k, v, o, lse, qo, ko, None, spec)
     assert launched[1:] == [triton_attention.attn_bwd_dq_kernel, triton_attention.attn_bwd_dkdv_kernel]
     for got, want, name in zip(fused, general, ("dq", "dk", "dv")):

@@ -40,7 +40,7 @@ def _record_launches(monkeypatch) -> dict:
     def recording(kernel, grid, args, consts, cfg, key):
         named = {**consts, **{k: v for k, v in cfg.items() if k in kernel.arg_names}}
         launches.setdefault((kernel.fn.__name__, repr(sorted(named.items()))), (kernel, args, named))
-        run(kernel, grid, args, consts, cfg, key)
+        return run(kernel, grid, args, consts, cfg, key)
 
     monkeypatch.setattr(_tuning, "_launch", recording)
     return launches

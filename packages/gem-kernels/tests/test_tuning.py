@@ -1,5 +1,5 @@
 """The launch-time tuner's config choice: presets given with load_tuned, this device's shipped file, candidates;
-the direct launch; the ops launching kernels under torch.compile."""
+the direct launch; planned launches; the ops launching kernels under torch.compile."""
 
 import json
 import os
@@ -161,6 +161,57 @@ def test_the_direct_launch_can_be_turned_off_and_yields_to_launch_hooks(monkeypa
     for _ in range(2):
         _tuning._launch(k, (1,), (x, 32, 0.5), dict(A=3), cfg, ("key",))
     assert [e[0] for e in k.log] == ["triton"] * 4
+
+
+def test_a_planned_launch_fills_its_slots_and_then_calls_the_launcher_directly(monkeypatch):
+    _fast(monkeypatch)
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    k = _FakeKernel()
+    cfg = dict(ROWS=16, num_warps=4)
+    planned = _tuning.PlannedLaunch(k, lambda c: (40 // c["ROWS"], 3), (_tuning.RowTiles(1, "ROWS"), 32, _tuning.Slot(0)),
+                                    dict(A=3), ("key",), [cfg])
+    x, y = torch.zeros(64, 2, 16, dtype=torch.float16), torch.zeros(40, 2, 16, dtype=torch.float16)
+    planned((torch.ones(3), x))
+    planned((torch.ones(5), y))
+    (tag, grid, (first, n, slot), named), (tag2, *direct) = k.log
+    assert (tag, grid, n, named, tag2) == ("triton", (2, 3), 32, dict(A=3, **cfg), "direct")
+    assert torch.equal(slot, torch.ones(3)) and first.base is x
+    assert (first.shape, first.strides, first.block_shape, first.padding) == ([64, 32], [32, 1], [16, 16], "zero")
+    # the launcher: grid, stream, function, metadata, hooks, the arguments with this call's tensors, the constexprs
+    desc = direct[9]
+    assert direct[:9] == [2, 3, 1, 1234, "function", "metadata", None, None, None] and direct[10] == 32
+    assert torch.equal(direct[11], torch.ones(5)) and direct[12:] == [3, 7]
+    assert desc.base is y and (desc.shape, desc.strides, desc.block_shape, desc.padding) == (
+        [40, 32], [32, 1], [16, 16], "zero")
+
+
+def test_plans_are_made_once_per_key_and_dropped_with_the_picked_configs(monkeypatch):
+    monkeypatch.setattr(_tuning, "_PLANS", {})
+    made = []
+    for key in ("a", "a", "b"):
+        _tuning.plan((key,), lambda: made.append(key) or [key])
+    assert made == ["a", "b"] and _tuning.plan(("a",), lambda: ["other"]) == ["a"]
+    with _tuning.untuned():
+        pass
+    assert _tuning._PLANS == {}
+
+
+def test_attention_plans_are_shared_by_lengths_and_split_by_alignment(monkeypatch):
+    # one plan for a jagged batch's every total length; a tensor starting off Triton's 16-byte alignment is
+    # another binary (and no tensor descriptor): a plan of its own
+    monkeypatch.setattr(_tuning, "_PLANS", {})
+    torch.manual_seed(0)
+    for lengths in ([5, 7], [3, 9], [8, 8]):
+        offsets = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int64)
+        q, k, v = (torch.randn(sum(lengths), 2, 16) for _ in range(3))
+        jagged_flash_attention(q, k, v, offsets, max_seq_len=9, kernel="triton", validate=False)
+    assert len(_tuning._PLANS) == 1
+    offsets = torch.tensor([0, 5, 12], dtype=torch.int64)
+    q, k, v = (torch.randn(12 * 32 + 1)[1:].view(12, 2, 16) for _ in range(3))
+    got = jagged_flash_attention(q, k, v, offsets, max_seq_len=9, kernel="triton", validate=False)
+    want = jagged_flash_attention(q, k, v, offsets, max_seq_len=9, kernel="pytorch")
+    assert len(_tuning._PLANS) == 2
+    torch.testing.assert_close(got, want)
 
 
 def test_tuning_launches_the_fastest_candidate_timed_from_a_graph_and_skips_failing_ones(monkeypatch):

@@ -9,6 +9,11 @@ re-specialises every argument on every launch, host time that short calls make t
 kernel is kept per (key, constexprs, argument specialisation) and its launcher called directly.
 ``FAST_LAUNCH = False`` (or GEM_KERNELS_FAST_LAUNCH=0) sends every launch through Triton's own path.
 
+Ops whose launches follow from a few facts about their inputs (an attention call's spec, batch size and tensor
+layouts) plan them (``plan``, ``PlannedLaunch``): kernel, grid, config and every argument that is not one of the
+call's tensors decided once per call shape, so a call only puts its tensors in the plan's slots. A short kernel's
+call is then not longer on the host than on the GPU.
+
 Under ``torch.compile`` the ops that launch these kernels run eagerly between the caller's graphs
 (``eager_under_compile``): Dynamo cannot trace the launch path (the direct launcher, the tensor descriptors).
 """
@@ -16,9 +21,11 @@ Under ``torch.compile`` the ops that launch these kernels run eagerly between th
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -74,6 +81,7 @@ def untuned():
         if tune is not None:
             os.environ["GEM_KERNELS_AUTOTUNE"] = tune
         _TUNED.clear()
+        _PLANS.clear()  # they hold the configs picked inside
 
 
 def save_tuned(path: str) -> None:
@@ -84,6 +92,7 @@ def save_tuned(path: str) -> None:
 def load_tuned(path: str) -> None:
     with open(path) as f:
         _PRESET.update(json.load(f))
+    _PLANS.clear()
 
 
 def device_file(device_name: str) -> Path:
@@ -141,7 +150,17 @@ except ImportError:  # pragma: no cover - depends on the torch build
 def eager_under_compile(op):
     """``op`` (a function launching Triton kernels through ``launch``) run as it is where a ``torch.compile``d caller
     calls it: its graph breaks around the op, which autograd then differentiates as in eager mode."""
-    return torch.compiler.disable(op, recursive=True)
+    disabled = torch.compiler.disable(op, recursive=True)
+
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        # NOTE: Dynamo reads is_compiling() as True and breaks its graph at the disabled call; eager callers skip the
+        # disabled wrapper, whose frame handling costs ~5 us a call
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return op(*args, **kwargs)
+
+    return run
 
 
 def _direct_launch_ok() -> bool:
@@ -150,29 +169,40 @@ def _direct_launch_ok() -> bool:
     return FAST_LAUNCH and not interpreting() and not getattr(hooks, "calls", hooks)
 
 
-def _launch(kernel, grid: tuple, args: tuple, consts: dict, cfg: dict, key: tuple) -> None:
+def _grid3(grid: tuple) -> tuple[int, int, int]:
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+
+
+def _constexpr_tail(kernel, n_args: int, consts: dict, cfg: dict) -> tuple:
+    """The launcher takes every parameter in order: the constexprs (given or defaulted) after the positional
+    arguments too."""
+    named = dict(consts, **cfg)
+    params = kernel.signature.parameters
+    return tuple(named[n] if n in named else params[n].default for n in kernel.arg_names[n_args:])
+
+
+def _launch(kernel, grid: tuple, args: tuple, consts: dict, cfg: dict, key: tuple):
     """``kernel[grid](*args, **consts, **cfg)``, through the compiled kernel's launcher when this key, these
-    constexprs and this argument specialisation have launched before."""
+    constexprs and this argument specialisation have launched before. Returns ``(compiled kernel, constexpr tail)``
+    when the launch can be repeated through the launcher, else None."""
     if not _direct_launch_ok():
         kernel[grid](*args, **consts, **cfg)
-        return
+        return None
     device = torch.cuda.current_device()
     sig = specialisation(args)
     fast_key = (id(kernel), key, tuple(consts.values()), device, sig)
     hit = _COMPILED.get(fast_key) if sig is not None else None
     if hit is not None and hit[0] is cfg:
         _, compiled, tail = hit
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     _current_stream(device), compiled.function, compiled.packed_metadata,
+        compiled.run(*_grid3(grid), _current_stream(device), compiled.function, compiled.packed_metadata,
                      None, None, None, *args, *tail)
-        return
+        return compiled, tail
     compiled = kernel[grid](*args, **consts, **cfg)
     if sig is not None and compiled is not None and compiled.run is not None and compiled.function is not None:
-        # the launcher takes every parameter in order: the constexprs after the positional arguments too
-        named = dict(consts, **cfg)
-        params = kernel.signature.parameters
-        tail = tuple(named[n] if n in named else params[n].default for n in kernel.arg_names[len(args):])
+        tail = _constexpr_tail(kernel, len(args), consts, cfg)
         _COMPILED[fast_key] = (cfg, compiled, tail)
+        return compiled, tail
+    return None
 
 
 def candidate_ms(run) -> float:
@@ -182,10 +212,11 @@ def candidate_ms(run) -> float:
     return triton.testing.do_bench_cudagraph(run, rep=20, return_mode="median")
 
 
-def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands) -> None:
+def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands):
     """args: a tuple, or a function of the config returning one (for inputs that depend on the config); the
     launch that counts is the last one. cands: the candidate configs, or a function returning them, called only
-    when the key has no config yet (building them on every launch is host time the GPU may wait for)."""
+    when the key has no config yet (building them on every launch is host time the GPU may wait for). Returns the
+    config and what ``_launch`` returns."""
     args_fn = args if callable(args) else (lambda c: args)
     # NOTE: every kernel launched through here only writes its outputs, so timing a candidate by
     # re-running it leaves the result unchanged.
@@ -211,4 +242,93 @@ def launch(kernel, grid_fn, args, consts: dict, key: tuple, cands) -> None:
             if best is not None:
                 cfg = best[1]
         _TUNED[key] = cfg
-    _launch(kernel, grid_fn(cfg), args_fn(cfg), consts, cfg, key)
+    return cfg, _launch(kernel, grid_fn(cfg), args_fn(cfg), consts, cfg, key)
+
+
+# --- planned launches -------------------------------------------------------------------------------------------
+
+class Slot(NamedTuple):
+    """In a planned launch's arguments: the call's tensor number ``index``."""
+
+    index: int
+
+
+class RowTiles(NamedTuple):
+    """In a planned launch's arguments: a tensor descriptor of the call's tensor number ``index`` (``[T, H, D]``,
+    heads side by side) read as the ``[T, H * D]`` matrix in ``[rows, D]`` tiles; ``rows``: a number, or the config
+    key giving it."""
+
+    index: int
+    rows: int | str
+
+    def descriptor(self, x: torch.Tensor, cfg: dict) -> "TensorDescriptor":
+        T, H, D = x.shape
+        return TensorDescriptor(x, [T, H * D], [x.stride(0), 1], [cfg[self.rows] if type(self.rows) is str
+                                                                  else self.rows, D])
+
+
+def _unchecked_row_tiles(x: torch.Tensor, block: list[int]) -> "TensorDescriptor":
+    """``RowTiles.descriptor`` without the constructor's checks (alignment, strides, block shape: ~10 us of host),
+    which the first launch of the plan ran on a tensor of the same layout."""
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(base=x, shape=[x.shape[0], block[1] * x.shape[1]], strides=[x.stride(0), 1], block_shape=block,
+                      padding="zero")
+    return d
+
+
+class PlannedLaunch:
+    """One kernel launch of a planned call shape (see ``plan``): kernel, grid function, constexprs, tuning key and
+    candidates as for ``launch``; ``template`` holds the positional arguments, the call's tensors as ``Slot`` /
+    ``RowTiles`` markers. The first launch goes through ``launch`` (config, compiling); later ones fill the slots
+    and call the compiled kernel's launcher, with no per-argument work (the plan's key stands for the arguments'
+    specialisation)."""
+
+    def __init__(self, kernel, grid_fn, template: tuple, consts: dict, key: tuple, cands):
+        self.kernel, self.grid_fn, self.template, self.consts, self.key, self.cands = (
+            kernel, grid_fn, template, consts, key, cands)
+        self._direct = None  # what the launcher needs, set by the first launch that can be repeated
+
+    def _args(self, tensors: tuple, cfg: dict) -> tuple:
+        return tuple(tensors[a.index] if type(a) is Slot else a.descriptor(tensors[a.index], cfg)
+                     if type(a) is RowTiles else a for a in self.template)
+
+    def __call__(self, tensors: tuple) -> None:
+        direct = self._direct
+        if direct is not None and _direct_launch_ok():
+            run, grid, device, function, metadata, constants, slots, tiles, tail = direct
+            args = constants.copy()
+            for pos, i in slots:
+                args[pos] = tensors[i]
+            for pos, i, block in tiles:
+                args[pos] = _unchecked_row_tiles(tensors[i], block)
+            run(*grid, _current_stream(device), function, metadata, None, None, None, *args, *tail)
+            return
+        cfg, fast = launch(self.kernel, self.grid_fn, lambda c: self._args(tensors, c), self.consts, self.key,
+                           self.cands)
+        if fast is None:
+            return
+        compiled, tail = fast
+        slots = [(p, a.index) for p, a in enumerate(self.template) if type(a) is Slot]
+        tiles = [(p, a.index, [cfg[a.rows] if type(a.rows) is str else a.rows, tensors[a.index].shape[2]])
+                 for p, a in enumerate(self.template) if type(a) is RowTiles]
+        constants = [None if type(a) in (Slot, RowTiles) else a for a in self.template]
+        self._direct = (compiled.run, _grid3(self.grid_fn(cfg)), torch.cuda.current_device(), compiled.function,
+                        compiled.packed_metadata, constants, slots, tiles, tail)
+
+
+# planned calls: call key -> list of PlannedLaunch. Bounded: a key that changes every call (a max length read
+# from the offsets) must not grow it without end.
+_PLANS: dict[tuple, list] = {}
+PLANS_MAX = 4096
+
+
+def plan(key: tuple, build) -> list:
+    """The planned launches of a call shape: ``build()``'s, made the first time ``key`` is seen. The key must hold
+    everything the plan depends on: what decides the kernels, grids and constant arguments, and what Triton
+    specialises the compiled kernels on (each tensor's dtype and 16-byte alignment, each integer's value class)."""
+    launches = _PLANS.get(key)
+    if launches is None:
+        if len(_PLANS) >= PLANS_MAX:
+            _PLANS.clear()
+        launches = _PLANS[key] = build()
+    return launches

@@ -5,11 +5,21 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, interpreting, launch, next_power_of_2
+from gem_kernels.ops.triton._tuning import (
+    PlannedLaunch,
+    RowTiles,
+    Slot,
+    cdiv,
+    eager_under_compile,
+    interpreting,
+    launch,
+    next_power_of_2,
+    plan,
+)
 from gem_kernels.ops.triton.triton_attention_kernels import (
     ACT_CODES,
     attn_bwd_delta_kernel,
@@ -35,9 +45,9 @@ _UNBOUNDED = 1 << 30
 _LOG2E = 1.4426950408889634
 
 
-@dataclass(frozen=True)
-class AttnSpec:
-    """Everything about one attention call that is not a tensor."""
+class AttnSpec(NamedTuple):
+    """Everything about one attention call that is not a tensor (a named tuple: part of every call's plan key, which
+    it hashes and compares in C)."""
 
     max_q: int  # declared max query length (or Nq for broadcast queries)
     max_kv: int
@@ -255,45 +265,70 @@ def _tma_rows(x: torch.Tensor) -> bool:
             and D & (D - 1) == 0 and D * size >= 16 and x.stride(0) * size % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
-def _row_descriptor(x: torch.Tensor, rows: int) -> "TensorDescriptor":
-    """``x [T, H, D]`` as a ``[T, H * D]`` matrix read in ``[rows, D]`` tiles (one head's rows)."""
-    T, H, D = x.shape
-    return TensorDescriptor(x, [T, H * D], [x.stride(0), 1], [rows, D])
-
-
-def _with_descriptors(args: tuple, at: int, views: list[tuple[torch.Tensor, str | int]]):
-    """``(launch arguments, TMA)``: when every view takes a descriptor (``_tma_rows``), a function of the tile config
-    giving ``args`` with the placeholder slots ``at, at + 1, ...`` replaced by descriptors of ``views`` ((tensor, tile
-    rows: a config key or a number) each), and True; else ``args`` as they are and False."""
-    if not all(_tma_rows(x) for x, _ in views):
-        return args, False
-
-    def with_config(c: dict) -> tuple:
-        descriptors = tuple(_row_descriptor(x, c[rows] if isinstance(rows, str) else rows) for x, rows in views)
-        return args[:at] + descriptors + args[at + len(views):]
-
-    return with_config, True
-
-
 def _prec(dtype: torch.dtype) -> str:
     # fp32 inputs get exact fp32 dots (the reference's precision); 16-bit inputs use the tensor cores anyway.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+class _Fwd:
+    """The forward's tensors, as its plans' slots number them."""
+
+    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX = (Slot(i) for i in range(8))
+
+
+class _Bwd:
+    """The backward's tensors, as its plans' slots number them."""
+
+    DO, Q, K, V, O, LSE, DELTA, DQ, DK, DV, Q_OFF, KV_OFF, CAND_OFF, CAND_IDS, KV_IDX = (Slot(i) for i in range(15))
+
+
+def _layout(x: torch.Tensor) -> tuple:
+    """What a plan depends on in a ``[T, H, D]`` tensor beyond its length: shape, strides, dtype and whether it starts
+    16-byte aligned (tensor descriptors, and Triton's specialisation)."""
+    return x.shape[1:], x.stride(), x.dtype, x.data_ptr() & 15 == 0
+
+
+def _index_layout(x: torch.Tensor | None) -> tuple | None:
+    """The same for offsets and indices: their length sizes the grid."""
+    return None if x is None else (x.shape[0], x.stride(0), x.data_ptr() & 15 == 0)
+
+
+def _tiles(template: tuple, at: int, views: list[tuple[torch.Tensor, Slot, str | int]]) -> tuple[tuple, bool]:
+    """``(template, TMA)``: when every view's tensor takes a descriptor (``_tma_rows``), the template with its slots
+    ``at, at + 1, ...`` made ``RowTiles`` of the views ((tensor, its slot, tile rows: a config key or a number)), and
+    True; else the template as it is and False."""
+    if not all(_tma_rows(x) for x, _, _ in views):
+        return template, False
+    tiles = tuple(RowTiles(slot.index, rows) for _, slot, rows in views)
+    return template[:at] + tiles + template[at + len(views):], True
+
+
 def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
     T_out = q.shape[0] if spec.nq is None else (kv_offsets.shape[0] - 1) * spec.nq
-    B = q_offsets.shape[0] - 1 if spec.nq is None else kv_offsets.shape[0] - 1
     H, D = q.shape[1], q.shape[2]
     o = torch.empty((T_out, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((T_out, H), dtype=torch.float32, device=q.device)
+    tensors = (q, k, v, o, lse, kv_offsets if q_offsets is None else q_offsets, kv_offsets,
+               kv_offsets if kv_index is None else kv_index)
+    key = ("fwd", spec, q.get_device(), TMA_LOADS, _layout(q), _layout(k), _layout(v), _index_layout(q_offsets),
+           _index_layout(kv_offsets), _index_layout(kv_index))
+    for planned in plan(key, lambda: _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec)):
+        planned(tensors)
+    return o, lse
+
+
+def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> list[PlannedLaunch]:
+    """The forward's launches for the layouts of these tensors: one per activation's heads."""
+    B = q_offsets.shape[0] - 1 if spec.nq is None else kv_offsets.shape[0] - 1
+    H, D = q.shape[1], q.shape[2]
     mask_kind, wl, wr, bs, kb = spec.mask_args
-    dummy = kv_offsets
+    F = _Fwd
+    launches = []
     for act, head_ids in _head_groups(spec, q.device):
         code = ACT_CODES[act]
-        args = (q, k, v, o, lse, dummy if q_offsets is None else q_offsets, kv_offsets,
-                dummy if kv_index is None else kv_index, head_ids, k, v,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                o.stride(0), o.stride(1), lse.stride(0),
+        # o [T_out, H, D] and lse [T_out, H] are new, contiguous
+        args = (F.Q, F.K, F.V, F.O, F.LSE, F.Q_OFF, F.KV_OFF, F.KV_IDX, head_ids, F.K, F.V,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), H * D, D, H,
                 spec.nq or 0, spec.sm_scale * _LOG2E, spec.pw_scale, wl, wr, bs, kb)
         consts = dict(ACT=code, MASK_KIND=mask_kind, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
                       PREC=_prec(q.dtype), BLOCK_D=D)
@@ -306,18 +341,18 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
             # no window / block arguments: each query sees its one key tile whole
             block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
             # descriptors for the streamed tiles: query tiles, and the diagonal's key tiles
-            short_args, tma = _with_descriptors(args[:9] + (q, k, v) + args[11:-4], 9,
-                                                [(q, "BLOCK_M")] + ([(k, block_n), (v, block_n)] if diagonal else []))
-            launch(attn_fwd_short_kv_kernel,
-                   lambda c: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh), short_args,
-                   dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, DIAGONAL=diagonal,
-                        PREC=_prec(q.dtype), TMA=tma, BLOCK_D=D, BLOCK_N=block_n), ("fwd_short",) + key[1:],
-                   lambda: _short_kv_candidates(spec, D, q.element_size()))
+            short_args, tma = _tiles(args[:9] + (F.Q, F.K, F.V) + args[11:-4], 9,
+                                     [(q, F.Q, "BLOCK_M")] + ([(k, F.K, block_n), (v, F.V, block_n)] if diagonal else []))
+            launches.append(PlannedLaunch(
+                attn_fwd_short_kv_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh),
+                short_args, dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
+                                 DIAGONAL=diagonal, PREC=_prec(q.dtype), TMA=tma, BLOCK_D=D, BLOCK_N=block_n),
+                ("fwd_short",) + key[1:], lambda: _short_kv_candidates(spec, D, q.element_size())))
             continue
-        args, consts["TMA"] = _with_descriptors(args, 9, [(k, "BLOCK_N"), (v, "BLOCK_N")])
-        launch(attn_fwd_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args, consts, key,
-                lambda: _candidates("fwd", spec, D))
-    return o, lse
+        args, consts["TMA"] = _tiles(args, 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])
+        launches.append(PlannedLaunch(attn_fwd_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
+                                      consts, key, lambda: _candidates("fwd", spec, D)))
+    return launches
 
 
 _DELTA_CANDIDATES = [dict(BLOCK_R=32, num_warps=4), dict(BLOCK_R=64, num_warps=8), dict(BLOCK_R=16, num_warps=4)]
@@ -348,7 +383,7 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
     broadcast = _broadcast_q(spec) and kv_index is None
     delta_from_o = broadcast and o.stride() == do.stride()
     if fused:
-        delta = None
+        delta = lse  # not read
     elif broadcast:
         delta = o if delta_from_o else softmax_delta(do, o)
     else:
@@ -368,60 +403,81 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
         cand_ids = order
     else:
         cand_off = cand_ids = kv_offsets
+    tensors = (do, q, k, v, o, lse, delta, dq, dk, dv, kv_offsets if q_offsets is None else q_offsets, kv_offsets,
+               cand_off, cand_ids, kv_offsets if kv_index is None else kv_index)
+    key = ("bwd", spec, q.get_device(), TMA_LOADS, _layout(do), _layout(q), _layout(k), _layout(v), _layout(o), lse.stride(),
+           _layout(dq), _layout(dk), _layout(dv), delta_from_o, _index_layout(q_offsets), _index_layout(kv_offsets),
+           _index_layout(kv_index))
+    for planned in plan(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, kv_index is not None, spec, B, R,
+                                                    fused, broadcast, delta_from_o)):
+        planned(tensors)
+    if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
+        dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)
+    return dq, dk, dv
+
+
+def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: AttnSpec, B: int, R: int, fused: bool,
+                   broadcast: bool, delta_from_o: bool) -> list[PlannedLaunch]:
+    """The backward's launches for the layouts of these tensors: per activation's heads, the one-launch backward
+    (short kv sequences, diagonal blocks), the broadcast queries' one (PMA), or dQ then dK / dV."""
+    D = q.shape[2]
     mask_kind, wl, wr, bs, kb = spec.mask_args
-    q_off = kv_offsets if q_offsets is None else q_offsets
+    G = _Bwd
+    launches = []
     for act, head_ids in _head_groups(spec, q.device):
         code = ACT_CODES[act]
         scale = spec.sm_scale if code == 0 else spec.pw_scale
         nh = head_ids.numel()
         common = dict(ACT=code, MASK_KIND=mask_kind, Q_JAGGED=spec.nq is None, PREC=_prec(q.dtype), BLOCK_D=D)
-        key_tail = (code, mask_kind, spec.nq is None, kv_index is not None, D, q.dtype, _bucket(spec.max_q),
+        key_tail = (code, mask_kind, spec.nq is None, has_kv_index, D, q.dtype, _bucket(spec.max_q),
                     _bucket(spec.max_kv), spec.block_size, spec.window_left is None, spec.window_right is None)
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0))
         scales = (spec.nq or 0, spec.sm_scale * _LOG2E, scale, 1.0 if code == 0 else scale)
         if fused:
             diagonal = _diagonal_blocks(spec)
-            fargs = (q, k, v, o, do, lse, dq, dk, dv, q_off, kv_offsets, head_ids,
+            fargs = (G.Q, G.K, G.V, G.O, G.DO, G.LSE, G.DQ, G.DK, G.DV, G.Q_OFF, G.KV_OFF, head_ids,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                      o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
                      dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
                      spec.sm_scale * _LOG2E, scale, scale, 1.0 if code == 0 else scale)
-            launch(attn_bwd_short_kv_kernel,
-                   (lambda c: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh)) if diagonal else
-                   (lambda c: (1, B, nh)), fargs,
-                   dict(ACT=code, DIAGONAL=diagonal, PREC=_prec(q.dtype), BLOCK_D=D,
-                        BLOCK_N=spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)),
-                   ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, q.element_size()))
+            launches.append(PlannedLaunch(
+                attn_bwd_short_kv_kernel,
+                (lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh)) if diagonal else
+                (lambda c, nh=nh: (1, B, nh)), fargs,
+                dict(ACT=code, DIAGONAL=diagonal, PREC=_prec(q.dtype), BLOCK_D=D,
+                     BLOCK_N=spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)),
+                ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, q.element_size())))
             continue
         if broadcast:  # example r reads kv sequence r
             # one program per kv sequence: dK / dV of its key tiles and the example's dQ partial, in one pass
-            bargs = (q, k, v, do, lse, delta, dk, dv, dq, kv_offsets, head_ids, *strides, dq.stride(0), dq.stride(1),
-                     *scales, scale)
-            launch(attn_bwd_broadcast_q_kernel, lambda c: (1, R, nh), bargs,
-                   dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16),
-                        DELTA_FROM_O=delta_from_o),
-                   ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size()))
+            bargs = (G.Q, G.K, G.V, G.DO, G.LSE, G.DELTA, G.DK, G.DV, G.DQ, G.KV_OFF, head_ids, *strides,
+                     dq.stride(0), dq.stride(1), *scales, scale)
+            launches.append(PlannedLaunch(
+                attn_bwd_broadcast_q_kernel, lambda c, nh=nh: (1, R, nh), bargs,
+                dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16),
+                     DELTA_FROM_O=delta_from_o),
+                ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size())))
             continue
         # dQ first: it writes delta (softmax heads) for dK / dV. The streamed tiles through tensor descriptors where
         # their layouts allow (see attn_fwd_kernel).
-        args, tma = _with_descriptors(
-            (q, k, v, o, do, lse, delta, dq, q_off, kv_offsets, kv_offsets if kv_index is None else kv_index,
-             head_ids, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        args, tma = _tiles(
+            (G.Q, G.K, G.V, G.O, G.DO, G.LSE, G.DELTA, G.DQ, G.Q_OFF, G.KV_OFF, G.KV_IDX, head_ids, G.K, G.V,
+             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
              o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-             spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb), 12, [(k, "BLOCK_N"), (v, "BLOCK_N")])
-        launch(attn_bwd_dq_kernel, lambda c: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-               dict(common, HAS_KV_IDX=kv_index is not None, TMA=tma, DELTA_FROM_O=code == 0), ("dq",) + key_tail,
-               lambda: _candidates("dq", spec, D))
-        args, tma = _with_descriptors(
-            (q, k, v, do, lse, delta, dk, dv, q_off, kv_offsets, cand_off, cand_ids, head_ids, q, do, *strides,
-             *scales, wl, wr, bs, kb), 13, [(q, "BLOCK_M"), (do, "BLOCK_M")])
-        launch(attn_bwd_dkdv_kernel, lambda c: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
-               dict(common, HAS_CAND=kv_index is not None, TMA=tma), ("dkdv",) + key_tail,
-               lambda: _candidates("dkdv", spec, D, q.element_size()))
-    if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
-        dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)
-    return dq, dk, dv
+             spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb), 12, [(k, G.K, "BLOCK_N"), (v, G.V, "BLOCK_N")])
+        launches.append(PlannedLaunch(
+            attn_bwd_dq_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
+            dict(common, HAS_KV_IDX=has_kv_index, TMA=tma, DELTA_FROM_O=code == 0), ("dq",) + key_tail,
+            lambda: _candidates("dq", spec, D)))
+        args, tma = _tiles(
+            (G.Q, G.K, G.V, G.DO, G.LSE, G.DELTA, G.DK, G.DV, G.Q_OFF, G.KV_OFF, G.CAND_OFF, G.CAND_IDS, head_ids,
+             G.Q, G.DO, *strides, *scales, wl, wr, bs, kb), 13, [(q, G.Q, "BLOCK_M"), (do, G.DO, "BLOCK_M")])
+        launches.append(PlannedLaunch(
+            attn_bwd_dkdv_kernel, lambda c, nh=nh: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
+            dict(common, HAS_CAND=has_kv_index, TMA=tma), ("dkdv",) + key_tail,
+            lambda: _candidates("dkdv", spec, D, q.element_size())))
+    return launches
 
 
 class _TritonAttention(torch.autograd.Function):
