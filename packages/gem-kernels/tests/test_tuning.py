@@ -214,6 +214,26 @@ def test_attention_plans_are_shared_by_lengths_and_split_by_alignment(monkeypatc
     torch.testing.assert_close(got, want)
 
 
+def test_a_plan_holds_none_of_its_first_calls_tensors(monkeypatch):
+    # a plan outlives the call that made it: holding that call's inputs would keep a batch's activations alive
+    import gc
+    import weakref
+
+    from gem_kernels import gdpa
+
+    monkeypatch.setattr(_tuning, "_PLANS", {})
+    offsets, kv_offsets = torch.tensor([0, 5, 12], dtype=torch.int64), torch.tensor([0, 3, 7], dtype=torch.int64)
+    q = torch.randn(12, 2, 16, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(7, 2, 16, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    out = gdpa(q, k, v, offsets, kv_offsets, max_seq_len_q=8, max_seq_len_kv=4, kernel="triton", validate=False)
+    out.sum().backward()
+    assert len(_tuning._PLANS) == 2  # forward and backward
+    refs = [weakref.ref(t) for t in (q, k, v, out)]
+    del q, k, v, out
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_tuning_launches_the_fastest_candidate_timed_from_a_graph_and_skips_failing_ones(monkeypatch):
     _on_a_gpu(monkeypatch, {}, tuning=True)
     monkeypatch.setattr(_tuning, "_TUNED", {})

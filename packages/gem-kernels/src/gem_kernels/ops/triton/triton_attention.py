@@ -321,6 +321,9 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
     """The forward's launches for the layouts of these tensors: one per activation's heads."""
     B = q_offsets.shape[0] - 1 if spec.nq is None else kv_offsets.shape[0] - 1
     H, D = q.shape[1], q.shape[2]
+    # NOTE: the plan outlives the call: what its functions read of the tensors is taken here, so that they do not
+    # hold the tensors themselves
+    itemsize = q.element_size()
     mask_kind, wl, wr, bs, kb = spec.mask_args
     F = _Fwd
     launches = []
@@ -347,7 +350,7 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
                 attn_fwd_short_kv_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh),
                 short_args, dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
                                  DIAGONAL=diagonal, PREC=_prec(q.dtype), TMA=tma, BLOCK_D=D, BLOCK_N=block_n),
-                ("fwd_short",) + key[1:], lambda: _short_kv_candidates(spec, D, q.element_size())))
+                ("fwd_short",) + key[1:], lambda: _short_kv_candidates(spec, D, itemsize)))
             continue
         args, consts["TMA"] = _tiles(args, 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])
         launches.append(PlannedLaunch(attn_fwd_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
@@ -421,6 +424,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
     """The backward's launches for the layouts of these tensors: per activation's heads, the one-launch backward
     (short kv sequences, diagonal blocks), the broadcast queries' one (PMA), or dQ then dK / dV."""
     D = q.shape[2]
+    itemsize = q.element_size()  # (the plan must not hold the tensors: see _forward_plan)
     mask_kind, wl, wr, bs, kb = spec.mask_args
     G = _Bwd
     launches = []
@@ -447,7 +451,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
                 (lambda c, nh=nh: (1, B, nh)), fargs,
                 dict(ACT=code, DIAGONAL=diagonal, PREC=_prec(q.dtype), BLOCK_D=D,
                      BLOCK_N=spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)),
-                ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, q.element_size())))
+                ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, itemsize)))
             continue
         if broadcast:  # example r reads kv sequence r
             # one program per kv sequence: dK / dV of its key tiles and the example's dQ partial, in one pass
@@ -457,7 +461,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
                 attn_bwd_broadcast_q_kernel, lambda c, nh=nh: (1, R, nh), bargs,
                 dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16),
                      DELTA_FROM_O=delta_from_o),
-                ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, q.element_size())))
+                ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, itemsize)))
             continue
         # dQ first: it writes delta (softmax heads) for dK / dV. The streamed tiles through tensor descriptors where
         # their layouts allow (see attn_fwd_kernel).
@@ -476,7 +480,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
         launches.append(PlannedLaunch(
             attn_bwd_dkdv_kernel, lambda c, nh=nh: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
             dict(common, HAS_CAND=has_kv_index, TMA=tma), ("dkdv",) + key_tail,
-            lambda: _candidates("dkdv", spec, D, q.element_size())))
+            lambda: _candidates("dkdv", spec, D, itemsize)))
     return launches
 
 
