@@ -6,9 +6,10 @@ norms of narrow streams. This times each op's call alone, forward and forward+ba
 
 - On CUDA: each call starts with the GPU's queue drained (a call never waits on a full queue), so the time is the
   host's alone; the shapes are small (their kernels take microseconds).
-- Without a GPU (the Triton interpreter): every compiled launcher is a no-op (``_tuning._launch`` returns a stand-in
-  kernel whose launcher does nothing), so the time is the ops' own Python path above Triton's launcher, the part
-  this package writes. Triton's launcher itself (~10 us a launch on the H200's host) is not in it.
+- Without a GPU (the Triton interpreter): compiling a kernel gives a stand-in whose launcher does nothing, and
+  ``_tuning`` takes it for the compiled kernel, so the time is everything the package does around a launch (the
+  ops' validation, autograd, plans, ``_tuning``'s direct launch with its argument specialisation) without Triton's
+  own launcher and the launch itself (together ~10 us a launch on the H200's host).
 
     PYTHONPATH=packages/gem-kernels/src python -m gem_kernels.ops.benchmarks.host_time --out host-time.json
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -38,20 +40,37 @@ H, D = 4, 128
 
 
 class _NoLaunch:
-    """A compiled kernel whose launcher does nothing (CPU: the Python path alone)."""
+    """A compiled kernel whose launcher does nothing."""
 
-    function = packed_metadata = None
+    function, packed_metadata = "no function", "no metadata"
 
     @staticmethod
     def run(*args) -> None:
         return None
 
 
+class _StandInKernel:
+    """Stands for a Triton kernel in ``_tuning._launch``: its parameters, and compiling gives ``_NoLaunch``."""
+
+    def __init__(self, kernel) -> None:
+        self.signature, self.arg_names = inspect.signature(kernel.fn), kernel.arg_names
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _NoLaunch
+
+
 def stub_launches() -> None:
-    """Every launch through ``_tuning`` returns at once, as a repeated launch of a compiled kernel would."""
+    """Launches through ``_tuning`` take their direct path to a launcher that does nothing (CPU: no Triton launch)."""
     from gem_kernels.ops.triton import _tuning
 
-    _tuning._launch = lambda kernel, grid, args, consts, cfg, key: (_NoLaunch, ())
+    launch, stand_ins = _tuning._launch, {}
+
+    def stubbed(kernel, grid, args, consts, cfg, key):
+        if kernel not in stand_ins:  # one per kernel: _tuning keys its compiled kernels by the kernel's identity
+            stand_ins[kernel] = _StandInKernel(kernel)
+        return launch(stand_ins[kernel], grid, args, consts, cfg, key)
+
+    _tuning._launch = stubbed
     _tuning._direct_launch_ok = lambda: True
     _tuning._current_stream = lambda device: 0
     torch.cuda.current_device = lambda: 0
