@@ -11,8 +11,8 @@ kernel is kept per (key, constexprs, argument specialisation) and its launcher c
 
 Ops whose launches follow from a few facts about their inputs (an attention call's spec, batch size and tensor
 layouts) plan them (``plan``, ``PlannedLaunch``): kernel, grid, config and every argument that is not one of the
-call's tensors decided once per call shape, so a call only puts its tensors in the plan's slots. A short kernel's
-call is then not longer on the host than on the GPU.
+call's tensors decided once per call shape, so a call only puts its tensors in the plan's slots (the host time
+this saves: ``benchmarks/host_time``).
 
 Under ``torch.compile`` the ops that launch these kernels run eagerly between the caller's graphs
 (``eager_under_compile``): Dynamo cannot trace the launch path (the direct launcher, the tensor descriptors).
