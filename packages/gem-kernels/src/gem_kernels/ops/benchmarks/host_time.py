@@ -35,6 +35,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU tensors take the Triton path
 
 from gem_kernels.ops.benchmarks.provenance import git_commit  # noqa: E402
+from gem_kernels.ops.benchmarks.run_all import fwd_bwd  # noqa: E402
 
 H, D = 4, 128
 
@@ -149,16 +150,6 @@ def median_us(run, calls: int, sync) -> float:
     return statistics.median(times) * 1e6
 
 
-def forward_backward(fn, inputs):
-    out = fn()
-    grad = torch.ones_like(out)
-
-    def run():
-        torch.autograd.grad(fn(), inputs, grad)
-
-    return run
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -181,7 +172,7 @@ def main(argv=None) -> int:
     print(f"{'op':46s} {'fwd us':>9s} {'fwd+bwd us':>11s}")
     for name, (fn, inputs) in {**cases(device), **reference_cases(device)}.items():
         fwd = median_us(fn, a.calls, sync)
-        both = median_us(forward_backward(fn, inputs), a.calls // 2, sync)
+        both = median_us(fwd_bwd(fn, inputs), a.calls // 2, sync)
         rows.append({"op": name, "fwd_us": round(fwd, 1), "fwd_bwd_us": round(both, 1)})
         print(f"{name:46s} {fwd:9.1f} {both:11.1f}", flush=True)
     with open(a.out, "w") as f:
