@@ -75,6 +75,8 @@ def test_cross_field_checks(tmp_path):
         load_config(None, ["--model.kunlun.d_model=30", "--model.kunlun.num_heads=4"])
     with pytest.raises(ConfigError, match="model.kunlun: .*skip\\[0\\] names unknown components"):
         load_config(None, ['--model.kunlun.skip=[["ffn"]]'])
+    with pytest.raises(ConfigError, match="data.synthetic.user_propensity needs data.synthetic.num_users"):
+        load_config(None, ["--data.synthetic.user_propensity=0.5"])
 
 
 def test_invalid_toml_is_reported_with_the_file(tmp_path):

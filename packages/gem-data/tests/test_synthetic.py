@@ -97,3 +97,25 @@ def test_a_user_population_gives_user_ids_and_examples_ordered_in_time():
         owner = batch.sparse["user_id"].values()[torch.repeat_interleave(torch.arange(64), purchases.lengths())]
         ads = purchases.ids["purchase_ad_id"].values()
         assert float((ads % 16 == population.user_cluster[owner]).float().mean()) > 0.5
+
+
+def test_user_propensity_gives_each_user_a_lasting_click_offset():
+    # with the offset, a user's click rate over many examples follows it; without, the labels are the default's
+    with pytest.raises(ValueError, match="user_propensity needs num_users"):
+        SyntheticConfig(user_propensity=0.5)
+    with pytest.raises(ValueError, match="user_propensity must be >= 0"):
+        SyntheticConfig(num_users=10, user_propensity=-1.0)
+    plain = SyntheticGenerator(SyntheticConfig(seed=2, num_users=40))
+    assert torch.equal(plain.batch(5, 128).labels, SyntheticGenerator(SyntheticConfig(seed=2, num_users=40)).batch(5, 128).labels)
+    assert not plain.user_bias.any()
+    biased = SyntheticGenerator(SyntheticConfig(seed=2, num_users=40, user_propensity=2.0))
+    torch.testing.assert_close(biased.user_cluster, plain.user_cluster)
+    assert float(biased.user_bias.std()) > 1.0
+    clicks, shown = torch.zeros(40), torch.zeros(40)
+    for index in range(40):
+        batch = biased.batch(index, 256)
+        users = batch.sparse["user_id"].values()
+        clicks.index_add_(0, users, batch.labels[:, 0])
+        shown.index_add_(0, users, torch.ones(256))
+    rate = clicks / shown
+    assert float(torch.corrcoef(torch.stack([rate, biased.user_bias]))[0, 1]) > 0.8

@@ -16,7 +16,8 @@ training's and not that of three different data draws. Each section carries its 
 commit, date, command).
 
 ``synthetic_users``: the same, on the synthetic data drawn from a population of ``NUM_USERS`` users (a
-``user_id`` feature, examples in time order), where a user's earlier events exist for LoopFM to remember. The
+``user_id`` feature, examples in time order), where a user's earlier events exist for LoopFM to remember, and
+each user has a lasting click propensity (``USER_PROPENSITY``) that only the user's other examples reveal. The
 teacher's pass also writes its representations (``[loopfm]``), and one more arm reads them: + LoopFM features
 (distillation and adapter as before, plus each example's earlier representations of its user as an input).
 
@@ -66,6 +67,9 @@ from gem_trainer.provenance import git_commit
 
 SECTIONS = ("synthetic", "synthetic_users", "beauty", "beauty_tail")
 NUM_USERS = 2000  # with 600 student steps of 256 examples: ~77 examples per user, ~380 in the teacher's stream
+# spread of each user's click logit offset, as wide as the per-ad offsets': without it a label depends on its own
+# example's features alone, and no memory of a user's other events can tell a model anything about it
+USER_PROPENSITY = 0.5
 # the teacher sees five times the student's data: a foundation model trained on more than its serving models
 TEACHER_STEPS, STUDENT_STEPS = 3000, 600
 STUDENT = ["--model.name=baseline"]
@@ -119,7 +123,7 @@ def posttrain_pass(overrides: list[str], run_dir: Path, config_file: Path | None
 def synthetic(seeds: list[int], work: Path, users: bool = False) -> dict:
     rows, teachers = [], []
     common = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", f"--data.synthetic.seed={DATA_SEED}"]
-    common += [f"--data.synthetic.num_users={NUM_USERS}"] if users else []
+    common += [f"--data.synthetic.num_users={NUM_USERS}", f"--data.synthetic.user_propensity={USER_PROPENSITY}"] if users else []
     arms = {**ARMS, **LOOPFM_ARM} if users else ARMS
     for seed in seeds:
         folder = work / ("synthetic_users" if users else "synthetic") / f"seed{seed}"
@@ -149,7 +153,8 @@ def synthetic(seeds: list[int], work: Path, users: bool = False) -> dict:
     beats = {m: (alone[m]["mean"] - full[m]["mean"] if m.endswith("/ne") else full[m]["mean"] - alone[m]["mean"]) > spread[m]
              for m in METRICS}
     paired = paired_gains(rows, [arm for arm in arms if arm != "student_alone"], METRICS)
-    data = f" with data.synthetic.seed={DATA_SEED}" + (f", data.synthetic.num_users={NUM_USERS}" if users else "")
+    data = f" with data.synthetic.seed={DATA_SEED}" + (
+        f", data.synthetic.num_users={NUM_USERS}, data.synthetic.user_propensity={USER_PROPENSITY}" if users else "")
     return {"teacher": {"config": f"embedded default (Kunlun tiny){data}", "steps": TEACHER_STEPS, "rows": teachers},
             "student": {"config": "embedded default with " + " ".join(STUDENT) + data, "steps": STUDENT_STEPS},
             "arms": {arm: extra + (["--loopfm.store=<the teacher pass's store>"] if arm in LOOPFM_ARM else []) for arm, extra in arms.items()},

@@ -77,6 +77,7 @@ def build_generator(config: TrainerConfig) -> SyntheticGenerator:
             min_events=s.min_events,
             max_events=s.max_events,
             num_users=s.num_users,
+            user_propensity=s.user_propensity,
             seed=config.seed if s.seed is None else s.seed,
         )
     )

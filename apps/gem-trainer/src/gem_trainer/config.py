@@ -142,6 +142,7 @@ class SyntheticDataConfig(Section):
     min_events: int = Field(4, ge=1)
     max_events: int = Field(256, ge=1)
     num_users: int = Field(0, ge=0)  # 0: every example a new user; else a population with user ids, in time order
+    user_propensity: float = Field(0.0, ge=0)  # with num_users: std of each user's fixed click logit offset
     # the data's hidden truth and every draw from it; None: the run's seed. Fixed, runs of several seeds train on
     # the same data (as on a real data set) and their spread is the training's alone
     seed: int | None = None
@@ -514,6 +515,8 @@ class TrainerConfig(Section):
             raise ValueError("data.synthetic.min_events must not exceed data.synthetic.max_events")
         if synthetic.num_ads < 10 * synthetic.num_clusters:
             raise ValueError("data.synthetic.num_ads must be at least 10 * data.synthetic.num_clusters")
+        if synthetic.user_propensity and not synthetic.num_users:
+            raise ValueError("data.synthetic.user_propensity needs data.synthetic.num_users (a population of returning users)")
         self._check_retrieval()
         self._check_loopfm()
         return self

@@ -12,7 +12,10 @@ carries a ``user_id`` sparse feature, the user's interest cluster is fixed (draw
 examples happen in time: the example at row ``r`` of global batch ``i`` of ``B`` rows is at
 ``1e6 + (i + r / B) * 3600`` seconds (the held-out split starts ``EVAL_AFTER_BATCHES`` batches later, after
 any training stream shorter than that), its history ending then. A user's examples are thus ordered in
-time, which is what a per-user memory of earlier events (LoopFM) needs.
+time, which is what a per-user memory of earlier events (LoopFM) needs. With ``user_propensity`` each user
+also has a fixed offset of the click logit (standard deviation ``user_propensity``): some users click more
+than others whatever they see. Without it every label is a function of its own example's features, and a
+user's earlier events carry nothing about a new label that the example does not already show.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class SyntheticConfig:
     interest_share: float = 0.6  # share of history events drawn from the user's own cluster
     seed: int = 0
     num_users: int = 0  # 0: every example is a new user; else a fixed population with user ids (module docstring)
+    user_propensity: float = 0.0  # with num_users: standard deviation of each user's click logit offset
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_events <= self.max_events:
@@ -51,6 +55,10 @@ class SyntheticConfig:
             raise ValueError("num_ads must be at least 10 * num_clusters")
         if self.num_users < 0:
             raise ValueError(f"num_users must be >= 0, got {self.num_users}")
+        if self.user_propensity < 0:
+            raise ValueError(f"user_propensity must be >= 0, got {self.user_propensity}")
+        if self.user_propensity and not self.num_users:
+            raise ValueError("user_propensity needs num_users: without a population no user comes back")
 
 
 class SyntheticGenerator:
@@ -91,6 +99,7 @@ class SyntheticGenerator:
         self.tag_bias = torch.randn(512, generator=g) * 0.3
         # drawn last, so that the ground truth without users is what it always was
         self.user_cluster = torch.randint(c.num_clusters, (c.num_users,), generator=g) if c.num_users else None
+        self.user_bias = torch.randn(c.num_users, generator=g) * c.user_propensity if c.num_users else None
 
     def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
         """The batch at position ``index`` of ``split``: identical for identical arguments."""
@@ -133,6 +142,7 @@ class SyntheticGenerator:
             + self.ad_bias[ad]
             + self.hour_bias[hour]
             + tag_effect
+            + (self.user_bias[user] if c.num_users else 0.0)
         )
         conversion_logit = 0.7 * click_logit + 0.8 * dense[:, 0] - 1.5
         probs = torch.sigmoid(torch.stack([click_logit, conversion_logit], 1))
