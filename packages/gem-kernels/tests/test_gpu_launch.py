@@ -1,12 +1,17 @@
 """On a GPU: every attention entry point gives bit for bit the same outputs and gradients through its planned direct
 launches as through Triton's own launch path, jagged lengths changing between calls (one plan for all). Run where a
-CUDA device is (the benchmark sweeps run them on the H200); on CPU the interpreter runs the same plans through
-Triton's path only."""
+CUDA device is, compiled: ``TRITON_INTERPRET=0`` (the package's conftest turns the interpreter on otherwise, and the
+interpreter launches through Triton's path only, so there would be nothing to compare); on CPU the interpreter runs
+the same plans through Triton's path in the other tests."""
+
+import os
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                 reason="compiled kernels only: run with TRITON_INTERPRET=0")]
 
 H, D = 4, 64
 
