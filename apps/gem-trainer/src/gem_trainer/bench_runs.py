@@ -66,12 +66,12 @@ def mean_std(rows: list[dict], key: str) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
 
 
-def paired_gains(rows: list[dict], arms: list[str], metrics: tuple[str, ...]) -> dict:
-    """Each seed's gain of every arm over the student alone of the same seed, per metric; positive is better
-    (lower NE, higher AUC / HR / NDCG)."""
-    alone = [r for r in rows if r["arm"] == "student_alone"]
-    return {arm: {m: [round((a[m] - b[m]) * (-1 if m.endswith("/ne") else 1), 5)
-                      for a, b in zip([r for r in rows if r["arm"] == arm], alone)] for m in metrics} for arm in arms}
+def paired_gains(rows: list[dict], arms: list[str], metrics: tuple[str, ...], base: str = "student_alone") -> dict:
+    """Each seed's gain of every arm over arm ``base`` of the same seed, per metric, in the order of the arm's rows;
+    positive is better (lower NE, higher AUC / HR / NDCG)."""
+    reference = {r["seed"]: r for r in rows if r["arm"] == base}
+    return {arm: {m: [round((r[m] - reference[r["seed"]][m]) * (-1 if m.endswith("/ne") else 1), 5)
+                      for r in rows if r["arm"] == arm] for m in metrics} for arm in arms}
 
 
 def provenance(program: str, argv: list[str]) -> dict:

@@ -3,6 +3,8 @@
     python -m gem_trainer.bench_transfer --out benchmarks/results/transfer.json [--sections synthetic]
         [--seeds 0 1 2] [--work /tmp/bench-transfer]    # sections: synthetic, synthetic_users, beauty, beauty_tail
         [--device cpu|cuda] [--jobs N]                  # beauty: the device of its runs, how many at once
+    python -m gem_trainer.bench_transfer --out F --sections synthetic_users --merge A.json B.json
+                                                        # one section from runs over other seeds (processes)
 
 ``synthetic`` (the embedded default data: three surfaces, click and conversion): a teacher (the default
 Kunlun, trained ``TEACHER_STEPS``) and a student (the baseline ranker, ``STUDENT_STEPS``) on the same stream.
@@ -145,6 +147,14 @@ def synthetic(seeds: list[int], work: Path, users: bool = False) -> dict:
                          **{m: result[m] for m in METRICS}})
         print(f"synthetic seed {seed}: teacher click auc {teachers[-1]['click/all/auc']:.4f}  " + "  ".join(
             f"{r['arm']} click ne {r['click/all/ne']:.4f} auc {r['click/all/auc']:.4f}" for r in rows if r["seed"] == seed), flush=True)
+    return synthetic_result(rows, teachers, users)
+
+
+def synthetic_result(rows: list[dict], teachers: list[dict], users: bool) -> dict:
+    """The synthetic sections' document from their rows (one per arm and seed) and the teachers' rows (one per seed):
+    summaries, each arm's paired gain over the student alone and over the arm before it, and whether the full
+    transfer beats the student alone beyond the seeds' spread."""
+    arms = {**ARMS, **LOOPFM_ARM} if users else ARMS
     summary = {arm: {m: mean_std([r for r in rows if r["arm"] == arm], m) for m in METRICS} for arm in arms}
     summary["teacher"] = {m: mean_std(teachers, m) for m in METRICS}
     alone, full = summary["student_alone"], summary[list(arms)[-1]]
@@ -153,13 +163,29 @@ def synthetic(seeds: list[int], work: Path, users: bool = False) -> dict:
     beats = {m: (alone[m]["mean"] - full[m]["mean"] if m.endswith("/ne") else full[m]["mean"] - alone[m]["mean"]) > spread[m]
              for m in METRICS}
     paired = paired_gains(rows, [arm for arm in arms if arm != "student_alone"], METRICS)
+    order = list(arms)  # each transfer step adds to the one before it
+    steps = {f"{arm} over {before}": paired_gains(rows, [arm], METRICS, base=before)[arm]
+             for before, arm in zip(order, order[1:])}
     data = f" with data.synthetic.seed={DATA_SEED}" + (
         f", data.synthetic.num_users={NUM_USERS}, data.synthetic.user_propensity={USER_PROPENSITY}" if users else "")
     return {"teacher": {"config": f"embedded default (Kunlun tiny){data}", "steps": TEACHER_STEPS, "rows": teachers},
             "student": {"config": "embedded default with " + " ".join(STUDENT) + data, "steps": STUDENT_STEPS},
             "arms": {arm: extra + (["--loopfm.store=<the teacher pass's store>"] if arm in LOOPFM_ARM else []) for arm, extra in arms.items()},
             "rows": rows, "summary": summary, "paired_gain_over_student_alone": paired,
+            "paired_gain_of_each_step_over_the_one_before": steps,
             "full_transfer_beats_student_alone_beyond_spread": beats}
+
+
+def merge_synthetic(parts: list[dict], users: bool) -> dict:
+    """One synthetic section from ``parts``, the same section run over different seeds (each its own process):
+    their rows together, the summaries computed anew, each part's provenance kept under ``parts``."""
+    seeds = [row["seed"] for part in parts for row in part["teacher"]["rows"]]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"the parts share seeds: {sorted(seeds)}")
+    key = lambda row: row["seed"]  # noqa: E731
+    rows = sorted((row for part in parts for row in part["rows"]), key=key)  # stable: arms keep their order
+    teachers = sorted((row for part in parts for row in part["teacher"]["rows"]), key=key)
+    return {"parts": [part["meta"] for part in parts], **synthetic_result(rows, teachers, users)}
 
 
 def beauty_data() -> Path:
@@ -406,7 +432,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beauty-student-steps", type=int, default=BEAUTY_STUDENT_STEPS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the Beauty section's runs")
     parser.add_argument("--jobs", type=int, default=1, help="Beauty runs at once, each in its own process")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="FILE",
+                        help="instead of running: put together the synthetic sections of these files (each run with "
+                             "other --seeds) into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        for section in args.sections:
+            if section not in ("synthetic", "synthetic_users"):
+                parser.exit(2, f"--merge: {section} is not a synthetic section\n")
+            parts = [json.loads(path.read_text()).get(section) for path in args.merge]
+            if any(part is None for part in parts):
+                missing = [str(path) for path, part in zip(args.merge, parts) if part is None]
+                parser.exit(2, f"--merge: no section {section!r} in {', '.join(missing)}\n")
+            try:
+                result = merge_synthetic(parts, users=section == "synthetic_users")
+            except ValueError as error:
+                parser.exit(2, f"--merge: {section}: {error}\n")
+            write_section(args.out, section, provenance("gem_trainer.bench_transfer", argv), time.perf_counter(), result)
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     fixed_mmap_threshold()
