@@ -100,16 +100,19 @@ def test_a_user_population_gives_user_ids_and_examples_ordered_in_time():
 
 
 def test_user_propensity_gives_each_user_a_lasting_click_offset():
-    # with the offset, a user's click rate over many examples follows it; without, the labels are the default's
+    # with the offset, a user's click rate over many examples follows it; drawn last, it moves no other draw
     with pytest.raises(ValueError, match="user_propensity needs num_users"):
         SyntheticConfig(user_propensity=0.5)
     with pytest.raises(ValueError, match="user_propensity must be >= 0"):
         SyntheticConfig(num_users=10, user_propensity=-1.0)
     plain = SyntheticGenerator(SyntheticConfig(seed=2, num_users=40))
-    assert torch.equal(plain.batch(5, 128).labels, SyntheticGenerator(SyntheticConfig(seed=2, num_users=40)).batch(5, 128).labels)
     assert not plain.user_bias.any()
     biased = SyntheticGenerator(SyntheticConfig(seed=2, num_users=40, user_propensity=2.0))
     torch.testing.assert_close(biased.user_cluster, plain.user_cluster)
+    a, b = plain.batch(5, 128), biased.batch(5, 128)
+    assert torch.equal(a.dense, b.dense) and torch.equal(a.sparse.values(), b.sparse.values())
+    for name in a.sequences:
+        assert torch.equal(a.sequences[name].ids.values(), b.sequences[name].ids.values())
     assert float(biased.user_bias.std()) > 1.0
     clicks, shown = torch.zeros(40), torch.zeros(40)
     for index in range(40):
