@@ -25,6 +25,7 @@ def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    """The forward pass's autocast context (none for ``dtype`` None); the losses stay float32."""
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+def autocast(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
+    """The forward pass's autocast context (none for ``dtype`` None); the losses stay float32. ``cache=False``
+    casts a weight at every use: a CUDA graph must not replay a cast cached outside it (``parallelism.expert_graphs``)."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype, cache_enabled=cache)

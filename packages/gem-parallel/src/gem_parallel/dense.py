@@ -35,6 +35,10 @@ class DenseOptions:
       tokens and width; its routing, slot dispatch and batched experts are a few hundred small kernels a step
       eagerly). Blocks not compiled (a compiled block holds its MoE), one process without FSDP (the experts would
       be an FSDP unit inside the compiled region).
+    - ``expert_graphs``: replay each MixtureOfExperts' training forward and backward as CUDA graphs, one pair per
+      batch shape (``gem_kunlun.apply_expert_graphs``): the MoE's few hundred kernels a step become two graph
+      launches, without a compiler's own host time per call. One process without FSDP (no collective may sit in a
+      graph), instead of ``compile_experts``.
     """
 
     param_dtype: torch.dtype | None = None
@@ -43,6 +47,7 @@ class DenseOptions:
     activation_checkpointing: bool = False
     compile: str = "off"
     compile_experts: bool = False
+    expert_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -50,6 +55,8 @@ class DenseOptions:
         if self.compile_experts and self.compile != "off":
             raise ValueError(f"compile_experts compiles the MoEs of blocks left eager; with compile = {self.compile!r} "
                              "every block, its MoE with it, is compiled already")
+        if self.expert_graphs and (self.compile_experts or self.compile != "off"):
+            raise ValueError("expert_graphs replays the eager MoEs as CUDA graphs: it excludes compile and compile_experts")
 
 
 Slot = tuple[nn.Module, str]  # where a block sits: (parent module, attribute name or ModuleList index)

@@ -1,0 +1,149 @@
+"""Replaying a function's forward and backward as CUDA graphs, one pair per input shape.
+
+A small model's training step on a GPU waits on the host: each of a few hundred small kernels costs more host
+time to launch than device time to run. A CUDA graph launches a captured sequence of kernels in one call.
+``GraphedForward(function, module)`` captures ``function(*inputs)`` and its backward (the gradients of the inputs
+and of ``module``'s parameters) the first time it meets inputs of a given shape, and replays both from then on;
+gradients reach the parameters through autograd as any other (accumulated into ``.grad``).
+
+What a capture assumes; where a call does not meet it, the call runs eagerly:
+
+- every input is a CUDA tensor, ``module`` is in training mode and gradients are enabled (evaluation and no-grad
+  calls run eagerly: their outputs would alias the graph's memory, which the next replay overwrites), and no
+  autocast cache is on (a weight cast cached outside the capture would be replayed stale);
+- one replay's backward runs before the next replay of the same shape (the saved activations live in the graph's
+  memory): a call while the last replay's backward is pending (its autograd graph alive, not run) runs eagerly;
+- at most ``max_shapes`` shapes are captured; others run eagerly.
+
+What the caller guarantees: ``function`` has no host synchronisation and no shape that depends on device values
+(a capture fails loudly otherwise), and the parameters keep their storage (the optimizer updates them in place;
+``load_state_dict`` copies into them). Outputs are views of the graph's memory, valid until the next replay of
+their shape. ``replays`` and ``eager_calls`` count what happened.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+
+class _Pending:
+    """Lives as long as one replay's autograd node: the backward it still owes (``done`` once run)."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+class _Capture:
+    """The forward and backward graphs of one input shape, with the static tensors they read and write."""
+
+    def __init__(self, function: Callable, parameters: tuple[nn.Parameter, ...], inputs: tuple[torch.Tensor, ...],
+                 warmup: int) -> None:
+        self.inputs = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
+        self.parameters = parameters
+        surface = [t for t in (*self.inputs, *parameters) if t.requires_grad]
+        # NOTE: warm-up passes on a side stream first, so that lazy initialisation (cuBLAS handles, Triton's
+        # compilation, the caching allocator's first blocks) happens outside the capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                outputs = _as_tuple(function(*self.inputs))
+                differentiable = [o for o in outputs if o.requires_grad]
+                if differentiable:
+                    torch.autograd.grad(differentiable, surface, [torch.ones_like(o) for o in differentiable], allow_unused=True)
+        torch.cuda.current_stream().wait_stream(side)
+        self.forward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph):
+            self.outputs = _as_tuple(function(*self.inputs))
+        self.differentiable = tuple(o.requires_grad for o in self.outputs)
+        self.grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in self.outputs)
+        grads: tuple[torch.Tensor | None, ...] = ()
+        self.backward_graph = torch.cuda.CUDAGraph()
+        if any(self.differentiable):
+            # the backward's memory comes from the forward's pool: replays run forward then backward, in that order
+            with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool()):
+                grads = torch.autograd.grad([o for o in self.outputs if o.requires_grad], surface,
+                                            [g for g in self.grad_outputs if g is not None], allow_unused=True)
+        remaining = iter(grads)
+        self.grads = tuple(next(remaining, None) if t.requires_grad else None for t in (*self.inputs, *parameters))
+        self.last: weakref.ref | None = None  # the _Pending of the last replay
+
+    def busy(self) -> bool:
+        pending = None if self.last is None else self.last()
+        return pending is not None and not pending.done
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, capture: _Capture, pending: _Pending, *tensors: torch.Tensor):
+        for static, x in zip(capture.inputs, tensors):
+            if static.data_ptr() != x.data_ptr():
+                static.copy_(x)
+        capture.forward_graph.replay()
+        ctx.capture, ctx.pending = capture, pending
+        outputs = tuple(o.detach() for o in capture.outputs)
+        ctx.mark_non_differentiable(*(o for o, d in zip(outputs, capture.differentiable) if not d))
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: torch.Tensor):
+        capture = ctx.capture
+        for static, grad in zip(capture.grad_outputs, grads):
+            if static is not None and static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        capture.backward_graph.replay()
+        ctx.pending.done = True
+        return None, None, *(None if g is None else g.detach() for g in capture.grads)
+
+
+class GraphedForward:
+    """``function(*inputs) -> tuple of tensors`` replayed as CUDA graphs (see the module docstring);
+    ``module``: whose parameters the function reads (their gradients come back from the backward graph)."""
+
+    def __init__(self, function: Callable, module: nn.Module, max_shapes: int = 8, warmup: int = 3) -> None:
+        self.function, self.module, self.max_shapes, self.warmup = function, module, max_shapes, warmup
+        self._captures: dict[tuple, _Capture] = {}
+        self.replays = self.eager_calls = 0
+
+    def __call__(self, *inputs: torch.Tensor):
+        if not self._capturable(inputs):
+            self.eager_calls += 1
+            return self.function(*inputs)
+        key = (tuple((x.shape, x.dtype, x.requires_grad, x.device) for x in inputs),
+               torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        capture = self._captures.get(key)
+        if capture is None and len(self._captures) < self.max_shapes:
+            parameters = tuple(p for p in self.module.parameters())
+            capture = self._captures[key] = _Capture(self.function, parameters, inputs, self.warmup)
+        if capture is None or capture.busy():
+            self.eager_calls += 1
+            return self.function(*inputs)
+        pending = _Pending()
+        capture.last = weakref.ref(pending)
+        self.replays += 1
+        return _Replay.apply(capture, pending, *inputs, *capture.parameters)
+
+    def _capturable(self, inputs: tuple[torch.Tensor, ...]) -> bool:
+        return (self.module.training and torch.is_grad_enabled() and bool(inputs)
+                and all(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
+                and not torch.cuda.is_current_stream_capturing()
+                and not (torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled()))
+
+    def __deepcopy__(self, memo: dict) -> "GraphedForward":
+        # a copy of the module (a teacher, an average of weights) captures its own graphs
+        return GraphedForward(copy.deepcopy(self.function, memo), copy.deepcopy(self.module, memo), self.max_shapes, self.warmup)
+
+
+def _as_tuple(outputs) -> tuple[torch.Tensor, ...]:
+    if not isinstance(outputs, tuple) or not all(isinstance(o, torch.Tensor) for o in outputs):
+        raise TypeError(f"GraphedForward: the function must return a tuple of tensors, got {type(outputs).__name__}")
+    return outputs
