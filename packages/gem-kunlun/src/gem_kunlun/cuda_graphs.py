@@ -74,6 +74,9 @@ class _Capture:
                                             [g for g in self.grad_outputs if g is not None], allow_unused=True)
         remaining = iter(grads)
         self.grads = tuple(next(remaining, None) if t.requires_grad else None for t in (*self.inputs, *parameters))
+        # NOTE: the captured autograd graph is spent; kept, it would keep the parameters' gradient accumulators made on
+        # the capture stream, and every replay's gradients would then wait across streams to be accumulated
+        self.outputs = tuple(o.detach() for o in self.outputs)
         self.last: weakref.ref | None = None  # the _Pending of the last replay
 
     def busy(self) -> bool:
