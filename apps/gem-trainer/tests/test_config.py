@@ -193,7 +193,7 @@ def test_sequence_lookups_return_autocasts_dtype_only_to_a_history_computed_in_i
     (["--parallelism.param_dtype=bfloat16"], "cuda", 1, False),
     (["--parallelism.compile_experts=on"], "cpu", 1, True),
     (["--parallelism.compile_experts=off"], "cuda", 1, False),
-    (["--parallelism.expert_graphs=true"], "cuda", 1, False),  # replayed as CUDA graphs instead
+    (["--parallelism.cuda_graphs=true"], "cuda", 1, False),  # replayed as CUDA graphs instead
 ])
 def test_each_moe_is_compiled_alone_on_one_gpu_with_eager_blocks_unless_set(overrides, device, world, expected):
     import torch
@@ -209,6 +209,6 @@ def test_compiled_experts_in_compiled_blocks_are_refused_in_one_line():
 
 
 @pytest.mark.parametrize("overrides", [["--parallelism.compile_experts=on"], ["--parallelism.compile=default"]])
-def test_moe_graphs_with_a_compiled_moe_are_refused_in_one_line(overrides):
-    with pytest.raises(ConfigError, match="expert_graphs replays the eager MoEs as CUDA graphs"):
-        load_config(None, ["--parallelism.expert_graphs=true", *overrides])
+def test_cuda_graphs_with_compiled_parts_are_refused_in_one_line(overrides):
+    with pytest.raises(ConfigError, match="cuda_graphs replays eager layers' parts as CUDA graphs"):
+        load_config(None, ["--parallelism.cuda_graphs=true", *overrides])

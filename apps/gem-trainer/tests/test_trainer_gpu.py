@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gem_kunlun import MixtureOfExperts
+from gem_kunlun import KunlunLayer, KunlunTrunk
 from gem_trainer.config import load_config
 from gem_trainer.distributed import init_distributed
 from gem_trainer.trainer import Trainer
@@ -72,17 +72,17 @@ def test_compiled_kunlun_blocks_run_the_triton_kernels_between_their_graphs_and_
 
 
 @pytest.mark.parametrize("autocast", ["off", "bf16"])
-def test_moes_replayed_as_cuda_graphs_train_as_eager_ones_and_do_replay(tmp_path, autocast):
+def test_layers_replayed_as_cuda_graphs_train_as_eager_ones_and_do_replay(tmp_path, autocast):
     losses, graphs = {}, {}
     for mode in ("eager", "graphs"):
         config = load_config(None, [f"--run_dir={tmp_path / mode}", "--device=cuda", "--data.batch_size=64",
                                     "--data.eval_batches=1", "--metrics.tensorboard=false", "--checkpoint.enable=false",
                                     f"--precision.autocast={autocast}", "--parallelism.compile_experts=off",
-                                    f"--parallelism.expert_graphs={mode == 'graphs'}"])
+                                    f"--parallelism.cuda_graphs={mode == 'graphs'}"])
         trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
         try:
             losses[mode] = [float(trainer.train_step()["loss"]) for _ in range(5)]
-            graphs[mode] = [m.graphs for m in trainer.model.modules() if isinstance(m, MixtureOfExperts)]
+            graphs[mode] = [m.graphs for m in trainer.model.modules() if isinstance(m, (KunlunLayer, KunlunTrunk))]
         finally:
             trainer.close()
     # the same kernels on the same batches, replayed; index_add_'s atomics add in any order

@@ -1,14 +1,16 @@
-"""CUDA-graph replay of a MoE's training forward and backward against the same module run eagerly.
+"""CUDA-graph replay (``GraphedForward``, ``apply_cuda_graphs``) against the same modules run eagerly.
 
 The replay tests need a GPU (they skip on the CPU, where CI runs the fallbacks): run them on one with
-``python -m pytest packages/gem-kunlun/tests/test_cuda_graphs.py``."""
+``TRITON_INTERPRET=0 python -m pytest packages/gem-kunlun/tests/test_cuda_graphs.py``."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-from gem_kunlun import GraphedForward, MixtureOfExperts, apply_expert_graphs
+from gem_kunlun import GraphedForward, KunlunConfig, KunlunModel, MixtureOfExperts, apply_cuda_graphs, multitask_loss
+from gem_kunlun.testing import SPEC, random_batch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -19,34 +21,32 @@ def make(device="cpu", seed=0, capacity_factor=1.25):
                             hidden=32, device=device)
 
 
-def step(moe, x, upstream):
-    """One forward and backward; the output, the routing statistics, and every gradient."""
+def step(run, moe, x, upstream):
+    """One forward (``run``: the MoE's ``routed`` or a graph of it) and backward; the output, the routing
+    statistics, and every gradient."""
     x = x.detach().requires_grad_()
-    out = moe(x)
-    stats = moe.last_stats
-    loss = (out * upstream).sum() + 0.5 * stats.balance_loss
-    loss.backward()
+    out, assigned, kept, balance = run(x)
+    ((out * upstream).sum() + 0.5 * balance).backward()
     grads = {name: p.grad.clone() for name, p in moe.named_parameters()}
     for p in moe.parameters():
         p.grad = None
-    return out.detach().clone(), stats.assigned.clone(), stats.kept.clone(), x.grad, grads
+    return out.detach().clone(), assigned.clone(), kept.clone(), x.grad, grads
 
 
 def assert_same_step(graphed, eager):
     # index_add_ accumulates in a nondeterministic order on a GPU: equal up to float rounding
-    for a, b in zip(graphed[:3], eager[:3]):
+    for a, b in zip(graphed[:4], eager[:4]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(graphed[3], eager[3], rtol=1e-5, atol=1e-6)
     for name in eager[4]:
         torch.testing.assert_close(graphed[4][name], eager[4][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_on_the_cpu_every_call_runs_eagerly_and_computes_the_module():
+def test_on_the_cpu_every_call_runs_eagerly_and_computes_the_function():
     moe, twin = make(), make()
-    apply_expert_graphs(moe)
+    graphed = GraphedForward(moe.routed, moe)
     x, upstream = torch.randn(32, 6, 16), torch.randn(32, 6, 16)
-    assert_same_step(step(moe, x, upstream), step(twin, x, upstream))
-    assert isinstance(moe.graphs, GraphedForward) and moe.graphs.replays == 0 and moe.graphs.eager_calls == 1
+    assert_same_step(step(graphed, moe, x, upstream), step(twin.routed, twin, x, upstream))
+    assert graphed.replays == 0 and graphed.eager_calls == 1
 
 
 def test_the_function_must_return_a_tuple_of_tensors():
@@ -56,74 +56,128 @@ def test_the_function_must_return_a_tuple_of_tensors():
         _as_tuple(torch.zeros(1))
 
 
-def test_a_copy_of_a_graphed_module_gets_graphs_of_its_own():
-    moe = make()
-    apply_expert_graphs(moe)
-    twin = copy.deepcopy(moe)
-    assert twin.graphs is not moe.graphs and twin.graphs.module is twin
-    assert twin.graphs.function.__self__ is twin
+TINY = KunlunConfig(d_model=16, num_heads=2, num_summary_tokens=3, num_seeds=2, num_experts=3, top_k=2,
+                    expert_hidden=16, hidden=(16,), block_size=4, window_blocks=2, window=3, max_seq_len=32,
+                    recent_tokens=2)
+
+
+def model_pair(device, config=TINY):
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(KunlunModel(SPEC, config, device=device))
+    apply_cuda_graphs(models[0])
+    return models
+
+
+def test_a_graphed_model_on_the_cpu_trains_eagerly_as_its_twin_and_copies_get_graphs_of_their_own():
+    graphed, eager = model_pair("cpu", dataclasses.replace(TINY, kernel="pytorch"))
+    regions = [m.graphs for m in graphed.modules() if getattr(m, "graphs", None) is not None]
+    assert len(regions) == TINY.num_layers + 1  # every layer's per-example side, the trunk's head
+    twin = copy.deepcopy(graphed)
+    layer = twin.layers[0]
+    assert layer.graphs is not graphed.layers[0].graphs and layer.graphs.module is layer
+    assert layer.graphs.function.__self__ is layer and layer.graphs.parameters[0] is layer.token_mix
+    batch = random_batch(12, seed=1)
+    losses = []
+    for model in (graphed, eager):
+        out = model(batch)
+        loss = multitask_loss(out.logits, batch.labels, torch.ones(2)) + out.aux_loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1])
+    for (name, a), b in zip(graphed.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    assert all(r.replays == 0 and r.eager_calls == 1 for r in regions)
 
 
 def test_a_moe_counting_capacity_over_a_batch_group_is_not_graphed():
-    moe = make()
-    moe.batch_group = object()
+    torch.manual_seed(0)
+    model = KunlunModel(SPEC, TINY)
+    model.layers[0].moe.batch_group = object()
     with pytest.raises(ValueError, match="batch group"):
-        apply_expert_graphs(moe)
+        apply_cuda_graphs(model)
 
 
 @cuda
 def test_replayed_steps_compute_what_eager_steps_do_across_optimizer_updates():
     moe, twin = make("cuda"), make("cuda")
-    apply_expert_graphs(moe)
+    graphed = GraphedForward(moe.routed, moe)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (moe, twin)]
     for i in range(6):
         torch.manual_seed(100 + i)
         x, upstream = torch.randn(64, 6, 16, device="cuda"), torch.randn(64, 6, 16, device="cuda")
-        graphed = step(moe, x, upstream)
-        eager = step(twin, x, upstream)
-        assert_same_step(graphed, eager)
+        replayed = step(graphed, moe, x, upstream)
+        eager = step(twin.routed, twin, x, upstream)
+        assert_same_step(replayed, eager)
         # the step: both from the same gradients (the eager ones), so that the parameters stay equal
         for m, opt in zip((moe, twin), optimizers):
             for name, p in m.named_parameters():
                 p.grad = eager[4][name].clone()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    assert moe.graphs.replays == 6 and moe.graphs.eager_calls == 0
+    assert graphed.replays == 6 and graphed.eager_calls == 0
 
 
 @cuda
 def test_each_batch_shape_gets_its_own_graphs_and_evaluation_runs_eagerly():
     moe, twin = make("cuda"), make("cuda")
-    apply_expert_graphs(moe)
+    graphed = GraphedForward(moe.routed, moe)
     for rows in (64, 48, 64):
         x, upstream = torch.randn(rows, 6, 16, device="cuda"), torch.randn(rows, 6, 16, device="cuda")
-        assert_same_step(step(moe, x, upstream), step(twin, x, upstream))
-    assert moe.graphs.replays == 3 and len(moe.graphs._captures) == 2
+        assert_same_step(step(graphed, moe, x, upstream), step(twin.routed, twin, x, upstream))
+    assert graphed.replays == 3 and len(graphed._captures) == 2
     moe.eval(), twin.eval()
     x = torch.randn(64, 6, 16, device="cuda")
-    torch.testing.assert_close(moe(x), twin(x))
+    torch.testing.assert_close(graphed(x)[0], twin.routed(x)[0])
     with torch.no_grad():
         moe.train()
-        torch.testing.assert_close(moe(x), moe.routed(x)[0])
-    assert moe.graphs.replays == 3 and moe.graphs.eager_calls == 2
+        torch.testing.assert_close(graphed(x)[0], moe.routed(x)[0])
+    assert graphed.replays == 3 and graphed.eager_calls == 2
 
 
 @cuda
 def test_a_second_forward_before_the_first_backward_runs_eagerly_and_both_gradients_are_right():
     moe, twin = make("cuda"), make("cuda")
-    apply_expert_graphs(moe)
-    step(moe, torch.randn(32, 6, 16, device="cuda"), torch.randn(32, 6, 16, device="cuda"))  # captured
-    step(twin, torch.randn(32, 6, 16, device="cuda"), torch.randn(32, 6, 16, device="cuda"))
+    graphed = GraphedForward(moe.routed, moe)
+    step(graphed, moe, torch.randn(32, 6, 16, device="cuda"), torch.randn(32, 6, 16, device="cuda"))  # captured
     xs = [torch.randn(32, 6, 16, device="cuda", requires_grad=True) for _ in range(2)]
-    outs = [moe(x) for x in xs]  # the second call finds the first replay's backward pending
-    assert moe.graphs.replays == 2 and moe.graphs.eager_calls == 1
+    outs = [graphed(x)[0] for x in xs]  # the second call finds the first replay's backward pending
+    assert graphed.replays == 2 and graphed.eager_calls == 1
     sum(o.square().sum() for o in outs).backward()
     reference = [x.detach().clone().requires_grad_() for x in xs]
-    sum(twin(x).square().sum() for x in reference).backward()
+    sum(twin.routed(x)[0].square().sum() for x in reference).backward()
     for x, r in zip(xs, reference):
         torch.testing.assert_close(x.grad, r.grad, rtol=1e-5, atol=1e-6)
-    # a replay dropped without a backward blocks the next call only while something holds its autograd graph (here
-    # last_stats' balance loss, until a call replaces it)
-    for _ in range(3):
-        moe(torch.randn(32, 6, 16, device="cuda", requires_grad=True))
-    assert moe.graphs.replays == 4 and moe.graphs.eager_calls == 2
+    # a replay dropped without a backward blocks nothing once its outputs are gone
+    for _ in range(2):
+        graphed(torch.randn(32, 6, 16, device="cuda", requires_grad=True))
+    assert graphed.replays == 4 and graphed.eager_calls == 1
+
+
+@cuda
+@pytest.mark.parametrize("kernel", ["auto", "pytorch"])
+def test_a_graphed_kunlun_model_trains_as_its_eager_twin(kernel):
+    graphed, eager = model_pair("cuda", dataclasses.replace(TINY, kernel=kernel))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (graphed, eager)]
+    for i in range(5):
+        batch = random_batch(24, seed=10 + i).to(torch.device("cuda"))
+        losses, grads = [], []
+        for model in (graphed, eager):
+            out = model(batch)
+            loss = multitask_loss(out.logits, batch.labels, torch.ones(2, device="cuda")) + out.aux_loss
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+        assert grads[0].keys() == grads[1].keys()
+        for name in grads[1]:
+            torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
+        for model, opt in zip((graphed, eager), optimizers):
+            for name, p in model.named_parameters():  # both step from the eager gradients: the weights stay equal
+                if name in grads[1]:
+                    p.grad = grads[1][name].clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    regions = [m.graphs for m in graphed.modules() if getattr(m, "graphs", None) is not None]
+    assert all(r.replays == 5 and r.eager_calls == 0 for r in regions)

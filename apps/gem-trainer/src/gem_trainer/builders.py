@@ -485,12 +485,12 @@ def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelD
 
 def compile_experts(config: TrainerConfig, device: torch.device, world_size: int) -> bool:
     """``parallelism.compile_experts``: "auto" compiles each MoE on a GPU, in one process without FSDP mixed
-    precision, where blocks are not compiled and the MoEs not replayed as CUDA graphs (an eager MoE is a few
+    precision, where blocks are not compiled and layers not replayed as CUDA graphs (an eager MoE is a few
     hundred small kernels a step)."""
     p = config.parallelism
     if p.compile_experts != "auto":
         return p.compile_experts == "on"
-    return (not p.expert_graphs and device.type == "cuda" and world_size == 1 and p.compile == "off"
+    return (not p.cuda_graphs and device.type == "cuda" and world_size == 1 and p.compile == "off"
             and p.param_dtype == p.reduce_dtype == "float32")
 
 
@@ -521,7 +521,7 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
     dense = DenseOptions(param_dtype=dtypes[p.param_dtype], reduce_dtype=dtypes[p.reduce_dtype],
                          reshard_after_forward=p.reshard_after_forward,
                          activation_checkpointing=p.activation_checkpointing, compile=p.compile,
-                         compile_experts=compile_experts(config, env.device, dims.world_size), expert_graphs=p.expert_graphs)
+                         compile_experts=compile_experts(config, env.device, dims.world_size), cuda_graphs=p.cuda_graphs)
     try:
         return parallelize_kunlun(
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,

@@ -323,9 +323,10 @@ class ParallelismConfig(Section):
     # torch.compile each MoE on its own (fixed shapes: a batch's examples and tokens): "auto" where blocks are not
     # compiled, on a GPU, in one process without FSDP mixed precision
     compile_experts: Literal["auto", "on", "off"] = "auto"
-    # replay each MoE's training forward and backward as CUDA graphs, one pair per batch shape, instead: no compiler
-    # host time per call (a small model's step waits on the host); one process, blocks and MoEs not compiled
-    expert_graphs: bool = False
+    # replay the fixed-shape parts of each Kunlun layer (compression, MoE) and trunk (head) as CUDA graphs in
+    # training, one forward and one backward graph per batch shape: no compiler host time per call (a small model's
+    # step waits on the host); one process, blocks and MoEs not compiled
+    cuda_graphs: bool = False
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)
     expert_padded: bool = False  # equal-split all-to-all (fixed shapes, capacity per rank)
@@ -345,8 +346,8 @@ class ParallelismConfig(Section):
         for name in ("dense_replicate", "dense_shard", "sparse_group"):
             if getattr(self, name) == 0:
                 raise ValueError(f"parallelism.{name} must be >= 1 or -1 (automatic), got 0")
-        if self.expert_graphs and (self.compile_experts == "on" or self.compile != "off"):
-            raise ValueError("parallelism.expert_graphs replays the eager MoEs as CUDA graphs: it needs compile = \"off\" "
+        if self.cuda_graphs and (self.compile_experts == "on" or self.compile != "off"):
+            raise ValueError("parallelism.cuda_graphs replays eager layers' parts as CUDA graphs: it needs compile = \"off\" "
                              "and compile_experts \"off\" or \"auto\"")
         if self.compile_experts == "on" and self.compile != "off":
             raise ValueError(f"parallelism.compile_experts = \"on\" compiles the MoEs of blocks left eager; with "

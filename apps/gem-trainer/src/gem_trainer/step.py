@@ -27,5 +27,5 @@ def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
 
 def autocast(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
     """The forward pass's autocast context (none for ``dtype`` None); the losses stay float32. ``cache=False``
-    casts a weight at every use: a CUDA graph must not replay a cast cached outside it (``parallelism.expert_graphs``)."""
+    casts a weight at every use: a CUDA graph must not replay a cast cached outside it (``parallelism.cuda_graphs``)."""
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype, cache_enabled=cache)

@@ -390,7 +390,7 @@ class Trainer:
             self.logger.close()
 
     def _autocast(self):
-        return autocast(self.env.device, self.autocast_dtype, cache=not self.config.parallelism.expert_graphs)
+        return autocast(self.env.device, self.autocast_dtype, cache=not self.config.parallelism.cuda_graphs)
 
     def _print(self, message: str) -> None:
         if self.env.rank == 0:

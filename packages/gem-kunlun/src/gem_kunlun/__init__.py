@@ -8,9 +8,10 @@ from gem_kunlun.features import EventType, FeatureSpec, RepresentationFeature, S
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads, multitask_loss
 from gem_kunlun.event_personalization import EventPersonalization
 from gem_kunlun.interformer import InterFormerConfig, InterFormerLayer, InterFormerModel
-from gem_kunlun.kunlun import KUNLUN_SIZES, KunlunConfig, KunlunEncoder, KunlunLayer, KunlunModel, KunlunTrunk
+from gem_kunlun.kunlun import (KUNLUN_SIZES, KunlunConfig, KunlunEncoder, KunlunLayer, KunlunModel, KunlunTrunk,
+                               apply_cuda_graphs)
 from gem_kunlun.cuda_graphs import GraphedForward
-from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, apply_expert_graphs, local_dispatch
+from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatch
 from gem_kunlun.representation_summary import RepresentationSummary
 from gem_kunlun.retrieval import CosineScore, dot_scores, next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
@@ -48,7 +49,7 @@ __all__ = [
     "KunlunTrunk",
     "GraphedForward",
     "MixtureOfExperts",
-    "apply_expert_graphs",
+    "apply_cuda_graphs",
     "ModelOutput",
     "PMA",
     "RepresentationFeature",

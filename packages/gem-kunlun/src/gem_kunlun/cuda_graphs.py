@@ -109,11 +109,14 @@ class _Replay(torch.autograd.Function):
 
 
 class GraphedForward:
-    """``function(*inputs) -> tuple of tensors`` replayed as CUDA graphs (see the module docstring);
-    ``module``: whose parameters the function reads (their gradients come back from the backward graph)."""
+    """``function(*inputs) -> tuple of tensors`` replayed as CUDA graphs (see the module docstring); ``module``:
+    whose training mode decides, ``parameters``: those the function reads (None: all of ``module``'s; their
+    gradients come back from the backward graph)."""
 
-    def __init__(self, function: Callable, module: nn.Module, max_shapes: int = 8, warmup: int = 3) -> None:
+    def __init__(self, function: Callable, module: nn.Module, parameters: list[nn.Parameter] | None = None,
+                 max_shapes: int = 8, warmup: int = 3) -> None:
         self.function, self.module, self.max_shapes, self.warmup = function, module, max_shapes, warmup
+        self.parameters = None if parameters is None else tuple(parameters)
         self._captures: dict[tuple, _Capture] = {}
         self.replays = self.eager_calls = 0
 
@@ -125,7 +128,7 @@ class GraphedForward:
                torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         capture = self._captures.get(key)
         if capture is None and len(self._captures) < self.max_shapes:
-            parameters = tuple(p for p in self.module.parameters())
+            parameters = self.parameters if self.parameters is not None else tuple(self.module.parameters())
             capture = self._captures[key] = _Capture(self.function, parameters, inputs, self.warmup)
         if capture is None or capture.busy():
             self.eager_calls += 1
@@ -143,7 +146,8 @@ class GraphedForward:
 
     def __deepcopy__(self, memo: dict) -> "GraphedForward":
         # a copy of the module (a teacher, an average of weights) captures its own graphs
-        return GraphedForward(copy.deepcopy(self.function, memo), copy.deepcopy(self.module, memo), self.max_shapes, self.warmup)
+        return GraphedForward(copy.deepcopy(self.function, memo), copy.deepcopy(self.module, memo),
+                              copy.deepcopy(self.parameters, memo), self.max_shapes, self.warmup)
 
 
 def _as_tuple(outputs) -> tuple[torch.Tensor, ...]:

@@ -36,12 +36,13 @@ from gem_kunlun.candidates import CandidateInput
 from gem_kunlun.compskip import check_skip_schedule, skipped_components
 from gem_kunlun.config_checks import check_activation_and_kernel, check_at_least
 from gem_kunlun.contrastive import two_views, view_contrastive_loss
+from gem_kunlun.cuda_graphs import GraphedForward
 from gem_kunlun.embedding import FeatureEmbedding, ItemTower
 from gem_kunlun.event_personalization import EventEncoder, EventPersonalization, check_event_names
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
 from gem_kunlun.local_attention import LocalAttention
-from gem_kunlun.moe import MixtureOfExperts
+from gem_kunlun.moe import MixtureOfExperts, RoutingStats
 from gem_kunlun.norm import LayerNorm, norm_mlp
 from gem_kunlun.pffn import PersonalizedFFN
 from gem_kunlun.representation_summary import RepresentationSummary
@@ -170,6 +171,7 @@ class KunlunLayer(nn.Module):
             d, c.num_heads, c.num_summary_tokens, c.pffn_activation, c.kernel, device=device)
         self.attention = None if "attention" in self.skipped else LocalAttention(
             d, c.num_heads, c.attention, c.block_size, c.window_blocks, c.window, c.rote, c.kernel, device=device)
+        self.graphs: GraphedForward | None = None  # ``cross`` replayed as CUDA graphs (``apply_cuda_graphs``)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -180,8 +182,6 @@ class KunlunLayer(nn.Module):
         update left for the next norm to add in its own pass (``LayerNorm``'s ``pending``); ``pending`` in is the
         previous layer's."""
         c = self.config
-        compressed = torch.einsum("bnd,nm->bmd", x, self.token_mix.to(x.dtype))
-        x_sum = compressed + norm_mlp(self.compress_norm, self.compress_mlp, compressed)
         pffn_normed = None
         if self.summary is None:
             summary = previous_summary
@@ -194,14 +194,29 @@ class KunlunLayer(nn.Module):
                 normed, seq = self.summary_norm(seq, skip=True, pending=pending)
             pending = None
             summary = self.summary(normed, offsets, max_len)
-        u = torch.cat([x_sum, summary], 1)
-        u = u + self.moe(self.moe_norm(u))
+        u, assigned, kept, balance = (self.cross if self.graphs is None else self.graphs)(x, summary)
+        self.moe.last_stats = RoutingStats(assigned=assigned, kept=kept, balance_loss=balance)
         if self.pffn is not None:
             seq, pending = self.pffn(seq, offsets, u[:, : c.num_summary_tokens], max_len, pending=pending, defer=True,
                                      normed=pffn_normed)
         if self.attention is not None:
             seq, pending = self.attention(seq, offsets, positions, max_len, pending=pending, defer=True)
         return u, seq, summary, pending
+
+    def cross(self, x: torch.Tensor, summary: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layer's per-example side, on fixed shapes ``[B, tokens, D]``: the non-sequence tokens compressed,
+        joined by the history's summary tokens, crossed by the MoE (residual). ``(U, assigned, kept, balance loss)``:
+        the MoE's statistics returned, so that a CUDA graph of it (``cross_graph_parameters``) hands them back."""
+        compressed = torch.einsum("bnd,nm->bmd", x, self.token_mix.to(x.dtype))
+        x_sum = compressed + norm_mlp(self.compress_norm, self.compress_mlp, compressed)
+        u = torch.cat([x_sum, summary], 1)
+        out, assigned, kept, balance = self.moe.routed(self.moe_norm(u))
+        return u + out, assigned, kept, balance
+
+    def cross_graph_parameters(self) -> list[nn.Parameter]:
+        """What ``cross`` reads."""
+        return [self.token_mix, *(p for m in (self.compress_norm, self.compress_mlp, self.moe_norm, self.moe)
+                                  for p in m.parameters())]
 
     def flops(self, lengths: torch.Tensor) -> dict[str, float]:
         c, d, b = self.config, self.config.d_model, lengths.numel()
@@ -363,6 +378,7 @@ class KunlunTrunk(nn.Module):
             *[m for i, o in zip(widths, widths[1:]) for m in (nn.Linear(i, o, device=device), nn.GELU(), *regularise)]
         )
         self.representation_dim = widths[-1]
+        self.graphs: GraphedForward | None = None  # ``head`` replayed as CUDA graphs (``apply_cuda_graphs``)
 
     def forward(self, x, seq, offsets, positions):
         c = self.config
@@ -378,7 +394,17 @@ class KunlunTrunk(nn.Module):
         tokens = [x, final]
         if c.recent_tokens:
             tokens.append(newest_events(seq, offsets, c.recent_tokens))
-        return self.mlp(self.final_norm(torch.cat(tokens, 1)).flatten(1)), aux
+        (representation,) = (self.head if self.graphs is None else self.graphs)(*tokens)
+        return representation, aux
+
+    def head(self, *tokens: torch.Tensor) -> tuple[torch.Tensor]:
+        """``(representation [B, R],)`` from the final tokens (each ``[B, n, D]``), on fixed shapes (a CUDA graph
+        of it: ``apply_cuda_graphs``)."""
+        return (self.mlp(self.final_norm(torch.cat(tokens, 1)).flatten(1)),)
+
+    def head_graph_parameters(self) -> list[nn.Parameter]:
+        """What ``head`` reads."""
+        return [*self.final_norm.parameters(), *self.mlp.parameters()]
 
     def flops(self, lengths: torch.Tensor) -> dict[str, float]:
         """Forward FLOPs for examples with merged history ``lengths [B]``."""
@@ -534,3 +560,21 @@ class KunlunModel(nn.Module):
 
     def embedding_bytes(self, batch: Batch) -> float:
         return self.encoder.embedding_bytes(batch)
+
+
+def apply_cuda_graphs(model: nn.Module, max_shapes: int = 8) -> None:
+    """Replay the fixed-shape parts of every Kunlun layer and trunk in ``model`` as CUDA graphs in training, one
+    forward and one backward graph per batch shape (up to ``max_shapes``; other shapes, evaluation and CPU calls run
+    eagerly): each layer's per-example side (``KunlunLayer.cross``: compression, MoE routing and experts) and the
+    trunk's head (``KunlunTrunk.head``). The jagged history stays eager (its token count changes every batch).
+
+    Why: a small model's step on a GPU is bound by the host's launches, and these parts are a few hundred small
+    kernels a step (the MoE's routing and slot dispatch most). One process only: a MoE counting capacity over a
+    batch group holds a collective, which a graph must not."""
+    for module in model.modules():
+        if isinstance(module, KunlunLayer):
+            if module.moe.batch_group is not None:
+                raise ValueError("apply_cuda_graphs: a MoE counts capacity over a batch group (a collective in its forward)")
+            module.graphs = GraphedForward(module.cross, module, module.cross_graph_parameters(), max_shapes=max_shapes)
+        elif isinstance(module, KunlunTrunk):
+            module.graphs = GraphedForward(module.head, module, module.head_graph_parameters(), max_shapes=max_shapes)

@@ -17,8 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from gem_kunlun.cuda_graphs import GraphedForward
-
 
 class WukongBlock(nn.Module):
     """``[B, n, D] -> [B, n, D]``: FM block (``n_fm`` tokens) beside a linear-compression block (the rest).
@@ -242,8 +240,8 @@ class MixtureOfExperts(nn.Module):
     - ``dispatch(experts, x, routing) -> [B, n, D]``: where experts run (default ``local_dispatch``);
       expert parallelism keeps only its rank's experts in ``experts`` and moves examples to their owners.
 
-    ``apply_expert_graphs`` replays the training forward and backward as CUDA graphs (one process: fixed shapes,
-    no collective); ``last_stats`` then holds views of the graph's memory, valid until the next training step.
+    ``routed`` is the forward with its statistics returned: a caller replaying it in a CUDA graph (one process:
+    fixed shapes, no collective) sets ``last_stats`` itself, to views of the graph's memory.
     """
 
     def __init__(self, num_tokens: int, dim: int, num_experts: int, top_k: int, capacity_factor: float = 1.25,
@@ -263,7 +261,6 @@ class MixtureOfExperts(nn.Module):
         self.global_batch_bound: int | None = None
         self.dispatch = local_dispatch
         self.last_stats: RoutingStats | None = None
-        self.graphs: GraphedForward | None = None  # ``routed`` replayed as CUDA graphs (``apply_expert_graphs``)
 
     def capacity(self, batch_size):
         """Examples each expert takes from a batch of ``batch_size`` (an int, or a device tensor: no host sync)."""
@@ -274,13 +271,13 @@ class MixtureOfExperts(nn.Module):
         return max(1, math.ceil(self.capacity_factor * batch_size * self.top_k / self.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, assigned, kept, balance = (self.routed if self.graphs is None else self.graphs)(x)
+        out, assigned, kept, balance = self.routed(x)
         self.last_stats = RoutingStats(assigned=assigned, kept=kept, balance_loss=balance)
         return out
 
     def routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(out [B, n, D], assigned [E], kept [E], balance loss)``: the forward and its routing statistics, as
-        returned values (what a CUDA graph of the forward hands back, ``gem_kunlun.cuda_graphs``)."""
+        returned values (what a CUDA graph of a caller hands back, ``gem_kunlun.cuda_graphs``)."""
         b, e, k = x.shape[0], self.num_experts, self.top_k
         probs = torch.softmax(self.gate(x.flatten(1)).float(), dim=-1)  # [B, E]
         weights, chosen = probs.topk(k, dim=-1)  # [B, k]
@@ -362,11 +359,3 @@ def dense_moe_reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["MixtureOfExperts", "Routing", "RoutingStats", "WukongBlock", "dense_moe_reference", "local_dispatch"]
 
-
-def apply_expert_graphs(moe: MixtureOfExperts, max_shapes: int = 8) -> None:
-    """Replay ``moe``'s training forward and backward as CUDA graphs, one pair per batch shape (up to
-    ``max_shapes``; others, evaluation and CPU calls run eagerly). Its routing and slot dispatch are sync-free on
-    fixed shapes in one process; with a ``batch_group`` its forward holds a collective, which a graph must not."""
-    if moe.batch_group is not None:
-        raise ValueError("apply_expert_graphs: the MoE counts capacity over a batch group (a collective in its forward)")
-    moe.graphs = GraphedForward(moe.routed, moe, max_shapes=max_shapes)

@@ -35,10 +35,11 @@ class DenseOptions:
       tokens and width; its routing, slot dispatch and batched experts are a few hundred small kernels a step
       eagerly). Blocks not compiled (a compiled block holds its MoE), one process without FSDP (the experts would
       be an FSDP unit inside the compiled region).
-    - ``expert_graphs``: replay each MixtureOfExperts' training forward and backward as CUDA graphs, one pair per
-      batch shape (``gem_kunlun.apply_expert_graphs``): the MoE's few hundred kernels a step become two graph
-      launches, without a compiler's own host time per call. One process without FSDP (no collective may sit in a
-      graph), instead of ``compile_experts``.
+    - ``cuda_graphs``: replay the fixed-shape parts of each Kunlun layer and trunk (the per-example side: compression,
+      MoE; the head) in training as CUDA graphs, one forward and one backward graph per batch shape
+      (``gem_kunlun.apply_cuda_graphs``): a few hundred small kernels a step become a few graph launches, without a
+      compiler's own host time per call. One process without FSDP (no collective may sit in a graph); excludes
+      ``compile`` and ``compile_experts``.
     """
 
     param_dtype: torch.dtype | None = None
@@ -47,7 +48,7 @@ class DenseOptions:
     activation_checkpointing: bool = False
     compile: str = "off"
     compile_experts: bool = False
-    expert_graphs: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -55,8 +56,8 @@ class DenseOptions:
         if self.compile_experts and self.compile != "off":
             raise ValueError(f"compile_experts compiles the MoEs of blocks left eager; with compile = {self.compile!r} "
                              "every block, its MoE with it, is compiled already")
-        if self.expert_graphs and (self.compile_experts or self.compile != "off"):
-            raise ValueError("expert_graphs replays the eager MoEs as CUDA graphs: it excludes compile and compile_experts")
+        if self.cuda_graphs and (self.compile_experts or self.compile != "off"):
+            raise ValueError("cuda_graphs replays eager layers' parts as CUDA graphs: it excludes compile and compile_experts")
 
 
 Slot = tuple[nn.Module, str]  # where a block sits: (parent module, attribute name or ModuleList index)

@@ -8,7 +8,7 @@ The order, and why:
 3. **Initialisation** of the dense part, the same on every rank (``gem_parallel.init``): after 1, before
    any wrapper renames a module.
 4. **Activation checkpointing** of each block, then 5. **``torch.compile``** of each block (the compiled
-   region includes the recomputation) or of each MoE alone, or the MoEs' CUDA graphs (one process), then 6. **FSDP2**: experts on the expert mesh, blocks, then the
+   region includes the recomputation) or of each MoE alone, or CUDA graphs of the layers' fixed-shape parts (one process), then 6. **FSDP2**: experts on the expert mesh, blocks, then the
    root (HSDP when the dense mesh is 2-D). FSDP goes last because it replaces parameters by DTensor shards
    and hooks the modules the earlier steps produced. On one rank without a mixed-precision policy FSDP is
    left out: it would shard and reduce nothing, yet copy every parameter into and out of its all-gather
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gem_kunlun import InterFormerLayer, KunlunLayer, MixtureOfExperts, SasrecBlock, apply_expert_graphs
+from gem_kunlun import InterFormerLayer, KunlunLayer, MixtureOfExperts, SasrecBlock, apply_cuda_graphs
 
 from gem_parallel.dense import (DenseOptions, Slot, apply_activation_checkpointing, apply_compile, apply_fsdp, block_at,
                                 compile_units)
@@ -89,12 +89,11 @@ def parallelize_kunlun(
                               "unit would sit inside the compiled MoE")
         for moe in moes:
             moe.compile(dynamic=False)  # in place: parameters and state-dict names unchanged
-    if dense.expert_graphs:
+    if dense.cuda_graphs:
         if fsdp:
-            raise LayoutError("expert_graphs needs one process without param_dtype / reduce_dtype: a CUDA graph cannot "
+            raise LayoutError("cuda_graphs needs one process without param_dtype / reduce_dtype: a CUDA graph cannot "
                               "hold FSDP's or the routing's collectives")
-        for moe in moes:
-            apply_expert_graphs(moe)
+        apply_cuda_graphs(model)
     if dense.compile != "off":
         if dense.compile == "reduce-overhead" and fsdp:
             raise LayoutError("compile = 'reduce-overhead' replays each block as CUDA graphs, which cannot hold FSDP's "
