@@ -212,3 +212,24 @@ def test_compiled_experts_in_compiled_blocks_are_refused_in_one_line():
 def test_cuda_graphs_with_compiled_parts_are_refused_in_one_line(overrides):
     with pytest.raises(ConfigError, match="cuda_graphs replays eager layers' parts as CUDA graphs"):
         load_config(None, ["--parallelism.cuda_graphs=true", *overrides])
+
+
+@pytest.mark.parametrize("overrides,device,world,expected", [
+    (["--parallelism.cuda_graphs=auto"], "cuda", 1, True),
+    (["--parallelism.cuda_graphs=auto"], "cpu", 1, False),
+    (["--parallelism.cuda_graphs=auto"], "cuda", 2, False),  # a graph cannot hold FSDP's collectives
+    (["--parallelism.cuda_graphs=auto", "--parallelism.compile=default"], "cuda", 1, False),
+    (["--parallelism.cuda_graphs=auto", "--parallelism.compile_experts=on"], "cuda", 1, False),
+    (["--parallelism.cuda_graphs=auto", "--parallelism.param_dtype=bfloat16"], "cuda", 1, False),
+    (["--parallelism.cuda_graphs=true"], "cpu", 1, True),  # set: the layers then run eagerly off the GPU
+    ([], "cuda", 1, False),
+])
+def test_cuda_graphs_auto_replays_on_one_gpu_where_nothing_is_compiled(overrides, device, world, expected):
+    import torch
+
+    from gem_trainer.builders import compile_experts, cuda_graphs
+
+    config = load_config(None, overrides)
+    assert cuda_graphs(config, torch.device(device), world) is expected
+    if expected:  # the MoEs are replayed, not compiled
+        assert not compile_experts(config, torch.device(device), world)

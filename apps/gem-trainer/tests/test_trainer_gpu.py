@@ -78,7 +78,7 @@ def test_layers_replayed_as_cuda_graphs_train_as_eager_ones_and_do_replay(tmp_pa
         config = load_config(None, [f"--run_dir={tmp_path / mode}", "--device=cuda", "--data.batch_size=64",
                                     "--data.eval_batches=1", "--metrics.tensorboard=false", "--checkpoint.enable=false",
                                     f"--precision.autocast={autocast}", "--parallelism.compile_experts=off",
-                                    f"--parallelism.cuda_graphs={mode == 'graphs'}"])
+                                    f"--parallelism.cuda_graphs={'on' if mode == 'graphs' else 'off'}"])
         trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
         try:
             losses[mode] = [float(trainer.train_step()["loss"]) for _ in range(5)]

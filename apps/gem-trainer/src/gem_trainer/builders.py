@@ -483,6 +483,17 @@ def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelD
         raise ConfigError(f"parallelism.{error}") from None
 
 
+def cuda_graphs(config: TrainerConfig, device: torch.device, world_size: int) -> bool:
+    """``parallelism.cuda_graphs``: "auto" replays the layers' fixed-shape parts as CUDA graphs where they can be:
+    on a GPU, in one process without FSDP mixed precision, with no part compiled (a graph cannot hold a collective,
+    and a compiled part brings its own)."""
+    p = config.parallelism
+    if p.cuda_graphs != "auto":
+        return p.cuda_graphs == "on"
+    return (device.type == "cuda" and world_size == 1 and p.compile == "off" and p.compile_experts != "on"
+            and p.param_dtype == p.reduce_dtype == "float32")
+
+
 def compile_experts(config: TrainerConfig, device: torch.device, world_size: int) -> bool:
     """``parallelism.compile_experts``: "auto" compiles each MoE on a GPU, in one process without FSDP mixed
     precision, where blocks are not compiled and layers not replayed as CUDA graphs (an eager MoE is a few
@@ -490,8 +501,8 @@ def compile_experts(config: TrainerConfig, device: torch.device, world_size: int
     p = config.parallelism
     if p.compile_experts != "auto":
         return p.compile_experts == "on"
-    return (not p.cuda_graphs and device.type == "cuda" and world_size == 1 and p.compile == "off"
-            and p.param_dtype == p.reduce_dtype == "float32")
+    return (not cuda_graphs(config, device, world_size) and device.type == "cuda" and world_size == 1
+            and p.compile == "off" and p.param_dtype == p.reduce_dtype == "float32")
 
 
 def sequence_lookup_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype | None:
@@ -521,7 +532,8 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
     dense = DenseOptions(param_dtype=dtypes[p.param_dtype], reduce_dtype=dtypes[p.reduce_dtype],
                          reshard_after_forward=p.reshard_after_forward,
                          activation_checkpointing=p.activation_checkpointing, compile=p.compile,
-                         compile_experts=compile_experts(config, env.device, dims.world_size), cuda_graphs=p.cuda_graphs)
+                         compile_experts=compile_experts(config, env.device, dims.world_size),
+                         cuda_graphs=cuda_graphs(config, env.device, dims.world_size))
     try:
         return parallelize_kunlun(
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,

@@ -325,8 +325,9 @@ class ParallelismConfig(Section):
     compile_experts: Literal["auto", "on", "off"] = "auto"
     # replay the fixed-shape parts of each Kunlun layer (compression, MoE) and trunk (head) as CUDA graphs in
     # training, one forward and one backward graph per batch shape: no compiler host time per call (a small model's
-    # step waits on the host); one process, blocks and MoEs not compiled
-    cuda_graphs: bool = False
+    # step waits on the host); "auto" where they apply: on a GPU, in one process without FSDP mixed precision,
+    # blocks and MoEs not compiled; true / false: "on" / "off"
+    cuda_graphs: Literal["auto", "on", "off"] = "off"
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)
     expert_padded: bool = False  # equal-split all-to-all (fixed shapes, capacity per rank)
@@ -341,12 +342,17 @@ class ParallelismConfig(Section):
     def _compile_switch(cls, value: Any) -> Any:
         return {True: "default", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _cuda_graphs_switch(cls, value: Any) -> Any:
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     @model_validator(mode="after")
     def _no_zero_degrees(self) -> "ParallelismConfig":
         for name in ("dense_replicate", "dense_shard", "sparse_group"):
             if getattr(self, name) == 0:
                 raise ValueError(f"parallelism.{name} must be >= 1 or -1 (automatic), got 0")
-        if self.cuda_graphs and (self.compile_experts == "on" or self.compile != "off"):
+        if self.cuda_graphs == "on" and (self.compile_experts == "on" or self.compile != "off"):
             raise ValueError("parallelism.cuda_graphs replays eager layers' parts as CUDA graphs: it needs compile = \"off\" "
                              "and compile_experts \"off\" or \"auto\"")
         if self.compile_experts == "on" and self.compile != "off":

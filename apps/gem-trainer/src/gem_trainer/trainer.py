@@ -128,6 +128,7 @@ class Trainer:
             self.logger.log(0, {"bad_rows": float(skipped)}, phase="data", echo=False)
         self.peak = peak_tflops(env.device, config.metrics.peak_tflops)
         self.autocast_dtype = autocast_dtype(config.precision.autocast, env.device)
+        self.cuda_graphs = builders.cuda_graphs(config, env.device, env.world_size)
         # what delays a job's first step: set-up (data readers, model, sharding plan, optimizers) here, then the
         # first step itself (first batch, kernel compilation and autotuning), timed in ``train``
         self.startup = {"setup_s": time.perf_counter() - created}
@@ -390,7 +391,7 @@ class Trainer:
             self.logger.close()
 
     def _autocast(self):
-        return autocast(self.env.device, self.autocast_dtype, cache=not self.config.parallelism.cuda_graphs)
+        return autocast(self.env.device, self.autocast_dtype, cache=not self.cuda_graphs)
 
     def _print(self, message: str) -> None:
         if self.env.rank == 0:
