@@ -309,3 +309,33 @@ def test_the_experts_run_in_one_call_of_their_module_which_a_parallel_wrapper_se
     assert calls == [(4, moe.capacity(16), 5, 6)]
     with pytest.raises(ValueError, match="4 experts here but rows for 3"):
         moe.experts(torch.randn(3, 2, 5, 6))
+
+
+def test_routed_goes_through_the_module_call_and_returns_what_forward_keeps():
+    """``routed`` (what a Kunlun layer and its CUDA graph call) runs the MoE's own call: hooks (profiler ranges) fire
+    and a compiled MoE (``nn.Module.compile``) runs compiled; its statistics are those ``forward`` keeps."""
+    moe = make(capacity_factor=1.25)
+    calls = []
+    moe.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
+    x = torch.randn(16, 5, 6)
+    out, assigned, kept, balance = moe.routed(x)
+    assert calls == [(16, 5, 6)]
+    torch.testing.assert_close(moe(x), out)
+    stats = moe.last_stats
+    assert torch.equal(stats.assigned, assigned) and torch.equal(stats.kept, kept)
+    torch.testing.assert_close(stats.balance_loss, balance)
+
+
+def test_every_kunlun_layer_calls_its_moe_as_a_module():
+    from gem_kunlun import KunlunConfig, KunlunModel
+    from gem_kunlun.testing import SPEC, random_batch
+
+    torch.manual_seed(0)
+    model = KunlunModel(SPEC, KunlunConfig(d_model=16, num_heads=2, num_summary_tokens=3, num_seeds=2, num_experts=3,
+                                           top_k=2, max_seq_len=8, block_size=4, window=4))
+    calls = []
+    for layer in model.trunk.layers:
+        layer.moe.register_forward_hook(lambda module, args, out: calls.append(module))
+    model(random_batch(4, seed=0))
+    assert calls == [layer.moe for layer in model.trunk.layers]
+    assert all(layer.moe.last_stats is not None for layer in model.trunk.layers)

@@ -270,14 +270,22 @@ class MixtureOfExperts(nn.Module):
             return torch.ceil(self.capacity_factor * batch_size.double() * self.top_k / self.num_experts).clamp(min=1)
         return max(1, math.ceil(self.capacity_factor * batch_size * self.top_k / self.num_experts))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, assigned, kept, balance = self.routed(x)
+    def forward(self, x: torch.Tensor, with_stats: bool = False):
+        """``out [B, n, D]``, the routing statistics kept in ``last_stats``; with ``with_stats``
+        ``(out, assigned [E], kept [E], balance loss)`` instead, ``last_stats`` left to the caller."""
+        out, assigned, kept, balance = self._route(x)
+        if with_stats:
+            return out, assigned, kept, balance
         self.last_stats = RoutingStats(assigned=assigned, kept=kept, balance_loss=balance)
         return out
 
     def routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(out [B, n, D], assigned [E], kept [E], balance loss)``: the forward and its routing statistics, as
-        returned values (what a CUDA graph of a caller hands back, ``gem_kunlun.cuda_graphs``)."""
+        """``(out, assigned, kept, balance loss)``: the forward and its routing statistics as returned values (what a
+        CUDA graph of a caller hands back, ``gem_kunlun.cuda_graphs``). Through the module's call, so that its
+        hooks run and a compiled MoE (``nn.Module.compile``) runs compiled."""
+        return self(x, with_stats=True)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         b, e, k = x.shape[0], self.num_experts, self.top_k
         probs = torch.softmax(self.gate(x.flatten(1)).float(), dim=-1)  # [B, E]
         weights, chosen = probs.topk(k, dim=-1)  # [B, k]
