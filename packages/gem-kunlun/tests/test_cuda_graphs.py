@@ -120,6 +120,39 @@ def test_replayed_steps_compute_what_eager_steps_do_across_optimizer_updates():
 
 
 @cuda
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_accumulate_over_replays_as_over_eager_steps(set_to_none):
+    """Two forwards and backwards before the gradients are zeroed (gradient accumulation): autograd keeps the first
+    replay's parameter gradients without a copy, and the second replay must not overwrite them."""
+    moe, twin = make("cuda"), make("cuda")
+    graphed = GraphedForward(moe.routed, moe)
+    for step_ in range(3):
+        for module, run in ((moe, graphed), (twin, twin.routed)):
+            module.zero_grad(set_to_none=set_to_none)
+            for micro in range(2):
+                torch.manual_seed(10 * step_ + micro)
+                x, upstream = torch.randn(64, 6, 16, device="cuda"), torch.randn(64, 6, 16, device="cuda")
+                out, _, _, balance = run(x)
+                ((out * upstream).sum() + 0.5 * balance).backward()
+        for (name, p), q in zip(moe.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert graphed.replays == 6
+
+
+@cuda
+def test_an_output_changed_in_place_before_its_backward_is_refused():
+    moe = make("cuda")
+    graphed = GraphedForward(moe.routed, moe)
+    x = torch.randn(64, 6, 16, device="cuda")
+    for _ in range(2):  # the first call captures, the second replays
+        out, _, _, balance = graphed(x)
+    with torch.no_grad():
+        out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place before its backward"):
+        (out.sum() + balance).backward()
+
+
+@cuda
 def test_each_batch_shape_gets_its_own_graphs_and_evaluation_runs_eagerly():
     moe, twin = make("cuda"), make("cuda")
     graphed = GraphedForward(moe.routed, moe)

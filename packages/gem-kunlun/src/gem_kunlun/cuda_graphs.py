@@ -15,6 +15,9 @@ What a capture assumes; where a call does not meet it, the call runs eagerly:
   memory): a call while the last replay's backward is pending (its autograd graph alive, not run) runs eagerly;
 - at most ``max_shapes`` shapes are captured; others run eagerly.
 
+Gradients accumulate over several replays before they are zeroed, as eager ones do; an output changed in place
+before its backward raises (the backward graph may read it).
+
 What the caller guarantees: ``function`` has no host synchronisation and no shape that depends on device values
 (a capture fails loudly otherwise), and the parameters keep their storage (the optimizer updates them in place;
 ``load_state_dict`` copies into them). Outputs are views of the graph's memory, valid until the next replay of
@@ -92,7 +95,8 @@ class _Replay(torch.autograd.Function):
                 static.copy_(x)
         capture.forward_graph.replay()
         ctx.capture, ctx.pending = capture, pending
-        outputs = tuple(o.detach() for o in capture.outputs)
+        outputs = tuple(o.detach() for o in capture.outputs)  # each shares its static output's version counter
+        ctx.versions = tuple(o._version for o in outputs)
         ctx.mark_non_differentiable(*(o for o, d in zip(outputs, capture.differentiable) if not d))
         return outputs
 
@@ -100,9 +104,21 @@ class _Replay(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads: torch.Tensor):
         capture = ctx.capture
+        # NOTE: the backward graph may read an output it saved (as autograd would); autograd's own check of an
+        # in-place change to a saved tensor does not reach inside the graph, so it is made here
+        if any(o._version != v for o, v in zip(capture.outputs, ctx.versions)):
+            raise RuntimeError("GraphedForward: an output of a replayed function was modified in place before its "
+                               "backward; modify a copy (out.clone()) instead")
         for static, grad in zip(capture.grad_outputs, grads):
             if static is not None and static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
+        # NOTE: autograd keeps a parameter's first gradient without copying it, so a .grad may be the static
+        # gradient this replay is about to overwrite (a second backward before the gradients are zeroed, as in
+        # gradient accumulation): it gets its own copy first
+        for parameter, static in zip(capture.parameters, capture.grads[len(capture.inputs):]):
+            grad = parameter.grad
+            if grad is not None and static is not None and grad.data_ptr() == static.data_ptr():
+                parameter.grad = grad.clone()
         capture.backward_graph.replay()
         ctx.pending.done = True
         return None, None, *(None if g is None else g.detach() for g in capture.grads)
