@@ -208,7 +208,8 @@ def test_compiled_experts_in_compiled_blocks_are_refused_in_one_line():
         load_config(None, ["--parallelism.compile_experts=on", "--parallelism.compile=default"])
 
 
-@pytest.mark.parametrize("overrides", [["--parallelism.compile_experts=on"], ["--parallelism.compile=default"]])
+@pytest.mark.parametrize("overrides", [["--parallelism.compile_experts=on"], ["--parallelism.compile=default"],
+                                       ["--parallelism.activation_checkpointing=true"]])
 def test_cuda_graphs_with_compiled_parts_are_refused_in_one_line(overrides):
     with pytest.raises(ConfigError, match="cuda_graphs replays eager layers' parts as CUDA graphs"):
         load_config(None, ["--parallelism.cuda_graphs=true", *overrides])
@@ -221,6 +222,8 @@ def test_cuda_graphs_with_compiled_parts_are_refused_in_one_line(overrides):
     (["--parallelism.cuda_graphs=auto", "--parallelism.compile=default"], "cuda", 1, False),
     (["--parallelism.cuda_graphs=auto", "--parallelism.compile_experts=on"], "cuda", 1, False),
     (["--parallelism.cuda_graphs=auto", "--parallelism.param_dtype=bfloat16"], "cuda", 1, False),
+    (["--parallelism.cuda_graphs=auto", "--parallelism.activation_checkpointing=true"], "cuda", 1, False),
+    (["--parallelism.cuda_graphs=auto", "--model.kunlun.capacity_factor=0"], "cuda", 1, False),  # a host-sized MoE
     (["--parallelism.cuda_graphs=true"], "cpu", 1, True),  # set: the layers then run eagerly off the GPU
     ([], "cuda", 1, False),
 ])

@@ -99,6 +99,30 @@ def test_a_moe_counting_capacity_over_a_batch_group_is_not_graphed():
         apply_cuda_graphs(model)
 
 
+def test_a_moe_without_a_capacity_is_refused():
+    model = KunlunModel(SPEC, dataclasses.replace(TINY, capacity_factor=0.0))
+    with pytest.raises(ValueError, match="without a capacity"):
+        apply_cuda_graphs(model)
+
+
+def test_parameters_are_taken_once():
+    moe = make()
+    graphed = GraphedForward(moe.routed, moe, [*moe.parameters(), *moe.parameters()])
+    assert graphed.parameters == tuple(moe.parameters())
+
+
+def test_saved_tensor_hooks_are_seen_as_activation_checkpointing_sets_them():
+    from torch.utils.checkpoint import checkpoint
+
+    from gem_kunlun.cuda_graphs import _saved_tensor_hooks_active
+
+    seen = []
+    assert not _saved_tensor_hooks_active()
+    checkpoint(lambda x: seen.append(_saved_tensor_hooks_active()) or x * 2, torch.ones(2, requires_grad=True),
+               use_reentrant=False)
+    assert seen == [True]
+
+
 @cuda
 def test_replayed_steps_compute_what_eager_steps_do_across_optimizer_updates():
     moe, twin = make("cuda"), make("cuda")
@@ -137,6 +161,32 @@ def test_gradients_accumulate_over_replays_as_over_eager_steps(set_to_none):
         for (name, p), q in zip(moe.named_parameters(), twin.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert graphed.replays == 6
+
+
+@cuda
+def test_dropout_draws_fresh_masks_at_every_replay_and_its_backward_uses_the_forward_mask():
+    module = torch.nn.Dropout(0.5).cuda().train()
+    graphed = GraphedForward(lambda x: (module(x),), module, [])
+    masks = []
+    for _ in range(3):
+        x = torch.ones(4096, device="cuda", requires_grad=True)
+        (y,) = graphed(x)
+        y.sum().backward()
+        masks.append(y != 0)
+        torch.testing.assert_close(x.grad, (y != 0).float() * 2.0)  # kept entries scaled by 1 / (1 - p)
+    assert graphed.replays == 3 and not torch.equal(masks[1], masks[2])
+
+
+@cuda
+def test_a_checkpointed_caller_runs_the_function_eagerly():
+    from torch.utils.checkpoint import checkpoint
+
+    moe = make("cuda")
+    graphed = GraphedForward(moe.routed, moe)
+    x = torch.randn(64, 6, 16, device="cuda", requires_grad=True)
+    out = checkpoint(lambda t: graphed(t)[0], x, use_reentrant=False)
+    out.sum().backward()
+    assert graphed.replays == 0 and graphed.eager_calls >= 1 and x.grad is not None
 
 
 @cuda

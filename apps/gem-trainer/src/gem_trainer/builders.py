@@ -486,12 +486,14 @@ def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelD
 def cuda_graphs(config: TrainerConfig, device: torch.device, world_size: int) -> bool:
     """``parallelism.cuda_graphs``: "auto" replays the layers' fixed-shape parts as CUDA graphs where they can be:
     on a GPU, in one process without FSDP mixed precision, with no part compiled (a graph cannot hold a collective,
-    and a compiled part brings its own)."""
+    and a compiled part brings its own), without activation checkpointing (a recomputed forward), and with MoEs
+    that have a capacity (without one, a MoE sizes its rows by a count read on the host)."""
     p = config.parallelism
     if p.cuda_graphs != "auto":
         return p.cuda_graphs == "on"
     return (device.type == "cuda" and world_size == 1 and p.compile == "off" and p.compile_experts != "on"
-            and p.param_dtype == p.reduce_dtype == "float32")
+            and not p.activation_checkpointing and p.param_dtype == p.reduce_dtype == "float32"
+            and config.model.kunlun.build().capacity_factor > 0)
 
 
 def compile_experts(config: TrainerConfig, device: torch.device, world_size: int) -> bool:

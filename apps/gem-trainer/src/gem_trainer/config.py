@@ -326,7 +326,7 @@ class ParallelismConfig(Section):
     # replay the fixed-shape parts of each Kunlun layer (compression, MoE) and trunk (head) as CUDA graphs in
     # training, one forward and one backward graph per batch shape: no compiler host time per call (a small model's
     # step waits on the host); "auto" where they apply: on a GPU, in one process without FSDP mixed precision,
-    # blocks and MoEs not compiled; true / false: "on" / "off"
+    # blocks and MoEs not compiled, no activation checkpointing, MoEs with a capacity; true / false: "on" / "off"
     cuda_graphs: Literal["auto", "on", "off"] = "off"
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)
@@ -352,9 +352,9 @@ class ParallelismConfig(Section):
         for name in ("dense_replicate", "dense_shard", "sparse_group"):
             if getattr(self, name) == 0:
                 raise ValueError(f"parallelism.{name} must be >= 1 or -1 (automatic), got 0")
-        if self.cuda_graphs == "on" and (self.compile_experts == "on" or self.compile != "off"):
-            raise ValueError("parallelism.cuda_graphs replays eager layers' parts as CUDA graphs: it needs compile = \"off\" "
-                             "and compile_experts \"off\" or \"auto\"")
+        if self.cuda_graphs == "on" and (self.compile_experts == "on" or self.compile != "off" or self.activation_checkpointing):
+            raise ValueError("parallelism.cuda_graphs replays eager layers' parts as CUDA graphs: it needs compile = \"off\", "
+                             "compile_experts \"off\" or \"auto\" and activation_checkpointing = false")
         if self.compile_experts == "on" and self.compile != "off":
             raise ValueError(f"parallelism.compile_experts = \"on\" compiles the MoEs of blocks left eager; with "
                              f"compile = {self.compile!r} each block is compiled, its MoE with it")

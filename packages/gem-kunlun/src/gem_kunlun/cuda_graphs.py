@@ -9,14 +9,16 @@ gradients reach the parameters through autograd as any other (accumulated into `
 What a capture assumes; where a call does not meet it, the call runs eagerly:
 
 - every input is a CUDA tensor, ``module`` is in training mode and gradients are enabled (evaluation and no-grad
-  calls run eagerly: their outputs would alias the graph's memory, which the next replay overwrites), and no
-  autocast cache is on (a weight cast cached outside the capture would be replayed stale);
+  calls run eagerly: their outputs would alias the graph's memory, which the next replay overwrites), no
+  autocast cache is on (a weight cast cached outside the capture would be replayed stale), and no saved-tensor
+  hooks are (activation checkpointing recomputes the forward in the backward: a graph cannot take part);
 - one replay's backward runs before the next replay of the same shape (the saved activations live in the graph's
   memory): a call while the last replay's backward is pending (its autograd graph alive, not run) runs eagerly;
 - at most ``max_shapes`` shapes are captured; others run eagerly.
 
-Gradients accumulate over several replays before they are zeroed, as eager ones do; an output changed in place
-before its backward raises (the backward graph may read it).
+The backward is captured without autocast, as autograd runs an eager backward. Gradients accumulate over several
+replays before they are zeroed, as eager ones do; an output changed in place before its backward raises (the
+backward graph may read it). A capture that fails (a host synchronisation inside ``function``) raises, naming it.
 
 What the caller guarantees: ``function`` has no host synchronisation and no shape that depends on device values
 (a capture fails loudly otherwise), and the parameters keep their storage (the optimizer updates them in place;
@@ -61,18 +63,24 @@ class _Capture:
                 outputs = _as_tuple(function(*self.inputs))
                 differentiable = [o for o in outputs if o.requires_grad]
                 if differentiable:
-                    torch.autograd.grad(differentiable, surface, [torch.ones_like(o) for o in differentiable], allow_unused=True)
+                    with _no_autocast():
+                        torch.autograd.grad(differentiable, surface, [torch.ones_like(o) for o in differentiable],
+                                            allow_unused=True)
         torch.cuda.current_stream().wait_stream(side)
+        # NOTE: "thread_local": CUDA calls of other threads (the reader pinning the next batch) do not invalidate the
+        # capture, as they would in the default mode
         self.forward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph):
+        with torch.cuda.graph(self.forward_graph, capture_error_mode="thread_local"):
             self.outputs = _as_tuple(function(*self.inputs))
         self.differentiable = tuple(o.requires_grad for o in self.outputs)
         self.grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in self.outputs)
         grads: tuple[torch.Tensor | None, ...] = ()
         self.backward_graph = torch.cuda.CUDAGraph()
         if any(self.differentiable):
-            # the backward's memory comes from the forward's pool: replays run forward then backward, in that order
-            with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool()):
+            # the backward's memory comes from the forward's pool: replays run forward then backward, in that order;
+            # without autocast, as autograd runs an eager backward (the caller's autocast would reach it otherwise)
+            with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), capture_error_mode="thread_local"), \
+                    _no_autocast():
                 grads = torch.autograd.grad([o for o in self.outputs if o.requires_grad], surface,
                                             [g for g in self.grad_outputs if g is not None], allow_unused=True)
         remaining = iter(grads)
@@ -95,6 +103,8 @@ class _Replay(torch.autograd.Function):
                 static.copy_(x)
         capture.forward_graph.replay()
         ctx.capture, ctx.pending = capture, pending
+        # a leaf input keeps its gradient as .grad: it gets a copy, not the static gradient the next replay overwrites
+        ctx.leaves = tuple(x.is_leaf for x in tensors[: len(capture.inputs)])
         outputs = tuple(o.detach() for o in capture.outputs)  # each shares its static output's version counter
         ctx.versions = tuple(o._version for o in outputs)
         ctx.mark_non_differentiable(*(o for o, d in zip(outputs, capture.differentiable) if not d))
@@ -121,7 +131,9 @@ class _Replay(torch.autograd.Function):
                 parameter.grad = grad.clone()
         capture.backward_graph.replay()
         ctx.pending.done = True
-        return None, None, *(None if g is None else g.detach() for g in capture.grads)
+        inputs = tuple(None if g is None else g.clone() if leaf else g.detach()
+                       for g, leaf in zip(capture.grads, ctx.leaves))
+        return None, None, *inputs, *(None if g is None else g.detach() for g in capture.grads[len(inputs):])
 
 
 class GraphedForward:
@@ -132,7 +144,8 @@ class GraphedForward:
     def __init__(self, function: Callable, module: nn.Module, parameters: list[nn.Parameter] | None = None,
                  max_shapes: int = 8, warmup: int = 3) -> None:
         self.function, self.module, self.max_shapes, self.warmup = function, module, max_shapes, warmup
-        self.parameters = None if parameters is None else tuple(parameters)
+        # each parameter once: a repeated one would get its gradient twice
+        self.parameters = None if parameters is None else tuple(dict.fromkeys(parameters))
         self._captures: dict[tuple, _Capture] = {}
         self.replays = self.eager_calls = 0
 
@@ -145,7 +158,12 @@ class GraphedForward:
         capture = self._captures.get(key)
         if capture is None and len(self._captures) < self.max_shapes:
             parameters = self.parameters if self.parameters is not None else tuple(self.module.parameters())
-            capture = self._captures[key] = _Capture(self.function, parameters, inputs, self.warmup)
+            try:
+                capture = self._captures[key] = _Capture(self.function, parameters, inputs, self.warmup)
+            except RuntimeError as error:
+                name = getattr(self.function, "__qualname__", repr(self.function))
+                raise RuntimeError(f"GraphedForward: capturing {name} as a CUDA graph failed (a host synchronisation "
+                                   f"or a shape read from device values inside it?): {error}") from error
         if capture is None or capture.busy():
             self.eager_calls += 1
             return self.function(*inputs)
@@ -158,12 +176,22 @@ class GraphedForward:
         return (self.module.training and torch.is_grad_enabled() and bool(inputs)
                 and all(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
                 and not torch.cuda.is_current_stream_capturing()
-                and not (torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled()))
+                and not (torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled())
+                and not _saved_tensor_hooks_active())
 
     def __deepcopy__(self, memo: dict) -> "GraphedForward":
         # a copy of the module (a teacher, an average of weights) captures its own graphs
         return GraphedForward(copy.deepcopy(self.function, memo), copy.deepcopy(self.module, memo),
                               copy.deepcopy(self.parameters, memo), self.max_shapes, self.warmup)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are on (``torch.autograd.graph.saved_tensors_hooks``, activation checkpointing)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _no_autocast():
+    return torch.autocast("cuda", enabled=False)
 
 
 def _as_tuple(outputs) -> tuple[torch.Tensor, ...]:

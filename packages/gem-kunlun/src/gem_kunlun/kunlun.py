@@ -575,6 +575,9 @@ def apply_cuda_graphs(model: nn.Module, max_shapes: int = 8) -> None:
         if isinstance(module, KunlunLayer):
             if module.moe.batch_group is not None:
                 raise ValueError("apply_cuda_graphs: a MoE counts capacity over a batch group (a collective in its forward)")
+            if module.moe.capacity_factor <= 0:
+                raise ValueError("apply_cuda_graphs: a MoE without a capacity (capacity_factor <= 0) sizes its rows by a "
+                                 "count read on the host, which a CUDA graph cannot hold")
             module.graphs = GraphedForward(module.cross, module, module.cross_graph_parameters(), max_shapes=max_shapes)
         elif isinstance(module, KunlunTrunk):
             module.graphs = GraphedForward(module.head, module, module.head_graph_parameters(), max_shapes=max_shapes)

@@ -56,8 +56,9 @@ class DenseOptions:
         if self.compile_experts and self.compile != "off":
             raise ValueError(f"compile_experts compiles the MoEs of blocks left eager; with compile = {self.compile!r} "
                              "every block, its MoE with it, is compiled already")
-        if self.cuda_graphs and (self.compile_experts or self.compile != "off"):
-            raise ValueError("cuda_graphs replays eager layers' parts as CUDA graphs: it excludes compile and compile_experts")
+        if self.cuda_graphs and (self.compile_experts or self.compile != "off" or self.activation_checkpointing):
+            raise ValueError("cuda_graphs replays eager layers' parts as CUDA graphs: it excludes compile, compile_experts "
+                             "and activation_checkpointing (a recomputed forward cannot replay a graph)")
 
 
 Slot = tuple[nn.Module, str]  # where a block sits: (parent module, attribute name or ModuleList index)
