@@ -264,3 +264,55 @@ def test_a_graphed_kunlun_model_trains_as_its_eager_twin(kernel):
             opt.zero_grad(set_to_none=True)
     regions = [m.graphs for m in graphed.modules() if getattr(m, "graphs", None) is not None]
     assert all(r.replays == 5 and r.eager_calls == 0 for r in regions)
+
+
+def sasrec_pair(dropout: float):
+    """A SASRec replayed as CUDA graphs (``apply_cuda_graphs``) and its eager twin, same weights, on the GPU."""
+    from gem_kunlun import EventType, FeatureSpec, SasrecConfig, SasrecModel, SparseFeature
+
+    spec = FeatureSpec(num_dense=0, sparse=(SparseFeature("item_id", 40),), tasks=("next_item",),
+                       events=(EventType("history", (SparseFeature("history_item_id", 40),)),))
+    config = SasrecConfig(dim=16, num_blocks=2, num_heads=2, dropout=dropout, max_seq_len=6, layout="padded")
+    pair = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        pair.append(SasrecModel(spec, config, device=torch.device("cuda")).train())
+    apply_cuda_graphs(pair[0])
+    assert pair[0].graphs is not None and pair[1].graphs is None
+    return pair
+
+
+@cuda
+def test_a_graphed_sasrec_encodes_every_position_as_its_eager_twin():
+    graphed, eager = sasrec_pair(dropout=0.0)
+    for i in range(4):  # one capture, then replays; the last batch is smaller: its own capture
+        g = torch.Generator().manual_seed(i)
+        lengths = torch.randint(0, 7, (12 if i < 3 else 5,), generator=g)
+        vectors, upstream = (torch.randn(int(lengths.sum()), 16, generator=g).cuda() for _ in range(2))
+        grads = []
+        for m in (graphed, eager):
+            x = vectors.clone().requires_grad_()
+            out = m.position_representations(x, lengths.cuda())
+            (out * upstream).sum().backward()
+            grads.append((out.detach().clone(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+            m.zero_grad(set_to_none=True)
+        torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-5)
+        assert grads[0][2].keys() == grads[1][2].keys()
+        for name in grads[1][2]:
+            torch.testing.assert_close(grads[0][2][name], grads[1][2][name], rtol=1e-4, atol=1e-5, msg=name)
+    assert graphed.graphs.replays == 4 and len(graphed.graphs._captures) == 2
+
+
+@cuda
+def test_a_graphed_sasrec_draws_fresh_dropout_masks_at_every_replay():
+    graphed, _ = sasrec_pair(dropout=0.5)
+    lengths = torch.full((8,), 6, device="cuda")
+    vectors = torch.randn(48, 16, device="cuda")
+    outs = []
+    for _ in range(3):
+        x = vectors.clone().requires_grad_()
+        out = graphed.position_representations(x, lengths)
+        out.sum().backward()
+        outs.append(out.detach().clone())
+    assert graphed.graphs.replays == 3 and not torch.equal(outs[1], outs[2])

@@ -99,3 +99,36 @@ def test_config_and_spec_are_checked():
                         events=(EventType("history", (SparseFeature("history_item_id", 6),)),), tasks=("t",))
     with pytest.raises(ValueError, match="share one item table"):
         SasrecModel(other, CONFIG)
+
+
+def every_position_step(layout: str, vectors: torch.Tensor, lengths: torch.Tensor, upstream: torch.Tensor):
+    """Every-position outputs of ``vectors`` (jagged by ``lengths``) in ``layout``, and the gradients of
+    ``(outputs * upstream).sum()`` for the vectors and every parameter."""
+    m = model(SasrecConfig(dim=16, num_blocks=2, num_heads=2, dropout=0.0, max_seq_len=6, rows_per_group=3, layout=layout))
+    m.train()
+    vectors = vectors.clone().requires_grad_()
+    outputs = m.position_representations(vectors, lengths)
+    (outputs * upstream).sum().backward()
+    return outputs, vectors.grad, {name: p.grad for name, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_padded_every_position_encoder_computes_what_the_length_groups_do(seed):
+    # the padded layout (a GPU's, fixed shapes: what CUDA graphs replay) against length groups, on random lengths
+    # including empty histories and histories of exactly max_seq_len
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.cat([torch.tensor([0, 6]), torch.randint(0, 7, (9,), generator=g)])
+    vectors = torch.randn(int(lengths.sum()), 16, generator=g)
+    upstream = torch.randn(int(lengths.sum()), 16, generator=g)
+    padded, grouped = (every_position_step(layout, vectors, lengths, upstream) for layout in ("padded", "grouped"))
+    torch.testing.assert_close(padded[0], grouped[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded[1], grouped[1], rtol=1e-5, atol=1e-5)
+    assert padded[2].keys() == grouped[2].keys() and "position" in padded[2]
+    for name in grouped[2]:
+        torch.testing.assert_close(padded[2][name], grouped[2][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_padded_encoder_rejects_more_events_than_its_rows_hold():
+    m = model(SasrecConfig(dim=16, num_blocks=1, num_heads=2, max_seq_len=6, layout="padded"))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m._encode(torch.randn(15, 16), torch.tensor([7, 8]), every=True)

@@ -90,6 +90,15 @@ class _Capture:
         self.outputs = tuple(o.detach() for o in self.outputs)
         self.last: weakref.ref | None = None  # the _Pending of the last replay
 
+    def unalias_parameter_grads(self) -> None:
+        """Autograd keeps a parameter's first gradient without copying it, so a ``.grad`` may be this capture's static
+        gradient, which the next replay overwrites (a second step before the gradients are zeroed, as in gradient
+        accumulation): such a ``.grad`` gets its own copy."""
+        for parameter, static in zip(self.parameters, self.grads[len(self.inputs):]):
+            grad = parameter.grad
+            if grad is not None and static is not None and grad.data_ptr() == static.data_ptr():
+                parameter.grad = grad.clone()
+
     def busy(self) -> bool:
         pending = None if self.last is None else self.last()
         return pending is not None and not pending.done
@@ -98,13 +107,15 @@ class _Capture:
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, capture: _Capture, pending: _Pending, *tensors: torch.Tensor):
+        # NOTE: the forward graph's temporaries may share memory with the backward graph's static gradients (one
+        # pool, the forward's temporaries freed before the backward was captured): a .grad still holding the last
+        # replay's static gradient (gradient accumulation) gets its own copy before this replay overwrites it
+        capture.unalias_parameter_grads()
         for static, x in zip(capture.inputs, tensors):
             if static.data_ptr() != x.data_ptr():
                 static.copy_(x)
         capture.forward_graph.replay()
         ctx.capture, ctx.pending = capture, pending
-        # a leaf input keeps its gradient as .grad: it gets a copy, not the static gradient the next replay overwrites
-        ctx.leaves = tuple(x.is_leaf for x in tensors[: len(capture.inputs)])
         outputs = tuple(o.detach() for o in capture.outputs)  # each shares its static output's version counter
         ctx.versions = tuple(o._version for o in outputs)
         ctx.mark_non_differentiable(*(o for o, d in zip(outputs, capture.differentiable) if not d))
@@ -122,17 +133,11 @@ class _Replay(torch.autograd.Function):
         for static, grad in zip(capture.grad_outputs, grads):
             if static is not None and static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
-        # NOTE: autograd keeps a parameter's first gradient without copying it, so a .grad may be the static
-        # gradient this replay is about to overwrite (a second backward before the gradients are zeroed, as in
-        # gradient accumulation): it gets its own copy first
-        for parameter, static in zip(capture.parameters, capture.grads[len(capture.inputs):]):
-            grad = parameter.grad
-            if grad is not None and static is not None and grad.data_ptr() == static.data_ptr():
-                parameter.grad = grad.clone()
         capture.backward_graph.replay()
         ctx.pending.done = True
-        inputs = tuple(None if g is None else g.clone() if leaf else g.detach()
-                       for g, leaf in zip(capture.grads, ctx.leaves))
+        # NOTE: the inputs' gradients are copied: upstream, a view's backward passes a view of its gradient on, and a
+        # leaf at the end of such a chain would keep the static gradient as its .grad, out of reach of the forward's check
+        inputs = tuple(None if g is None else g.clone() for g in capture.grads[: len(capture.inputs)])
         return None, None, *inputs, *(None if g is None else g.detach() for g in capture.grads[len(inputs):])
 
 

@@ -47,6 +47,7 @@ from gem_kunlun.norm import LayerNorm, norm_mlp
 from gem_kunlun.pffn import PersonalizedFFN
 from gem_kunlun.representation_summary import RepresentationSummary
 from gem_kunlun.retrieval import CosineScore, dot_scores, retrieval_logits, scored_item_ids
+from gem_kunlun.sasrec import SasrecModel
 from gem_kunlun.rote import time_gap_positions
 from gem_kunlun.sequence import keep_latest, merge_by_time, take_rows
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling
@@ -563,10 +564,11 @@ class KunlunModel(nn.Module):
 
 
 def apply_cuda_graphs(model: nn.Module, max_shapes: int = 8) -> None:
-    """Replay the fixed-shape parts of every Kunlun layer and trunk in ``model`` as CUDA graphs in training, one
-    forward and one backward graph per batch shape (up to ``max_shapes``; other shapes, evaluation and CPU calls run
-    eagerly): each layer's per-example side (``KunlunLayer.cross``: compression, MoE routing and experts) and the
-    trunk's head (``KunlunTrunk.head``). The jagged history stays eager (its token count changes every batch).
+    """Replay the fixed-shape parts of every Kunlun layer and trunk and every SASRec in ``model`` as CUDA graphs in
+    training, one forward and one backward graph per batch shape (up to ``max_shapes``; other shapes, evaluation and
+    CPU calls run eagerly): each layer's per-example side (``KunlunLayer.cross``: compression, MoE routing and
+    experts), the trunk's head (``KunlunTrunk.head``) and SASRec's every-position encoder in its padded layout
+    (``SasrecModel.every_position_padded``). Kunlun's jagged history stays eager (its token count changes every batch).
 
     Why: a small model's step on a GPU is bound by the host's launches, and these parts are a few hundred small
     kernels a step (the MoE's routing and slot dispatch most). One process only: a MoE counting capacity over a
@@ -581,3 +583,6 @@ def apply_cuda_graphs(model: nn.Module, max_shapes: int = 8) -> None:
             module.graphs = GraphedForward(module.cross, module, module.cross_graph_parameters(), max_shapes=max_shapes)
         elif isinstance(module, KunlunTrunk):
             module.graphs = GraphedForward(module.head, module, module.head_graph_parameters(), max_shapes=max_shapes)
+        elif isinstance(module, SasrecModel):
+            module.graphs = GraphedForward(module.every_position_padded, module, module.graph_parameters(),
+                                           max_shapes=max_shapes)

@@ -25,6 +25,7 @@ from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from gem_kunlun.batch import Batch
 from gem_kunlun.candidates import CandidateInput
 from gem_kunlun.config_checks import check_at_least
+from gem_kunlun.cuda_graphs import GraphedForward
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput
 from gem_kunlun.retrieval import dot_scores, retrieval_logits, scored_item_ids
@@ -126,6 +127,8 @@ class SasrecModel(nn.Module):
                                       for _ in range(c.num_blocks)))
         self.final_norm = nn.LayerNorm(c.dim, device=device)
         self.representation_dim = c.dim
+        # ``every_position_padded`` replayed as CUDA graphs (``gem_kunlun.apply_cuda_graphs``), or None: eager
+        self.graphs: GraphedForward | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -173,6 +176,32 @@ class SasrecModel(nn.Module):
     def _padded(self, device: torch.device) -> bool:
         return self.config.layout == "padded" or (self.config.layout == "auto" and device.type == "cuda")
 
+    def every_position_padded(self, vectors: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor]:
+        """The padded layout's every-position encoder, shaped by the batch size alone: ``vectors [B * max_seq_len
+        + 1, D]`` (a batch's history vectors, time order, then zero rows; each length at most ``max_seq_len``) ->
+        ``([B * max_seq_len + 1, D],)``, each event's output in its row (the rows past the events are padding). Fixed
+        shapes and no host sync: ``apply_cuda_graphs`` replays it (prologue, blocks, scatter, final norm) as one
+        forward and one backward graph."""
+        c = self.config
+        zero_row = vectors.shape[0] - 1  # past every event: the padding reads it and takes the padding's writes
+        ends = torch.cumsum(lengths, 0)
+        column = torch.arange(c.max_seq_len, device=vectors.device)
+        valid = column[None, :] < lengths[:, None]
+        source = torch.where(valid, ends[:, None] - lengths[:, None] + column[None, :], zero_row)
+        recency = (lengths[:, None] - 1 - column[None, :]).clamp(min=0)
+        x = F.embedding(source, vectors * math.sqrt(c.dim)) + F.embedding(recency, self.position) * valid[..., None]
+        x = self.blocks(F.dropout(x, c.dropout, self.training))
+        # NOTE: positions count back from the newest event (SASRec's left-padded layout), so an event's output
+        # depends on how many events follow it in the window, as in SASRec's own training
+        every_output = vectors.new_zeros(vectors.shape).index_put((source.flatten(),), x.flatten(0, 1))
+        return (self.final_norm(every_output),)
+
+    def graph_parameters(self) -> list[nn.Parameter]:
+        """The parameters ``every_position_padded`` reads: all but the item table's (the table's gradient leaves
+        through the vectors' gradient, to TorchRec's fused optimizer)."""
+        table = {id(p) for p in self.items.parameters()}
+        return [p for p in self.parameters() if id(p) not in table]
+
     def _encode(self, history_vectors: torch.Tensor, lengths: torch.Tensor, every: bool) -> torch.Tensor:
         """Run the blocks over the examples padded into ``[rows, width, D]`` groups (``config.layout``): all
         rows at ``max_seq_len`` (no host sync), or rows sorted by length in groups of ``rows_per_group``, each
@@ -181,6 +210,15 @@ class SasrecModel(nn.Module):
         c = self.config
         b = lengths.numel()
         device = history_vectors.device
+        if every and self._padded(device):
+            events, rows = history_vectors.shape[0], b * c.max_seq_len + 1
+            if events >= rows:  # lengths above max_seq_len (position_representations checks them on the device too)
+                raise ValueError(f"{events} history events in {b} examples: more than model.sasrec.max_seq_len "
+                                 f"({c.max_seq_len}) per example")
+            vectors = F.pad(history_vectors, (0, 0, 0, rows - events))
+            encode = self.graphs if self.graphs is not None else self.every_position_padded
+            (outputs,) = encode(vectors, lengths)
+            return outputs[:events]
         kept = lengths.clamp(max=c.max_seq_len)
         ends = torch.cumsum(lengths, 0)
         zero_row = history_vectors.shape[0]  # an appended zero vector fills the padding
