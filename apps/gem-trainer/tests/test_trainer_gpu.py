@@ -169,3 +169,29 @@ def test_a_kunlun_history_computed_in_bfloat16_looks_its_events_up_in_bfloat16(t
         assert all(math.isfinite(x) for x in losses)
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("autocast", ["off", "bf16"])
+def test_sasrec_replayed_as_cuda_graphs_trains_as_the_eager_one_and_does_replay(tmp_path, autocast):
+    # every-position next-item training (SASRec's recipe) on a small corpus, dropout off: the same batches and kernels
+    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k + k * k) % 60) for k in range(5 + u % 8)) for u in range(1, 81)]
+    (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
+    losses, graphs = {}, {}
+    for mode in ("off", "on"):
+        config = load_config(None, [f"--run_dir={tmp_path / mode}", "--device=cuda", "--data.batch_size=16",
+                                    "--metrics.tensorboard=false", "--checkpoint.enable=false", "--data.source=sequence_text",
+                                    f"--data.path={tmp_path / 'corpus.txt'}", "--model.name=sasrec",
+                                    "--model.sasrec.dim=16", "--model.sasrec.max_seq_len=12", "--model.sasrec.dropout=0.0",
+                                    "--data.sequential.max_history=12", "--data.sequential.objective=retrieval",
+                                    "--data.sequential.queries=every", "--data.sequential.loss=binary",
+                                    "--data.sequential.num_negatives=1", "--data.sequential.eval_negatives=20",
+                                    f"--precision.autocast={autocast}",
+                                    f"--parallelism.cuda_graphs={mode}"])
+        trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
+        try:
+            losses[mode] = [float(trainer.train_step()["loss"]) for _ in range(5)]
+            graphs[mode] = getattr(trainer.model, "module", trainer.model).graphs
+        finally:
+            trainer.close()
+    torch.testing.assert_close(torch.tensor(losses["on"]), torch.tensor(losses["off"]), rtol=1e-4, atol=1e-5)
+    assert graphs["off"] is None and graphs["on"].replays == 5 and graphs["on"].eager_calls == 0
