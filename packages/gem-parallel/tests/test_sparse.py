@@ -74,6 +74,22 @@ def test_recat_is_made_once_per_arguments_and_equals_torchrecs():
     assert made(0, 4, 1, cpu, None) is None  # an empty local split has no index
 
 
+def test_a_batch_size_equal_on_every_rank_makes_one_recat_whatever_its_value():
+    from torchrec.distributed import dist_data
+
+    from gem_parallel.sparse import memoize_recat
+
+    memoize_recat()
+    made, cpu = dist_data._get_recat, torch.device("cpu")
+    first = made(2, 1, 1, cpu, [300])
+    for sizes in ([517], [4096], None):  # one rank: the batch size changes from batch to batch
+        assert made(2, 1, 1, cpu, sizes) is first
+    assert torch.equal(first, made.original(2, 1, 1, cpu, [517]))
+    uniform, varying = made(2, 2, 1, cpu, [7, 7]), made(2, 2, 1, cpu, [7, 9])
+    assert uniform is made(2, 2, 1, cpu, [8, 8]) and varying is not uniform
+    assert torch.equal(varying, made.original(2, 2, 1, cpu, [7, 9]))
+
+
 def test_the_kept_recats_are_bounded():
     from torchrec.distributed import dist_data
 

@@ -174,8 +174,12 @@ def memoize_recat() -> None:
     def get_recat(local_split, num_splits, stagger=1, device=None, batch_size_per_rank=None):
         if torch.compiler.is_compiling():
             return original(local_split, num_splits, stagger, device, batch_size_per_rank)
+        # NOTE: the same batch size on every rank (always so on one rank) makes the index of no batch size (TorchRec's
+        # own condition): keyed by it, a batch size that changes every batch (SASRec's lookup of every scored item)
+        # would make a new index, and a blocking copy, at every step
+        uniform = batch_size_per_rank is None or len(set(batch_size_per_rank)) <= 1
         key = (local_split, num_splits, stagger, None if device is None else torch.device(device),
-               None if batch_size_per_rank is None else tuple(batch_size_per_rank))
+               None if uniform else tuple(batch_size_per_rank))
         if key not in made:
             if len(made) >= RECATS_KEPT:  # per-rank batch sizes that vary from batch to batch make new keys
                 del made[next(iter(made))]
