@@ -47,8 +47,8 @@ from gem_kunlun.norm import LayerNorm, norm_mlp
 from gem_kunlun.pffn import PersonalizedFFN
 from gem_kunlun.representation_summary import RepresentationSummary
 from gem_kunlun.retrieval import CosineScore, dot_scores, retrieval_logits, scored_item_ids
-from gem_kunlun.sasrec import SasrecModel
 from gem_kunlun.rote import time_gap_positions
+from gem_kunlun.sasrec import SasrecModel
 from gem_kunlun.sequence import keep_latest, merge_by_time, take_rows
 from gem_kunlun.summarization import PMA, HierarchicalSeedPooling
 
