@@ -215,6 +215,14 @@ def test_cuda_graphs_with_compiled_parts_are_refused_in_one_line(overrides):
         load_config(None, ["--parallelism.cuda_graphs=true", *overrides])
 
 
+def test_a_history_bucket_without_cuda_graphs_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="cuda_graph_history_bucket pads the history for a CUDA graph of the trunk"):
+        load_config(None, ["--parallelism.cuda_graph_history_bucket=256"])
+    with pytest.raises(ConfigError, match="cuda_graph_history_bucket"):
+        load_config(None, ["--parallelism.cuda_graphs=on", "--parallelism.cuda_graph_history_bucket=-1"])
+    assert load_config(None, ["--parallelism.cuda_graphs=auto", "--parallelism.cuda_graph_history_bucket=256"])
+
+
 @pytest.mark.parametrize("overrides,device,world,expected", [
     (["--parallelism.cuda_graphs=auto"], "cuda", 1, True),
     (["--parallelism.cuda_graphs=auto"], "cpu", 1, False),

@@ -302,3 +302,22 @@ def test_fp8_recipe_reaches_the_wide_layers_and_trains_near_float32(tmp_path, mo
     # at the default crossover nothing of this narrow model pays: it stays as it is
     default = Trainer(small_config(tmp_path / "default", *steps, "--precision.low_precision=fp8"), trainer.env)
     assert default.low_precision_modules == []
+
+
+def test_a_history_padded_to_token_buckets_trains_as_the_unpadded_one(tmp_path):
+    # parallelism.cuda_graph_history_bucket pads Kunlun's history with padding segments (a GPU then replays the whole
+    # trunk as CUDA graphs; on the CPU the padded trunk runs eagerly): the same losses, step by step
+    losses = {}
+    for bucket in (0, 64):
+        config = load_config(None, [f"--run_dir={tmp_path / str(bucket)}", "--device=cpu", "--data.batch_size=16",
+                                    "--data.eval_batches=1", "--metrics.tensorboard=false", "--checkpoint.enable=false",
+                                    "--model.kunlun.kernel=pytorch", "--parallelism.cuda_graphs=on",
+                                    f"--parallelism.cuda_graph_history_bucket={bucket}"])
+        trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
+        try:
+            trunk = trainer.model.module.trunk if hasattr(trainer.model, "module") else trainer.model.trunk
+            assert trunk.history_bucket == bucket and (trunk.trunk_graphs is not None) == bool(bucket)
+            losses[bucket] = torch.tensor([float(trainer.train_step()["loss"]) for _ in range(3)])
+        finally:
+            trainer.close()
+    torch.testing.assert_close(losses[64], losses[0], rtol=1e-5, atol=1e-6)

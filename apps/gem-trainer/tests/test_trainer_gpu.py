@@ -71,18 +71,22 @@ def test_compiled_kunlun_blocks_run_the_triton_kernels_between_their_graphs_and_
     torch.testing.assert_close(torch.tensor(losses["default"]), torch.tensor(losses["off"]), rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("autocast", ["off", "bf16"])
-def test_layers_replayed_as_cuda_graphs_train_as_eager_ones_and_do_replay(tmp_path, autocast):
+@pytest.mark.parametrize("autocast,history_bucket", [("off", 0), ("bf16", 0), ("off", 256), ("bf16", 256)])
+def test_layers_replayed_as_cuda_graphs_train_as_eager_ones_and_do_replay(tmp_path, autocast, history_bucket):
+    # history_bucket > 0: the history padded to token buckets and each trunk replayed whole
     losses, graphs = {}, {}
     for mode in ("eager", "graphs"):
         config = load_config(None, [f"--run_dir={tmp_path / mode}", "--device=cuda", "--data.batch_size=64",
                                     "--data.eval_batches=1", "--metrics.tensorboard=false", "--checkpoint.enable=false",
                                     f"--precision.autocast={autocast}", "--parallelism.compile_experts=off",
-                                    f"--parallelism.cuda_graphs={'on' if mode == 'graphs' else 'off'}"])
+                                    f"--parallelism.cuda_graphs={'on' if mode == 'graphs' else 'off'}",
+                                    f"--parallelism.cuda_graph_history_bucket={history_bucket if mode == 'graphs' else 0}"])
         trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
         try:
             losses[mode] = [float(trainer.train_step()["loss"]) for _ in range(5)]
-            graphs[mode] = [m.graphs for m in trainer.model.modules() if isinstance(m, (KunlunLayer, KunlunTrunk))]
+            graphs[mode] = [m.trunk_graphs if history_bucket and isinstance(m, KunlunTrunk) else m.graphs
+                            for m in trainer.model.modules() if isinstance(m, (KunlunLayer, KunlunTrunk))
+                            if not (history_bucket and isinstance(m, KunlunLayer))]
         finally:
             trainer.close()
     # the same kernels on the same batches, replayed; index_add_'s atomics add in any order

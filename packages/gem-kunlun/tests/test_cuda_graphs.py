@@ -61,12 +61,12 @@ TINY = KunlunConfig(d_model=16, num_heads=2, num_summary_tokens=3, num_seeds=2, 
                     recent_tokens=2)
 
 
-def model_pair(device, config=TINY):
+def model_pair(device, config=TINY, history_bucket=0):
     models = []
     for _ in range(2):
         torch.manual_seed(0)
         models.append(KunlunModel(SPEC, config, device=device))
-    apply_cuda_graphs(models[0])
+    apply_cuda_graphs(models[0], history_bucket=history_bucket)
     return models
 
 
@@ -89,6 +89,57 @@ def test_a_graphed_model_on_the_cpu_trains_eagerly_as_its_twin_and_copies_get_gr
     for (name, a), b in zip(graphed.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
     assert all(r.replays == 0 and r.eager_calls == 1 for r in regions)
+
+
+@pytest.mark.parametrize("bucket", [16, 40, 256])
+@pytest.mark.parametrize("kernel", ["pytorch", "auto"])
+def test_the_trunk_over_a_padded_history_trains_as_the_unpadded_one(bucket, kernel):
+    # padding segments after the examples (pad_history): every jagged op works per segment, so the examples' outputs,
+    # the MoE's routing and every gradient are those of the unpadded history; on the CPU the padded trunk runs eagerly
+    config = dataclasses.replace(TINY, kernel=kernel)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(KunlunModel(SPEC, config))
+    padded, plain = models
+    apply_cuda_graphs(padded, history_bucket=bucket)
+    assert padded.trunk.history_bucket == bucket and padded.trunk.trunk_graphs is not None
+    assert all(layer.graphs is None for layer in padded.layers) and padded.trunk.graphs is None
+    for seed in (1, 2):
+        batch = random_batch(12, seed=seed)
+        losses, grads, stats = [], [], []
+        for model in (padded, plain):
+            out = model(batch)
+            loss = multitask_loss(out.logits, batch.labels, torch.ones(2)) + out.aux_loss
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            stats.append([(layer.moe.last_stats.assigned, layer.moe.last_stats.kept) for layer in model.layers])
+            model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+        assert grads[0].keys() == grads[1].keys()
+        for name in grads[1]:
+            torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
+        for (a0, k0), (a1, k1) in zip(*stats):
+            assert torch.equal(a0, a1) and torch.equal(k0, k1)
+    assert padded.trunk.trunk_graphs.replays == 0 and padded.trunk.trunk_graphs.eager_calls == 2
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 15, 16, 17, 100])
+def test_pad_history_fills_whole_buckets_with_short_padding_segments(tokens):
+    from gem_kunlun.kunlun import pad_history
+
+    lengths = torch.tensor([tokens // 2, tokens - tokens // 2])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    seq, positions = torch.randn(tokens, 3), torch.rand(tokens)
+    padded, padded_offsets, padded_positions = pad_history(seq, offsets, positions, bucket=16, max_len=6)
+    total = max(-(-tokens // 16), 1) * 16
+    assert padded.shape == (total, 3) and padded_positions.shape == (total,)
+    assert padded_offsets.shape == (2 + 1 + 3,)  # ceil(16 / 6) padding segments
+    assert torch.equal(padded_offsets[:3], offsets) and int(padded_offsets[-1]) == total
+    padding = padded_offsets[3:] - padded_offsets[2:-1]
+    assert bool((padding >= 0).all()) and bool((padding <= 6).all())
+    assert torch.equal(padded[:tokens], seq) and not padded[tokens:].any()
 
 
 def test_a_moe_counting_capacity_over_a_batch_group_is_not_graphed():
@@ -240,9 +291,10 @@ def test_a_second_forward_before_the_first_backward_runs_eagerly_and_both_gradie
 
 
 @cuda
-@pytest.mark.parametrize("kernel", ["auto", "pytorch"])
-def test_a_graphed_kunlun_model_trains_as_its_eager_twin(kernel):
-    graphed, eager = model_pair("cuda", dataclasses.replace(TINY, kernel=kernel))
+@pytest.mark.parametrize("kernel,history_bucket", [("auto", 0), ("pytorch", 0), ("auto", 64), ("pytorch", 64)])
+def test_a_graphed_kunlun_model_trains_as_its_eager_twin(kernel, history_bucket):
+    # history_bucket > 0: the whole trunk replayed over a padded history
+    graphed, eager = model_pair("cuda", dataclasses.replace(TINY, kernel=kernel), history_bucket)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (graphed, eager)]
     for i in range(5):
         batch = random_batch(24, seed=10 + i).to(torch.device("cuda"))
@@ -263,7 +315,9 @@ def test_a_graphed_kunlun_model_trains_as_its_eager_twin(kernel):
                     p.grad = grads[1][name].clone()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    regions = [m.graphs for m in graphed.modules() if getattr(m, "graphs", None) is not None]
+    regions = [r for m in graphed.modules() for r in (getattr(m, "graphs", None), getattr(m, "trunk_graphs", None))
+               if r is not None]
+    assert len(regions) == (1 if history_bucket else TINY.num_layers + 1)
     assert all(r.replays == 5 and r.eager_calls == 0 for r in regions)
 
 

@@ -535,7 +535,8 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
                          reshard_after_forward=p.reshard_after_forward,
                          activation_checkpointing=p.activation_checkpointing, compile=p.compile,
                          compile_experts=compile_experts(config, env.device, dims.world_size),
-                         cuda_graphs=cuda_graphs(config, env.device, dims.world_size))
+                         cuda_graphs=cuda_graphs(config, env.device, dims.world_size),
+                         history_bucket=p.cuda_graph_history_bucket)
     try:
         return parallelize_kunlun(
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,

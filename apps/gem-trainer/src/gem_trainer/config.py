@@ -328,6 +328,10 @@ class ParallelismConfig(Section):
     # step waits on the host); "auto" where they apply: on a GPU, in one process without FSDP mixed precision,
     # blocks and MoEs not compiled, no activation checkpointing, MoEs with a capacity; true / false: "on" / "off"
     cuda_graphs: Literal["auto", "on", "off"] = "off"
+    # with CUDA graphs on: > 0 pads Kunlun's jagged history to multiples of this many tokens (padding segments after
+    # the examples; the examples' outputs unchanged) and replays each trunk whole, one pair of graphs per batch size
+    # and bucket; 0 keeps the history eager (only the fixed-shape parts above replayed)
+    cuda_graph_history_bucket: int = Field(0, ge=0)
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)
     expert_padded: bool = False  # equal-split all-to-all (fixed shapes, capacity per rank)
@@ -355,6 +359,9 @@ class ParallelismConfig(Section):
         if self.cuda_graphs == "on" and (self.compile_experts == "on" or self.compile != "off" or self.activation_checkpointing):
             raise ValueError("parallelism.cuda_graphs replays eager layers' parts as CUDA graphs: it needs compile = \"off\", "
                              "compile_experts \"off\" or \"auto\" and activation_checkpointing = false")
+        if self.cuda_graph_history_bucket and self.cuda_graphs == "off":
+            raise ValueError("parallelism.cuda_graph_history_bucket pads the history for a CUDA graph of the trunk: it "
+                             "needs cuda_graphs = \"auto\" or \"on\"")
         if self.compile_experts == "on" and self.compile != "off":
             raise ValueError(f"parallelism.compile_experts = \"on\" compiles the MoEs of blocks left eager; with "
                              f"compile = {self.compile!r} each block is compiled, its MoE with it")

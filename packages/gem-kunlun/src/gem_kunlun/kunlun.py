@@ -181,8 +181,10 @@ class KunlunLayer(nn.Module):
     def forward(self, x, seq, offsets, positions, max_len, previous_summary, pending=None):
         """``(U, seq, summary, pending)``: the sequence leaves as ``seq + pending`` (pending None: seq), its last
         update left for the next norm to add in its own pass (``LayerNorm``'s ``pending``); ``pending`` in is the
-        previous layer's."""
+        previous layer's. ``offsets`` may hold padding segments past ``x``'s examples (``pad_history``): the
+        per-example side reads the real examples' summaries only, and pFFN gives the padding zero rows of U."""
         c = self.config
+        examples, segments = x.shape[0], offsets.shape[0] - 1
         pffn_normed = None
         if self.summary is None:
             summary = previous_summary
@@ -194,12 +196,14 @@ class KunlunLayer(nn.Module):
             else:
                 normed, seq = self.summary_norm(seq, skip=True, pending=pending)
             pending = None
-            summary = self.summary(normed, offsets, max_len)
+            summary = self.summary(normed, offsets, max_len)[:examples]
         u, assigned, kept, balance = (self.cross if self.graphs is None else self.graphs)(x, summary)
         self.moe.last_stats = RoutingStats(assigned=assigned, kept=kept, balance_loss=balance)
         if self.pffn is not None:
-            seq, pending = self.pffn(seq, offsets, u[:, : c.num_summary_tokens], max_len, pending=pending, defer=True,
-                                     normed=pffn_normed)
+            queries = u[:, : c.num_summary_tokens]
+            if segments > examples:
+                queries = F.pad(queries, (0, 0, 0, 0, 0, segments - examples))
+            seq, pending = self.pffn(seq, offsets, queries, max_len, pending=pending, defer=True, normed=pffn_normed)
         if self.attention is not None:
             seq, pending = self.attention(seq, offsets, positions, max_len, pending=pending, defer=True)
         return u, seq, summary, pending
@@ -343,6 +347,21 @@ class KunlunEncoder(nn.Module):
         return total
 
 
+def pad_history(seq: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, bucket: int,
+                max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The jagged history ``seq [T, D]`` (``offsets [B + 1]``, ``positions [T]``) padded to the next multiple of
+    ``bucket`` tokens (at least one bucket) by ``ceil(bucket / max_len)`` padding segments after the examples, each
+    at most ``max_len`` tokens (zero rows, position 0; segments past the padding are empty). Shapes then depend on
+    ``B`` and the bucket alone, which a CUDA graph of the trunk needs; every jagged op works per segment, so the
+    examples' outputs do not change. Offsets are made on the device from host-known sizes: no host sync."""
+    tokens = seq.shape[0]
+    total = max(-(-tokens // bucket), 1) * bucket
+    segments = -(-bucket // max_len)
+    ends = (torch.arange(1, segments + 1, device=offsets.device, dtype=offsets.dtype) * max_len).clamp(max=total - tokens)
+    return (F.pad(seq, (0, 0, 0, total - tokens)), torch.cat([offsets, offsets[-1:] + ends]),
+            F.pad(positions, (0, total - tokens)))
+
+
 def newest_events(seq: torch.Tensor, offsets: torch.Tensor, count: int) -> torch.Tensor:
     """``[B, count, D]``: each example's newest ``count`` events of the jagged ``seq [T, D]``, newest first,
     zeros where a history is shorter. Next-item tasks hinge on the last few events, which a pooled
@@ -380,9 +399,32 @@ class KunlunTrunk(nn.Module):
         )
         self.representation_dim = widths[-1]
         self.graphs: GraphedForward | None = None  # ``head`` replayed as CUDA graphs (``apply_cuda_graphs``)
+        # > 0: the history padded to multiples of this many tokens (``pad_history``) and the whole trunk run as
+        # ``padded``, replayed as CUDA graphs by ``trunk_graphs`` (``apply_cuda_graphs(history_bucket=)``)
+        self.history_bucket = 0
+        self.trunk_graphs: GraphedForward | None = None
 
     def forward(self, x, seq, offsets, positions):
         c = self.config
+        if not self.history_bucket:
+            representation, aux, _ = self._layers(x, seq, offsets, positions, self.head if self.graphs is None else self.graphs)
+            return representation, aux
+        seq, offsets, positions = pad_history(seq, offsets, positions, self.history_bucket, c.max_seq_len)
+        representation, aux, *stats = (self.padded if self.trunk_graphs is None else self.trunk_graphs)(x, seq, offsets, positions)
+        for layer, (assigned, kept, balance) in zip(self.layers, zip(stats[0::3], stats[1::3], stats[2::3])):
+            layer.moe.last_stats = RoutingStats(assigned=assigned, kept=kept, balance_loss=balance)
+        return representation, aux
+
+    def padded(self, x, seq, offsets, positions) -> tuple[torch.Tensor, ...]:
+        """The trunk over a padded history (``pad_history``: shapes set by the batch size and the bucket):
+        ``(representation, aux_loss, then each layer's MoE assigned, kept and balance loss)``, the statistics handed
+        back so that a CUDA graph of it (``trunk_graphs``) returns them."""
+        representation, aux, stats = self._layers(x, seq, offsets, positions, self.head)
+        return representation, aux, *(t for s in stats for t in (s.assigned, s.kept, s.balance_loss))
+
+    def _layers(self, x, seq, offsets, positions, head) -> tuple[torch.Tensor, torch.Tensor, list[RoutingStats]]:
+        c = self.config
+        examples = x.shape[0]  # offsets may hold padding segments after them
         if c.dropout:
             x, seq = F.dropout(x, c.dropout, self.training), F.dropout(seq, c.dropout, self.training)
         summary = pending = None
@@ -391,12 +433,11 @@ class KunlunTrunk(nn.Module):
             x, seq, summary, pending = layer(x, seq, offsets, positions, c.max_seq_len, summary, pending)
             aux = aux + c.balance_loss_weight * layer.moe.last_stats.balance_loss
         normed, seq = self.final_summary_norm(seq, skip=True, pending=pending)  # seq: the updated history, whole
-        final = self.final_summary(normed, offsets, c.max_seq_len)
-        tokens = [x, final]
+        tokens = [x, self.final_summary(normed, offsets, c.max_seq_len)[:examples]]
         if c.recent_tokens:
-            tokens.append(newest_events(seq, offsets, c.recent_tokens))
-        (representation,) = (self.head if self.graphs is None else self.graphs)(*tokens)
-        return representation, aux
+            tokens.append(newest_events(seq, offsets, c.recent_tokens)[:examples])
+        (representation,) = head(*tokens)
+        return representation, aux, [layer.moe.last_stats for layer in self.layers]
 
     def head(self, *tokens: torch.Tensor) -> tuple[torch.Tensor]:
         """``(representation [B, R],)`` from the final tokens (each ``[B, n, D]``), on fixed shapes (a CUDA graph
@@ -563,16 +604,21 @@ class KunlunModel(nn.Module):
         return self.encoder.embedding_bytes(batch)
 
 
-def apply_cuda_graphs(model: nn.Module, max_shapes: int = 8) -> None:
+def apply_cuda_graphs(model: nn.Module, max_shapes: int = 8, history_bucket: int = 0) -> None:
     """Replay the fixed-shape parts of every Kunlun layer and trunk and every SASRec in ``model`` as CUDA graphs in
     training, one forward and one backward graph per batch shape (up to ``max_shapes``; other shapes, evaluation and
     CPU calls run eagerly): each layer's per-example side (``KunlunLayer.cross``: compression, MoE routing and
     experts), the trunk's head (``KunlunTrunk.head``) and SASRec's every-position encoder in its padded layout
-    (``SasrecModel.every_position_padded``). Kunlun's jagged history stays eager (its token count changes every batch).
+    (``SasrecModel.every_position_padded``). Kunlun's jagged history stays eager (its token count changes every
+    batch), unless ``history_bucket`` > 0: the history is then padded to multiples of that many tokens
+    (``pad_history``) and each trunk replays whole (``KunlunTrunk.padded``), one pair of graphs per batch size and
+    bucket.
 
     Why: a small model's step on a GPU is bound by the host's launches, and these parts are a few hundred small
     kernels a step (the MoE's routing and slot dispatch most). One process only: a MoE counting capacity over a
     batch group holds a collective, which a graph must not."""
+    if history_bucket < 0:
+        raise ValueError(f"apply_cuda_graphs: history_bucket must be >= 0, got {history_bucket}")
     for module in model.modules():
         if isinstance(module, KunlunLayer):
             if module.moe.batch_group is not None:
@@ -580,9 +626,14 @@ def apply_cuda_graphs(model: nn.Module, max_shapes: int = 8) -> None:
             if module.moe.capacity_factor <= 0:
                 raise ValueError("apply_cuda_graphs: a MoE without a capacity (capacity_factor <= 0) sizes its rows by a "
                                  "count read on the host, which a CUDA graph cannot hold")
-            module.graphs = GraphedForward(module.cross, module, module.cross_graph_parameters(), max_shapes=max_shapes)
+            if not history_bucket:
+                module.graphs = GraphedForward(module.cross, module, module.cross_graph_parameters(), max_shapes=max_shapes)
         elif isinstance(module, KunlunTrunk):
-            module.graphs = GraphedForward(module.head, module, module.head_graph_parameters(), max_shapes=max_shapes)
+            if history_bucket:
+                module.history_bucket = history_bucket
+                module.trunk_graphs = GraphedForward(module.padded, module, max_shapes=max_shapes)
+            else:
+                module.graphs = GraphedForward(module.head, module, module.head_graph_parameters(), max_shapes=max_shapes)
         elif isinstance(module, SasrecModel):
             module.graphs = GraphedForward(module.every_position_padded, module, module.graph_parameters(),
                                            max_shapes=max_shapes)

@@ -40,6 +40,8 @@ class DenseOptions:
       (``gem_kunlun.apply_cuda_graphs``): a few hundred small kernels a step become a few graph launches, without a
       compiler's own host time per call. One process without FSDP (no collective may sit in a graph); excludes
       ``compile`` and ``compile_experts``.
+    - ``history_bucket``: with ``cuda_graphs``, > 0 pads Kunlun's history to multiples of this many tokens and replays
+      each trunk whole (``apply_cuda_graphs(history_bucket=)``); 0 keeps the history eager.
     """
 
     param_dtype: torch.dtype | None = None
@@ -49,8 +51,11 @@ class DenseOptions:
     compile: str = "off"
     compile_experts: bool = False
     cuda_graphs: bool = False
+    history_bucket: int = 0
 
     def __post_init__(self) -> None:
+        if self.history_bucket < 0:
+            raise ValueError(f"history_bucket must be >= 0, got {self.history_bucket}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.compile_experts and self.compile != "off":

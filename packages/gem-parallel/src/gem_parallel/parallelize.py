@@ -93,7 +93,7 @@ def parallelize_kunlun(
         if fsdp:
             raise LayoutError("cuda_graphs needs one process without param_dtype / reduce_dtype: a CUDA graph cannot "
                               "hold FSDP's or the routing's collectives")
-        apply_cuda_graphs(model)
+        apply_cuda_graphs(model, history_bucket=dense.history_bucket)
     if dense.compile != "off":
         if dense.compile == "reduce-overhead" and fsdp:
             raise LayoutError("compile = 'reduce-overhead' replays each block as CUDA graphs, which cannot hold FSDP's "
