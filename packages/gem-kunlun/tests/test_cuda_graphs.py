@@ -123,6 +123,10 @@ def test_the_trunk_over_a_padded_history_trains_as_the_unpadded_one(bucket, kern
         for (a0, k0), (a1, k1) in zip(*stats):
             assert torch.equal(a0, a1) and torch.equal(k0, k1)
     assert padded.trunk.trunk_graphs.replays == 0 and padded.trunk.trunk_graphs.eager_calls == 2
+    padded.eval(), plain.eval()  # evaluation runs the unpadded trunk
+    with torch.no_grad():
+        torch.testing.assert_close(padded(batch).logits, plain(batch).logits)
+    assert padded.trunk.trunk_graphs.eager_calls == 2
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 15, 16, 17, 100])

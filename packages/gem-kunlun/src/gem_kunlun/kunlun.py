@@ -406,7 +406,8 @@ class KunlunTrunk(nn.Module):
 
     def forward(self, x, seq, offsets, positions):
         c = self.config
-        if not self.history_bucket:
+        # NOTE: evaluation never replays (its outputs would alias the graphs' memory): it skips the padding too
+        if not (self.history_bucket and self.training):
             representation, aux, _ = self._layers(x, seq, offsets, positions, self.head if self.graphs is None else self.graphs)
             return representation, aux
         seq, offsets, positions = pad_history(seq, offsets, positions, self.history_bucket, c.max_seq_len)
