@@ -408,10 +408,12 @@ class KunlunTrunk(nn.Module):
         c = self.config
         # NOTE: evaluation never replays (its outputs would alias the graphs' memory): it skips the padding too
         if not (self.history_bucket and self.training):
-            representation, aux, _ = self._layers(x, seq, offsets, positions, self.head if self.graphs is None else self.graphs)
+            head = self.head if self.graphs is None else self.graphs
+            representation, aux, _ = self._layers(x, seq, offsets, positions, head)
             return representation, aux
         seq, offsets, positions = pad_history(seq, offsets, positions, self.history_bucket, c.max_seq_len)
-        representation, aux, *stats = (self.padded if self.trunk_graphs is None else self.trunk_graphs)(x, seq, offsets, positions)
+        trunk = self.padded if self.trunk_graphs is None else self.trunk_graphs
+        representation, aux, *stats = trunk(x, seq, offsets, positions)
         for layer, (assigned, kept, balance) in zip(self.layers, zip(stats[0::3], stats[1::3], stats[2::3])):
             layer.moe.last_stats = RoutingStats(assigned=assigned, kept=kept, balance_loss=balance)
         return representation, aux
