@@ -132,3 +132,12 @@ def test_the_padded_encoder_rejects_more_events_than_its_rows_hold():
     m = model(SasrecConfig(dim=16, num_blocks=1, num_heads=2, max_seq_len=6, layout="padded"))
     with pytest.raises(ValueError, match="max_seq_len"):
         m._encode(torch.randn(15, 16), torch.tensor([7, 8]), every=True)
+
+
+def test_flops_count_the_blocks_over_the_kept_lengths_and_the_scores():
+    m = model()
+    batch = random_batch(7, seed=4, max_events=9, spec=SPEC)  # some histories exceed max_seq_len (6)
+    lengths = batch.sequences["history"].lengths().clamp(max=6).double()
+    tokens, pairs, d = float(lengths.sum()), float((lengths * (lengths + 1) / 2).sum()), 16
+    per_block = 2.0 * d * 3 * d * tokens + 4.0 * d * pairs + 2.0 * d * d * tokens + 4.0 * d * d * tokens
+    assert m.flops(batch) == {"block0": per_block, "block1": per_block, "score": 2.0 * d * 7}
