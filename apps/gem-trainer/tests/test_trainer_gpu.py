@@ -42,16 +42,22 @@ def test_a_training_step_waits_on_the_gpu_nowhere(tmp_path):
     try:
         for _ in range(3):  # compiled parts are compiled, the loss checks have a previous step to read
             trainer.train_step()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(2):
-                trainer.train_step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
+        steps_without_device_sync(trainer, 2)
     finally:
         trainer.close()
+
+
+def steps_without_device_sync(trainer, steps: int) -> None:
+    """``steps`` training steps under torch's sync debug mode "error": it raises at a step's first device value
+    read on the host or blocking copy to the device."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
 
 
 def test_compiled_kunlun_blocks_run_the_triton_kernels_between_their_graphs_and_train_as_eager_ones(tmp_path):
@@ -197,13 +203,7 @@ def test_sasrec_replayed_as_cuda_graphs_trains_as_the_eager_one_and_does_replay(
             graphs[mode] = getattr(trainer.model, "module", trainer.model).graphs
             # the lookup's batch size (every scored item of the batch) changes from batch to batch: no step may wait
             # on the GPU for it (TorchRec's all-to-all index made by a blocking copy)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                for _ in range(3):
-                    trainer.train_step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            steps_without_device_sync(trainer, 3)
         finally:
             trainer.close()
     torch.testing.assert_close(torch.tensor(losses["on"]), torch.tensor(losses["off"]), rtol=1e-4, atol=1e-5)
