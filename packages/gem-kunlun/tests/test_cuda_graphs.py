@@ -276,6 +276,28 @@ def test_each_batch_shape_gets_its_own_graphs_and_evaluation_runs_eagerly():
 
 
 @cuda
+def test_shapes_are_captured_while_earlier_autograd_graphs_of_the_parameters_live():
+    # a module keeping its last statistics (MixtureOfExperts.last_stats) keeps the last step's autograd graph, and
+    # with it the parameters' gradient accumulators, made on the default stream: a capture must not depend on them
+    moe, twin = make("cuda"), make("cuda")
+    graphed = GraphedForward(moe.routed, moe)
+    alive = [moe.routed(torch.randn(16, 6, 16, device="cuda"))[3]]  # an eager graph
+    for rows in (64, 48, 32):
+        x, upstream = torch.randn(rows, 6, 16, device="cuda"), torch.randn(rows, 6, 16, device="cuda")
+        assert_same_step(step(graphed, moe, x, upstream), step(twin.routed, twin, x, upstream))
+        alive.append(graphed(torch.randn(rows, 6, 16, device="cuda"))[3])  # a replay's graph, never run backward
+    assert graphed.replays == 6 and len(graphed._captures) == 3 and graphed.eager_calls == 0
+    # the module's own parameters are back in place after each capture
+    assert all(a is b for a, b in zip(moe.parameters(), graphed._captures[next(iter(graphed._captures))].parameters))
+
+
+def test_parameters_outside_the_module_are_refused():
+    moe, other = make(), make(seed=1)
+    with pytest.raises(ValueError, match="1 of the given parameters are not parameters of the module"):
+        GraphedForward(moe.routed, moe, [*moe.parameters(), other.gate.weight])
+
+
+@cuda
 def test_a_second_forward_before_the_first_backward_runs_eagerly_and_both_gradients_are_right():
     moe, twin = make("cuda"), make("cuda")
     graphed = GraphedForward(moe.routed, moe)

@@ -28,6 +28,7 @@ their shape. ``replays`` and ``eager_calls`` count what happened.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from collections.abc import Callable
@@ -49,11 +50,16 @@ class _Pending:
 class _Capture:
     """The forward and backward graphs of one input shape, with the static tensors they read and write."""
 
-    def __init__(self, function: Callable, parameters: tuple[nn.Parameter, ...], inputs: tuple[torch.Tensor, ...],
-                 warmup: int) -> None:
+    def __init__(self, function: Callable, module: nn.Module, parameters: tuple[nn.Parameter, ...],
+                 inputs: tuple[torch.Tensor, ...], warmup: int) -> None:
         self.inputs = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
         self.parameters = parameters
-        surface = [t for t in (*self.inputs, *parameters) if t.requires_grad]
+        with _fresh_leaves(module, parameters) as leaves:
+            self._capture(function, leaves, warmup)
+        self.last: weakref.ref | None = None  # the _Pending of the last replay
+
+    def _capture(self, function: Callable, leaves: tuple[nn.Parameter, ...], warmup: int) -> None:
+        surface = [t for t in (*self.inputs, *leaves) if t.requires_grad]
         # NOTE: warm-up passes on a side stream first, so that lazy initialisation (cuBLAS handles, Triton's
         # compilation, the caching allocator's first blocks) happens outside the capture
         side = torch.cuda.Stream()
@@ -84,11 +90,8 @@ class _Capture:
                 grads = torch.autograd.grad([o for o in self.outputs if o.requires_grad], surface,
                                             [g for g in self.grad_outputs if g is not None], allow_unused=True)
         remaining = iter(grads)
-        self.grads = tuple(next(remaining, None) if t.requires_grad else None for t in (*self.inputs, *parameters))
-        # NOTE: the captured autograd graph is spent; kept, it would keep the parameters' gradient accumulators made on
-        # the capture stream, and every replay's gradients would then wait across streams to be accumulated
-        self.outputs = tuple(o.detach() for o in self.outputs)
-        self.last: weakref.ref | None = None  # the _Pending of the last replay
+        self.grads = tuple(next(remaining, None) if t.requires_grad else None for t in (*self.inputs, *leaves))
+        self.outputs = tuple(o.detach() for o in self.outputs)  # the captured autograd graph is spent
 
     def unalias_parameter_grads(self) -> None:
         """Autograd keeps a parameter's first gradient without copying it, so a ``.grad`` may be this capture's static
@@ -151,6 +154,13 @@ class GraphedForward:
         self.function, self.module, self.max_shapes, self.warmup = function, module, max_shapes, warmup
         # each parameter once: a repeated one would get its gradient twice
         self.parameters = None if parameters is None else tuple(dict.fromkeys(parameters))
+        if self.parameters is not None:
+            # a capture swaps each parameter for a fresh leaf where the module holds it (_fresh_leaves)
+            held = {id(p) for p in module.parameters()}
+            foreign = sum(id(p) not in held for p in self.parameters)
+            if foreign:
+                raise ValueError(f"GraphedForward: {foreign} of the given parameters are not parameters of the module "
+                                 f"({type(module).__name__})")
         self._captures: dict[tuple, _Capture] = {}
         self.replays = self.eager_calls = 0
 
@@ -164,7 +174,7 @@ class GraphedForward:
         if capture is None and len(self._captures) < self.max_shapes:
             parameters = self.parameters if self.parameters is not None else tuple(self.module.parameters())
             try:
-                capture = self._captures[key] = _Capture(self.function, parameters, inputs, self.warmup)
+                capture = self._captures[key] = _Capture(self.function, self.module, parameters, inputs, self.warmup)
             except RuntimeError as error:
                 name = getattr(self.function, "__qualname__", repr(self.function))
                 raise RuntimeError(f"GraphedForward: capturing {name} as a CUDA graph failed (a host synchronisation "
@@ -185,9 +195,34 @@ class GraphedForward:
                 and not _saved_tensor_hooks_active())
 
     def __deepcopy__(self, memo: dict) -> "GraphedForward":
-        # a copy of the module (a teacher, an average of weights) captures its own graphs
-        return GraphedForward(copy.deepcopy(self.function, memo), copy.deepcopy(self.module, memo),
-                              copy.deepcopy(self.parameters, memo), self.max_shapes, self.warmup)
+        # a copy of the module (a teacher, an average of weights) captures its own graphs; the module may be half
+        # copied here (this object is one of its attributes): its parameters are not checked again
+        copied = GraphedForward(copy.deepcopy(self.function, memo), copy.deepcopy(self.module, memo), None,
+                                self.max_shapes, self.warmup)
+        copied.parameters = copy.deepcopy(self.parameters, memo)
+        return copied
+
+
+@contextlib.contextmanager
+def _fresh_leaves(module: nn.Module, parameters: tuple[nn.Parameter, ...]):
+    """Each of ``parameters`` replaced, wherever ``module`` or a submodule holds it, by a new leaf sharing its
+    memory: ``(the new leaves)``, the originals put back on exit.
+
+    Why: autograd feeds a parameter's gradient through the parameter's one gradient accumulator, which runs on the
+    stream current where it was made. While any autograd graph of the parameter lives (a step's, kept by whoever
+    keeps a loss or statistics), that accumulator is on the default stream, and a backward captured on the capture
+    stream would make the default stream wait on it, which invalidates the capture. New leaves have accumulators
+    of their own, made inside the capture."""
+    leaves = {id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in parameters}
+    swapped = [(owner, name, p) for owner in module.modules() for name, p in owner._parameters.items()
+               if p is not None and id(p) in leaves]
+    for owner, name, p in swapped:
+        owner._parameters[name] = leaves[id(p)]
+    try:
+        yield tuple(leaves[id(p)] for p in parameters)
+    finally:
+        for owner, name, p in swapped:
+            owner._parameters[name] = p
 
 
 def _saved_tensor_hooks_active() -> bool:
