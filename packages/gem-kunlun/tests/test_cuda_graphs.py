@@ -285,7 +285,8 @@ def test_shapes_are_captured_while_earlier_autograd_graphs_of_the_parameters_liv
     for rows in (64, 48, 32):
         x, upstream = torch.randn(rows, 6, 16, device="cuda"), torch.randn(rows, 6, 16, device="cuda")
         assert_same_step(step(graphed, moe, x, upstream), step(twin.routed, twin, x, upstream))
-        alive.append(graphed(torch.randn(rows, 6, 16, device="cuda"))[3])  # a replay's graph, never run backward
+        # a replay's graph, never run backward (the input requires its gradient, as step's: the same capture)
+        alive.append(graphed(torch.randn(rows, 6, 16, device="cuda", requires_grad=True))[3])
     assert graphed.replays == 6 and len(graphed._captures) == 3 and graphed.eager_calls == 0
     # the module's own parameters are back in place after each capture
     assert all(a is b for a, b in zip(moe.parameters(), graphed._captures[next(iter(graphed._captures))].parameters))
