@@ -95,8 +95,11 @@ def test_layers_replayed_as_cuda_graphs_train_as_eager_ones_and_do_replay(tmp_pa
                             if not (history_bucket and isinstance(m, KunlunLayer))]
         finally:
             trainer.close()
-    # the same kernels on the same batches, replayed; index_add_'s atomics add in any order
-    torch.testing.assert_close(torch.tensor(losses["graphs"]), torch.tensor(losses["eager"]), rtol=1e-4, atol=1e-5)
+    # the same kernels on the same batches, replayed; index_add_'s atomics add in any order. A padded history gives
+    # the GEMMs over its tokens more rows, for which cuBLAS picks other kernels: in bf16 their rounding differs by
+    # up to an ulp (2**-8), which five steps carry into the loss
+    tolerance = dict(rtol=1e-2, atol=1e-3) if history_bucket and autocast == "bf16" else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(losses["graphs"]), torch.tensor(losses["eager"]), **tolerance)
     assert graphs["eager"] and all(g is None for g in graphs["eager"])
     assert all(g.replays == 5 and g.eager_calls == 0 for g in graphs["graphs"])
 
