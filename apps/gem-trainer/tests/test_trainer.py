@@ -321,3 +321,17 @@ def test_a_history_padded_to_token_buckets_trains_as_the_unpadded_one(tmp_path):
         finally:
             trainer.close()
     torch.testing.assert_close(losses[64], losses[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_the_thread_switch_interval_is_the_configs_while_a_reading_trainer_lives(tmp_path, read_ahead):
+    before = sys.getswitchinterval()
+    trainer = Trainer(small_config(tmp_path, "--data.read_ahead_switch_ms=0.5", f"--data.read_ahead={read_ahead}"),
+                      init_distributed("cpu", "gloo"))
+    try:
+        trainer.train_step()
+        # without a reader thread there is nothing to switch to: Python's setting stays
+        assert sys.getswitchinterval() == pytest.approx(0.0005 if read_ahead else before)
+    finally:
+        trainer.close()
+    assert sys.getswitchinterval() == before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 import warnings
 from typing import Any
@@ -79,6 +80,7 @@ class Trainer:
         self.input = ReadAhead(self.stream, depth=2 if config.data.read_ahead else 0, pin=env.device.type == "cuda",
                                observe=self._reader_report)
         self._batches = iter(self.input)
+        self._switch_interval_before: float | None = None
         self._unchecked_loss: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         self._check_ranking_is_possible()
         self.dims = builders.build_parallel_dims(config, env)
@@ -132,6 +134,10 @@ class Trainer:
         # what delays a job's first step: set-up (data readers, model, sharding plan, optimizers) here, then the
         # first step itself (first batch, kernel compilation and autotuning), timed in ``train``
         self.startup = {"setup_s": time.perf_counter() - created}
+        # NOTE: last, so that a failed set-up leaves Python's setting alone (close() restores it)
+        if config.data.read_ahead and config.data.read_ahead_switch_ms > 0:
+            self._switch_interval_before = sys.getswitchinterval()
+            sys.setswitchinterval(config.data.read_ahead_switch_ms / 1e3)
 
     def _check_ranking_is_possible(self) -> None:
         """Sampled ranking needs ``eval_negatives`` items outside every user's sequence: checked before training
@@ -389,6 +395,9 @@ class Trainer:
         finally:
             self.input.close()
             self.logger.close()
+            if self._switch_interval_before is not None:
+                sys.setswitchinterval(self._switch_interval_before)
+                self._switch_interval_before = None
 
     def _autocast(self):
         return autocast(self.env.device, self.autocast_dtype, cache=not self.cuda_graphs)
