@@ -135,9 +135,10 @@ class Trainer:
         # first step itself (first batch, kernel compilation and autotuning), timed in ``train``
         self.startup = {"setup_s": time.perf_counter() - created}
         # NOTE: last, so that a failed set-up leaves Python's setting alone (close() restores it)
-        if config.data.read_ahead and config.data.read_ahead_switch_ms > 0:
+        interval = switch_interval(config)
+        if interval is not None:
             self._switch_interval_before = sys.getswitchinterval()
-            sys.setswitchinterval(config.data.read_ahead_switch_ms / 1e3)
+            sys.setswitchinterval(interval)
 
     def _check_ranking_is_possible(self) -> None:
         """Sampled ranking needs ``eval_negatives`` items outside every user's sequence: checked before training
@@ -405,6 +406,13 @@ class Trainer:
     def _print(self, message: str) -> None:
         if self.env.rank == 0:
             print(message, flush=True)
+
+
+def switch_interval(config: TrainerConfig) -> float | None:
+    """The thread switch interval (seconds) a trainer of ``config`` sets while it lives: None where it leaves Python's
+    own (no reader thread, or ``data.read_ahead_switch_ms`` = 0)."""
+    data = config.data
+    return data.read_ahead_switch_ms / 1e3 if data.read_ahead and data.read_ahead_switch_ms > 0 else None
 
 
 def _copy_to_host(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
