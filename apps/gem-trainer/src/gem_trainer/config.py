@@ -249,7 +249,7 @@ class DataConfig(Section):
     # with read_ahead, Python's thread switch interval while the trainer lives (sys.setswitchinterval; close()
     # restores it): how long the training thread may wait for the interpreter lock while the reader holds it. A small
     # model's step waits on the host, and at Python's 5 ms default the reader can hold up a whole step's launches
-    # (compare with `gem_trainer.bench --trainer-override data.read_ahead_switch_ms=0`); 0 leaves Python's setting
+    # (compare: gem_trainer.bench_paired --variant A --variant "B: data.read_ahead_switch_ms=0"); 0: Python's setting
     read_ahead_switch_ms: float = Field(0.2, ge=0)
     # rows a table reader (sequence_text, atomic, parquet) reads at a time, several batches of a small batch size
     # sharing a read's fixed cost; the batches are the same for any value (0: one batch per read)
