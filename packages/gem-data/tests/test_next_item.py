@@ -69,6 +69,36 @@ def test_popularity_sampler_follows_training_counts():
     assert torch.allclose(own[1:5], counts[1:5].double() / counts[1:5].sum(), atol=0.02)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_owned_pairs_bitmap_answers_as_the_binary_search_over_the_sorted_keys(seed):
+    from gem_data.sequential.sampling import in_bitmap, is_owned_sorted, owned_bitmap
+
+    g = torch.Generator().manual_seed(seed)
+    num_keys = int(torch.randint(1, 5_000, (1,), generator=g))
+    owned = torch.unique(torch.randint(0, 40_000, (num_keys,), generator=g))  # sorted and distinct
+    # keys owned, not owned, on the bitmap's last byte and past its end
+    keys = torch.cat([owned[torch.randint(owned.numel(), (500,), generator=g)], torch.randint(0, 50_000, (2_000,), generator=g),
+                      owned[-1:] + torch.arange(-8, 24)])
+    bitmap = owned_bitmap(owned)
+    assert bitmap.size == int(owned[-1]) // 8 + 1
+    assert torch.equal(in_bitmap(bitmap, keys), is_owned_sorted(owned, keys))
+    assert torch.equal(in_bitmap(bitmap, keys.view(-1, 1)[:, [0, 0]]), is_owned_sorted(owned, keys.view(-1, 1)[:, [0, 0]]))
+    assert owned_bitmap(owned, max_bytes=bitmap.size - 1) is None and owned_bitmap(owned[:0]) is None
+
+
+def test_negatives_drawn_through_the_bitmap_are_those_of_the_binary_search(corpus):
+    from gem_data.sequential.sampling import NegativeSampler
+
+    owned = corpus.owned_keys()
+    fast, reference = NegativeSampler(corpus.num_items, owned), NegativeSampler(corpus.num_items, owned)
+    reference._bitmap = None  # the binary search over the sorted keys
+    assert fast._bitmap is not None
+    users = torch.randint(int(owned[-1]) // corpus.num_items + 1, (20_000,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fast.draw(users, torch.arange(20_000), salt=7), reference.draw(users, torch.arange(20_000), salt=7))
+    candidates = torch.randint(corpus.num_items, (users.numel(), 30), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(fast.is_owned(users[:, None], candidates), reference.is_owned(users[:, None], candidates))
+
+
 def test_sampled_ranking_holds_the_target_and_99_distinct_unseen_items(corpus):
     dataset = NextItemDataset(corpus)
     ranking = dataset.ranking_examples("test", "sampled", num_negatives=20, seed=3)

@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-rows", nargs="+", type=int, default=[1024, 2048, 4096])
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--batches", type=int, default=200, help="batches timed per stream and round")
+    parser.add_argument("--section", default="read_rows", help="the section of --out written (others are kept)")
     args = parser.parse_args(argv)
     if not (args.data / "beauty").is_dir():
         parser.error(f"--data: no beauty folder in {args.data}")
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'config':24s} {'read_rows':>9s} {'ms/batch':>9s}")
     for row in rows:
         print(f"{row['config']:24s} {row['read_rows']:9d} {row['ms_per_batch']:9.3f}")
-    write_section(args.out, "read_rows", meta, started, {"rounds": ROUNDS, "batches_per_round": args.batches, "rows": rows})
+    write_section(args.out, args.section, meta, started, {"rounds": ROUNDS, "batches_per_round": args.batches, "rows": rows})
     return 0
 
 

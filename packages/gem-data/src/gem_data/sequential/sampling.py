@@ -7,9 +7,14 @@ negatives (sampled-99) come from one seeded ``torch.Generator`` draw over all us
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
+# ``is_owned`` reads a bitmap of every (user, item) pair where it takes at most this many bytes (Beauty's 22,363 users
+# x 12,101 items: 34 MB): one lookup a key instead of a binary search over every event's key (a training read of 4,096
+# rows draws ~36,000 negatives); larger corpora search the sorted keys
+OWNED_BITMAP_BYTES = 64 * 2**20
 
 
 def _mix32(x):
@@ -37,6 +42,39 @@ def salt_of(*parts: int) -> int:
     return value
 
 
+def is_owned_sorted(owned_keys: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``keys`` is in the sorted ``owned_keys``: a binary search (``owned_bitmap``'s reference)."""
+    if not owned_keys.numel():
+        return torch.zeros_like(keys, dtype=torch.bool)
+    where = torch.searchsorted(owned_keys, keys).clamp(max=owned_keys.numel() - 1)
+    return owned_keys[where] == keys
+
+
+def owned_bitmap(owned_keys: torch.Tensor, max_bytes: int | None = None) -> np.ndarray | None:
+    """Bit ``k`` set for each of the sorted, distinct, non-negative ``owned_keys``; None where the bitmap would take
+    more than ``max_bytes`` (default ``OWNED_BITMAP_BYTES``) or there are no keys."""
+    max_bytes = OWNED_BITMAP_BYTES if max_bytes is None else max_bytes
+    if not owned_keys.numel() or (int(owned_keys[-1]) >> 3) + 1 > max_bytes:
+        return None
+    keys = owned_keys.numpy()
+    byte, bit = keys >> 3, (np.uint8(1) << (keys & 7).astype(np.uint8))
+    # the keys are sorted and distinct: each byte's bits are its run of keys OR-ed together
+    starts = np.flatnonzero(np.diff(byte, prepend=-1))
+    bitmap = np.zeros(int(byte[-1]) + 1, dtype=np.uint8)
+    bitmap[byte[starts]] = np.bitwise_or.reduceat(bit, starts)
+    return bitmap
+
+
+def in_bitmap(bitmap: np.ndarray, keys: torch.Tensor) -> torch.Tensor:
+    """Whether bit ``k`` of ``bitmap`` is set for each of the non-negative ``keys`` (any shape; keys past its end: no).
+    In NumPy: a read draws in rounds, the later ones over a few keys, where torch's per-op cost would dominate."""
+    k = keys.numpy()
+    bits = bitmap.size * 8
+    clipped = np.minimum(k, bits - 1)
+    found = (bitmap[clipped >> 3] >> (clipped & 7).astype(np.uint8)) & np.uint8(1)
+    return torch.from_numpy(found.astype(bool) & (k < bits))
+
+
 class NegativeSampler:
     """Draws items not in a user's sequence: ``uniform`` over all items or ``popularity`` (``count ** power``).
 
@@ -47,6 +85,7 @@ class NegativeSampler:
         if kind not in ("uniform", "popularity"):
             raise ValueError(f"sampler must be 'uniform' or 'popularity', got {kind!r}")
         self.num_items, self.owned_keys, self.kind = num_items, owned_keys, kind
+        self._bitmap = owned_bitmap(owned_keys)
         if kind == "popularity":
             if counts is None:
                 raise ValueError("the popularity sampler needs item counts")
@@ -59,8 +98,9 @@ class NegativeSampler:
     def is_owned(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """Whether each ``(users[i], items[i])`` pair (any broadcastable shapes) is an interaction."""
         keys = users * self.num_items + items
-        where = torch.searchsorted(self.owned_keys, keys).clamp(max=max(self.owned_keys.numel() - 1, 0))
-        return self.owned_keys[where] == keys if self.owned_keys.numel() else torch.zeros_like(keys, dtype=torch.bool)
+        if self._bitmap is None:
+            return is_owned_sorted(self.owned_keys, keys)
+        return in_bitmap(self._bitmap, keys)
 
     def draw(self, users: torch.Tensor, keys: torch.Tensor, salt: int, max_rounds: int = 32) -> torch.Tensor:
         """One negative item per ``(users[i], keys[i])``; a pure function of ``(keys, salt)`` and the data."""
