@@ -32,7 +32,8 @@ def test_variants_alternate_in_rounds_each_under_its_own_switch_interval(tmp_pat
     # 3 rounds of 2 steps each
     assert sorted(set(seen)) == [(0.2, pytest.approx(0.0002)), (2.0, pytest.approx(0.002))]
     assert len(seen) == 2 * (1 + 3 * 2)
-    assert sys.getswitchinterval() == before
+    # Python keeps the interval in whole microseconds: a value read and set back may lose one
+    assert sys.getswitchinterval() == pytest.approx(before, abs=2e-6)
     assert "gem_trainer.bench_paired" in result["meta"]["command"] and result["meta"]["device"] == "cpu"
 
 
