@@ -90,9 +90,10 @@ def test_layers_replayed_as_cuda_graphs_train_as_eager_ones_and_do_replay(tmp_pa
         trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
         try:
             losses[mode] = [float(trainer.train_step()["loss"]) for _ in range(5)]
-            graphs[mode] = [m.trunk_graphs if history_bucket and isinstance(m, KunlunTrunk) else m.graphs
-                            for m in trainer.model.modules() if isinstance(m, (KunlunLayer, KunlunTrunk))
-                            if not (history_bucket and isinstance(m, KunlunLayer))]
+            # a padded history replays each trunk whole, its layers inside it
+            replayed = KunlunTrunk if history_bucket else (KunlunLayer, KunlunTrunk)
+            graphs[mode] = [m.trunk_graphs if history_bucket else m.graphs
+                            for m in trainer.model.modules() if isinstance(m, replayed)]
         finally:
             trainer.close()
     # the same kernels on the same batches, replayed; index_add_'s atomics add in any order. A padded history gives

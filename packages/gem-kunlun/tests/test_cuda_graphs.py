@@ -96,13 +96,7 @@ def test_a_graphed_model_on_the_cpu_trains_eagerly_as_its_twin_and_copies_get_gr
 def test_the_trunk_over_a_padded_history_trains_as_the_unpadded_one(bucket, kernel):
     # padding segments after the examples (pad_history): every jagged op works per segment, so the examples' outputs,
     # the MoE's routing and every gradient are those of the unpadded history; on the CPU the padded trunk runs eagerly
-    config = dataclasses.replace(TINY, kernel=kernel)
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(KunlunModel(SPEC, config))
-    padded, plain = models
-    apply_cuda_graphs(padded, history_bucket=bucket)
+    padded, plain = model_pair("cpu", dataclasses.replace(TINY, kernel=kernel), history_bucket=bucket)
     assert padded.trunk.history_bucket == bucket and padded.trunk.trunk_graphs is not None
     assert all(layer.graphs is None for layer in padded.layers) and padded.trunk.graphs is None
     for seed in (1, 2):
