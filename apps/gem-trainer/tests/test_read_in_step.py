@@ -1,14 +1,15 @@
 """``ReadAhead`` at depth 0 (``data.read_ahead = false``: no thread) hands out what it hands out at depth 2, records
-the same state, and a trainer reading in the step trains exactly as one reading ahead."""
+the same state, and a trainer reading in the step, or in a reading process (``data.read_ahead_process``), trains
+exactly as one reading ahead on a thread."""
 
 import itertools
 
 import pytest
 import torch
 
-from gem_data import ReadAhead, SyntheticConfig, SyntheticGenerator, SyntheticStream
+from gem_data import ProcessReadAhead, ReadAhead, SyntheticConfig, SyntheticGenerator, SyntheticStream
 from gem_data.testing import equal_batches
-from gem_trainer.config import load_config
+from gem_trainer.config import ConfigError, load_config
 from gem_trainer.distributed import init_distributed
 from gem_trainer.trainer import Trainer
 
@@ -47,15 +48,20 @@ def test_resume_and_a_new_iteration_continue_after_the_last_delivered_batch(gene
     assert equal_batches(next(iter(resumed)), expected[2])
 
 
-def test_a_trainer_reading_in_the_step_trains_exactly_as_one_reading_ahead(tmp_path):
+READERS = {"thread": ["--data.read_ahead=true"], "in the step": ["--data.read_ahead=false"],
+           "process": ["--data.read_ahead=true", "--data.read_ahead_process=true"]}
+
+
+def test_a_trainer_reading_in_the_step_or_a_process_trains_exactly_as_one_reading_ahead(tmp_path):
     env = init_distributed("cpu", "gloo")
     runs = {}
-    for read_ahead in (True, False):
-        config = load_config(None, [f"--run_dir={tmp_path / str(read_ahead)}", "--data.batch_size=64", "--data.eval_batches=2",
-                                    "--metrics.tensorboard=false", "--device=cpu", "--schedule.steps=20",
-                                    "--schedule.warmup_steps=2", f"--data.read_ahead={str(read_ahead).lower()}"])
+    for name, reader in READERS.items():
+        config = load_config(None, [f"--run_dir={tmp_path / name.replace(' ', '_')}", "--data.batch_size=64",
+                                    "--data.eval_batches=2", "--metrics.tensorboard=false", "--device=cpu",
+                                    "--schedule.steps=20", "--schedule.warmup_steps=2", *reader])
         trainer = Trainer(config, env)
-        assert trainer.input.depth == (2 if read_ahead else 0)
+        assert isinstance(trainer.input, ProcessReadAhead) == (name == "process")
+        assert trainer.input.depth == (0 if name == "in the step" else 2)
         losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
         state = trainer.state_dict()
         trainer.evaluate()  # eval mode in between: the next step trains in train mode again
@@ -64,9 +70,39 @@ def test_a_trainer_reading_in_the_step_trains_exactly_as_one_reading_ahead(tmp_p
         # a sharded embedding table compares by its (only) local shard
         weights = {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).detach().clone()
                    for k, v in trainer.model.state_dict().items()}
-        runs[read_ahead] = losses, state["data"], weights
+        runs[name] = losses, state["data"], weights
         trainer.close()
-    (losses, data, weights), (inline_losses, inline_data, inline_weights) = runs[True], runs[False]
-    assert losses == inline_losses and data == inline_data
-    assert weights.keys() == inline_weights.keys()
-    assert all(torch.equal(weights[k], inline_weights[k]) for k in weights)
+    losses, data, weights = runs["thread"]
+    for name in ("in the step", "process"):
+        other_losses, other_data, other_weights = runs[name]
+        assert other_losses == losses and other_data == data, name
+        assert other_weights.keys() == weights.keys()
+        assert all(torch.equal(other_weights[k], weights[k]) for k in weights), name
+
+
+def test_a_reading_process_reports_the_mixtures_shares_as_the_thread_does(tmp_path):
+    env = init_distributed("cpu", "gloo")
+    observed = {}
+    for name in ("thread", "process"):
+        config = load_config(None, [f"--run_dir={tmp_path / name}", "--data.batch_size=32", "--metrics.tensorboard=false",
+                                    "--device=cpu", "--schedule.steps=20", "--schedule.warmup_steps=2",
+                                    '--data.mixture.sources=[{name = "a"}, {name = "b", online = true, seed = 1}]',
+                                    "--data.mixture.online_share_start=0.25", "--data.mixture.online_share_end=0.75",
+                                    "--data.mixture.ramp_steps=4", *READERS[name]])
+        trainer = Trainer(config, env)
+        observed[name] = []
+        for _ in range(5):
+            trainer.train_step()
+            observed[name].append(trainer._data_metrics())
+        trainer.close()
+    assert observed["process"] == observed["thread"]
+    assert observed["thread"][0]["share_b"] != observed["thread"][-1]["share_b"]  # the ramp moved
+
+
+def test_a_reading_process_is_refused_where_it_cannot_read():
+    with pytest.raises(ConfigError, match="data.read_ahead_process reads ahead in a process: it needs data.read_ahead = true"):
+        load_config(None, ["--data.read_ahead=false", "--data.read_ahead_process=true"])
+    with pytest.raises(ConfigError, match="data.read_ahead_process and data.num_workers"):
+        load_config(None, ["--data.num_workers=2", "--data.read_ahead_process=true"])
+    with pytest.raises(ConfigError, match="data.read_ahead_process: the Solaris input"):
+        load_config(None, ["--data.read_ahead_process=true", "--solaris.student_input=served"])

@@ -14,9 +14,13 @@ from gem_trainer.trainer import Trainer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_batches_reach_the_gpu_from_page_locked_memory_and_train(tmp_path):
+READERS = {"thread": "--data.read_ahead_process=false", "process": "--data.read_ahead_process=true"}
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_batches_reach_the_gpu_from_page_locked_memory_and_train(tmp_path, reader):
     config = load_config(None, [f"--run_dir={tmp_path}", "--device=cuda", "--data.batch_size=64", "--data.eval_batches=1",
-                                "--metrics.tensorboard=false", "--checkpoint.enable=false"])
+                                "--metrics.tensorboard=false", "--checkpoint.enable=false", READERS[reader]])
     trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
     try:
         host = next(trainer._batches)
@@ -33,11 +37,12 @@ def test_batches_reach_the_gpu_from_page_locked_memory_and_train(tmp_path):
         trainer.close()
 
 
-def test_a_training_step_waits_on_the_gpu_nowhere(tmp_path):
+@pytest.mark.parametrize("reader", READERS)
+def test_a_training_step_waits_on_the_gpu_nowhere(tmp_path, reader):
     # a device value read on the host (or a blocking copy to the device) drains the GPU's queue, which then idles while
     # the host launches the next kernels: a step runs without any (torch's sync debug mode raises at the first)
     config = load_config(None, [f"--run_dir={tmp_path}", "--device=cuda", "--data.batch_size=64", "--data.eval_batches=1",
-                                "--metrics.tensorboard=false", "--checkpoint.enable=false"])
+                                "--metrics.tensorboard=false", "--checkpoint.enable=false", READERS[reader]])
     trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
     try:
         for _ in range(3):  # compiled parts are compiled, the loss checks have a previous step to read

@@ -251,6 +251,10 @@ class DataConfig(Section):
     # model's step waits on the host, and at Python's 5 ms default the reader can hold up a whole step's launches
     # (compare: gem_trainer.bench_paired --variant A --variant "B: data.read_ahead_switch_ms=0"); 0: Python's setting
     read_ahead_switch_ms: float = Field(0.2, ge=0)
+    # with read_ahead, read in a forked process instead of a thread (gem_data.process_read_ahead): the reader's
+    # Python then no longer shares the training process's interpreter, and a batch arrives as one buffer to copy.
+    # Not with num_workers (its own processes) or a Solaris input (a teacher or a server connection in the stream)
+    read_ahead_process: bool = False
     # rows a table reader (sequence_text, atomic, parquet) reads at a time, several batches of a small batch size
     # sharing a read's fixed cost; the batches are the same for any value (0: one batch per read)
     read_rows: int = Field(READ_ROWS, ge=0)
@@ -283,6 +287,16 @@ class DataConfig(Section):
                                  f"split, read in time order: set data.sequential.time_split")
         if self.train_surfaces is not None and self.balance:
             raise ValueError("data.train_surfaces gives batches of varying size, which data.balance cannot split evenly")
+        if self.read_ahead_process and not self.read_ahead:
+            raise ValueError("data.read_ahead_process reads ahead in a process: it needs data.read_ahead = true")
+        if self.read_ahead_process and self.num_workers:
+            raise ValueError("data.read_ahead_process and data.num_workers both read in other processes: choose one")
+        if self.read_ahead_process:
+            from gem_data.process_read_ahead import process_reading_available
+
+            why_not = process_reading_available()
+            if why_not is not None:
+                raise ValueError(f"data.read_ahead_process: {why_not}")
         return self
 
 
@@ -542,6 +556,9 @@ class TrainerConfig(Section):
             raise ValueError("data.synthetic.num_ads must be at least 10 * data.synthetic.num_clusters")
         if synthetic.user_propensity and not synthetic.num_users:
             raise ValueError("data.synthetic.user_propensity needs data.synthetic.num_users (a population of returning users)")
+        if self.data.read_ahead_process and self.solaris.student_input != "none":
+            raise ValueError("data.read_ahead_process: the Solaris input (solaris.student_input) runs a teacher or holds a "
+                             "server connection inside the data stream, which a forked reading process must not")
         self._check_retrieval()
         self._check_loopfm()
         return self

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gem_data import ReadAhead, rank_imbalance
+from gem_data import ProcessReadAhead, ReadAhead, rank_imbalance
 from gem_kunlun import MixtureOfExperts
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointError, CheckpointManager
@@ -76,9 +76,11 @@ class Trainer:
         self.stream = self.data.train
         # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
         # neither the reader nor the copy to the device holds up the training thread; or, with
-        # data.read_ahead = false, in the step (depth 0: the same batches, without a thread)
-        self.input = ReadAhead(self.stream, depth=2 if config.data.read_ahead else 0, pin=env.device.type == "cuda",
-                               observe=self._reader_report)
+        # data.read_ahead = false, in the step (depth 0: the same batches, without a thread); with
+        # data.read_ahead_process, in a forked process (the same batches again, none of its Python in this process)
+        reader = ProcessReadAhead if config.data.read_ahead_process else ReadAhead
+        self.input = reader(self.stream, depth=2 if config.data.read_ahead else 0, pin=env.device.type == "cuda",
+                            observe=self._reader_report)
         self._batches = iter(self.input)
         self._switch_interval_before: float | None = None
         self._unchecked_loss: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
@@ -412,7 +414,8 @@ def switch_interval(config: TrainerConfig) -> float | None:
     """The thread switch interval (seconds) a trainer of ``config`` sets while it lives: None where it leaves Python's
     own (no reader thread, or ``data.read_ahead_switch_ms`` = 0)."""
     data = config.data
-    return data.read_ahead_switch_ms / 1e3 if data.read_ahead and data.read_ahead_switch_ms > 0 else None
+    thread = data.read_ahead and not data.read_ahead_process
+    return data.read_ahead_switch_ms / 1e3 if thread and data.read_ahead_switch_ms > 0 else None
 
 
 def _copy_to_host(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -15,6 +15,7 @@ from gem_data.aligned_ranking import AlignedRanking
 from gem_data.alignment import AlignmentError, FeatureAlignment
 from gem_data.joined_ranking import JoinedRanking
 from gem_data.mixing import MixedStream, MixingConfig, MixSource
+from gem_data.process_read_ahead import ProcessReadAhead
 from gem_data.read_ahead import ReadAhead
 from gem_data.readers.atomic import read_atomic
 from gem_data.readers.parquet import ParquetTable, write_parquet
@@ -50,6 +51,7 @@ __all__ = [
     "NextItemTable",
     "ParquetTable",
     "RankingExamples",
+    "ProcessReadAhead",
     "ReadAhead",
     "SequenceCorpus",
     "ShardedStream",

@@ -1,0 +1,206 @@
+"""``ProcessReadAhead``: ``ReadAhead``'s batches, read by a separate process instead of a thread.
+
+A reading thread shares the training process's interpreter: where the step itself waits on the host (a small model on
+a GPU, its kernels launched one by one from Python), every millisecond of the reader's Python is a millisecond the
+step cannot run. A forked process reads instead, on a core of its own. It writes each batch into one of ``depth``
+shared-memory buffers (``gem_data.packing``: every tensor in one flat buffer) and sends a description of a few hundred
+bytes; the training process copies the buffer out in one piece (into page-locked memory for a GPU), hands the buffer
+back, and rebuilds the batch as views of its copy. Handing out a batch then costs the training process one memory
+copy and a few dozen tensor views, where receiving a pickled batch (a DataLoader worker's) costs a shared-memory
+file per tensor.
+
+Everything else is ``ReadAhead``'s: the same batches in the same order, ``depth`` batches ahead, the state recorded
+right after each delivered batch (the process sends it with the batch), ``observe`` called in the reading process after
+each batch and its value handed out as ``observed``, and ``close`` rewinding the source to the last delivered batch.
+The source (and ``observe``) must not use a GPU: the process is forked from one that may have initialised CUDA.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import multiprocessing as mp
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from gem_kunlun import Batch, FeatureSpec
+
+from gem_data.packing import Shared, describe, pack_into, unpack
+
+# NOTE: the processes of readers still running when the interpreter exits (a run stopped by an error) are stopped
+_live: weakref.WeakSet = weakref.WeakSet()
+atexit.register(lambda: [reader.stop_reading() for reader in list(_live)])
+
+
+def process_reading_available() -> str | None:
+    """None where a reading process can be forked here, otherwise why not."""
+    if "fork" not in mp.get_all_start_methods():
+        return "this platform cannot fork a process (the reading process is forked, so that the source needs no pickling)"
+    return None
+
+
+class ProcessReadAhead:
+    """Read ``source`` (any ``BatchSource``) ``depth`` (>= 1) batches ahead in a forked process; ``pin``: hand out
+    batches in page-locked memory (needs a CUDA build and device); ``observe``: called after each batch in the
+    reading process, its value for the last delivered batch is ``observed``."""
+
+    def __init__(self, source, depth: int = 2, pin: bool = False, observe: Callable[[], Any] | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"ProcessReadAhead depth must be >= 1, got {depth}")
+        why_not = process_reading_available()
+        if why_not is not None:
+            raise RuntimeError(why_not)
+        self.source, self.depth, self.pin, self.observe = source, depth, pin, observe
+        self._delivered: dict[str, Any] | None = None
+        self.observed: Any = None
+        self._process: mp.Process | None = None
+        self._ready = self._free = None  # this side's ends of the two pipes
+
+    @property
+    def spec(self) -> FeatureSpec:
+        return self.source.spec
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.close()
+        self._delivered = copy.deepcopy(self.source.state_dict())
+        return self._deliver()
+
+    def _deliver(self) -> Iterator[Batch]:
+        # the process starts with the first batch asked for, not when the iterator is made
+        context = mp.get_context("fork")
+        ready_receive, ready_send = context.Pipe(duplex=False)
+        free_receive, free_send = context.Pipe(duplex=False)
+        process = context.Process(target=_read, args=(self.source, self.observe, self.depth, ready_send, free_receive,
+                                                              (ready_receive, free_send)),
+                                  name="gem-read-ahead", daemon=True)
+        self._process, self._ready, self._free = process, ready_receive, free_send
+        _live.add(self)
+        process.start()
+        ready_send.close()
+        free_receive.close()
+        buffers: list[torch.Tensor | None] = [None] * self.depth
+        shared: dict[int, Any] = {}
+        try:
+            while True:
+                message = self._receive()
+                if message[0] == "end":
+                    return
+                if message[0] == "failed":
+                    raise message[1]
+                _, slot, new_buffer, new_shared, description, state, observed = message
+                if new_buffer is not None:
+                    buffers[slot] = new_buffer
+                shared.update(new_shared)
+                flat = torch.empty(description.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+                flat.copy_(buffers[slot][: description.nbytes])
+                self._free.send(slot)
+                self._delivered, self.observed = state, observed
+                yield unpack(flat, description, shared)
+        finally:  # the end, an error, or the iterator dropped: its process goes (a newer iterator's stays)
+            if self._process is process:
+                self.stop_reading()
+
+    def _receive(self) -> tuple:
+        # NOTE: a bounded wait, so that a reading process that died without a word (killed, out of memory) is noticed
+        while not self._ready.poll(1.0):
+            if not self._process.is_alive():
+                raise RuntimeError(f"the data reading process exited with code {self._process.exitcode} before "
+                                   "sending its next batch")
+        try:
+            return self._ready.recv()
+        except EOFError:
+            self._process.join(1.0)
+            raise RuntimeError(f"the data reading process exited with code {self._process.exitcode} before "
+                               "sending its next batch") from None
+
+    def stop_reading(self) -> None:
+        """Stop the reading process (what it read ahead is dropped; the source here never moved)."""
+        if self._process is None:
+            return
+        for end in (self._free, self._ready):
+            end.close()
+        # NOTE: a process forked later (another reader's) may hold copies of these ends, hiding the close: a short wait
+        self._process.join(1.0)
+        if self._process.is_alive():  # still inside a read, or the close unseen: nothing of it is wanted
+            self._process.terminate()
+            self._process.join()
+        self._process = self._ready = self._free = None
+
+    def close(self) -> None:
+        """Stop the reading process and set the source to the last delivered batch."""
+        self.stop_reading()
+        if self._delivered is not None:
+            self.source.load_state_dict(self._delivered)
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self._delivered) if self._delivered is not None else self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()
+        self.source.load_state_dict(state)
+        self._delivered = None
+
+
+def _read(source, observe, depth: int, ready, free, reader_ends) -> None:
+    """The reading process: each batch of ``source`` packed into a free buffer and described to the reader, until
+    the source ends or the reader closes its ends of the pipes."""
+    for end in reader_ends:  # forked copies of the reader's ends: closing them here lets the reader's close be seen
+        end.close()
+    # NOTE: one intra-op thread: the process is one core's worth of reading beside a training process
+    torch.set_num_threads(1)
+    buffers: list[torch.Tensor | None] = [None] * depth
+    idle = list(range(depth))
+    shared = Shared()
+    batches = iter(source)
+    try:
+        for batch in batches:
+            state = copy.deepcopy(source.state_dict())
+            observed = observe() if observe is not None else None
+            description, tensors, new_shared = describe(batch, shared)
+            if not idle:
+                try:
+                    idle.append(free.recv())
+                except EOFError:  # the reader stopped
+                    return
+            slot = idle.pop()
+            new_buffer = None
+            if buffers[slot] is None or buffers[slot].numel() < description.nbytes:
+                # room to grow, so that a slightly larger batch later does not send a new buffer
+                size = max(description.nbytes + description.nbytes // 4, 1 << 16)
+                buffers[slot] = new_buffer = torch.empty(size, dtype=torch.uint8).share_memory_()
+            pack_into(buffers[slot], description, tensors)
+            if not _send(ready, ("batch", slot, new_buffer, new_shared, description, state, observed)):
+                return
+        _send(ready, ("end",))
+    except BaseException as error:  # raised where the batch was wanted
+        try:
+            _send(ready, ("failed", error))
+        except Exception:  # an exception that cannot be pickled goes as its text
+            _send(ready, ("failed", RuntimeError(f"{type(error).__name__}: {error}")))
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+        # NOTE: the buffers and shared objects sent last are still to be received, and their memory reaches the
+        # reader through this process (a file descriptor it hands out on request): it stays until the reader closes
+        _wait_for_close(free)
+
+
+def _wait_for_close(free) -> None:
+    try:
+        while True:
+            free.recv()
+    except (EOFError, OSError):
+        return
+
+
+def _send(ready, message: tuple) -> bool:
+    """Send ``message``; False where the reader has closed its end."""
+    try:
+        ready.send(message)
+        return True
+    except (BrokenPipeError, ConnectionResetError):
+        return False

@@ -1,0 +1,158 @@
+import itertools
+import os
+import signal
+
+import pytest
+import torch
+
+from gem_data import (
+    NextItemConfig,
+    NextItemDataset,
+    ProcessReadAhead,
+    ReadAhead,
+    SyntheticConfig,
+    SyntheticGenerator,
+    SyntheticStream,
+    TableStream,
+)
+from gem_data.packing import Shared, describe, pack_into, unpack
+from gem_data.testing import small_corpus
+
+
+@pytest.fixture(scope="module")
+def generator():
+    return SyntheticGenerator(SyntheticConfig(num_ads=2000, max_events=16, num_users=50))
+
+
+@pytest.fixture(scope="module")
+def corpus_table(tmp_path_factory):
+    """A next-item training table whose batches carry an item catalogue (one object in every batch)."""
+    corpus = small_corpus(tmp_path_factory.mktemp("corpus"), "shop", 40, 30, attributes=True)
+    return NextItemDataset(corpus, NextItemConfig(num_negatives=2, objective="retrieval")).training_table()
+
+
+def assert_same(a, b) -> None:
+    """Every tensor equal in dtype, shape and values, and everything else equal (host lengths, ids per key)."""
+    (da, ta, _), (db, tb, _) = describe(a), describe(b)
+    assert da.tree == db.tree
+    assert len(ta) == len(tb)
+    for x, y in zip(ta, tb):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+
+def test_packing_round_trips_every_part_of_a_batch(generator, corpus_table):
+    stream = TableStream(corpus_table, 8)
+    batches = [*itertools.islice(SyntheticStream(generator, 16), 3), *itertools.islice(stream, 3)]
+    batches[0].sequences[next(iter(batches[0].sequences))].host_lengths()  # a host fact that must travel too
+    assert batches[-1].next_items.catalogue is not None
+    shared, received = Shared(), {}
+    for batch in batches:
+        description, tensors, new = describe(batch, shared)
+        received.update(new)
+        buffer = torch.full((description.nbytes + 64,), 0xAB, dtype=torch.uint8)  # not zeros: gaps must not matter
+        pack_into(buffer, description, tensors)
+        rebuilt = unpack(buffer, description, received)
+        assert_same(rebuilt, batch)
+        if batch.next_items is not None:
+            assert rebuilt.next_items.catalogue is batch.next_items.catalogue  # shared, not copied
+    assert len(received) == 1  # the catalogue went once, with the first batch that held it
+
+
+def test_packing_refuses_a_short_buffer_and_an_unknown_shared_object(corpus_table):
+    batch = next(iter(TableStream(corpus_table, 4)))
+    description, tensors, new = describe(batch, Shared())
+    with pytest.raises(ValueError, match=f"at least {description.nbytes} bytes"):
+        pack_into(torch.empty(description.nbytes - 1, dtype=torch.uint8), description, tensors)
+    buffer = torch.empty(description.nbytes, dtype=torch.uint8)
+    pack_into(buffer, description, tensors)
+    with pytest.raises(KeyError, match="never received"):
+        unpack(buffer, description, {})
+
+
+def test_batches_and_states_equal_the_threads(generator, corpus_table):
+    for make in (lambda: SyntheticStream(generator, 8, rank=1, world_size=2), lambda: TableStream(corpus_table, 8, shuffle=True, seed=3)):
+        expected_reader = ReadAhead(make(), depth=0)
+        expected, states = [], []
+        for batch in itertools.islice(iter(expected_reader), 7):  # the table stream passes its end (5 batches)
+            expected.append(batch)
+            states.append(expected_reader.state_dict())
+        reader = ProcessReadAhead(make(), depth=2)
+        for batch, want, state in zip(iter(reader), expected, states, strict=False):
+            assert_same(batch, want)
+            assert reader.state_dict() == state
+        reader.close()
+
+
+def test_closing_rewinds_to_the_last_delivered_batch_and_resumes_there(generator):
+    stream = SyntheticStream(generator, 8)
+    expected = list(itertools.islice(SyntheticStream(generator, 8), 5))
+    reader = ProcessReadAhead(stream, depth=3)
+    first = iter(reader)
+    got = [next(first), next(first)]
+    state = reader.state_dict()
+    assert state["position"] == 2
+    got += list(itertools.islice(iter(reader), 2))  # a new iteration: a new process, from the delivered batch on
+    reader.close()
+    assert stream.position == 4
+    for a, b in zip(got, expected):
+        assert_same(a, b)
+    resumed = ProcessReadAhead(SyntheticStream(generator, 8), depth=2)
+    resumed.load_state_dict(state)
+    assert_same(next(iter(resumed)), expected[2])
+    resumed.close()
+
+
+def test_observe_runs_in_the_reading_process(generator):
+    stream = SyntheticStream(generator, 8)
+    reader = ProcessReadAhead(stream, depth=2, observe=lambda: (os.getpid(), stream.position))
+    batches = iter(reader)
+    for step in range(1, 4):
+        next(batches)
+        pid, position = reader.observed
+        assert pid != os.getpid() and position == step
+    reader.close()
+
+
+def test_an_error_of_the_source_and_a_dead_process_reach_the_training_process(generator):
+    class Failing:
+        spec = generator.spec
+
+        def __init__(self):
+            self.position = 0
+
+        def __iter__(self):
+            for index in itertools.count(self.position):
+                if index == 2:
+                    raise ValueError(f"data.path: bad row at batch {index}")
+                self.position = index + 1
+                yield generator.batch(index, 4)
+
+        def state_dict(self):
+            return {"position": self.position}
+
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
+    batches = iter(ProcessReadAhead(Failing()))
+    next(batches), next(batches)
+    with pytest.raises(ValueError, match="bad row at batch 2"):
+        next(batches)
+
+    reader = ProcessReadAhead(SyntheticStream(generator, 8), depth=1)
+    batches = iter(reader)
+    next(batches)
+    os.kill(reader._process.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="reading process exited"):
+        for _ in range(3):  # one batch may already wait in the pipe
+            next(batches)
+    reader.close()
+
+
+def test_a_finite_source_ends(corpus_table):
+    stream = TableStream(corpus_table, 16, num_epochs=1)
+    assert sum(1 for _ in ProcessReadAhead(stream)) == len(list(TableStream(corpus_table, 16, num_epochs=1)))
+
+
+def test_depth_must_be_positive(generator):
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        ProcessReadAhead(SyntheticStream(generator, 8), depth=0)
