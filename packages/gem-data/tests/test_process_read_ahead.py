@@ -1,3 +1,4 @@
+import gc
 import itertools
 import os
 import signal
@@ -156,3 +157,20 @@ def test_a_finite_source_ends(corpus_table):
 def test_depth_must_be_positive(generator):
     with pytest.raises(ValueError, match="depth must be >= 1"):
         ProcessReadAhead(SyntheticStream(generator, 8), depth=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_garbage_of_the_training_process_is_never_freed_in_the_reading_one(generator):
+    # a forked process aborts where it frees GPU memory: cyclic garbage holding some (a closed trainer's) must be
+    # collected before the fork, not by the reading process's collections (here forced after every batch)
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.itself, garbage.memory = garbage, torch.ones(1 << 20, device="cuda")
+    del garbage
+    reader = ProcessReadAhead(SyntheticStream(generator, 8), depth=2, observe=gc.collect)
+    batches = iter(reader)
+    for _ in range(4):
+        next(batches)
+    reader.close()

@@ -4,10 +4,10 @@ A reading thread shares the training process's interpreter: where the step itsel
 a GPU, its kernels launched one by one from Python), every millisecond of the reader's Python is a millisecond the
 step cannot run. A forked process reads instead, on a core of its own. It writes each batch into one of ``depth``
 shared-memory buffers (``gem_data.packing``: every tensor in one flat buffer) and sends a description of a few hundred
-bytes; the training process copies the buffer out in one piece (into page-locked memory for a GPU), hands the buffer
-back, and rebuilds the batch as views of its copy. Handing out a batch then costs the training process one memory
-copy and a few dozen tensor views, where receiving a pickled batch (a DataLoader worker's) costs a shared-memory
-file per tensor.
+bytes through a pipe; the training process copies the buffer out in one piece (into page-locked memory for a GPU),
+hands the buffer back (a semaphore, which costs no system call while the reader is busy) and rebuilds the batch as
+views of its copy. Handing out a batch then costs the training process one memory copy and a few dozen tensor views,
+where receiving a pickled batch (a DataLoader worker's) costs a shared-memory file per tensor.
 
 Everything else is ``ReadAhead``'s: the same batches in the same order, ``depth`` batches ahead, the state recorded
 right after each delivered batch (the process sends it with the batch), ``observe`` called in the reading process after
@@ -18,12 +18,16 @@ The source (and ``observe``) must not use a GPU: the process is forked from one 
 from __future__ import annotations
 
 import atexit
+import collections
 import copy
+import gc
 import multiprocessing as mp
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from gem_kunlun import Batch, FeatureSpec
@@ -57,7 +61,7 @@ class ProcessReadAhead:
         self._delivered: dict[str, Any] | None = None
         self.observed: Any = None
         self._process: mp.Process | None = None
-        self._ready = self._free = None  # this side's ends of the two pipes
+        self._ready = self._free = self._stop = None  # the pipe's receiving end, the free-buffer count, the stop flag
 
     @property
     def spec(self) -> FeatureSpec:
@@ -72,16 +76,21 @@ class ProcessReadAhead:
         # the process starts with the first batch asked for, not when the iterator is made
         context = mp.get_context("fork")
         ready_receive, ready_send = context.Pipe(duplex=False)
-        free_receive, free_send = context.Pipe(duplex=False)
-        process = context.Process(target=_read, args=(self.source, self.observe, self.depth, ready_send, free_receive,
-                                                              (ready_receive, free_send)),
-                                  name="gem-read-ahead", daemon=True)
-        self._process, self._ready, self._free = process, ready_receive, free_send
+        free, stop = context.Semaphore(0), context.Event()
+        process = context.Process(target=_read, args=(self.source, self.observe, self.depth, ready_send, ready_receive,
+                                                       free, stop, os.getpid()), name="gem-read-ahead", daemon=True)
+        self._process, self._ready, self._free, self._stop = process, ready_receive, free, stop
         _live.add(self)
-        process.start()
+        # NOTE: garbage of this process (a closed trainer's GPU tensors) must not be collected in the forked one, where
+        # freeing GPU memory aborts: collected here first, and what lives is frozen out of the fork's collections
+        gc.collect()
+        gc.freeze()
+        try:
+            process.start()
+        finally:
+            gc.unfreeze()
         ready_send.close()
-        free_receive.close()
-        buffers: list[torch.Tensor | None] = [None] * self.depth
+        buffers: list[np.ndarray | None] = [None] * self.depth
         shared: dict[int, Any] = {}
         try:
             while True:
@@ -92,11 +101,13 @@ class ProcessReadAhead:
                     raise message[1]
                 _, slot, new_buffer, new_shared, description, state, observed = message
                 if new_buffer is not None:
-                    buffers[slot] = new_buffer
+                    buffers[slot] = new_buffer.numpy()
                 shared.update(new_shared)
                 flat = torch.empty(description.nbytes, dtype=torch.uint8, pin_memory=self.pin)
-                flat.copy_(buffers[slot][: description.nbytes])
-                self._free.send(slot)
+                # NOTE: NumPy's copy is one plain memcpy; torch's splits a copy of this size over its intra-op threads,
+                # whose wake-up cost several times the copy on a many-core host
+                np.copyto(flat.numpy(), buffers[slot][: description.nbytes])
+                free.release()
                 self._delivered, self.observed = state, observed
                 yield unpack(flat, description, shared)
         finally:  # the end, an error, or the iterator dropped: its process goes (a newer iterator's stays)
@@ -120,14 +131,13 @@ class ProcessReadAhead:
         """Stop the reading process (what it read ahead is dropped; the source here never moved)."""
         if self._process is None:
             return
-        for end in (self._free, self._ready):
-            end.close()
-        # NOTE: a process forked later (another reader's) may hold copies of these ends, hiding the close: a short wait
+        self._stop.set()
+        self._ready.close()
         self._process.join(1.0)
-        if self._process.is_alive():  # still inside a read, or the close unseen: nothing of it is wanted
+        if self._process.is_alive():  # still inside a read: nothing of it is wanted
             self._process.terminate()
             self._process.join()
-        self._process = self._ready = self._free = None
+        self._process = self._ready = self._free = self._stop = None
 
     def close(self) -> None:
         """Stop the reading process and set the source to the last delivered batch."""
@@ -144,15 +154,18 @@ class ProcessReadAhead:
         self._delivered = None
 
 
-def _read(source, observe, depth: int, ready, free, reader_ends) -> None:
+def _read(source, observe, depth: int, ready, reader_end, free, stop, reader_pid: int) -> None:
     """The reading process: each batch of ``source`` packed into a free buffer and described to the reader, until
-    the source ends or the reader closes its ends of the pipes."""
-    for end in reader_ends:  # forked copies of the reader's ends: closing them here lets the reader's close be seen
-        end.close()
+    the source ends or the reader stops it."""
+    reader_end.close()  # the fork's copy of the reader's end
     # NOTE: one intra-op thread: the process is one core's worth of reading beside a training process
     torch.set_num_threads(1)
+
+    def stopped() -> bool:
+        return stop.is_set() or os.getppid() != reader_pid
+
     buffers: list[torch.Tensor | None] = [None] * depth
-    idle = list(range(depth))
+    idle, in_use = list(range(depth)), collections.deque()  # the reader hands buffers back in the order sent
     shared = Shared()
     batches = iter(source)
     try:
@@ -161,10 +174,10 @@ def _read(source, observe, depth: int, ready, free, reader_ends) -> None:
             observed = observe() if observe is not None else None
             description, tensors, new_shared = describe(batch, shared)
             if not idle:
-                try:
-                    idle.append(free.recv())
-                except EOFError:  # the reader stopped
-                    return
+                while not free.acquire(timeout=0.1):
+                    if stopped():
+                        return
+                idle.append(in_use.popleft())
             slot = idle.pop()
             new_buffer = None
             if buffers[slot] is None or buffers[slot].numel() < description.nbytes:
@@ -172,6 +185,7 @@ def _read(source, observe, depth: int, ready, free, reader_ends) -> None:
                 size = max(description.nbytes + description.nbytes // 4, 1 << 16)
                 buffers[slot] = new_buffer = torch.empty(size, dtype=torch.uint8).share_memory_()
             pack_into(buffers[slot], description, tensors)
+            in_use.append(slot)
             if not _send(ready, ("batch", slot, new_buffer, new_shared, description, state, observed)):
                 return
         _send(ready, ("end",))
@@ -184,17 +198,10 @@ def _read(source, observe, depth: int, ready, free, reader_ends) -> None:
         close = getattr(batches, "close", None)
         if close is not None:
             close()
-        # NOTE: the buffers and shared objects sent last are still to be received, and their memory reaches the
-        # reader through this process (a file descriptor it hands out on request): it stays until the reader closes
-        _wait_for_close(free)
-
-
-def _wait_for_close(free) -> None:
-    try:
-        while True:
-            free.recv()
-    except (EOFError, OSError):
-        return
+        # NOTE: the buffers and shared objects sent last may still be unpickled, and their memory reaches the reader
+        # through this process (a file descriptor it hands out on request): it stays until the reader stops it
+        while not stop.wait(1.0) and not stopped():
+            pass
 
 
 def _send(ready, message: tuple) -> bool:
