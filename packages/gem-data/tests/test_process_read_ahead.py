@@ -149,6 +149,21 @@ def test_an_error_of_the_source_and_a_dead_process_reach_the_training_process(ge
     reader.close()
 
 
+def test_an_abandoned_reader_is_collected_quietly_and_its_process_stops(generator, monkeypatch):
+    # a trainer that is never closed leaves its reader, iterator and pipe in one cycle of garbage: collected together
+    raised = []
+    monkeypatch.setattr("sys.unraisablehook", raised.append)
+    reader = ProcessReadAhead(SyntheticStream(generator, 8), depth=2)
+    batches = iter(reader)
+    next(batches)
+    process = reader._process
+    reader.itself = reader  # the cycle
+    del reader, batches
+    gc.collect()
+    process.join(5.0)
+    assert not process.is_alive() and not raised
+
+
 def test_a_finite_source_ends(corpus_table):
     stream = TableStream(corpus_table, 16, num_epochs=1)
     assert sum(1 for _ in ProcessReadAhead(stream)) == len(list(TableStream(corpus_table, 16, num_epochs=1)))

@@ -53,6 +53,7 @@ from gem_kernels.ops.triton import _tuning
 from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, KunlunModel, SparseFeature
 from gem_kunlun.norm import LayerNorm
 from gem_parallel import PEAK_TFLOPS as PEAK_TABLE
+from gem_parallel import clip_grad_norm_
 from gem_trainer.builders import DataSetup
 from gem_trainer.config import load_config
 from gem_trainer.provenance import git_commit
@@ -390,8 +391,9 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
     """``gem`` and ``bare`` for one trainer config (``data``: its batches, or None for the config's own data):
 
     - ``gem``: ``Trainer.train_step`` back to back, the batches read from host memory as the trainer reads any;
-    - ``bare``: the same model and optimizers in a bare loop (forward, loss, backward, optimizer step) over
-      batches already on the device; ``gem`` over ``bare`` is the trainer's overhead."""
+    - ``bare``: the same model and optimizers in a bare loop (forward, loss, backward, the gradient clipping the
+      config trains with, optimizer step) over batches already on the device: the same update as the trainer's, none
+      of its reading, copying, checks and metrics; ``gem`` over ``bare`` is the trainer's overhead."""
     import tempfile
 
     from gem_trainer.distributed import init_distributed
@@ -433,7 +435,9 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
             host = [next(trainer._batches) for _ in range(args.batches)]
             batches = [b.to(device) for b in host]
             flops = [3.0 * sum(trainer.flop_model.flops(b).values()) for b in host]
-            bare: dict = {"kernel": gem["kernel"], "step": "the trainer's model and optimizers, batches on the device"}
+            bare: dict = {"kernel": gem["kernel"], "step": "the trainer's model and optimizers (clipping as configured), "
+                                                           "batches on the device"}
+            clip = config.optimizer.grad_clip
 
             def bare_step(i):
                 batch = batches[i % len(batches)]
@@ -441,6 +445,9 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
                     output = trainer.model(batch)
                 loss = training_loss(output, batch, trainer.task_weights)
                 loss.backward()
+                if clip is not None:
+                    clip_grad_norm_(trainer.dense_params, clip, trainer.expert_params, trainer.expert_group,
+                                    optimizer=trainer._dense_adamw)
                 trainer.dense_optimizer.step()
                 trainer.dense_optimizer.zero_grad(set_to_none=True)
                 return loss.detach(), flops[i % len(batches)]

@@ -215,10 +215,11 @@ def finished_run(config_file: Path, overrides: list[str], run_dir: Path, steps: 
 
 
 def _computed(config) -> dict:
-    """What of a config decides what its run computes: all of it but how the batches were read (on a thread or in
-    the step: the same batches, in the same order)."""
+    """What of a config decides what its run computes: all of it but how the batches were read (on a thread, in a
+    process or in the step, under any thread switch interval: the same batches, in the same order)."""
     dump = config.model_dump()
-    dump["data"].pop("read_ahead")
+    for how_read in ("read_ahead", "read_ahead_process", "read_ahead_switch_ms"):
+        dump["data"].pop(how_read)
     return dump
 
 

@@ -80,6 +80,7 @@ class ProcessReadAhead:
         process = context.Process(target=_read, args=(self.source, self.observe, self.depth, ready_send, ready_receive,
                                                        free, stop, os.getpid()), name="gem-read-ahead", daemon=True)
         self._process, self._ready, self._free, self._stop = process, ready_receive, free, stop
+        del ready_receive  # held by self._ready alone: dropping it closes the pipe's end (see stop_reading)
         _live.add(self)
         # NOTE: garbage of this process (a closed trainer's GPU tensors) must not be collected in the forked one, where
         # freeing GPU memory aborts: collected here first, and what lives is frozen out of the fork's collections
@@ -94,7 +95,7 @@ class ProcessReadAhead:
         shared: dict[int, Any] = {}
         try:
             while True:
-                message = self._receive()
+                message = self._receive(process)
                 if message[0] == "end":
                     return
                 if message[0] == "failed":
@@ -114,17 +115,17 @@ class ProcessReadAhead:
             if self._process is process:
                 self.stop_reading()
 
-    def _receive(self) -> tuple:
+    def _receive(self, process: mp.Process) -> tuple:
         # NOTE: a bounded wait, so that a reading process that died without a word (killed, out of memory) is noticed
         while not self._ready.poll(1.0):
-            if not self._process.is_alive():
-                raise RuntimeError(f"the data reading process exited with code {self._process.exitcode} before "
+            if not process.is_alive():
+                raise RuntimeError(f"the data reading process exited with code {process.exitcode} before "
                                    "sending its next batch")
         try:
             return self._ready.recv()
         except EOFError:
-            self._process.join(1.0)
-            raise RuntimeError(f"the data reading process exited with code {self._process.exitcode} before "
+            process.join(1.0)
+            raise RuntimeError(f"the data reading process exited with code {process.exitcode} before "
                                "sending its next batch") from None
 
     def stop_reading(self) -> None:
@@ -132,11 +133,12 @@ class ProcessReadAhead:
         if self._process is None:
             return
         self._stop.set()
-        self._ready.close()
         self._process.join(1.0)
         if self._process.is_alive():  # still inside a read: nothing of it is wanted
             self._process.terminate()
             self._process.join()
+        # NOTE: the pipe's end is dropped, not closed: when an abandoned reader is collected with its iterator, the
+        # connection may have closed its descriptor first, and a second close could hit a descriptor reused since
         self._process = self._ready = self._free = self._stop = None
 
     def close(self) -> None:
