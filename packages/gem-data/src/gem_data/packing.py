@@ -1,8 +1,9 @@
 """A batch as one flat byte buffer plus a small description of where each of its tensors lies in it.
 
 What a batch is made of (``Batch`` and the dataclasses in it, TorchRec's ``KeyedJaggedTensor``, dicts, plain Python
-values) is walked once by ``describe``: every tensor becomes a slot of the buffer (64-byte aligned, so that each
-slot can be viewed as its own dtype), the rest stays in the description. ``pack_into`` copies the tensors into a
+values) is walked once by ``describe``: the tensors go into the buffer one dtype after the other (each dtype's region
+64-byte aligned, so that it can be viewed as that dtype and split into the tensors), the rest stays in the
+description. ``pack_into`` copies the tensors into a
 buffer, ``unpack`` rebuilds the batch as views of one. A batch then crosses a process boundary as one memory copy and
 a description of a few hundred bytes, where pickling it would send every tensor on its own (``ProcessReadAhead``).
 
@@ -82,6 +83,8 @@ def describe(batch: Any, shared: Shared | None = None) -> tuple[Description, lis
             shared_fields = SHARED_FIELDS.get(type(obj).__name__, ())
             fields = []
             for f in dataclasses.fields(obj):
+                if not f.init:  # made by the class itself when rebuilt
+                    continue
                 value = getattr(obj, f.name)
                 if f.name in shared_fields and value is not None and shared is not None:
                     token, new = shared.token(value)
