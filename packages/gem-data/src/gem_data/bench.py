@@ -35,29 +35,26 @@ from gem_data.testing import find_repo_root, shared_data_dir
 
 
 def measure(name: str, stream, seconds: float, batch_size: int, note: str = "", started: Callable[[], None] | None = None) -> dict:
-    """Run ``stream`` for about ``seconds`` after one warm-up batch; rates per core (one thread): by the wall clock,
-    and by the calling thread's CPU time (``examples_per_cpu_s``: what the reading costs a core, whatever else the
-    machine runs meanwhile). ``started``, if given, is called when the timing starts (after the warm-up)."""
+    """Run ``stream`` for about ``seconds`` after one warm-up batch; rates per core (one thread). ``started``, if
+    given, is called when the timing starts (after the warm-up)."""
     batches = iter(stream)
     next(batches)
     if started is not None:
         started()
     examples = tokens = steps = 0
-    start, cpu_start = time.perf_counter(), time.thread_time()
+    start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         batch = next(batches)
         examples += batch.batch_size
         tokens += int(batch.num_events().sum())
         steps += 1
-    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+    elapsed = time.perf_counter() - start
     return {
         "reader": name,
         "batch_size": batch_size,
         "batches": steps,
         "seconds": round(elapsed, 3),
         "examples_per_s_per_core": round(examples / elapsed, 1),
-        "cpu_seconds": round(cpu, 3),
-        "examples_per_cpu_s": round(examples / cpu, 1),
         "tokens_per_s_per_core": round(tokens / elapsed, 1),
         "mean_events_per_example": round(tokens / max(examples, 1), 2),
         "note": note,
