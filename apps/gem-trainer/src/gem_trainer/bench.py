@@ -53,7 +53,6 @@ from gem_kernels.ops.triton import _tuning
 from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, KunlunModel, SparseFeature
 from gem_kunlun.norm import LayerNorm
 from gem_parallel import PEAK_TFLOPS as PEAK_TABLE
-from gem_parallel import clip_grad_norm_
 from gem_trainer.builders import DataSetup
 from gem_trainer.config import load_config
 from gem_trainer.provenance import git_commit
@@ -446,8 +445,7 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
                 loss = training_loss(output, batch, trainer.task_weights)
                 loss.backward()
                 if clip is not None:
-                    clip_grad_norm_(trainer.dense_params, clip, trainer.expert_params, trainer.expert_group,
-                                    optimizer=trainer._dense_adamw)
+                    trainer.clip_gradients(clip)
                 trainer.dense_optimizer.step()
                 trainer.dense_optimizer.zero_grad(set_to_none=True)
                 return loss.detach(), flops[i % len(batches)]

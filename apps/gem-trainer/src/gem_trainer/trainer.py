@@ -246,8 +246,7 @@ class Trainer:
         self._unchecked_loss = (self.step + 1, *_copy_to_host(global_loss))
         loss.backward()
         clip = self.config.optimizer.grad_clip
-        grad_norm = clip_grad_norm_(self.dense_params, clip if clip is not None else math.inf, self.expert_params,
-                                    self.expert_group, optimizer=self._dense_adamw)
+        grad_norm = self.clip_gradients(clip if clip is not None else math.inf)
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -266,6 +265,11 @@ class Trainer:
             "examples": batch.batch_size,
             "flops": flops,
         }
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Scale the dense gradients to a global norm of at most ``max_norm`` (inf: none); that norm, on the device."""
+        return clip_grad_norm_(self.dense_params, max_norm, self.expert_params, self.expert_group,
+                               optimizer=self._dense_adamw)
 
     def train(self) -> dict[str, float]:
         cfg = self.config

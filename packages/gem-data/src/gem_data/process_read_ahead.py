@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gem_kunlun import Batch, FeatureSpec
+from gem_kunlun import Batch
 
 from gem_data.packing import Shared, describe, pack_into, unpack
+from gem_data.read_ahead import ReaderAhead
 
 # NOTE: the processes of readers still running when the interpreter exits (a run stopped by an error) are stopped
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -46,7 +47,7 @@ def process_reading_available() -> str | None:
     return None
 
 
-class ProcessReadAhead:
+class ProcessReadAhead(ReaderAhead):
     """Read ``source`` (any ``BatchSource``) ``depth`` (>= 1) batches ahead in a forked process; ``pin``: hand out
     batches in page-locked memory (needs a CUDA build and device); ``observe``: called after each batch in the
     reading process, its value for the last delivered batch is ``observed``."""
@@ -57,22 +58,12 @@ class ProcessReadAhead:
         why_not = process_reading_available()
         if why_not is not None:
             raise RuntimeError(why_not)
-        self.source, self.depth, self.pin, self.observe = source, depth, pin, observe
-        self._delivered: dict[str, Any] | None = None
-        self.observed: Any = None
+        super().__init__(source, observe)
+        self.depth, self.pin = depth, pin
         self._process: mp.Process | None = None
         self._ready = self._free = self._stop = None  # the pipe's receiving end, the free-buffer count, the stop flag
 
-    @property
-    def spec(self) -> FeatureSpec:
-        return self.source.spec
-
-    def __iter__(self) -> Iterator[Batch]:
-        self.close()
-        self._delivered = copy.deepcopy(self.source.state_dict())
-        return self._deliver()
-
-    def _deliver(self) -> Iterator[Batch]:
+    def _batches(self) -> Iterator[Batch]:
         # the process starts with the first batch asked for, not when the iterator is made
         context = mp.get_context("fork")
         ready_receive, ready_send = context.Pipe(duplex=False)
@@ -140,20 +131,6 @@ class ProcessReadAhead:
         # NOTE: the pipe's end is dropped, not closed: when an abandoned reader is collected with its iterator, the
         # connection may have closed its descriptor first, and a second close could hit a descriptor reused since
         self._process = self._ready = self._free = self._stop = None
-
-    def close(self) -> None:
-        """Stop the reading process and set the source to the last delivered batch."""
-        self.stop_reading()
-        if self._delivered is not None:
-            self.source.load_state_dict(self._delivered)
-
-    def state_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self._delivered) if self._delivered is not None else self.source.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.close()
-        self.source.load_state_dict(state)
-        self._delivered = None
 
 
 def _read(source, observe, depth: int, ready, reader_end, free, stop, reader_pid: int) -> None:

@@ -20,6 +20,7 @@ thread then pays for every read in full, where a reading thread overlaps most of
 
 from __future__ import annotations
 
+import abc
 import atexit
 import copy
 import queue
@@ -44,21 +45,16 @@ class _Failed:
         self.error = error
 
 
-class ReadAhead:
-    """Read ``source`` (any ``BatchSource``) ``depth`` batches ahead on one background thread (0: no thread, each
-    batch read when asked for); ``pin``: hand out batches in page-locked memory (needs a CUDA build and device);
-    ``observe``: called after each batch on the reading thread, its value for the last delivered batch is
-    ``observed``."""
+class ReaderAhead(abc.ABC):
+    """What every reader ahead of the trainer shares: ``source`` (any ``BatchSource``), its state right after the last
+    *delivered* batch (``state_dict``; the reader's own copy of the source may be further on), ``close`` stopping the
+    reader and rewinding the source there, and ``observed`` (what ``observe`` returned after that batch). A subclass
+    reads in ``_batches`` (the iterator ``iter`` hands out, started after the rewind) and stops in ``stop_reading``."""
 
-    def __init__(self, source, depth: int = 2, pin: bool = False, observe: Callable[[], Any] | None = None) -> None:
-        if depth < 0:
-            raise ValueError(f"ReadAhead depth must be >= 0, got {depth}")
-        self.source, self.depth, self.pin, self.observe = source, depth, pin, observe
+    def __init__(self, source, observe: Callable[[], Any] | None) -> None:
+        self.source, self.observe = source, observe
         self._delivered: dict[str, Any] | None = None  # the source's state after the last delivered batch
         self.observed: Any = None
-        self._stop: threading.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._inline: Iterator[Batch] | None = None  # depth 0: the batches being handed out
 
     @property
     def spec(self) -> FeatureSpec:
@@ -67,6 +63,46 @@ class ReadAhead:
     def __iter__(self) -> Iterator[Batch]:
         self.close()
         self._delivered = copy.deepcopy(self.source.state_dict())
+        return self._batches()
+
+    @abc.abstractmethod
+    def _batches(self) -> Iterator[Batch]: ...
+
+    @abc.abstractmethod
+    def stop_reading(self) -> None:
+        """Stop reading (what was read ahead is dropped)."""
+
+    def close(self) -> None:
+        """Stop reading and rewind the source to the last delivered batch."""
+        self.stop_reading()
+        if self._delivered is not None:
+            self.source.load_state_dict(self._delivered)
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self._delivered) if self._delivered is not None else self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()
+        self.source.load_state_dict(state)
+        self._delivered = None
+
+
+class ReadAhead(ReaderAhead):
+    """Read ``source`` (any ``BatchSource``) ``depth`` batches ahead on one background thread (0: no thread, each
+    batch read when asked for); ``pin``: hand out batches in page-locked memory (needs a CUDA build and device);
+    ``observe``: called after each batch on the reading thread, its value for the last delivered batch is
+    ``observed``."""
+
+    def __init__(self, source, depth: int = 2, pin: bool = False, observe: Callable[[], Any] | None = None) -> None:
+        if depth < 0:
+            raise ValueError(f"ReadAhead depth must be >= 0, got {depth}")
+        super().__init__(source, observe)
+        self.depth, self.pin = depth, pin
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._inline: Iterator[Batch] | None = None  # depth 0: the batches being handed out
+
+    def _batches(self) -> Iterator[Batch]:
         if self.depth == 0:
             self._inline = self._read_inline()
             return self._inline
@@ -138,16 +174,3 @@ class ReadAhead:
             self._thread.join()
             self._thread = self._stop = None
 
-    def close(self) -> None:
-        """Stop the background thread and rewind the source to the last delivered batch."""
-        self.stop_reading()
-        if self._delivered is not None:
-            self.source.load_state_dict(self._delivered)
-
-    def state_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self._delivered) if self._delivered is not None else self.source.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.close()
-        self.source.load_state_dict(state)
-        self._delivered = None
