@@ -175,8 +175,8 @@ def test_batches_gathered_several_at_once_are_the_batches_gathered_one_by_one(mo
     config = MixingConfig(CONFIG.sources, batch_size=batch_size, granularity=granularity, online_share_start=0.1,
                           online_share_end=0.6, ramp_steps=6, seed=5)
     together = MixedStream(sources(), config)
-    assert together._steps_per_gather == (2048 // batch_size if batch_size <= 256 else 1)
-    monkeypatch.setattr(mixing, "GATHER_ROWS", 0)  # one step at a time: the reference
+    assert together._steps_per_gather == (mixing.GATHER_STEPS if batch_size <= mixing.GATHER_MAX_ROWS else 1)
+    monkeypatch.setattr(mixing, "GATHER_MAX_ROWS", 0)  # one step at a time: the reference
     one_by_one = MixedStream(sources(), config)
     assert one_by_one._steps_per_gather == 1
     for a, b in itertools.islice(zip(together, one_by_one), 40):
@@ -196,7 +196,7 @@ def test_a_finite_source_ends_batches_gathered_several_at_once_where_it_ends_the
         return MixedStream({"log": TableStream(table, 16, shuffle=False, num_epochs=1), "live": SyntheticStream(generator, 16)}, config)
 
     together = list(mixture())
-    monkeypatch.setattr(mixing, "GATHER_ROWS", 0)
+    monkeypatch.setattr(mixing, "GATHER_MAX_ROWS", 0)
     one_by_one = list(mixture())
     assert 0 < len(together) == len(one_by_one) < 20
     assert all(equal_batches(a, b) for a, b in zip(together, one_by_one))

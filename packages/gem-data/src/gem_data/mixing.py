@@ -15,7 +15,7 @@ batch, so training is the same, and ``LengthBalancedStream`` evens out per-rank 
 Sources are whole ``ShardedStream``s (rank 0 of 1), addressed by example: example ``e`` of a source is row
 ``e % C`` of its global batch ``e // C``. Each keeps its own position, implied by the draws, and the reader
 holds one batch per source: nothing is merged or copied, memory is bounded per source. One process (a world of
-one) gathers small global batches ``GATHER_ROWS`` rows at a time and holds them until it delivers them: the same
+one) gathers small global batches ``GATHER_STEPS`` at a time and holds them until it delivers them: the same
 batches as gathered one by one (``FeatureAlignment.gather_steps``), a gather's fixed costs paid once.
 
 ``p_i(t)``: the weights, normalised. With an online share schedule, online and offline sources are
@@ -51,8 +51,8 @@ from gem_data.stream import SyntheticStream, TableStream
 
 ANCHOR_EVERY = 256  # steps between remembered source positions (backward queries replay at most this many draws)
 DRAW_BLOCK = 64  # steps whose compositions are drawn together (see MixedStream._draw)
-GATHER_ROWS = 2048  # one process gathers this many rows of its next global batches at once (see MixedStream._gathered_batch)
-GATHER_STEPS = 8  # ... when that makes at least this many batches (at fewer, larger ones it does not pay)
+GATHER_STEPS = 32  # one process gathers this many of its next global batches at once (see MixedStream._gathered_batch)
+GATHER_MAX_ROWS = 256  # ... when they are this small (at larger ones a gather's fixed costs are small beside its copying)
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,8 @@ class MixedStream(ShardedStream):
         # takes its slice of each global batch); and only small batches: at 512 rows and more a gather's fixed
         # costs are small beside its copying, and several steps' rows copied at once were slower than one by one
         # (the working set outgrows the caches)
-        steps = GATHER_ROWS // self.global_batch_size
-        self._steps_per_gather = steps if world_size == 1 and steps >= GATHER_STEPS else 1
+        small = world_size == 1 and self.global_batch_size <= GATHER_MAX_ROWS
+        self._steps_per_gather = GATHER_STEPS if small else 1
         self._gathered: tuple[int, int, list[Batch | None]] | None = None  # first step gathered together, stride, batches
         self._stride = 1  # between the steps this reader delivers (DataLoader workers take turns)
 
