@@ -35,6 +35,8 @@ from torchrec import KeyedJaggedTensor
 
 from gem_kunlun import Batch, EventSequence, FeatureSpec, NextItemTargets
 
+JOIN_MAX_VALUES = 1 << 15  # ids of a source batch that gather_steps joins with the others rather than views (JoinedBatches)
+
 
 @dataclass(frozen=True)
 class KeyMap:
@@ -126,6 +128,73 @@ class KeyedArrays:
         self.bounds[0] = 0
         np.add.accumulate(lengths, dtype=np.int64, out=self.bounds[1:])
         self.starts = self.bounds[[0, *itertools.accumulate(len(kjt.keys()) * rows for kjt in kjts[:-1])]].tolist()
+
+
+class JoinedBatches:
+    """Every tensor of several small batches of one spec, each field joined into one array by one copy (batch after
+    batch; a batch's key sets one after the other, key by key, as in ``KeyedArrays``), for ``gather_steps``: key
+    ``k`` (the key sets' keys counted end to end) of rows ``[lo, hi)`` of batch ``j`` has the values
+    ``[bounds[at[j] + k * rows[j] + lo], bounds[at[j] + k * rows[j] + hi])``, the timestamps of event type ``e`` of
+    those rows (one per value of its first key) lie ``time_shift[j][e]`` further on in ``times``, and batch ``j``'s
+    rows of the row fields (dense, labels, surface, source) from ``row_at[j]`` on.
+
+    NOTE: a small batch (a few thousand ids) costs less to copy whole than to view piece by piece: ``KeyedArrays``
+    makes a dozen NumPy views and a few small joins per batch (~25 us at 128 synthetic rows), where joining 32 such
+    batches field by field costs ~8 us a batch. A large batch (a table read of a thousand rows of long histories)
+    would copy megabytes for the few rows taken from it: ``join`` declines batches above ``JOIN_MAX_VALUES`` ids."""
+
+    __slots__ = ("at", "bounds", "dense", "labels", "lengths", "row_at", "rows", "source", "surface", "time_shift",
+                 "times", "values")
+
+    @staticmethod
+    def join(batches: list[Batch], events: list[str]) -> "JoinedBatches | None":
+        """None where a batch is too large, the fields' types differ between batches (a join would convert them), or
+        a key set's ids are not exactly the ids its lengths count (or an event type's timestamps one per event)."""
+        values, lengths, times, dense, labels, surface, source, rows = [], [], [], [], [], [], [], []
+        for batch in batches:
+            sequences = batch.sequences
+            for kjt in (batch.sparse, *(sequences[name].ids for name in events)):
+                values.append(kjt.values())
+                lengths.append(kjt.lengths())
+            times += [sequences[name].timestamps for name in events]
+            dense.append(batch.dense)
+            labels.append(batch.labels)
+            surface.append(batch.surface)
+            source.append(batch.source)
+            rows.append(batch.batch_size)
+        numels = np.array([v.numel() for v in values])
+        if numels.reshape(len(batches), -1).sum(1).max() > JOIN_MAX_VALUES:
+            return None
+        has_source = all(t is not None for t in source)
+        if any(len({t.dtype for t in field}) > 1 for field in (values + lengths, times, dense, labels, surface,
+                                                                  source if has_source else ())):
+            return None
+        joined = JoinedBatches()
+        joined.values, joined.times = torch.cat(values).numpy(), torch.cat(times).numpy()
+        joined.lengths = torch.cat(lengths).numpy()
+        joined.bounds = bounds = np.empty(joined.lengths.size + 1, dtype=np.int64)
+        bounds[0] = 0
+        np.add.accumulate(joined.lengths, dtype=np.int64, out=bounds[1:])
+        joined.dense, joined.labels = torch.cat(dense).numpy(), torch.cat(labels).numpy()
+        joined.surface = torch.cat(surface).numpy()
+        joined.source = torch.cat(source).numpy() if has_source else None
+        joined.rows, joined.row_at = rows, [0, *itertools.accumulate(rows)][:-1]
+        first = batches[0]
+        set_at = [0, *itertools.accumulate(len(kjt.keys()) for kjt in (first.sparse, *(first.sequences[name].ids for name in events)))]
+        num_keys = set_at[-1]
+        joined.at = [0, *itertools.accumulate(num_keys * r for r in rows)][:-1]
+        # where each key set of each batch starts in the values, by its lengths; and its first key's end (events)
+        at, counted = np.array(joined.at)[:, None], np.array(rows)[:, None]
+        starts = bounds[at + np.array(set_at) * counted]  # [batches, key sets + 1]
+        events_end = bounds[at + (np.array(set_at[1:-1]) + 1) * counted]  # [batches, event types]
+        event_counts = events_end - starts[:, 1:-1]
+        if (not np.array_equal(np.diff(starts, axis=1).reshape(-1), numels)
+                or not np.array_equal(event_counts.reshape(-1), np.array([t.numel() for t in times], dtype=np.int64))):
+            return None
+        # timestamps: batch j's event type e's come after those of every earlier (batch, event type)
+        time_at = np.concatenate([[0], np.cumsum(event_counts.reshape(-1))[:-1]]).reshape(event_counts.shape)
+        joined.time_shift = time_at - starts[:, 1:-1]
+        return joined
 
 
 class BatchView:
@@ -223,8 +292,9 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
 
     NOTE: at a hundred or two rows a batch, gathering a mixed batch costs as much as reading its sources, and most of
     it is a fixed cost per field, key set and piece (NumPy calls, Python lists, the tensors and key sets made).
-    Joined together, several steps pay each call once: every key set of a source batch is one list of keys
-    (``BatchView.keyed``), every range of every piece is found with a few array operations, the ranges are cut in one
+    Joined together, several steps pay each call once: the source batches' key sets are one list of keys (small
+    batches joined into one, ``JoinedBatches``; large ones each its own, ``BatchView.keyed``), every range of every
+    piece is found with a few array operations, the ranges are cut in one
     pass and joined step after step, and each step's tensors are consecutive ranges of the joined arrays (views, made
     by one ``split`` per field; they keep the joined arrays alive until every batch of the steps is let go)."""
     if len(steps) < 2 or not spec.sparse or not spec.events or not all(event.features for event in spec.events):
@@ -254,51 +324,64 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
     if (not identity or not rows or any(n != rows for n in step_rows)
             or any(view.batch.next_items is not None or view.batch.representations for view in views)):
         return [gather_pieces(step, spec) for step in steps]
-    keyed = [view.keyed(events) for view in views]  # made only for sources this join can take
-    if (not all(k.uniform for k in keyed) or len({k.values[0].dtype for k in keyed}) > 1
-            or len({k.times[1].dtype for k in keyed}) > 1):
-        return [gather_pieces(step, spec) for step in steps]
     num_steps, pieces = len(steps), [p for step in steps for p in step]
     parts = list(zip(part_view, part_lo, part_hi))
     key_sets = [[f.name for f in spec.sparse], *([f.name for f in e.features] for e in spec.events)]
     set_sizes = [len(keys) for keys in key_sets]
-    num_keys = sum(set_sizes)
-    # every part's range of every key: values [first, last) of its source batch's keys (one list of all key sets)
-    bound_at = [0, *itertools.accumulate(k.bounds.size for k in keyed)][:-1]
+    num_keys, num_sets = sum(set_sizes), len(key_sets)
+    set_at = [0, *itertools.accumulate(set_sizes)][:-1]
+    event_keys = set_at[1:]  # each event type's first key
     view_, lo, n = np.array(part_view), np.array(part_lo), np.array(part_hi) - np.array(part_lo)
-    stride = np.array([k.rows for k in keyed])[view_][:, None]  # between a key's rows and the next key's
-    bound = (lo + np.array(bound_at)[view_])[:, None] + np.arange(num_keys) * stride
-    bounds = np.concatenate([k.bounds for k in keyed])
-    first, last = bounds[bound], bounds[bound + n[:, None]]
-    # the values in the output's order: step by step, key by key, part by part (the parts are in step order), each
-    # range cut from its own key set's values
-    num_sets = len(key_sets)
-    key_set = np.repeat(np.arange(num_sets), set_sizes)
-    set_start = np.array([k.starts for k in keyed])[view_]  # [parts, key sets]
+    # every part's range of every key ([parts, keys]: ``first``, ``last``) in the array ``value_arrays[value_from]``,
+    # and of its events' timestamps ([parts, event types]) in ``time_arrays[time_from]``
+    joined = JoinedBatches.join([view.batch for view in views], events)
+    if joined is not None:
+        bound = (np.array(joined.at)[view_] + lo)[:, None] + np.arange(num_keys) * np.array(joined.rows)[view_][:, None]
+        first, last = joined.bounds[bound], joined.bounds[bound + n[:, None]]
+        value_arrays, value_from = [joined.values], np.zeros(first.shape, dtype=np.int64)
+        time_arrays, time_from = [joined.times], np.zeros((len(parts), len(events)), dtype=np.int64)
+        time_first = first[:, event_keys] + joined.time_shift[view_]
+        time_last = time_first + last[:, event_keys] - first[:, event_keys]
+        view_lengths = [joined.lengths[a : a + num_keys * r].reshape(num_keys, r) for a, r in zip(joined.at, joined.rows)]
+        row_fields, row_at = (joined.dense, joined.labels, joined.surface, joined.source), joined.row_at
+    else:
+        keyed = [view.keyed(events) for view in views]  # made only for sources this join can take
+        if (not all(k.uniform for k in keyed) or len({k.values[0].dtype for k in keyed}) > 1
+                or len({k.times[1].dtype for k in keyed}) > 1):
+            return [gather_pieces(step, spec) for step in steps]
+        bound_at = [0, *itertools.accumulate(k.bounds.size for k in keyed)][:-1]
+        stride = np.array([k.rows for k in keyed])[view_][:, None]  # between a key's rows and the next key's
+        bound = (lo + np.array(bound_at)[view_])[:, None] + np.arange(num_keys) * stride
+        bounds = np.concatenate([k.bounds for k in keyed])
+        first, last = bounds[bound], bounds[bound + n[:, None]]
+        # each range is cut from its own key set's values
+        key_set = np.repeat(np.arange(num_sets), set_sizes)
+        set_start = np.array([k.starts for k in keyed])[view_]  # [parts, key sets]
+        value_arrays = [values for k in keyed for values in k.values]
+        value_from = view_[:, None] * num_sets + key_set
+        first, last = first - set_start[:, key_set], last - set_start[:, key_set]
+        time_arrays = [times for k in keyed for times in k.times]
+        time_from = view_[:, None] * num_sets + np.arange(1, num_sets)
+        time_first, time_last = first[:, event_keys], last[:, event_keys]
+        view_lengths = [k.lengths for k in keyed]
+        row_fields = None
+    # the values in the output's order: step by step, key by key, part by part (the parts are in step order)
     group = (np.array(part_step)[:, None] * num_keys + np.arange(num_keys)).reshape(-1)
     order = np.argsort(group, kind="stable")
-    set_values = [values for k in keyed for values in k.values]
-    cut_from, cut_first = view_[:, None] * num_sets + key_set, first - set_start[:, key_set]
-    cut_last = cut_first + last - first
-    cuts = [set_values[i][a:z] for i, a, z in zip(cut_from.reshape(-1)[order].tolist(), cut_first.reshape(-1)[order].tolist(),
-                                                  cut_last.reshape(-1)[order].tolist())]
+    cuts = [value_arrays[i][a:z] for i, a, z in zip(value_from.reshape(-1)[order].tolist(), first.reshape(-1)[order].tolist(),
+                                                    last.reshape(-1)[order].tolist())]
     sizes = np.bincount(group, weights=(last - first).reshape(-1), minlength=num_steps * num_keys)
     sizes = sizes.astype(np.int64).reshape(num_steps, num_keys)  # per step, per key
     values = torch.from_numpy(_join_array(cuts, int(sizes.sum())))
     # lengths: [keys, steps * rows] -> [steps, keys, rows], each step's key-major
-    lengths = np.concatenate([keyed[j].lengths[:, a:z] for j, a, z in parts], axis=1).reshape(num_keys, num_steps, rows)
+    lengths = np.concatenate([view_lengths[j][:, a:z] for j, a, z in parts], axis=1).reshape(num_keys, num_steps, rows)
     lengths = torch.from_numpy(np.ascontiguousarray(lengths.transpose(1, 0, 2)).reshape(-1))
-    # timestamps: each event type's first key has one value per event; step by step, event type by event type
-    set_at = [0, *itertools.accumulate(set_sizes)][:-1]
-    event_keys = set_at[1:]
+    # timestamps: step by step, event type by event type
     event_group = (np.array(part_step)[:, None] * len(events) + np.arange(len(events))).reshape(-1)
     event_order = np.argsort(event_group, kind="stable")
-    set_times = [times for k in keyed for times in k.times]
-    times_from = (view_[:, None] * num_sets + np.arange(1, num_sets)).reshape(-1)[event_order].tolist()
-    times_first = first[:, event_keys] - set_start[:, 1:]
-    times_last = times_first + last[:, event_keys] - first[:, event_keys]
-    times = [set_times[i][a:z] for i, a, z in zip(times_from, times_first.reshape(-1)[event_order].tolist(),
-                                                  times_last.reshape(-1)[event_order].tolist())]
+    times = [time_arrays[i][a:z] for i, a, z in zip(time_from.reshape(-1)[event_order].tolist(),
+                                                   time_first.reshape(-1)[event_order].tolist(),
+                                                   time_last.reshape(-1)[event_order].tolist())]
     times = torch.from_numpy(_join_array(times, int(sizes[:, event_keys].sum())))
     # each step's tensors: consecutive ranges of the joined ones
     set_values = values.split(np.add.reduceat(sizes, set_at, axis=1).reshape(-1).tolist())
@@ -309,12 +392,19 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
     def rows_of(field: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
         return torch.from_numpy(np.concatenate(field)).split(rows)
 
-    dense = rows_of([keyed[j].dense[a:z] for j, a, z in parts])
-    labels = rows_of([keyed[j].labels[a:z] for j, a, z in parts])
+    if row_fields is None:
+        rows_in = [(k.dense, k.labels, k.surface, k.source) for k in keyed]
+        ranges = parts
+    else:
+        rows_in = [row_fields] * len(views)
+        ranges = [(j, row_at[j] + a, row_at[j] + z) for j, a, z in parts]
+    dense = rows_of([rows_in[j][0][a:z] for j, a, z in ranges])
+    labels = rows_of([rows_in[j][1][a:z] for j, a, z in ranges])
     plans = [p.plan for p in pieces]
-    surface = rows_of([keyed[j].surface[a:z] if plan.surface is None else np.full(z - a, plan.surface, dtype=np.int64)
-                       for (j, a, z), plan in zip(parts, plans)])
-    source = None if any(k.source is None for k in keyed) else rows_of([keyed[j].source[a:z] for j, a, z in parts])
+    surface = rows_of([rows_in[j][2][a:z] if plan.surface is None else np.full(z - a, plan.surface, dtype=np.int64)
+                       for (j, a, z), plan in zip(ranges, plans)])
+    source = (None if any(r[3] is None for r in rows_in)
+              else rows_of([rows_in[j][3][a:z] for j, a, z in ranges]))
     batches = []
     for s in range(num_steps):
         kjts = [_keyed_jagged(list(keys), set_values[s * num_sets + i], set_lengths[s * num_sets + i], rows,

@@ -243,12 +243,11 @@ class MixedStream(ShardedStream):
         reading only those rows from the sources."""
         if self._steps_per_gather > 1:
             return self._gathered_batch(index)
-        read = self._segments(index, lo, hi)
-        if read is None:
+        segments = self._segments(index, lo, hi)
+        if segments is None:
             return None
-        segments, source = read
         batch = self.alignment.gather(segments)
-        batch.source = torch.from_numpy(source)
+        batch.source = self._source_ids(index, lo, hi)
         return batch
 
     def _gathered_batch(self, index: int) -> Batch | None:
@@ -260,32 +259,42 @@ class MixedStream(ShardedStream):
             if stride == self._stride and not remainder and 0 <= offset < len(batches) and batches[offset] is not None:
                 batch, batches[offset] = batches[offset], None  # handed out once: asked again, it is gathered again
                 return batch
-        steps, sources = [], []
+        steps, totals = [], []
+        step, start = index, self.positions(index)
         for ahead in range(self._steps_per_gather):
-            read = self._segments(index + ahead * self._stride, 0, self.global_batch_size)
+            if ahead:  # past the steps in between (other workers' steps, where DataLoader workers take turns)
+                for t in range(step, step + self._stride):
+                    start = tuple(p + n for p, n in zip(start, self.composition(t)))
+                step += self._stride
+            total = self.composition(step)
+            read = self._segments(step, 0, self.global_batch_size, start, total)
             if read is None:  # the end of a source: the batches before it are delivered, then the mixture ends
                 break
-            steps.append(read[0])
-            sources.append(read[1])
+            steps.append(read)
+            totals.append(total)
         if not steps:
             return None
         batches: list[Batch | None] = list(self.alignment.gather_steps(steps))
-        for batch, source in zip(batches, sources):
-            batch.source = torch.from_numpy(source)
+        # each example's source index, every step's at once
+        sources = np.repeat(np.tile(np.arange(len(self.sources)), len(steps)), np.array(totals).reshape(-1))
+        for batch, source in zip(batches, torch.from_numpy(sources).split(self.global_batch_size)):
+            batch.source = source
         batch, batches[0] = batches[0], None
         self._gathered = (index, self._stride, batches)
         return batch
 
-    def _segments(self, index: int, lo: int, hi: int) -> tuple[list[tuple[str, BatchView, int, int]], np.ndarray] | None:
-        """The source row ranges of rows ``[lo, hi)`` of global batch ``index`` and each row's source index; None
-        past the end (or for a rank's empty share)."""
-        start, total = self.positions(index), self.composition(index)
+    def _segments(self, index: int, lo: int, hi: int, start: tuple[int, ...] | None = None,
+                  total: tuple[int, ...] | None = None) -> list[tuple[str, BatchView, int, int]] | None:
+        """The source row ranges of rows ``[lo, hi)`` of global batch ``index``; None past the end (or for a rank's
+        empty share). ``start`` and ``total``: the sources' positions before the batch and its composition, where
+        the caller knows them."""
+        start = self.positions(index) if start is None else start
+        total = self.composition(index) if total is None else total
         for reader, first, n in zip(self._readers, start, total):
             # every rank checks the whole global batch, so that all ranks end at the same step
             if n and not reader.available(first + n):
                 return None
         segments = []
-        source = np.empty(hi - lo, dtype=np.int64)  # each example's source index
         first_row = 0  # of source i in the global batch
         for i, n in enumerate(total):
             a, b = max(lo, first_row), min(hi, first_row + n)
@@ -293,11 +302,13 @@ class MixedStream(ShardedStream):
                 offset = start[i] - first_row
                 for view, x, y in self._readers[i].read(a + offset, b + offset):
                     segments.append((self.names[i], view, x, y))
-                source[a - lo : b - lo] = i
             first_row += n
-        if not segments:
-            return None  # a rank's empty share of a global batch smaller than the number of ranks
-        return segments, source
+        return segments or None  # None: a rank's empty share of a global batch smaller than the number of ranks
+
+    def _source_ids(self, index: int, lo: int, hi: int) -> torch.Tensor:
+        """Each example's source index, rows ``[lo, hi)`` of global batch ``index`` (its examples grouped by source)."""
+        ids = np.repeat(np.arange(len(self.sources)), self.composition(index))
+        return torch.from_numpy(ids[lo:hi])
 
     # -- reporting and state --------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
