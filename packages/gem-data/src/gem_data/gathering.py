@@ -131,25 +131,28 @@ class KeyedArrays:
 
 
 class JoinedBatches:
-    """Every tensor of several small batches of one spec, each field joined into one array by one copy (batch after
-    batch; a batch's key sets one after the other, key by key, as in ``KeyedArrays``), for ``gather_steps``: key
-    ``k`` (the key sets' keys counted end to end) of rows ``[lo, hi)`` of batch ``j`` has the values
-    ``[bounds[at[j] + k * rows[j] + lo], bounds[at[j] + k * rows[j] + hi])``, the timestamps of event type ``e`` of
-    those rows (one per value of its first key) lie ``time_shift[j][e]`` further on in ``times``, and batch ``j``'s
-    rows of the row fields (dense, labels, surface, source) from ``row_at[j]`` on.
+    """Several small batches of one spec for ``gather_steps``: their lengths and row fields (dense, labels, surface,
+    source) each joined into one array by one copy, batch after batch (a batch's key sets one after the other, key by
+    key, as in ``KeyedArrays``), their ids and timestamps left where they are. Key ``k`` (the key sets' keys counted
+    end to end) of rows ``[lo, hi)`` of batch ``j`` has the ids ``[bounds[at[j] + k * rows[j] + lo], ... + hi])``,
+    counted over every batch's ids laid end to end: key set ``i`` of batch ``j`` is ``values[j * num_sets + i]``,
+    from ``starts[j, i]`` on; event type ``e``'s timestamps (one per id of its first key, set ``e + 1``) are
+    ``times[j * num_events + e]``. Batch ``j``'s rows of the row fields start at ``row_at[j]``.
 
-    NOTE: a small batch (a few thousand ids) costs less to copy whole than to view piece by piece: ``KeyedArrays``
-    makes a dozen NumPy views and a few small joins per batch (~25 us at 128 synthetic rows), where joining 32 such
-    batches field by field costs ~8 us a batch. A large batch (a table read of a thousand rows of long histories)
-    would copy megabytes for the few rows taken from it: ``join`` declines batches above ``JOIN_MAX_VALUES`` ids."""
+    NOTE: ``KeyedArrays`` makes a dozen NumPy views and a few small joins of each batch (~25 us at 128 synthetic
+    rows); joining the small fields of 32 such batches at once costs about a third of that a batch. The ids are not
+    copied: at thousands of ids a batch a copy costs more than a view. A large batch (a table read of a thousand rows
+    of long histories, taken a few rows at a time) gains nothing: ``join`` declines batches above ``JOIN_MAX_VALUES``
+    ids."""
 
-    __slots__ = ("at", "bounds", "dense", "labels", "lengths", "row_at", "rows", "source", "surface", "time_shift",
-                 "times", "values")
+    __slots__ = ("at", "bounds", "dense", "labels", "lengths", "row_at", "rows", "source", "starts", "surface", "times",
+                 "values")
 
     @staticmethod
     def join(batches: list[Batch], events: list[str]) -> "JoinedBatches | None":
-        """None where a batch is too large, the fields' types differ between batches (a join would convert them), or
-        a key set's ids are not exactly the ids its lengths count (or an event type's timestamps one per event)."""
+        """None where a batch is too large, the fields' types differ between batches (joining them would convert
+        them), or a key set's ids are not exactly those its lengths count (or an event type's timestamps one per
+        event)."""
         values, lengths, times, dense, labels, surface, source, rows = [], [], [], [], [], [], [], []
         for batch in batches:
             sequences = batch.sequences
@@ -170,30 +173,25 @@ class JoinedBatches:
                                                                   source if has_source else ())):
             return None
         joined = JoinedBatches()
-        joined.values, joined.times = torch.cat(values).numpy(), torch.cat(times).numpy()
         joined.lengths = torch.cat(lengths).numpy()
         joined.bounds = bounds = np.empty(joined.lengths.size + 1, dtype=np.int64)
         bounds[0] = 0
         np.add.accumulate(joined.lengths, dtype=np.int64, out=bounds[1:])
-        joined.dense, joined.labels = torch.cat(dense).numpy(), torch.cat(labels).numpy()
-        joined.surface = torch.cat(surface).numpy()
-        joined.source = torch.cat(source).numpy() if has_source else None
-        joined.rows, joined.row_at = rows, [0, *itertools.accumulate(rows)][:-1]
         first = batches[0]
         set_at = [0, *itertools.accumulate(len(kjt.keys()) for kjt in (first.sparse, *(first.sequences[name].ids for name in events)))]
         num_keys = set_at[-1]
         joined.at = [0, *itertools.accumulate(num_keys * r for r in rows)][:-1]
-        # where each key set of each batch starts in the values, by its lengths; and its first key's end (events)
         at, counted = np.array(joined.at)[:, None], np.array(rows)[:, None]
-        starts = bounds[at + np.array(set_at) * counted]  # [batches, key sets + 1]
-        events_end = bounds[at + (np.array(set_at[1:-1]) + 1) * counted]  # [batches, event types]
-        event_counts = events_end - starts[:, 1:-1]
+        joined.starts = starts = bounds[at + np.array(set_at) * counted]  # [batches, key sets + 1]
+        event_counts = bounds[at + (np.array(set_at[1:-1]) + 1) * counted] - starts[:, 1:-1]  # [batches, event types]
         if (not np.array_equal(np.diff(starts, axis=1).reshape(-1), numels)
                 or not np.array_equal(event_counts.reshape(-1), np.array([t.numel() for t in times], dtype=np.int64))):
             return None
-        # timestamps: batch j's event type e's come after those of every earlier (batch, event type)
-        time_at = np.concatenate([[0], np.cumsum(event_counts.reshape(-1))[:-1]]).reshape(event_counts.shape)
-        joined.time_shift = time_at - starts[:, 1:-1]
+        joined.values, joined.times = [v.numpy() for v in values], [t.numpy() for t in times]
+        joined.dense, joined.labels = torch.cat(dense).numpy(), torch.cat(labels).numpy()
+        joined.surface = torch.cat(surface).numpy()
+        joined.source = torch.cat(source).numpy() if has_source else None
+        joined.rows, joined.row_at = rows, [0, *itertools.accumulate(rows)][:-1]
         return joined
 
 
@@ -335,13 +333,13 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
     # every part's range of every key ([parts, keys]: ``first``, ``last``) in the array ``value_arrays[value_from]``,
     # and of its events' timestamps ([parts, event types]) in ``time_arrays[time_from]``
     joined = JoinedBatches.join([view.batch for view in views], events)
+    key_set = np.repeat(np.arange(num_sets), set_sizes)
     if joined is not None:
         bound = (np.array(joined.at)[view_] + lo)[:, None] + np.arange(num_keys) * np.array(joined.rows)[view_][:, None]
         first, last = joined.bounds[bound], joined.bounds[bound + n[:, None]]
-        value_arrays, value_from = [joined.values], np.zeros(first.shape, dtype=np.int64)
-        time_arrays, time_from = [joined.times], np.zeros((len(parts), len(events)), dtype=np.int64)
-        time_first = first[:, event_keys] + joined.time_shift[view_]
-        time_last = time_first + last[:, event_keys] - first[:, event_keys]
+        set_start = joined.starts[view_]  # [parts, key sets + 1]
+        value_arrays, time_arrays = joined.values, joined.times
+        time_from = view_[:, None] * len(events) + np.arange(len(events))
         view_lengths = [joined.lengths[a : a + num_keys * r].reshape(num_keys, r) for a, r in zip(joined.at, joined.rows)]
         row_fields, row_at = (joined.dense, joined.labels, joined.surface, joined.source), joined.row_at
     else:
@@ -354,17 +352,16 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
         bound = (lo + np.array(bound_at)[view_])[:, None] + np.arange(num_keys) * stride
         bounds = np.concatenate([k.bounds for k in keyed])
         first, last = bounds[bound], bounds[bound + n[:, None]]
-        # each range is cut from its own key set's values
-        key_set = np.repeat(np.arange(num_sets), set_sizes)
         set_start = np.array([k.starts for k in keyed])[view_]  # [parts, key sets]
         value_arrays = [values for k in keyed for values in k.values]
-        value_from = view_[:, None] * num_sets + key_set
-        first, last = first - set_start[:, key_set], last - set_start[:, key_set]
         time_arrays = [times for k in keyed for times in k.times]
         time_from = view_[:, None] * num_sets + np.arange(1, num_sets)
-        time_first, time_last = first[:, event_keys], last[:, event_keys]
         view_lengths = [k.lengths for k in keyed]
         row_fields = None
+    # each range is cut from its own key set's values (and timestamps)
+    value_from = view_[:, None] * num_sets + key_set
+    first, last = first - set_start[:, key_set], last - set_start[:, key_set]
+    time_first, time_last = first[:, event_keys], last[:, event_keys]
     # the values in the output's order: step by step, key by key, part by part (the parts are in step order)
     group = (np.array(part_step)[:, None] * num_keys + np.arange(num_keys)).reshape(-1)
     order = np.argsort(group, kind="stable")
