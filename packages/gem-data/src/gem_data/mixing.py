@@ -190,19 +190,22 @@ class MixedStream(ShardedStream):
         """
         generator, config, size = self._generator, self.config, self.global_batch_size
         num_sources = len(self.sources)
-        blocks, share, probabilities = [], object(), None
+        draws, share, probabilities = [], object(), None
         for step in range(start, stop):
             if config.online_share(step) != share:
                 share, probabilities = config.online_share(step), config.probabilities(step)
             generator.manual_seed(config.seed * 1_000_003 + step)
             if config.granularity == "batch":
-                counts = [0] * num_sources
-                counts[int(torch.multinomial(probabilities, 1, generator=generator))] = size
-                blocks.append(tuple(counts))
+                draws.append(torch.multinomial(probabilities, 1, generator=generator))
             else:
-                draws = torch.multinomial(probabilities, size, replacement=True, generator=generator)
-                blocks.append(tuple(np.bincount(draws.numpy(), minlength=num_sources).tolist()))
-        return blocks
+                draws.append(torch.multinomial(probabilities, size, replacement=True, generator=generator))
+        if config.granularity == "batch":
+            counts = torch.zeros(stop - start, num_sources, dtype=torch.int64)
+            counts.scatter_(1, torch.stack(draws), size)
+        else:  # each step's draws counted per source, every step's in one count
+            offsets = torch.arange(stop - start)[:, None] * num_sources
+            counts = torch.bincount((torch.stack(draws) + offsets).view(-1), minlength=(stop - start) * num_sources)
+        return [tuple(c) for c in counts.view(stop - start, num_sources).tolist()]
 
     def positions(self, step: int) -> tuple[int, ...]:
         """Examples of each source read by global batches ``0 .. step - 1``."""
