@@ -132,10 +132,7 @@ def _same_batch(a, b) -> bool:
 
 
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("source_batches", ["joined", "each viewed"])
-def test_steps_gathered_together_equal_the_steps_gathered_one_by_one(monkeypatch, seed, source_batches):
-    if source_batches == "each viewed":
-        monkeypatch.setattr(gathering, "JOIN_MAX_VALUES", 0)  # every source batch too large to join: KeyedArrays
+def test_steps_gathered_together_equal_the_steps_gathered_one_by_one(seed):
     steps, alignment = _random_steps(seed)
     together = gathering.gather_steps(steps, alignment.spec)
     one_by_one = [gathering.gather_pieces(step, alignment.spec) for step in steps]
@@ -147,31 +144,28 @@ def test_steps_gathered_together_equal_the_steps_gathered_one_by_one(monkeypatch
         assert all(t.is_contiguous() for t in (fast.dense, fast.labels, fast.surface, fast.sparse.values(), fast.sparse.lengths()))
 
 
-def test_source_batches_whose_fields_cannot_be_joined_as_they_are_are_viewed_each_on_its_own():
+def test_source_batches_whose_fields_cannot_be_joined_as_they_are_are_gathered_step_by_step():
     steps, alignment = _random_steps(4)
     views = list({id(p.view): p.view for step in steps for p in step}.values())
     events = [e.name for e in alignment.spec.events]
     assert gathering.JoinedBatches.join([v.batch for v in views], events) is not None
-    # dense features of another type in one batch: a join would convert them
     first = views[0].batch
-    views[0].batch = dataclasses.replace(first, dense=first.dense.double())
-    assert gathering.JoinedBatches.join([v.batch for v in views], events) is None
-    views[0].batch = first
     # a key set holding more ids than its lengths count: positions in the joined ids would not follow the lengths
     kjt = first.sparse
     longer = KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat([kjt.values(), kjt.values()[:1]]), lengths=kjt.lengths())
     views[0].batch = dataclasses.replace(first, sparse=longer)
     assert gathering.JoinedBatches.join([v.batch for v in views], events) is None
-    views[0].batch = first
     # an event type with a timestamp missing
     name = events[0]
     sequence = first.sequences[name]
-    short = dataclasses.replace(sequence, timestamps=sequence.timestamps[:-1])
-    views[0].batch = dataclasses.replace(first, sequences={**first.sequences, name: short})
+    views[0].batch = dataclasses.replace(first, sequences={**first.sequences, name: dataclasses.replace(sequence, timestamps=sequence.timestamps[:-1])})
     assert gathering.JoinedBatches.join([v.batch for v in views], events) is None
-    views[0].batch = first
-    for fast, reference in zip(gathering.gather_steps(steps, alignment.spec),
-                               [gathering.gather_pieces(step, alignment.spec) for step in steps]):
+    # dense features of another type in one batch: a join would convert them; the steps are gathered one by one
+    views[0].batch = dataclasses.replace(first, dense=first.dense.double())
+    assert gathering.JoinedBatches.join([v.batch for v in views], events) is None
+    gathered = gathering.gather_steps(steps, alignment.spec)
+    assert gathered[0].dense.untyped_storage().data_ptr() != gathered[-1].dense.untyped_storage().data_ptr()
+    for fast, reference in zip(gathered, [gathering.gather_pieces(step, alignment.spec) for step in steps]):
         assert _same_batch(fast, reference)
 
 

@@ -35,8 +35,6 @@ from torchrec import KeyedJaggedTensor
 
 from gem_kunlun import Batch, EventSequence, FeatureSpec, NextItemTargets
 
-JOIN_MAX_VALUES = 1 << 15  # ids of a source batch that gather_steps joins with the others rather than views (JoinedBatches)
-
 
 @dataclass(frozen=True)
 class KeyMap:
@@ -102,57 +100,27 @@ class BatchArrays:
         self.sequences = {name: JaggedView(seq.ids, rows, seq.timestamps) for name, seq in batch.sequences.items()}
 
 
-class KeyedArrays:
-    """NumPy views of every tensor of a batch, its key sets as one list of keys (the sparse keys, then each event
-    type's, in the order asked), to cut many row ranges at once: key ``k``'s values of rows ``[lo, hi)`` lie at
-    ``[bounds[k * rows + lo], bounds[k * rows + hi])`` of the key sets' values laid end to end (not copied: key set
-    ``i``'s are ``values[i]``, from ``starts[i]`` on; an event type's timestamps, ``times[i]``, are one per value of
-    its first key). Made from the batch directly: a source batch gathered this way needs no ``BatchArrays``."""
-
-    __slots__ = ("bounds", "dense", "labels", "lengths", "rows", "source", "starts", "surface", "times", "uniform", "values")
-
-    def __init__(self, batch: Batch, events: list[str]) -> None:
-        kjts = [batch.sparse, *(batch.sequences[name].ids for name in events)]
-        self.rows = rows = batch.batch_size
-        self.dense, self.labels, self.surface = batch.dense.numpy(), batch.labels.numpy(), batch.surface.numpy()
-        self.source = None if batch.source is None else batch.source.numpy()
-        self.values = [kjt.values().numpy() for kjt in kjts]
-        self.times = [None, *(batch.sequences[name].timestamps.numpy() for name in events)]
-        lengths = [kjt.lengths().numpy() for kjt in kjts]
-        # one join holds every key set's values, another every event type's timestamps: their types must agree
-        self.uniform = (len({a.dtype for a in (*self.values, *lengths)}) == 1
-                        and len({t.dtype for t in self.times[1:]}) <= 1)
-        lengths = np.concatenate(lengths)
-        self.lengths = lengths.reshape(-1, rows)
-        self.bounds = np.empty(lengths.size + 1, dtype=np.int64)
-        self.bounds[0] = 0
-        np.add.accumulate(lengths, dtype=np.int64, out=self.bounds[1:])
-        self.starts = self.bounds[[0, *itertools.accumulate(len(kjt.keys()) * rows for kjt in kjts[:-1])]].tolist()
-
-
 class JoinedBatches:
-    """Several small batches of one spec for ``gather_steps``: their lengths and row fields (dense, labels, surface,
-    source) each joined into one array by one copy, batch after batch (a batch's key sets one after the other, key by
-    key, as in ``KeyedArrays``), their ids and timestamps left where they are. Key ``k`` (the key sets' keys counted
+    """The source batches of several steps (one spec) for ``gather_steps``: their lengths and row fields (dense,
+    labels, surface, source) each joined into one array by one copy, batch after batch (a batch's key sets one after
+    the other, key by key), their ids and timestamps left where they are. Key ``k`` (the key sets' keys counted
     end to end) of rows ``[lo, hi)`` of batch ``j`` has the ids ``[bounds[at[j] + k * rows[j] + lo], ... + hi])``,
     counted over every batch's ids laid end to end: key set ``i`` of batch ``j`` is ``values[j * num_sets + i]``,
     from ``starts[j, i]`` on; event type ``e``'s timestamps (one per id of its first key, set ``e + 1``) are
     ``times[j * num_events + e]``. Batch ``j``'s rows of the row fields start at ``row_at[j]``.
 
-    NOTE: ``KeyedArrays`` makes a dozen NumPy views and a few small joins of each batch (~25 us at 128 synthetic
-    rows); joining the small fields of 32 such batches at once costs about a third of that a batch. The ids are not
-    copied: at thousands of ids a batch a copy costs more than a view. A large batch (a table read of a thousand rows
-    of long histories, taken a few rows at a time) gains nothing: ``join`` declines batches above ``JOIN_MAX_VALUES``
-    ids."""
+    NOTE: making each batch's NumPy views and key offsets on its own (a dozen views and a few small joins, ~25 us
+    a batch of 128 synthetic rows) costs about three times what joining the small fields of 32 such batches at
+    once costs a batch. The ids are not copied: at thousands of ids a batch, copying costs more than viewing.
+    """
 
     __slots__ = ("at", "bounds", "dense", "labels", "lengths", "row_at", "rows", "source", "starts", "surface", "times",
                  "values")
 
     @staticmethod
     def join(batches: list[Batch], events: list[str]) -> "JoinedBatches | None":
-        """None where a batch is too large, the fields' types differ between batches (joining them would convert
-        them), or a key set's ids are not exactly those its lengths count (or an event type's timestamps one per
-        event)."""
+        """None where the fields' types differ between batches (joining them would convert them), or a key set's ids
+        are not exactly those its lengths count (or an event type's timestamps one per event)."""
         values, lengths, times, dense, labels, surface, source, rows = [], [], [], [], [], [], [], []
         for batch in batches:
             sequences = batch.sequences
@@ -165,9 +133,6 @@ class JoinedBatches:
             surface.append(batch.surface)
             source.append(batch.source)
             rows.append(batch.batch_size)
-        numels = np.array([v.numel() for v in values])
-        if numels.reshape(len(batches), -1).sum(1).max() > JOIN_MAX_VALUES:
-            return None
         has_source = all(t is not None for t in source)
         if any(len({t.dtype for t in field}) > 1 for field in (values + lengths, times, dense, labels, surface,
                                                                   source if has_source else ())):
@@ -184,7 +149,7 @@ class JoinedBatches:
         at, counted = np.array(joined.at)[:, None], np.array(rows)[:, None]
         joined.starts = starts = bounds[at + np.array(set_at) * counted]  # [batches, key sets + 1]
         event_counts = bounds[at + (np.array(set_at[1:-1]) + 1) * counted] - starts[:, 1:-1]  # [batches, event types]
-        if (not np.array_equal(np.diff(starts, axis=1).reshape(-1), numels)
+        if (not np.array_equal(np.diff(starts, axis=1).reshape(-1), np.array([v.numel() for v in values]))
                 or not np.array_equal(event_counts.reshape(-1), np.array([t.numel() for t in times], dtype=np.int64))):
             return None
         joined.values, joined.times = [v.numpy() for v in values], [t.numpy() for t in times]
@@ -200,22 +165,16 @@ class BatchView:
     of the source batch it holds at each of several steps, and making the views (with the offsets of each key
     set) costs as much as cutting a range out of them. A batch taken whole needs none."""
 
-    __slots__ = ("_arrays", "_keyed", "batch", "rows")
+    __slots__ = ("_arrays", "batch", "rows")
 
     def __init__(self, batch: Batch) -> None:
-        self.batch, self.rows, self._arrays, self._keyed = batch, batch.batch_size, None, None
+        self.batch, self.rows, self._arrays = batch, batch.batch_size, None
 
     @property
     def arrays(self) -> BatchArrays:
         if self._arrays is None:
             self._arrays = BatchArrays(self.batch)
         return self._arrays
-
-    def keyed(self, events: list[str]) -> "KeyedArrays":
-        """Every key set of the batch (the sparse keys, then those of ``events``) as one list of keys, made once."""
-        if self._keyed is None or self._keyed[0] != events:
-            self._keyed = (events, KeyedArrays(self.batch, events))
-        return self._keyed[1]
 
     def event_span(self, event: str, lo: int, hi: int) -> tuple[int, int]:
         """The events of rows ``[lo, hi)`` of event type ``event``."""
@@ -290,9 +249,8 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
 
     NOTE: at a hundred or two rows a batch, gathering a mixed batch costs as much as reading its sources, and most of
     it is a fixed cost per field, key set and piece (NumPy calls, Python lists, the tensors and key sets made).
-    Joined together, several steps pay each call once: the source batches' key sets are one list of keys (small
-    batches joined into one, ``JoinedBatches``; large ones each its own, ``BatchView.keyed``), every range of every
-    piece is found with a few array operations, the ranges are cut in one
+    Joined together, several steps pay each call once: the source batches' lengths and row fields are one array each
+    (``JoinedBatches``), every range of every piece is found with a few array operations, the ranges are cut in one
     pass and joined step after step, and each step's tensors are consecutive ranges of the joined arrays (views, made
     by one ``split`` per field; they keep the joined arrays alive until every batch of the steps is let go)."""
     if len(steps) < 2 or not spec.sparse or not spec.events or not all(event.features for event in spec.events):
@@ -301,8 +259,8 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
     if any(whole):
         # NOTE: a step that is one source batch taken whole (whole-batch mixing) is that batch, made without copying
         # a row (``gather_pieces``); only the other steps are joined
-        joined = iter(gather_steps([step for step, w in zip(steps, whole) if not w], spec))
-        return [gather_pieces(step, spec) if w else next(joined) for step, w in zip(steps, whole)]
+        others = iter(gather_steps([step for step, w in zip(steps, whole) if not w], spec))
+        return [gather_pieces(step, spec) if w else next(others) for step, w in zip(steps, whole)]
     held: dict[int, int] = {}  # id of a source batch's view -> its index in ``views``
     views: list[BatchView] = []
     part_view, part_lo, part_hi, part_step, step_rows, identity = [], [], [], [], [], True
@@ -330,53 +288,34 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
     set_at = [0, *itertools.accumulate(set_sizes)][:-1]
     event_keys = set_at[1:]  # each event type's first key
     view_, lo, n = np.array(part_view), np.array(part_lo), np.array(part_hi) - np.array(part_lo)
-    # every part's range of every key ([parts, keys]: ``first``, ``last``) in the array ``value_arrays[value_from]``,
-    # and of its events' timestamps ([parts, event types]) in ``time_arrays[time_from]``
     joined = JoinedBatches.join([view.batch for view in views], events)
+    if joined is None:
+        return [gather_pieces(step, spec) for step in steps]
+    # every part's range of every key ([parts, keys]), counted over every source batch's ids laid end to end, then
+    # within the key set it is cut from (``joined.values[value_from]``); the timestamps of its events likewise
+    bound = (np.array(joined.at)[view_] + lo)[:, None] + np.arange(num_keys) * np.array(joined.rows)[view_][:, None]
     key_set = np.repeat(np.arange(num_sets), set_sizes)
-    if joined is not None:
-        bound = (np.array(joined.at)[view_] + lo)[:, None] + np.arange(num_keys) * np.array(joined.rows)[view_][:, None]
-        first, last = joined.bounds[bound], joined.bounds[bound + n[:, None]]
-        set_start = joined.starts[view_]  # [parts, key sets + 1]
-        value_arrays, time_arrays = joined.values, joined.times
-        time_from = view_[:, None] * len(events) + np.arange(len(events))
-        view_lengths = [joined.lengths[a : a + num_keys * r].reshape(num_keys, r) for a, r in zip(joined.at, joined.rows)]
-        row_fields, row_at = (joined.dense, joined.labels, joined.surface, joined.source), joined.row_at
-    else:
-        keyed = [view.keyed(events) for view in views]  # made only for sources this join can take
-        if (not all(k.uniform for k in keyed) or len({k.values[0].dtype for k in keyed}) > 1
-                or len({k.times[1].dtype for k in keyed}) > 1):
-            return [gather_pieces(step, spec) for step in steps]
-        bound_at = [0, *itertools.accumulate(k.bounds.size for k in keyed)][:-1]
-        stride = np.array([k.rows for k in keyed])[view_][:, None]  # between a key's rows and the next key's
-        bound = (lo + np.array(bound_at)[view_])[:, None] + np.arange(num_keys) * stride
-        bounds = np.concatenate([k.bounds for k in keyed])
-        first, last = bounds[bound], bounds[bound + n[:, None]]
-        set_start = np.array([k.starts for k in keyed])[view_]  # [parts, key sets]
-        value_arrays = [values for k in keyed for values in k.values]
-        time_arrays = [times for k in keyed for times in k.times]
-        time_from = view_[:, None] * num_sets + np.arange(1, num_sets)
-        view_lengths = [k.lengths for k in keyed]
-        row_fields = None
-    # each range is cut from its own key set's values (and timestamps)
+    set_start = joined.starts[view_][:, key_set]
+    first, last = joined.bounds[bound] - set_start, joined.bounds[bound + n[:, None]] - set_start
     value_from = view_[:, None] * num_sets + key_set
-    first, last = first - set_start[:, key_set], last - set_start[:, key_set]
     time_first, time_last = first[:, event_keys], last[:, event_keys]
+    time_from = view_[:, None] * len(events) + np.arange(len(events))
     # the values in the output's order: step by step, key by key, part by part (the parts are in step order)
     group = (np.array(part_step)[:, None] * num_keys + np.arange(num_keys)).reshape(-1)
     order = np.argsort(group, kind="stable")
-    cuts = [value_arrays[i][a:z] for i, a, z in zip(value_from.reshape(-1)[order].tolist(), first.reshape(-1)[order].tolist(),
+    cuts = [joined.values[i][a:z] for i, a, z in zip(value_from.reshape(-1)[order].tolist(), first.reshape(-1)[order].tolist(),
                                                     last.reshape(-1)[order].tolist())]
     sizes = np.bincount(group, weights=(last - first).reshape(-1), minlength=num_steps * num_keys)
     sizes = sizes.astype(np.int64).reshape(num_steps, num_keys)  # per step, per key
     values = torch.from_numpy(_join_array(cuts, int(sizes.sum())))
     # lengths: [keys, steps * rows] -> [steps, keys, rows], each step's key-major
+    view_lengths = [joined.lengths[a : a + num_keys * r].reshape(num_keys, r) for a, r in zip(joined.at, joined.rows)]
     lengths = np.concatenate([view_lengths[j][:, a:z] for j, a, z in parts], axis=1).reshape(num_keys, num_steps, rows)
     lengths = torch.from_numpy(np.ascontiguousarray(lengths.transpose(1, 0, 2)).reshape(-1))
     # timestamps: step by step, event type by event type
     event_group = (np.array(part_step)[:, None] * len(events) + np.arange(len(events))).reshape(-1)
     event_order = np.argsort(event_group, kind="stable")
-    times = [time_arrays[i][a:z] for i, a, z in zip(time_from.reshape(-1)[event_order].tolist(),
+    times = [joined.times[i][a:z] for i, a, z in zip(time_from.reshape(-1)[event_order].tolist(),
                                                    time_first.reshape(-1)[event_order].tolist(),
                                                    time_last.reshape(-1)[event_order].tolist())]
     times = torch.from_numpy(_join_array(times, int(sizes[:, event_keys].sum())))
@@ -389,19 +328,13 @@ def gather_steps(steps: list[list[Piece]], spec: FeatureSpec) -> list[Batch]:
     def rows_of(field: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
         return torch.from_numpy(np.concatenate(field)).split(rows)
 
-    if row_fields is None:
-        rows_in = [(k.dense, k.labels, k.surface, k.source) for k in keyed]
-        ranges = parts
-    else:
-        rows_in = [row_fields] * len(views)
-        ranges = [(j, row_at[j] + a, row_at[j] + z) for j, a, z in parts]
-    dense = rows_of([rows_in[j][0][a:z] for j, a, z in ranges])
-    labels = rows_of([rows_in[j][1][a:z] for j, a, z in ranges])
+    ranges = [(joined.row_at[j] + a, joined.row_at[j] + z) for j, a, z in parts]
     plans = [p.plan for p in pieces]
-    surface = rows_of([rows_in[j][2][a:z] if plan.surface is None else np.full(z - a, plan.surface, dtype=np.int64)
-                       for (j, a, z), plan in zip(ranges, plans)])
-    source = (None if any(r[3] is None for r in rows_in)
-              else rows_of([rows_in[j][3][a:z] for j, a, z in ranges]))
+    dense = rows_of([joined.dense[a:z] for a, z in ranges])
+    labels = rows_of([joined.labels[a:z] for a, z in ranges])
+    surface = rows_of([joined.surface[a:z] if plan.surface is None else np.full(z - a, plan.surface, dtype=np.int64)
+                       for (a, z), plan in zip(ranges, plans)])
+    source = None if joined.source is None else rows_of([joined.source[a:z] for a, z in ranges])
     batches = []
     for s in range(num_steps):
         kjts = [_keyed_jagged(list(keys), set_values[s * num_sets + i], set_lengths[s * num_sets + i], rows,
