@@ -279,7 +279,7 @@ class MixedStream(ShardedStream):
             return None
         batches: list[Batch | None] = list(self.alignment.gather_steps(steps))
         # each example's source index, every step's at once
-        sources = np.repeat(np.tile(np.arange(len(self.sources)), len(steps)), np.array(totals).reshape(-1))
+        sources = np.repeat(np.tile(np.arange(len(self.sources), dtype=np.int64), len(steps)), np.array(totals).reshape(-1))
         for batch, source in zip(batches, torch.from_numpy(sources).split(self.global_batch_size)):
             batch.source = source
         batch, batches[0] = batches[0], None
@@ -310,7 +310,7 @@ class MixedStream(ShardedStream):
 
     def _source_ids(self, index: int, lo: int, hi: int) -> torch.Tensor:
         """Each example's source index, rows ``[lo, hi)`` of global batch ``index`` (its examples grouped by source)."""
-        ids = np.repeat(np.arange(len(self.sources)), self.composition(index))
+        ids = np.repeat(np.arange(len(self.sources), dtype=np.int64), self.composition(index))
         return torch.from_numpy(ids[lo:hi])
 
     # -- reporting and state --------------------------------------------------------------------------------
