@@ -70,11 +70,13 @@ def test_ranks_together_see_exactly_what_one_process_sees(world_size, granularit
 
 
 def test_data_workers_give_the_same_mixture():
-    plain = list(itertools.islice(MixedStream(sources(), CONFIG), 6))
+    # (past each worker's first gather of its next steps: a worker walks over the other's steps between its own)
+    steps = 2 * mixing.GATHER_STEPS + 6
+    plain = list(itertools.islice(MixedStream(sources(), CONFIG), steps))
     loader = WorkerLoader(MixedStream(sources(), CONFIG), num_workers=2)
-    assert all(equal_batches(a, b) for a, b in zip(plain, itertools.islice(loader, 6)))
+    assert all(equal_batches(a, b) for a, b in zip(plain, itertools.islice(loader, steps), strict=True))
     reference = MixedStream(sources(), CONFIG)
-    reference.position = 6
+    reference.position = steps
     assert loader.stream.counts() == reference.counts()
 
 
