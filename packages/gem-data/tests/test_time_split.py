@@ -18,7 +18,7 @@ from gem_data import (
     read_atomic,
     select_examples,
 )
-from gem_data.testing import find_repo_root, shared_data_dir
+from gem_data.testing import equal_batches, find_repo_root, shared_data_dir
 
 DATA = shared_data_dir(find_repo_root(Path(__file__)))
 SPLIT = TimeSplit(0.6, 0.85)
@@ -117,3 +117,36 @@ def test_movielens_time_split(tmp_path):
     assert 9_000 < described["next_period_events"] <= 10_000 and 600 < described["offline_held_out"] <= corpus.num_users
     assert 19_000 < online.num_training_examples <= 20_000 and 65_000 < offline.num_training_examples < 70_000
     assert bool((target_times(online)[1:] >= target_times(online)[:-1]).all())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("epochs", [None, 3])
+def test_a_time_splits_periods_are_assembled_straight_into_the_mixed_batch_as_gathered(corpus, world_size, epochs):
+    """The periods' tables share one assembler: where a step is not gathered with others, the mixer plans each
+    period's rows and assembles the mixed batch once; the batches are those gathered from the periods' own reads,
+    to the step where a finite period runs out."""
+    config = NextItemConfig(num_negatives=1, max_history=4)
+    periods = {p: TimeSplitDataset(corpus, config, SPLIT, p) for p in ("offline", "online")}
+    mixing = MixingConfig((MixSource("offline"), MixSource("online", online=True)), batch_size=300 // world_size,
+                          online_share_start=0.2, online_share_end=0.8, ramp_steps=4, seed=1)
+
+    def ranks():
+        return [MixedStream({"offline": TableStream(periods["offline"].training_table(), 64, num_epochs=epochs),
+                             "online": TableStream(periods["online"].training_table(), 64, shuffle=False)},
+                            mixing, rank=r, world_size=world_size) for r in range(world_size)]
+
+    assembled, gathered = ranks(), ranks()
+    assert all(s._assembler is not None for s in assembled)
+    for s in gathered:
+        s._assembler = None  # the rows read and gathered from the sources' batches
+    steps = 0
+    for step in range(12):
+        expected = [g.rank_batch(step) for g in gathered]
+        got = [a.rank_batch(step) for a in assembled]
+        if expected[0] is None:
+            assert all(b is None for b in got + expected)
+            break
+        steps += 1
+        for a, g in zip(got, expected):
+            assert torch.equal(a.source, g.source) and equal_batches(a, g)
+    assert steps == 12 if epochs is None else 0 < steps < 12

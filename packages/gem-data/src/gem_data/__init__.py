@@ -27,7 +27,7 @@ from gem_data.source import BatchSource, ShardedStream, WorkerLoader
 from gem_data.stream import READ_ROWS, SyntheticStream, TableStream, eval_batches
 from gem_data.surface_filter import SurfaceFilterStream
 from gem_data.synthetic import SyntheticConfig, SyntheticGenerator
-from gem_data.table import BatchTable, ExampleTable
+from gem_data.table import BatchTable, ExampleTable, PlannedTable
 
 __all__ = [
     "READ_ROWS",
@@ -50,6 +50,7 @@ __all__ = [
     "NextItemDataset",
     "NextItemTable",
     "ParquetTable",
+    "PlannedTable",
     "RankingExamples",
     "ProcessReadAhead",
     "ReadAhead",

@@ -143,6 +143,11 @@ class FeatureAlignment:
         """Whether ``name``'s batches need no re-keying (its features are the union's)."""
         return self._plans[name].identity
 
+    def keeps_rows(self, name: str) -> bool:
+        """Whether ``name``'s rows enter the union batch as they are (no re-keying, no domain id stamped)."""
+        plan = self._plans[name]
+        return plan.identity and plan.surface is None
+
     def align(self, name: str, batch: Batch) -> Batch:
         """``batch`` of source ``name`` in the union spec (a new batch; ``batch`` is left as it was)."""
         return self.gather([(name, batch, 0, batch.batch_size)])

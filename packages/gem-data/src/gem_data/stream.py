@@ -178,8 +178,15 @@ class TableStream(ShardedStream):
         """The rows at ``positions`` of the endless shuffled row sequence (epoch 0, then epoch 1, ...)."""
         if positions.numel() == 0:  # a rank's empty share of a short final batch
             return self.table.take(0, positions, 0)
+        return concat_batches([self.table.take(*read) for read in self._located(positions)])
+
+    def _plans(self, positions: torch.Tensor) -> list:
+        """The plans of the rows at ``positions`` (a ``PlannedTable``'s; see ``_rows``), one per table read."""
+        return [self.table.plan(*read) for read in self._located(positions)]
+
+    def _located(self, positions: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, int]]:
+        """``(block, rows, epoch)`` of the table reads that give the rows at ``positions``, in order."""
         epochs = positions // self.rows_per_epoch
-        parts = []
         for epoch in torch.unique_consecutive(epochs).tolist():
             in_epoch = positions[epochs == epoch] - epoch * self.rows_per_epoch
             blocks, block_start = self._block_order(epoch)
@@ -188,9 +195,7 @@ class TableStream(ShardedStream):
                 block = int(blocks[s])
                 offset = in_epoch[slot == s] - block_start[s]
                 group = self.table.group_size
-                rows = self._group_order(epoch, block)[offset // group] * group + offset % group
-                parts.append(self.table.take(block, rows, epoch))
-        return concat_batches(parts)
+                yield block, self._group_order(epoch, block)[offset // group] * group + offset % group, epoch
 
     def _block_order(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = ("blocks", epoch)

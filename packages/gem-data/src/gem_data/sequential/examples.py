@@ -280,18 +280,43 @@ class NextItemDataset:
             yield start, batch
 
 
+@dataclass
+class NextItemRows:
+    """Rows of a ``NextItemTable`` before their features are gathered: each row's user, history length (its target
+    is the user's item at that position), candidate item and label."""
+
+    users: torch.Tensor
+    history_length: torch.Tensor
+    candidates: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.users.numel()
+
+    def __getitem__(self, rows: slice) -> "NextItemRows":
+        return NextItemRows(self.users[rows], self.history_length[rows], self.candidates[rows], self.labels[rows])
+
+
 class NextItemTable:
     """The training rows as an ``ExampleTable``: example ``e`` owns rows ``e * G .. e * G + G - 1``
-    (``G = 1 + num_negatives``), the positive first. Negatives are drawn per ``(seed, epoch, row)``."""
+    (``G = 1 + num_negatives``), the positive first. Negatives are drawn per ``(seed, epoch, row)``.
+
+    A ``PlannedTable`` too: ``plan`` finds the rows (the users, targets and drawn negatives), ``assemble`` gathers
+    their features; ``take`` is both. Tables whose ``assembler`` is the same (data sets over one corpus object with
+    one config: a time split's periods) assemble each other's rows, as one batch."""
 
     def __init__(self, dataset: NextItemDataset) -> None:
         self.dataset, self.spec = dataset, dataset.spec
         self.group_size = 1 + dataset.config.num_negatives
+        self.assembler = (id(dataset.corpus), dataset.config)
 
     def block_sizes(self) -> list[int]:
         return [self.dataset.num_training_examples * self.group_size]
 
     def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
+        return self.assemble([self.plan(block, rows, epoch)])
+
+    def plan(self, block: int, rows: torch.Tensor, epoch: int) -> NextItemRows:
         d = self.dataset
         example, slot = rows // self.group_size, rows % self.group_size
         users, k = d.example_user[example], d.example_k[example]
@@ -300,7 +325,17 @@ class NextItemTable:
         negative = slot > 0
         if bool(negative.any()):
             candidates[negative] = d.sampler.draw(users[negative], rows[negative], salt_of(d.config.seed, epoch))
-        return d.assemble(users, d.history(users, k), candidates, ~negative)
+        return NextItemRows(users, k, candidates, ~negative)
+
+    def assemble(self, plans: list[NextItemRows]) -> Batch:
+        """One batch of the rows of ``plans``, in order (rows planned by tables of this ``assembler``)."""
+        if len(plans) == 1:
+            users, k, candidates, labels = plans[0].users, plans[0].history_length, plans[0].candidates, plans[0].labels
+        else:
+            users, k, candidates, labels = (torch.cat(field) for field in zip(*((p.users, p.history_length, p.candidates, p.labels)
+                                                                                 for p in plans)))
+        d = self.dataset
+        return d.assemble(users, d.history(users, k), candidates, labels)
 
 
 class RetrievalTable:
