@@ -170,7 +170,7 @@ class MixedStream(ShardedStream):
         # straight into the mixed batch, their rows planned and assembled once, where a step is not gathered with
         # others: a gather copies every id of the rows the tables read (3.2 MB a batch of 1024 rows of ML-100K's
         # histories), and at small batches the sources' reads ahead and a gather of many steps cost less
-        self._assembler = None
+        self._assembler, self._planners = None, []
         tables = [s.table for s in self.sources if isinstance(s, TableStream)]
         if (self._steps_per_gather == 1 and len(tables) == len(self.sources)
                 and all(callable(getattr(t, "plan", None)) and getattr(t, "assembler", None) is not None for t in tables)
