@@ -32,9 +32,8 @@ class ExampleTable(Protocol):
 class PlannedTable(ExampleTable, Protocol):
     """A table whose ``take`` is two parts: ``plan(block, rows, epoch)`` finds the rows (cheap: indices, sampled
     parts; a plan has a ``len`` and is cut by row slices), ``assemble(plans)`` gathers the features of the rows of
-    several plans into one batch, in order. Tables
-    with the same ``assembler`` assemble each other's plans: ``MixedStream`` reads such sources' rows for a step
-    straight into the mixed batch, with no copy of the rows."""
+    several plans into one batch, in order. Tables with the same ``assembler`` assemble each other's plans:
+    ``MixedStream`` reads such sources' rows for a step straight into the mixed batch, with no copy of the rows."""
 
     assembler: object
 

@@ -302,13 +302,13 @@ class NextItemTable:
     (``G = 1 + num_negatives``), the positive first. Negatives are drawn per ``(seed, epoch, row)``.
 
     A ``PlannedTable`` too: ``plan`` finds the rows (the users, targets and drawn negatives), ``assemble`` gathers
-    their features; ``take`` is both. Tables whose ``assembler`` is the same (data sets over one corpus object with
-    one config: a time split's periods) assemble each other's rows, as one batch."""
+    their features; ``take`` is both. Tables whose ``assembler`` is the same (data sets of one class over one corpus
+    object with one config: a time split's periods) assemble each other's rows, as one batch."""
 
     def __init__(self, dataset: NextItemDataset) -> None:
         self.dataset, self.spec = dataset, dataset.spec
         self.group_size = 1 + dataset.config.num_negatives
-        self.assembler = (id(dataset.corpus), dataset.config)
+        self.assembler = (type(dataset), id(dataset.corpus), dataset.config)
 
     def block_sizes(self) -> list[int]:
         return [self.dataset.num_training_examples * self.group_size]
