@@ -176,7 +176,7 @@ class MixedStream(ShardedStream):
                 and all(callable(getattr(t, "plan", None)) and getattr(t, "assembler", None) is not None for t in tables)
                 and all(t.assembler == tables[0].assembler for t in tables) and all(map(alignment.keeps_rows, self.names))):
             self._assembler = tables[0]
-            self._planners = [PlanReader(source, read_ahead) for source in self.sources]
+            self._planners = [PlanReader(reader) for reader in self._readers]
         self._gathered: tuple[int, int, list[Batch | None]] | None = None  # first step gathered together, stride, batches
         self._stride = 1  # between the steps this reader delivers (DataLoader workers take turns)
 
@@ -271,19 +271,10 @@ class MixedStream(ShardedStream):
     def _assembled_batch(self, index: int, lo: int, hi: int) -> Batch | None:
         """Rows ``[lo, hi)`` of global batch ``index``, each source's rows planned and all assembled at once (the
         same batch as gathered from the sources' batches)."""
-        start, total = self.positions(index), self.composition(index)
-        for reader, first, n in zip(self._readers, start, total):
-            if n and not reader.available(first + n):
-                return None
-        plans, first_row = [], 0  # first_row: of source i in the global batch
-        for planner, first, n in zip(self._planners, start, total):
-            a, b = max(lo, first_row), min(hi, first_row + n)
-            if a < b:
-                offset = first - first_row
-                plans += planner.read(a + offset, b + offset)
-            first_row += n
-        if not plans:
-            return None  # a rank's empty share of a global batch smaller than the number of ranks
+        ranges = self._source_ranges(index, lo, hi)
+        if not ranges:
+            return None
+        plans = [plan for i, a, b in ranges for plan in self._planners[i].read(a, b)]
         batch = self._assembler.assemble(plans)
         batch.source = self._source_ids(index, lo, hi)
         return batch
@@ -324,24 +315,31 @@ class MixedStream(ShardedStream):
     def _segments(self, index: int, lo: int, hi: int, start: tuple[int, ...] | None = None,
                   total: tuple[int, ...] | None = None) -> list[tuple[str, BatchView, int, int]] | None:
         """The source row ranges of rows ``[lo, hi)`` of global batch ``index``; None past the end (or for a rank's
-        empty share). ``start`` and ``total``: the sources' positions before the batch and its composition, where
-        the caller knows them."""
+        empty share). ``start`` and ``total``: as ``_source_ranges`` takes them."""
+        ranges = self._source_ranges(index, lo, hi, start, total)
+        if not ranges:
+            return None
+        return [(self.names[i], view, x, y) for i, a, b in ranges for view, x, y in self._readers[i].read(a, b)]
+
+    def _source_ranges(self, index: int, lo: int, hi: int, start: tuple[int, ...] | None = None,
+                       total: tuple[int, ...] | None = None) -> list[tuple[int, int, int]] | None:
+        """``(source, first example, end)`` of each source's examples in rows ``[lo, hi)`` of global batch ``index``
+        (its examples grouped by source); None past the end, empty for a rank's empty share of a global batch
+        smaller than the number of ranks. ``start`` and ``total``: the sources' positions before the batch and its
+        composition, where the caller knows them."""
         start = self.positions(index) if start is None else start
         total = self.composition(index) if total is None else total
         for reader, first, n in zip(self._readers, start, total):
             # every rank checks the whole global batch, so that all ranks end at the same step
             if n and not reader.available(first + n):
                 return None
-        segments = []
-        first_row = 0  # of source i in the global batch
-        for i, n in enumerate(total):
+        ranges, first_row = [], 0  # first_row: of source i in the global batch
+        for i, (first, n) in enumerate(zip(start, total)):
             a, b = max(lo, first_row), min(hi, first_row + n)
             if a < b:
-                offset = start[i] - first_row
-                for view, x, y in self._readers[i].read(a + offset, b + offset):
-                    segments.append((self.names[i], view, x, y))
+                ranges.append((i, a + first - first_row, b + first - first_row))
             first_row += n
-        return segments or None  # None: a rank's empty share of a global batch smaller than the number of ranks
+        return ranges
 
     def _source_ids(self, index: int, lo: int, hi: int) -> torch.Tensor:
         """Each example's source index, rows ``[lo, hi)`` of global batch ``index`` (its examples grouped by source)."""
@@ -430,12 +428,11 @@ class ExampleReader:
 
 class PlanReader:
     """Reads example ranges of a ``TableStream`` of a ``PlannedTable`` as plans (the rows found, not yet
-    assembled), holding the plans of ``read_ahead`` rows or the stream's own ``read_rows`` if more, as
-    ``ExampleReader`` holds rows: a plan's fixed cost (a sampler's rounds of draws) is shared by several steps."""
+    assembled), holding as many rows' plans ahead as ``reader`` (the source's ``ExampleReader``) holds rows: a
+    plan's fixed cost (a sampler's rounds of draws) is shared by several steps."""
 
-    def __init__(self, stream: TableStream, read_ahead: int = 0) -> None:
-        self.stream, self.read_ahead = stream, max(read_ahead, stream.read_rows) if read_ahead else 0
-        self.length = known_length(stream)
+    def __init__(self, reader: ExampleReader) -> None:
+        self.stream, self.read_ahead, self.length = reader.stream, reader.read_ahead, reader.length
         self._held: list[tuple[int, Any]] = []  # (first example, plan) of the plans held, in order
         self._stop = 0  # the held plans cover examples [self._held[0][0], self._stop)
 
