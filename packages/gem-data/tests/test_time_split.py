@@ -136,7 +136,10 @@ def test_a_time_splits_periods_are_assembled_straight_into_the_mixed_batch_as_ga
                             mixing, rank=r, world_size=world_size) for r in range(world_size)]
 
     assembled, gathered = ranks(), ranks()
-    assert all(s._assembler is not None for s in assembled)
+    one_process = MixedStream({"offline": TableStream(periods["offline"].training_table(), 64, num_epochs=epochs),
+                               "online": TableStream(periods["online"].training_table(), 64, shuffle=False)},
+                              MixingConfig(**{**mixing.__dict__, "batch_size": 300}))
+    assert all(s._assembler is not None for s in assembled + [one_process])
     for s in gathered:
         s._assembler = None  # the rows read and gathered from the sources' batches
     steps = 0
@@ -149,4 +152,5 @@ def test_a_time_splits_periods_are_assembled_straight_into_the_mixed_batch_as_ga
         steps += 1
         for a, g in zip(got, expected):
             assert torch.equal(a.source, g.source) and equal_batches(a, g)
+        assert equal_batches(concat_batches(got), one_process.global_batch(step))  # the ranks see what one process sees
     assert steps == 12 if epochs is None else 0 < steps < 12
