@@ -21,8 +21,8 @@ def generator():
 
 def test_batches_states_and_observations_match_the_read_ahead_thread(generator):
     inline_stream, ahead_stream = SyntheticStream(generator, 8, rank=1, world_size=2), SyntheticStream(generator, 8, rank=1, world_size=2)
-    inline = ReadAhead(inline_stream, depth=0, observe=lambda: inline_stream.position)
-    ahead = ReadAhead(ahead_stream, depth=2, observe=lambda: ahead_stream.position)
+    inline = ReadAhead(inline_stream, depth=0, observe=lambda batch: inline_stream.position)
+    ahead = ReadAhead(ahead_stream, depth=2, observe=lambda batch: ahead_stream.position)
     for a, b in zip(itertools.islice(iter(inline), 5), itertools.islice(iter(ahead), 5), strict=True):
         assert equal_batches(a, b)
         assert inline.observed == ahead.observed
@@ -62,7 +62,11 @@ def test_a_trainer_reading_in_the_step_or_a_process_trains_exactly_as_one_readin
         trainer = Trainer(config, env)
         assert isinstance(trainer.input, ProcessReadAhead) == (name == "process")
         assert trainer.input.depth == (0 if name == "in the step" else 2)
-        losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
+        steps = [trainer.train_step() for _ in range(4)]
+        losses = [float(step["loss"]) for step in steps]
+        # each step's FLOPs, counted where its batch was read, are its batch's
+        assert [step["flops"] for step in steps] == [3.0 * sum(trainer.flop_model.flops(trainer.stream.rank_batch(i)).values())
+                                                    for i in range(4)], name
         state = trainer.state_dict()
         trainer.evaluate()  # eval mode in between: the next step trains in train mode again
         losses += [float(trainer.train_step()["loss"]) for _ in range(2)]

@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+from gem_data import ReadAhead
+from gem_trainer.bench import CycledBatches
 from gem_trainer.config import load_config
 from gem_trainer.distributed import init_distributed
 from gem_trainer.trainer import Trainer, TrainingDiverged
@@ -28,6 +30,14 @@ def small_config(tmp_path, *extra):
     return load_config(None, [f"--run_dir={tmp_path}", *SMALL, *extra])
 
 
+def feed(trainer: Trainer, batches: list) -> None:
+    """From now on ``trainer`` reads ``batches`` (host batches, over and over), read as its own reader reads."""
+    trainer.input.close()
+    trainer.input = ReadAhead(CycledBatches(batches, trainer.spec), depth=0, observe=trainer._read_report,
+                              device=trainer.env.device)
+    trainer._batches = iter(trainer.input)
+
+
 def test_nan_loss_waits_for_the_checkpoint_still_being_written_and_names_it(tmp_path, monkeypatch):
     import time
 
@@ -47,7 +57,7 @@ def test_nan_loss_waits_for_the_checkpoint_still_being_written_and_names_it(tmp_
         trainer.train_step()
     trainer.save_checkpoint()
     first = next(iter(trainer.stream))
-    trainer._batches = iter([dataclasses.replace(first, dense=torch.full_like(first.dense, float("nan")))])
+    feed(trainer, [dataclasses.replace(first, dense=torch.full_like(first.dense, float("nan")))])
     trainer.train_step()
     with pytest.raises(TrainingDiverged, match=r"loss is nan at step 11; stopping, the last good checkpoint is .*step-10$"):
         trainer.check_divergence()
@@ -64,7 +74,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
 
     poisoned = iter(trainer.stream)
     first, second = next(poisoned), next(poisoned)
-    trainer._batches = iter([dataclasses.replace(first, dense=torch.full_like(first.dense, float("nan"))), second])
+    feed(trainer, [dataclasses.replace(first, dense=torch.full_like(first.dense, float("nan"))), second])
     # the loss is read one step late (reading it at once would stall the GPU): step 11 itself returns ...
     assert math.isnan(float(trainer.train_step()["loss"]))
     # ... and every later step or checkpoint stops the run, naming the step and the checkpoint kept
@@ -88,7 +98,7 @@ def test_a_diverged_run_stops_before_writing_its_next_checkpoint(tmp_path):
     trainer = Trainer(config, init_distributed("cpu", "gloo"))
     batches = iter(trainer.stream)
     first = next(batches)
-    trainer._batches = iter([next(batches), dataclasses.replace(first, dense=torch.full_like(first.dense, float("inf")))])
+    feed(trainer, [next(batches), dataclasses.replace(first, dense=torch.full_like(first.dense, float("inf")))])
     with pytest.raises(TrainingDiverged, match=r"at step 2; stopping, no checkpoint was written"):
         trainer.train()
     assert trainer.checkpoints.latest_step() is None

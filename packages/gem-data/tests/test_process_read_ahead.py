@@ -1,3 +1,4 @@
+import dataclasses
 import gc
 import itertools
 import os
@@ -5,6 +6,7 @@ import signal
 
 import pytest
 import torch
+from torchrec import KeyedJaggedTensor
 
 from gem_data import (
     NextItemConfig,
@@ -54,6 +56,8 @@ def test_packing_round_trips_every_part_of_a_batch(generator, corpus_table):
         pack_into(buffer, description, tensors)
         rebuilt = unpack(buffer, description, received)
         assert_same(rebuilt, batch)
+        # every tensor starts where a tensor of its own would: kernels read aligned inputs with vector loads
+        assert all(t.data_ptr() % 16 == 0 for t in describe(rebuilt)[1])
         if batch.next_items is not None:
             assert rebuilt.next_items.catalogue is batch.next_items.catalogue  # shared, not copied
     assert len(received) == 1  # the catalogue went once, with the first batch that held it
@@ -75,7 +79,7 @@ def test_batches_and_states_equal_the_threads(generator, corpus_table):
         expected_reader = ReadAhead(make(), depth=0)
         expected, states = [], []
         for batch in itertools.islice(iter(expected_reader), 7):  # the table stream passes its end (5 batches)
-            expected.append(batch)
+            expected.append(batch.count_on_host())  # as the reading process counts before packing
             states.append(expected_reader.state_dict())
         reader = ProcessReadAhead(make(), depth=2)
         for batch, want, state in zip(iter(reader), expected, states, strict=False):
@@ -84,9 +88,67 @@ def test_batches_and_states_equal_the_threads(generator, corpus_table):
         reader.close()
 
 
+def device_tensors(batch) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a batch on any device, named by where it sits, in walk order (``describe`` packs host batches
+    only)."""
+    found = []
+
+    def walk(obj, name: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            found.append((name, obj))
+        elif isinstance(obj, KeyedJaggedTensor):
+            for part in ("values", "lengths", "weights_or_none"):
+                walk(getattr(obj, part)(), f"{name}.{part}")
+        elif dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name), f"{name}.{f.name}")
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{name}[{k!r}]")
+
+    walk(batch, "batch")
+    return found
+
+
+def test_batches_handed_out_on_a_device_are_the_host_batches_moved_in_one_copy(generator, corpus_table):
+    # on the meta device: where every tensor lands and what it is (nothing to copy); on the host: the values
+    for make in (lambda: SyntheticStream(generator, 8), lambda: TableStream(corpus_table, 8, shuffle=True, seed=3)):
+        expected = list(itertools.islice(make(), 4))
+        for device in ("meta", "cpu"):
+            reader = ProcessReadAhead(make(), depth=2, device=device)
+            got = list(itertools.islice(iter(reader), 4))
+            reader.close()
+            for batch, want in zip(got, expected, strict=True):
+                moved = want.to(torch.device(device))
+                names = [(name, t.dtype, t.shape) for name, t in device_tensors(batch)]
+                assert names == [(name, t.dtype, t.shape) for name, t in device_tensors(moved)]
+                assert all(t.device.type == device for _, t in device_tensors(batch))
+                if device == "cpu":
+                    assert_same(batch, want.count_on_host())
+                # the host facts travelled: nothing on the device is read back to size the step
+                assert batch.sparse.length_per_key() == want.sparse.length_per_key()
+                assert all(batch.sequences[k].host_lengths() == want.sequences[k].lengths().tolist() for k in want.sequences)
+            catalogues = {id(batch.next_items.catalogue) for batch in got if batch.next_items is not None}
+            assert len(catalogues) == (1 if expected[0].next_items is not None else 0)  # moved once, shared by all
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batches_handed_out_on_a_gpu_equal_the_host_batches_moved(generator, corpus_table):
+    for make in (lambda: SyntheticStream(generator, 8), lambda: TableStream(corpus_table, 8, shuffle=True, seed=3)):
+        expected = [batch.to(torch.device("cuda")) for batch in itertools.islice(make(), 4)]
+        for reader in (ProcessReadAhead(make(), depth=2, pin=True, device="cuda"),
+                       ReadAhead(make(), depth=2, pin=True, device="cuda")):
+            got = list(itertools.islice(iter(reader), 4))
+            reader.close()
+            for batch, want in zip(got, expected, strict=True):
+                pairs = list(zip(device_tensors(batch), device_tensors(want), strict=True))
+                assert all(a.is_cuda and name == other and torch.equal(a, b) for (name, a), (other, b) in pairs)
+
+
 def test_closing_rewinds_to_the_last_delivered_batch_and_resumes_there(generator):
     stream = SyntheticStream(generator, 8)
-    expected = list(itertools.islice(SyntheticStream(generator, 8), 5))
+    # counted on the host as the reading process counts each batch before packing it
+    expected = [batch.count_on_host() for batch in itertools.islice(SyntheticStream(generator, 8), 5)]
     reader = ProcessReadAhead(stream, depth=3)
     first = iter(reader)
     got = [next(first), next(first)]
@@ -105,12 +167,12 @@ def test_closing_rewinds_to_the_last_delivered_batch_and_resumes_there(generator
 
 def test_observe_runs_in_the_reading_process(generator):
     stream = SyntheticStream(generator, 8)
-    reader = ProcessReadAhead(stream, depth=2, observe=lambda: (os.getpid(), stream.position))
+    reader = ProcessReadAhead(stream, depth=2, observe=lambda batch: (os.getpid(), stream.position, batch.dense.sum().item()))
     batches = iter(reader)
     for step in range(1, 4):
-        next(batches)
-        pid, position = reader.observed
-        assert pid != os.getpid() and position == step
+        batch = next(batches)
+        pid, position, dense_sum = reader.observed
+        assert pid != os.getpid() and position == step and dense_sum == batch.dense.sum().item()
     reader.close()
 
 
@@ -184,7 +246,7 @@ def test_gpu_garbage_of_the_training_process_is_never_freed_in_the_reading_one(g
     garbage = Cycle()
     garbage.itself, garbage.memory = garbage, torch.ones(1 << 20, device="cuda")
     del garbage
-    reader = ProcessReadAhead(SyntheticStream(generator, 8), depth=2, observe=gc.collect)
+    reader = ProcessReadAhead(SyntheticStream(generator, 8), depth=2, observe=lambda batch: gc.collect())
     batches = iter(reader)
     for _ in range(4):
         next(batches)

@@ -90,15 +90,15 @@ def test_observe_runs_on_the_reading_thread_and_is_delivered_with_its_batch(gene
     stream = SyntheticStream(generator, 8)
     threads = set()
 
-    def observe():
+    def observe(batch):
         threads.add(threading.current_thread().name)
-        return stream.position
+        return stream.position, batch.dense.sum().item()
 
     reader = ReadAhead(stream, depth=2, observe=observe)
     batches = iter(reader)
     for step in range(1, 4):
-        next(batches)
-        assert reader.observed == step
+        batch = next(batches)
+        assert reader.observed == (step, batch.dense.sum().item())  # observed of the batch it comes with
     assert threads == {"gem-read-ahead"}
     reader.close()
 

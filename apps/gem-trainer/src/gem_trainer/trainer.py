@@ -7,13 +7,14 @@ import random
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gem_data import ProcessReadAhead, ReadAhead, rank_imbalance
-from gem_kunlun import MixtureOfExperts
+from gem_kunlun import Batch, MixtureOfExperts
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointError, CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
@@ -40,6 +41,14 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+
+
+@dataclass(frozen=True)
+class ReadReport:
+    """What the trainer notes of each batch where it is read (``Trainer._read_report``), handed out with it."""
+
+    data: dict[str, float]  # per mixed source: examples read so far, scheduled share; the balancer's last report
+    flops: float  # model FLOPs of the batch's training step (forward and backward; the teacher's forward)
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:
@@ -74,14 +83,6 @@ class Trainer:
                         f"{config.data.batch_size * env.world_size:,} examples ({self.data.rows_per_epoch:,} rows per epoch)")
         self.spec = self.data.spec
         self.stream = self.data.train
-        # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
-        # neither the reader nor the copy to the device holds up the training thread; or, with
-        # data.read_ahead = false, in the step (depth 0: the same batches, without a thread); with
-        # data.read_ahead_process, in a forked process (the same batches again, none of its Python in this process)
-        reader = ProcessReadAhead if config.data.read_ahead_process else ReadAhead
-        self.input = reader(self.stream, depth=2 if config.data.read_ahead else 0, pin=env.device.type == "cuda",
-                            observe=self._reader_report)
-        self._batches = iter(self.input)
         self._switch_interval_before: float | None = None
         self._unchecked_loss: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         self._check_ranking_is_possible()
@@ -96,6 +97,16 @@ class Trainer:
         with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []):
             teacher = None if self.soft_labels is not None else builders.build_teacher(config, self.spec, env)
         self.teacher, self.teacher_flop_model = teacher or (None, None)
+        # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
+        # neither the reader nor the copy to the device holds up the training thread; or, with
+        # data.read_ahead = false, in the step (depth 0: the same batches, without a thread); with
+        # data.read_ahead_process, in a forked process (the same batches again, none of its Python in this process,
+        # each moved to the device in one copy). The reader hands them out on the device, except under offline
+        # distillation, whose lookup reads the host batch's examples. ``_read_report`` runs where they are read.
+        reader = ProcessReadAhead if config.data.read_ahead_process else ReadAhead
+        self.input = reader(self.stream, depth=2 if config.data.read_ahead else 0, pin=env.device.type == "cuda",
+                            observe=self._read_report, device=env.device if self.soft_labels is None else None)
+        self._batches = iter(self.input)
         model = builders.build_student(config, builders.build_model(config, self.spec, device=torch.device("meta")))
         self.low_precision_modules = builders.apply_low_precision(config, model)
         self.model = builders.parallelize_model(config, model, self.dims, self.meshes, env)
@@ -215,11 +226,12 @@ class Trainer:
     def train_step(self) -> dict[str, float | torch.Tensor]:
         """One step; ``loss`` (of the global batch) and ``grad_norm`` stay device tensors: reading either would
         make the host wait for the GPU, which then idles while the host prepares the next launches."""
-        host_batch = next(self._batches)
+        batch = next(self._batches)
+        report: ReadReport = self.input.observed
         stored = None
-        if self.soft_labels is not None:  # global batch `step`'s rows, found by example
-            stored = self.soft_labels.lookup(self.step, example_fingerprints(host_batch)).to(self.env.device)
-        batch = host_batch.to(self.env.device, non_blocking=True)
+        if self.soft_labels is not None:  # global batch `step`'s rows, found by example (the reader's are host batches)
+            stored = self.soft_labels.lookup(self.step, example_fingerprints(batch)).to(self.env.device)
+            batch = batch.to(self.env.device, non_blocking=True)
         # NOTE: ``train()`` sets a flag on every module through ``nn.Module.__setattr__``, a cost per step that
         # grows with the model; reading the flags is cheaper, and they change only when something (``evaluate``)
         # switched some module to eval mode
@@ -253,17 +265,12 @@ class Trainer:
         self.step += 1
         self.sparse_replicas.maybe_sync(self.step)
         self._last_batch = batch
-        # NOTE: FLOPs are counted on the host copy of the batch, once the step's kernels are queued: counting
-        # reads lengths, which on the device would stall the host until the GPU caught up, every step
-        flops = 3.0 * sum(self.flop_model.flops(host_batch).values())
-        if self.teacher is not None:  # the teacher runs forward only
-            flops += sum(self.teacher_flop_model.flops(host_batch).values())
         return {
             "loss": global_loss,
             "grad_norm": grad_norm.detach(),
             "lr": self.scheduler.get_last_lr()[0],
             "examples": batch.batch_size,
-            "flops": flops,
+            "flops": report.flops,
         }
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
@@ -353,22 +360,27 @@ class Trainer:
         count, examples = _skipped_rows(self.data)
         return {"data/bad_rows": float(count)} if count else {}
 
-    def _reader_report(self) -> dict[str, float]:
-        """Per mixed source, the examples read so far and its scheduled share of the batch just read (the
-        offline/online ramp); the balancer's last report. Called by the reader after each batch (on the reading
-        thread, to which the readers belong, under ``ReadAhead``), delivered with the batch as ``self.input.observed``."""
-        values: dict[str, float] = {}
+    def _read_report(self, batch: Batch) -> ReadReport:
+        """What is noted of ``batch`` (a host batch) where it is read: on the reading thread, to which the readers
+        belong, under ``ReadAhead``; in the reading process under ``ProcessReadAhead``, off this process's
+        interpreter. Delivered with the batch as ``self.input.observed``."""
+        data: dict[str, float] = {}
         if self.data.mixer is not None:
             mixer = self.data.mixer
-            values.update({f"source_{name}": float(n) for name, n in mixer.counts().items()})
-            values.update({f"share_{name}": share for name, share in mixer.shares(mixer.position - 1).items()})
+            data.update({f"source_{name}": float(n) for name, n in mixer.counts().items()})
+            data.update({f"share_{name}": share for name, share in mixer.shares(mixer.position - 1).items()})
         if self.data.balancer is not None:
-            values.update({f"balance_{k}": v for k, v in self.data.balancer.last_report.items()})
-        return values
+            data.update({f"balance_{k}": v for k, v in self.data.balancer.last_report.items()})
+        # NOTE: counted on the host batch: on the device, reading its lengths would stall the host until the GPU
+        # caught up, every step
+        flops = 3.0 * sum(self.flop_model.flops(batch).values())
+        if self.teacher_flop_model is not None:  # the teacher runs forward only
+            flops += sum(self.teacher_flop_model.flops(batch).values())
+        return ReadReport(data, flops)
 
     def _data_metrics(self) -> dict[str, float]:
         """Examples read per mixed source, and sequence-token imbalance across ranks (max / mean)."""
-        values: dict[str, float] = dict(self.input.observed or {})
+        values: dict[str, float] = dict(self.input.observed.data) if self.input.observed is not None else {}
         if self.data.balancer is None and self.env.world_size > 1:
             values.update({f"rank_{k}": v for k, v in rank_imbalance(self._last_batch).items()})
         return values

@@ -2,10 +2,11 @@
 
 What a batch is made of (``Batch`` and the dataclasses in it, TorchRec's ``KeyedJaggedTensor``, dicts, plain Python
 values) is walked once by ``describe``: the tensors go into the buffer one dtype after the other (each dtype's region
-64-byte aligned, so that it can be viewed as that dtype and split into the tensors), the rest stays in the
-description. ``pack_into`` copies the tensors into a
-buffer, ``unpack`` rebuilds the batch as views of one. A batch then crosses a process boundary as one memory copy and
-a description of a few hundred bytes, where pickling it would send every tensor on its own (``ProcessReadAhead``).
+64-byte aligned, so that it can be viewed as that dtype; each tensor in it 16-byte aligned, as a tensor of its own
+would be, for the kernels that read it with vector loads), the rest stays in the description. ``pack_into`` copies
+the tensors into a buffer, ``unpack`` rebuilds the batch as views of one, or of a copy of it on a GPU. A batch then
+crosses a process boundary, or goes to a device, as one memory copy and a description of a few hundred bytes, where
+pickling it would send every tensor on its own (``ProcessReadAhead``), and ``Batch.to`` would copy each.
 
 Host-side facts a batch carries for the step (a KJT's ids per key, an event sequence's host lengths) are kept, so the
 rebuilt batch moves to a GPU without reading anything back. Objects that ``describe`` is told are shared (one object
@@ -22,13 +23,15 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 ALIGN = 64  # bytes; each dtype's region of the buffer starts on a multiple of it
+TENSOR_ALIGN = 16  # bytes; each tensor within its region starts on a multiple of it (of its element size, if larger)
 
 
 @dataclasses.dataclass
 class Description:
     """A batch without its tensors. ``tree`` names each tensor by its index in walk order; the buffer holds the
     tensors of one dtype together, one region per dtype: ``regions`` is a tuple of (dtype, first byte, element
-    count of each of its tensors, their indices, their shapes); ``nbytes`` is the buffer size that holds them all."""
+    count of each of its tensors, their indices, their shapes, their first elements within the region, the region's
+    element count); ``nbytes`` is the buffer size that holds them all."""
 
     tree: Any
     regions: tuple
@@ -107,8 +110,14 @@ def describe(batch: Any, shared: Shared | None = None) -> tuple[Description, lis
     regions, end = [], 0
     for dtype, indices in by_dtype.items():
         counts = tuple(tensors[i].numel() for i in indices)
-        regions.append((dtype, end, counts, tuple(indices), tuple(tuple(tensors[i].shape) for i in indices)))
-        end += -(-sum(counts) * dtype.itemsize // ALIGN) * ALIGN
+        step = max(TENSOR_ALIGN // dtype.itemsize, 1)  # elements
+        starts, size = [], 0
+        for count in counts:
+            starts.append(size)
+            size += -(-count // step) * step
+        regions.append((dtype, end, counts, tuple(indices), tuple(tuple(tensors[i].shape) for i in indices),
+                        tuple(starts), size))
+        end += -(-size * dtype.itemsize // ALIGN) * ALIGN
     return Description(tree, tuple(regions), end), tensors, new_shared
 
 
@@ -117,18 +126,20 @@ def pack_into(buffer: torch.Tensor, description: Description, tensors: list[torc
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < description.nbytes:
         raise ValueError(f"pack_into needs a 1-D uint8 buffer of at least {description.nbytes} bytes, "
                          f"got {buffer.dtype} {tuple(buffer.shape)}")
-    for dtype, first, counts, indices, _ in description.regions:
-        region = buffer[first: first + sum(counts) * dtype.itemsize].view(dtype)
-        torch.cat([tensors[i].reshape(-1) for i in indices], out=region)
+    for dtype, first, counts, indices, _, starts, size in description.regions:
+        region = buffer[first: first + size * dtype.itemsize].view(dtype)
+        for i, start, count in zip(indices, starts, counts):
+            region[start: start + count].copy_(tensors[i].reshape(-1))
 
 
 def unpack(buffer: torch.Tensor, description: Description, shared: dict[int, Any] | None = None) -> Any:
-    """The batch ``description`` describes, its tensors views of ``buffer`` (which must outlive them: the views
-    keep its storage alive); ``shared``: token -> object for the shared fields."""
+    """The batch ``description`` describes, its tensors views of ``buffer`` (on any device; it must outlive them: the
+    views keep its storage alive); ``shared``: token -> object for the shared fields."""
     views: list[torch.Tensor | None] = [None] * sum(len(r[3]) for r in description.regions)
-    for dtype, first, counts, indices, shapes in description.regions:
-        region = buffer[first: first + sum(counts) * dtype.itemsize].view(dtype)
-        for i, part, shape in zip(indices, region.split(counts), shapes):
+    for dtype, first, counts, indices, shapes, starts, size in description.regions:
+        region = buffer[first: first + size * dtype.itemsize].view(dtype)
+        for i, start, count, shape in zip(indices, starts, counts, shapes):
+            part = region[start: start + count]
             views[i] = part if len(shape) == 1 else part.view(shape)
 
     def build(node: tuple) -> Any:

@@ -7,12 +7,16 @@ shared-memory buffers (``gem_data.packing``: every tensor in one flat buffer) an
 bytes through a pipe; the training process copies the buffer out in one piece (into page-locked memory for a GPU),
 hands the buffer back (a semaphore, which costs no system call while the reader is busy) and rebuilds the batch as
 views of its copy. Handing out a batch then costs the training process one memory copy and a few dozen tensor views,
-where receiving a pickled batch (a DataLoader worker's) costs a shared-memory file per tensor.
+where receiving a pickled batch (a DataLoader worker's) costs a shared-memory file per tensor. With ``device``, that
+copy goes on to the device in one piece too and the batch is rebuilt as views of the device's copy, where
+``Batch.to`` would queue a copy per tensor; the host-side facts the step needs without reading the device back (ids
+per key, event counts) are taken in the reading process (``Batch.count_on_host``) and travel in the description.
 
 Everything else is ``ReadAhead``'s: the same batches in the same order, ``depth`` batches ahead, the state recorded
-right after each delivered batch (the process sends it with the batch), ``observe`` called in the reading process after
-each batch and its value handed out as ``observed``, and ``close`` rewinding the source to the last delivered batch.
-The source (and ``observe``) must not use a GPU: the process is forked from one that may have initialised CUDA.
+right after each delivered batch (the process sends it with the batch), ``observe(batch)`` called in the reading
+process with each batch and its value handed out as ``observed``, and ``close`` rewinding the source to the last
+delivered batch. The source (and ``observe``) must not use a GPU: the process is forked from one that may have
+initialised CUDA.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gem_kunlun import Batch
+from gem_kunlun import Batch, catalogue_on
 
 from gem_data.packing import Shared, describe, pack_into, unpack
 from gem_data.read_ahead import ReaderAhead
@@ -48,17 +52,19 @@ def process_reading_available() -> str | None:
 
 
 class ProcessReadAhead(ReaderAhead):
-    """Read ``source`` (any ``BatchSource``) ``depth`` (>= 1) batches ahead in a forked process; ``pin``: hand out
-    batches in page-locked memory (needs a CUDA build and device); ``observe``: called after each batch in the
-    reading process, its value for the last delivered batch is ``observed``."""
+    """Read ``source`` (any ``BatchSource``) ``depth`` (>= 1) batches ahead in a forked process; ``pin``: receive
+    batches in page-locked memory (needs a CUDA build and device); ``observe``: called with each batch in the
+    reading process, its value for the last delivered batch is ``observed``; ``device``: hand batches out there (one
+    copy of the whole batch, not waiting for the device), None: on the host."""
 
-    def __init__(self, source, depth: int = 2, pin: bool = False, observe: Callable[[], Any] | None = None) -> None:
+    def __init__(self, source, depth: int = 2, pin: bool = False, observe: Callable[[Batch], Any] | None = None,
+                 device: torch.device | None = None) -> None:
         if depth < 1:
             raise ValueError(f"ProcessReadAhead depth must be >= 1, got {depth}")
         why_not = process_reading_available()
         if why_not is not None:
             raise RuntimeError(why_not)
-        super().__init__(source, observe)
+        super().__init__(source, observe, device)
         self.depth, self.pin = depth, pin
         self._process: mp.Process | None = None
         self._ready = self._free = self._stop = None  # the pipe's receiving end, the free-buffer count, the stop flag
@@ -83,7 +89,7 @@ class ProcessReadAhead(ReaderAhead):
             gc.unfreeze()
         ready_send.close()
         buffers: list[np.ndarray | None] = [None] * self.depth
-        shared: dict[int, Any] = {}
+        shared: dict[int, Any] = {}  # token -> shared object, where batches are handed out
         try:
             while True:
                 message = self._receive(process)
@@ -94,14 +100,17 @@ class ProcessReadAhead(ReaderAhead):
                 _, slot, new_buffer, new_shared, description, state, observed = message
                 if new_buffer is not None:
                     buffers[slot] = new_buffer.numpy()
-                shared.update(new_shared)
+                # NOTE: the shared objects are data sets' item catalogues (packing.SHARED_FIELDS): each goes to the
+                # device once, the copy ``Batch.to`` makes of it
+                shared.update(new_shared if self.device is None else
+                              {token: catalogue_on(obj, self.device, non_blocking=True) for token, obj in new_shared.items()})
                 flat = torch.empty(description.nbytes, dtype=torch.uint8, pin_memory=self.pin)
                 # NOTE: NumPy's copy is one plain memcpy; torch's splits a copy of this size over its intra-op threads,
                 # whose wake-up cost several times the copy on a many-core host
                 np.copyto(flat.numpy(), buffers[slot][: description.nbytes])
                 free.release()
                 self._delivered, self.observed = state, observed
-                yield unpack(flat, description, shared)
+                yield unpack(flat if self.device is None else flat.to(self.device, non_blocking=True), description, shared)
         finally:  # the end, an error, or the iterator dropped: its process goes (a newer iterator's stays)
             if self._process is process:
                 self.stop_reading()
@@ -150,7 +159,9 @@ def _read(source, observe, depth: int, ready, reader_end, free, stop, reader_pid
     try:
         for batch in batches:
             state = copy.deepcopy(source.state_dict())
-            observed = observe() if observe is not None else None
+            observed = observe(batch) if observe is not None else None
+            if isinstance(batch, Batch):
+                batch.count_on_host()
             description, tensors, new_shared = describe(batch, shared)
             if not idle:
                 while not free.acquire(timeout=0.1):

@@ -9,9 +9,12 @@ the step, which is why it is not done where the batch is used.
 The thread runs at most ``depth`` batches ahead. Its source advances ahead of the trainer, so the state
 that counts is the one recorded right after each *delivered* batch: ``state_dict`` returns it, and a new
 ``iter`` (or ``load_state_dict``) stops the thread and rewinds the source there, so nothing read ahead is
-lost or repeated on resume. For the same reason, what the trainer reports about its readers (examples per
-mixed source) is taken by ``observe`` on the reading thread right after each batch, the only thread that
-touches the readers, and handed out with the batch as ``observed``.
+lost or repeated on resume. For the same reason, what the trainer notes of each batch (examples per mixed
+source, the step's FLOPs) is taken by ``observe(batch)`` on the reading thread right after the batch is read, the
+only thread that touches the readers, and handed out with the batch as ``observed``.
+
+With ``device``, batches are handed out on that device (the copy queued where the batch is handed out, on the
+caller's thread and stream); without, on the host, where the source made them.
 
 ``depth=0`` reads each batch in the caller's thread when it is asked for (``data.read_ahead = false``): the same
 batches, states and observations without a thread, the thread's reference. It is not a faster path: the training
@@ -28,6 +31,8 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 from gem_kunlun import Batch, FeatureSpec
 
@@ -48,11 +53,13 @@ class _Failed:
 class ReaderAhead(abc.ABC):
     """What every reader ahead of the trainer shares: ``source`` (any ``BatchSource``), its state right after the last
     *delivered* batch (``state_dict``; the reader's own copy of the source may be further on), ``close`` stopping the
-    reader and rewinding the source there, and ``observed`` (what ``observe`` returned after that batch). A subclass
-    reads in ``_batches`` (the iterator ``iter`` hands out, started after the rewind) and stops in ``stop_reading``."""
+    reader and rewinding the source there, ``observed`` (what ``observe`` returned for that batch) and ``device``
+    (where batches are handed out; None: on the host). A subclass reads in ``_batches`` (the iterator ``iter`` hands
+    out, started after the rewind) and stops in ``stop_reading``."""
 
-    def __init__(self, source, observe: Callable[[], Any] | None) -> None:
+    def __init__(self, source, observe: Callable[[Batch], Any] | None, device: torch.device | None) -> None:
         self.source, self.observe = source, observe
+        self.device = None if device is None else torch.device(device)
         self._delivered: dict[str, Any] | None = None  # the source's state after the last delivered batch
         self.observed: Any = None
 
@@ -89,14 +96,15 @@ class ReaderAhead(abc.ABC):
 
 class ReadAhead(ReaderAhead):
     """Read ``source`` (any ``BatchSource``) ``depth`` batches ahead on one background thread (0: no thread, each
-    batch read when asked for); ``pin``: hand out batches in page-locked memory (needs a CUDA build and device);
-    ``observe``: called after each batch on the reading thread, its value for the last delivered batch is
-    ``observed``."""
+    batch read when asked for); ``pin``: read batches into page-locked memory (needs a CUDA build and device);
+    ``observe``: called with each batch on the reading thread, its value for the last delivered batch is
+    ``observed``; ``device``: hand batches out there (``Batch.to``, not waiting for the device), None: on the host."""
 
-    def __init__(self, source, depth: int = 2, pin: bool = False, observe: Callable[[], Any] | None = None) -> None:
+    def __init__(self, source, depth: int = 2, pin: bool = False, observe: Callable[[Batch], Any] | None = None,
+                 device: torch.device | None = None) -> None:
         if depth < 0:
             raise ValueError(f"ReadAhead depth must be >= 0, got {depth}")
-        super().__init__(source, observe)
+        super().__init__(source, observe, device)
         self.depth, self.pin = depth, pin
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
@@ -113,8 +121,8 @@ class ReadAhead(ReaderAhead):
         try:
             for batch in batches:
                 self._delivered = copy.deepcopy(self.source.state_dict())
-                self.observed = self.observe() if self.observe is not None else None
-                yield batch.pin_memory() if self.pin else batch
+                self.observed = self.observe(batch) if self.observe is not None else None
+                yield self._handed_out(batch.pin_memory() if self.pin else batch)
         finally:
             close = getattr(batches, "close", None)
             if close is not None:
@@ -136,7 +144,7 @@ class ReadAhead(ReaderAhead):
                 raise item.error
             batch, state, self.observed = item
             self._delivered = state
-            yield batch
+            yield self._handed_out(batch)
 
     def _produce(self, ready: queue.Queue, stop: threading.Event) -> None:
         def put(item) -> bool:
@@ -153,7 +161,7 @@ class ReadAhead(ReaderAhead):
         try:
             for batch in batches:
                 state = copy.deepcopy(self.source.state_dict())
-                observed = self.observe() if self.observe is not None else None
+                observed = self.observe(batch) if self.observe is not None else None
                 if not put((batch.pin_memory() if self.pin else batch, state, observed)):
                     return
             put(_END)
@@ -163,6 +171,9 @@ class ReadAhead(ReaderAhead):
             close = getattr(batches, "close", None)
             if close is not None:
                 close()
+
+    def _handed_out(self, batch: Batch) -> Batch:
+        return batch if self.device is None else batch.to(self.device, non_blocking=True)
 
     def stop_reading(self) -> None:
         """Stop the background thread (what was read ahead is dropped; the source stays where the thread left it)."""

@@ -1,7 +1,7 @@
 """gem-kunlun: recommendation models over jagged GEM batches, with FLOP accounting."""
 
 from gem_kunlun.baseline import BaselineConfig, BaselineRanker, SeedPooling
-from gem_kunlun.batch import Batch, EventSequence, JaggedFloats, NextItemTargets
+from gem_kunlun.batch import Batch, EventSequence, JaggedFloats, NextItemTargets, catalogue_on
 from gem_kunlun.candidates import CandidateInput, CandidateScorer
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import EventType, FeatureSpec, RepresentationFeature, SparseFeature
@@ -50,6 +50,7 @@ __all__ = [
     "GraphedForward",
     "MixtureOfExperts",
     "apply_cuda_graphs",
+    "catalogue_on",
     "ModelOutput",
     "PMA",
     "RepresentationFeature",

@@ -145,7 +145,7 @@ class NextItemTargets:
             positives=self.positives.to(device, non_blocking=non_blocking),
             negatives=None if self.negatives is None else self.negatives.to(device, non_blocking=non_blocking),
             loss=self.loss,
-            catalogue=None if self.catalogue is None else _catalogue_on(self.catalogue, device, non_blocking),
+            catalogue=None if self.catalogue is None else catalogue_on(self.catalogue, device, non_blocking),
         )
 
     def pin_memory(self) -> "NextItemTargets":
@@ -164,7 +164,8 @@ class NextItemTargets:
 _catalogue_copies: dict[tuple[int, str], tuple[KeyedJaggedTensor, KeyedJaggedTensor]] = {}
 
 
-def _catalogue_on(catalogue: KeyedJaggedTensor, device: torch.device, non_blocking: bool) -> KeyedJaggedTensor:
+def catalogue_on(catalogue: KeyedJaggedTensor, device: torch.device, non_blocking: bool = False) -> KeyedJaggedTensor:
+    """``catalogue``'s copy on ``device``, made at its first request and the same object at every later one."""
     key = (id(catalogue), str(device))
     cached = _catalogue_copies.get(key)
     if cached is None or cached[0] is not catalogue:  # the source is held, so its id is never reused meanwhile
@@ -218,6 +219,15 @@ class Batch:
             next_items=None if self.next_items is None else self.next_items.to(device, non_blocking),
             representations={k: v.to(device, non_blocking) for k, v in self.representations.items()},
         )
+
+    def count_on_host(self) -> "Batch":
+        """This batch, with the host-side facts that ``to`` carries to a device taken now, in place (the sparse
+        ids per key, each event sequence's host lengths): a copy made from it later (packed, pinned, moved)
+        carries them, and whoever makes that copy need not count."""
+        with_host_counts(self.sparse)
+        for sequence in self.sequences.values():
+            sequence.host_lengths()
+        return self
 
     def pin_memory(self) -> "Batch":
         """A copy in page-locked host memory, from which ``to(cuda, non_blocking=True)`` does not wait for the
