@@ -86,6 +86,23 @@ def test_misaligned_sources_are_rejected_in_one_line(domains):
         FeatureAlignment({"shop": shop.spec, "ads": moved})
 
 
+def test_declarations_naming_no_source_and_an_alignment_of_other_specs_are_rejected_in_one_line(domains, tmp_path):
+    shop, films = domains
+    specs = {"shop": shop.spec, "films": films.spec}
+    with pytest.raises(AlignmentError, match=r"surfaces names \['film'\], which are not among the sources"):
+        FeatureAlignment(specs, surfaces={"shop": 0, "film": 1})
+    with pytest.raises(AlignmentError, match=r"id_spaces names \['film'\]"):
+        FeatureAlignment(specs, id_spaces={"film": "x"})
+    with pytest.raises(AlignmentError, match="surfaces must be >= 0"):
+        FeatureAlignment(specs, surfaces={"shop": -1})
+    # the same features with a larger catalogue: its ids would run into the next source's shifted range
+    bigger = NextItemDataset(small_corpus(tmp_path, "shop", 20, 60, True), NextItemConfig(num_negatives=1))
+    streams = {"shop": TableStream(bigger.training_table(), 8), "films": TableStream(films.training_table(), 8)}
+    config = MixingConfig((MixSource("shop"), MixSource("films")), batch_size=12)
+    with pytest.raises(AlignmentError, match="source 'shop': its stream has another FeatureSpec than the alignment was built for"):
+        MixedStream(streams, config, alignment=FeatureAlignment(specs, surfaces={"shop": 0, "films": 1}))
+
+
 def test_retrieval_batches_need_one_id_space(tmp_path):
     folder = tmp_path
     retrieval = NextItemConfig(num_negatives=2, objective="retrieval")

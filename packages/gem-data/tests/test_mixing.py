@@ -124,6 +124,27 @@ def test_a_finite_source_ends_the_mixture_on_every_rank_at_the_same_step():
     assert steps[0] == steps[1] and 0 < steps[0] < 10
 
 
+@pytest.mark.parametrize("granularity", ["example", "batch"])
+def test_data_workers_end_a_mixture_with_a_finite_source_where_one_process_ends_it(granularity):
+    # each worker checks only its own steps: a later step that draws nothing from the spent source must end it too
+    generator = SyntheticGenerator(SyntheticConfig(**SPEC))
+    rows = 40 if granularity == "example" else 100
+    table = BatchTable(generator.batch(0, rows), generator.spec)
+    batch_size = 4 if granularity == "example" else 20  # small batches: some steps draw nothing from one source
+    config = MixingConfig((MixSource("log", 1.0), MixSource("live", 3.0 if granularity == "example" else 1.0)),
+                          batch_size=batch_size, granularity=granularity, seed=0 if granularity == "example" else 3)
+
+    def mixture():
+        return MixedStream({"log": TableStream(table, 16, shuffle=False, num_epochs=1), "live": SyntheticStream(generator, 16)},
+                           config)
+
+    plain = list(mixture())
+    loader = WorkerLoader(mixture(), num_workers=2)
+    got = list(itertools.islice(loader, len(plain) + 10))
+    assert len(got) == len(plain) and all(equal_batches(a, b) for a, b in zip(got, plain))
+    assert loader.stream.counts()["log"] <= rows  # the state saved counts no example the source does not hold
+
+
 def test_sources_must_share_a_spec_and_configs_are_checked():
     other = dict(sources())
     other["live"] = SyntheticStream(SyntheticGenerator(SyntheticConfig(num_ads=3000, max_events=16)), 16)
@@ -141,6 +162,12 @@ def test_sources_must_share_a_spec_and_configs_are_checked():
         MixingConfig((MixSource("a"), MixSource("b", online=True)), online_share_end=0.2)
     with pytest.raises(ValueError, match="repeated"):
         MixingConfig((MixSource("a"), MixSource("a")))
+    with pytest.raises(ValueError, match=r"weights must be finite and >= 0 with a positive sum, got \[nan, 1.0\]"):
+        MixingConfig((MixSource("a", math.nan), MixSource("b")))
+    with pytest.raises(ValueError, match=r"streams \['extra'\] are not among the mixture's sources"):
+        MixedStream({**sources(), "extra": sources()["feed"]}, CONFIG)
+    with pytest.raises(ValueError, match="not a mixture's"):
+        MixedStream(sources(), CONFIG).load_state_dict({"position": 3, "global_batch_size": 64})
 
 
 class ShortStream(ShardedStream):

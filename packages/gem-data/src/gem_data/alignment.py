@@ -44,6 +44,14 @@ class FeatureAlignment:
             raise AlignmentError("no sources to align")
         self.names = list(specs)
         id_spaces, surfaces = dict(id_spaces or {}), dict(surfaces or {})
+        for what, given in (("id_spaces", id_spaces), ("surfaces", surfaces)):
+            unknown = [name for name in given if name not in specs]
+            if unknown:
+                raise AlignmentError(f"{what} names {unknown}, which are not among the sources {self.names}")
+        negative = {name: stamp for name, stamp in surfaces.items() if stamp is not None and stamp < 0}
+        if negative:
+            raise AlignmentError(f"surfaces must be >= 0 (a domain id), got {negative}")
+        self.source_specs = dict(specs)
         self.space_of = {name: id_spaces.get(name, f"{name}") for name in self.names}
         spaces: dict[str, list[str]] = {}
         for name in self.names:
@@ -147,6 +155,14 @@ class FeatureAlignment:
         """Whether ``name``'s rows enter the union batch as they are (no re-keying, no domain id stamped)."""
         plan = self._plans[name]
         return plan.identity and plan.surface is None
+
+    def check_source(self, name: str, spec: FeatureSpec) -> None:
+        """Raise ``AlignmentError`` unless ``spec`` (a stream's) is what source ``name``'s ids were laid out for,
+        surfaces aside: another vocabulary would shift its ids into another source's range."""
+        difference = spec_difference(_without_surfaces(self.source_specs[name]), _without_surfaces(spec))
+        if difference:
+            raise AlignmentError(f"source {name!r}: its stream has another FeatureSpec than the alignment was built for "
+                                 f"({difference}); build the alignment from the streams' specs")
 
     def align(self, name: str, batch: Batch) -> Batch:
         """``batch`` of source ``name`` in the union spec (a new batch; ``batch`` is left as it was)."""

@@ -81,8 +81,9 @@ class MixingConfig:
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"MixingConfig.sources has repeated names: {names}")
-        if any(s.weight < 0 for s in self.sources) or sum(s.weight for s in self.sources) <= 0:
-            raise ValueError("MixingConfig.sources: weights must be >= 0 with a positive sum")
+        if any(not math.isfinite(s.weight) or s.weight < 0 for s in self.sources) or sum(s.weight for s in self.sources) <= 0:
+            raise ValueError(f"MixingConfig.sources: weights must be finite and >= 0 with a positive sum, got "
+                             f"{[s.weight for s in self.sources]}")
         if self.granularity not in ("example", "batch"):
             raise ValueError(f"MixingConfig.granularity must be 'example' or 'batch', got {self.granularity!r}")
         if self.online_share_start is None and self.online_share_end is not None:
@@ -133,6 +134,9 @@ class MixedStream(ShardedStream):
         missing = [s.name for s in config.sources if s.name not in sources]
         if missing:
             raise ValueError(f"MixedStream: no stream given for sources {missing}")
+        unknown = [name for name in sources if name not in {s.name for s in config.sources}]
+        if unknown:
+            raise ValueError(f"MixedStream: streams {unknown} are not among the mixture's sources {[s.name for s in config.sources]}")
         self.config = config
         self.names = [s.name for s in config.sources]
         self.sources = [sources[n] for n in self.names]
@@ -151,6 +155,9 @@ class MixedStream(ShardedStream):
             alignment = FeatureAlignment({n: s.spec for n, s in zip(self.names, self.sources)}, dict.fromkeys(self.names, ""))
         elif sorted(alignment.names) != sorted(self.names):
             raise ValueError(f"MixedStream: the alignment covers sources {alignment.names}, the mixture {self.names}")
+        else:
+            for name, source in zip(self.names, self.sources):
+                alignment.check_source(name, source.spec)
         self.alignment = alignment
         # NOTE: one process reads each source's next rows step after step, so reading ahead pays; a rank of
         # several would discard the rows read ahead, its next rows of a source lying other ranks' rows further on
@@ -330,8 +337,10 @@ class MixedStream(ShardedStream):
         start = self.positions(index) if start is None else start
         total = self.composition(index) if total is None else total
         for reader, first, n in zip(self._readers, start, total):
-            # every rank checks the whole global batch, so that all ranks end at the same step
-            if n and not reader.available(first + n):
+            # every rank checks the whole global batch, so that all ranks end at the same step; and a source the
+            # batch draws nothing from too: once a step found a source spent, every later step does (positions only
+            # grow), so that DataLoader workers, each checking only its own steps, all end where one process ends
+            if not reader.available(first + n):
                 return None
         ranges, first_row = [], 0  # first_row: of source i in the global batch
         for i, (first, n) in enumerate(zip(start, total)):
@@ -361,6 +370,9 @@ class MixedStream(ShardedStream):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "position" not in state:
             raise ValueError("the data state was written by the per-rank mixer of an older gem-data; it cannot be resumed")
+        if "examples" not in state:
+            raise ValueError("the data state is not a mixture's (it has no examples per source): it was written by another "
+                             "kind of stream")
         if list(state["examples"]) != self.names:
             raise ValueError(f"mixing state has sources {list(state['examples'])}, this stream has {self.names}")
         super().load_state_dict(state)
