@@ -55,3 +55,26 @@ def test_ranking_metrics_on_a_hand_made_example():
     assert math.isclose(m["mrr"], (1.0 + 1 / 3 + 1 / 6) / 3)
     # constant scores never flatter: the target ranks last
     assert target_ranks(torch.zeros(1, 6), torch.zeros(1, dtype=torch.int64)).tolist() == [5]
+
+
+def test_nan_scores_never_flatter_a_model():
+    nan = float("nan")
+    # a diverged model: every score NaN ranks each target last, not first
+    ranks = target_ranks(torch.full((3, 100), nan), torch.tensor([0, 5, 99]))
+    assert ranks.tolist() == [99, 99, 99] and ranking_metrics(ranks, (10,))["hr@10"] == 0.0
+    # NaN candidates rank ahead of a finite target, as ties do
+    scores = torch.tensor([[-3.0, nan, nan, 1.0, -5.0]])
+    assert target_ranks(scores, torch.tensor([0])).tolist() == [3]
+    assert math.isnan(auc(torch.tensor([nan, 0.2, 0.3, 0.1]), torch.tensor([1.0, 0.0, 1.0, 0.0])))
+
+
+def test_ne_of_a_group_with_one_class_is_nan_like_its_auc_and_calibration():
+    assert math.isnan(normalized_entropy(torch.full((50,), 0.02), torch.zeros(50)))
+    assert math.isnan(normalized_entropy(torch.full((50,), 0.9), torch.ones(50)))
+    g = torch.Generator().manual_seed(0)
+    probs, labels = torch.rand(100, 1, generator=g), (torch.rand(100, 1, generator=g) < 0.3).float()
+    surface = torch.zeros(100, dtype=torch.long)
+    surface[:10], labels[:10] = 1, 0.0  # surface 1: no positive
+    metrics = binary_metrics(probs, labels, surface, ("click",), 2)
+    assert all(math.isnan(metrics[f"click/surface_1/{m}"]) for m in ("ne", "auc", "calibration"))
+    assert math.isfinite(metrics["click/all/ne"])

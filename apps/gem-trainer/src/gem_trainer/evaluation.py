@@ -9,9 +9,13 @@ import torch
 
 def normalized_entropy(probs: torch.Tensor, labels: torch.Tensor, eps: float = 1e-7) -> float:
     """Cross-entropy of ``probs`` divided by the entropy of always predicting the base rate (lower is better;
-    1.0 means no better than the base rate)."""
+    1.0 means no better than the base rate); NaN if one class is absent (the base rate's entropy is then zero: no
+    prediction can be compared with it, as AUC and calibration say NaN there)."""
     p = probs.double().clamp(eps, 1 - eps)
     y = labels.double()
+    positives = float(y.sum())
+    if positives == 0 or positives == y.numel():
+        return float("nan")
     cross_entropy = -(y * p.log() + (1 - y) * (1 - p).log()).mean()
     rate = float(y.mean().clamp(eps, 1 - eps))
     base = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
@@ -19,11 +23,12 @@ def normalized_entropy(probs: torch.Tensor, labels: torch.Tensor, eps: float = 1
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve by the rank-sum formula, ties given their average rank; NaN if one class is absent."""
+    """Area under the ROC curve by the rank-sum formula, ties given their average rank; NaN if one class is absent
+    or a score is NaN (sorting would place NaN above every number: a diverged model would look perfect)."""
     scores, labels = scores.double().flatten(), labels.flatten() > 0.5
     positives = int(labels.sum())
     negatives = labels.numel() - positives
-    if positives == 0 or negatives == 0:
+    if positives == 0 or negatives == 0 or bool(scores.isnan().any()):
         return float("nan")
     order = torch.argsort(scores)
     sorted_scores = scores[order]
@@ -67,10 +72,12 @@ def target_ranks(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """0-based rank of each row's target among its candidates, ``scores [N, C]``, ``target [N]`` int64.
 
     Ties count against the target (a candidate scoring equal to it ranks ahead), so constant scores give
-    the worst rank instead of a flattering one.
+    the worst rank instead of a flattering one; likewise a NaN score: a NaN candidate ranks ahead of the target,
+    and a NaN target ranks last (NaN compares false with everything, which would otherwise rank it first).
     """
     target_score = scores.gather(1, target.view(-1, 1))
-    return (scores >= target_score).sum(1) - 1
+    ranks = ((scores >= target_score) | scores.isnan()).sum(1) - 1
+    return torch.where(target_score.view(-1).isnan(), scores.shape[1] - 1, ranks)
 
 
 def ranking_metrics(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
