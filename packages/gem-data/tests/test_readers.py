@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gem_data import DataError, read_atomic, read_sequence_text
+from gem_data import DataError, NextItemConfig, NextItemDataset, read_atomic, read_sequence_text
 from gem_data.testing import find_repo_root, shared_data_dir
 
 DATA = shared_data_dir(find_repo_root(Path(__file__)))
@@ -77,6 +77,14 @@ def test_atomic_reader_orders_by_time_and_reads_features(tmp_path):
     assert corpus.item_dense[:, 0].tolist() == [9.5, 0.0, 1.0]
     assert corpus.user_fields["gender"].lengths().tolist() == [0, 1]
     assert corpus.ignored_fields == ["toy.user:scores"]
+
+
+def test_an_items_float_fields_are_named_the_candidates_dense_columns(tmp_path):
+    # what a two-tower model's request side must leave out (FeatureSpec.candidate_dense)
+    folder = write_atomic(tmp_path / "toy", "u1\ti2\t4\t200\nu1\ti1\t5\t100\nu1\ti3\t1\t300\n",
+                          "i1\tdrama\t1995\t9.5\ni2\tdrama\t\t1.0\ni3\thorror\t2001\t2\n")
+    data = NextItemDataset(read_atomic(folder), NextItemConfig(num_negatives=1))
+    assert data.spec.num_dense == 1 and data.spec.candidate_dense == (0,)
 
 
 def test_atomic_reader_bad_rows_and_headers(tmp_path):

@@ -287,3 +287,27 @@ def test_a_shared_item_table_is_checked():
         KunlunModel(SPEC, KunlunConfig(max_seq_len=8, block_size=4, window=4, two_tower=True, share_item_table=True))
     with pytest.raises(ValueError, match="has 30 ids, 'history_attributes_0' 7"):
         dataclasses.replace(SPEC, shared_ids=(("item_id", "history_attributes_0"),))
+
+
+@pytest.mark.parametrize("candidate_dense", [(1, 2), (0, 2)])
+def test_two_tower_request_side_leaves_the_candidates_dense_columns_out(candidate_dense):
+    # the candidate's float fields in the batch's dense (as a next-item data set with item floats assembles it):
+    # a query that read them would see the item it is to find
+    spec = dataclasses.replace(SPEC, num_dense=3, candidate_dense=candidate_dense)
+    torch.manual_seed(0)
+    m = KunlunModel(spec, KunlunConfig(two_tower=True, num_layers=1, max_seq_len=8, block_size=4, window=4)).eval()
+    requests = random_batch(4, seed=9, max_events=6, spec=spec)
+    request_column = ({0, 1, 2} - set(candidate_dense)).pop()
+
+    def representation(dense):
+        return m.trunk(*m.encoder(dataclasses.replace(requests, dense=dense)))[0]
+
+    with torch.no_grad():
+        other_item = requests.dense.clone()
+        other_item[:, list(candidate_dense)] += 5.0
+        torch.testing.assert_close(representation(requests.dense), representation(other_item))
+        other_user = requests.dense.clone()
+        other_user[:, request_column] += 5.0
+        assert not torch.allclose(representation(requests.dense), representation(other_user))
+    with pytest.raises(ValueError, match=r"candidate_dense must name distinct dense columns in \[0, 3\)"):
+        dataclasses.replace(spec, candidate_dense=(3,))

@@ -118,6 +118,7 @@ class FeatureAlignment:
             tasks=specs[self.names[0]].tasks,
             num_surfaces=num_surfaces,
             candidate=tuple(_ordered(c for spec in space_specs.values() for c in spec.candidate)),
+            candidate_dense=tuple(dense_offsets[space] + i for space, spec in space_specs.items() for i in spec.candidate_dense),
             # ids two features share in every space still name the same things in the union (same offsets)
             shared_ids=tuple(pair for pair in space_specs[next(iter(space_specs))].shared_ids
                              if all(pair in spec.shared_ids for spec in space_specs.values())

@@ -137,7 +137,7 @@ def spec_difference(a: FeatureSpec, b: FeatureSpec) -> str | None:
     """A one-line description of how two specs differ, or None when they are equal."""
     if a == b:
         return None
-    for name in ("num_dense", "tasks", "num_surfaces"):
+    for name in ("num_dense", "tasks", "num_surfaces", "candidate", "candidate_dense", "shared_ids", "representations"):
         if getattr(a, name) != getattr(b, name):
             return f"{name}: {getattr(a, name)!r} != {getattr(b, name)!r}"
     if a.sparse != b.sparse:

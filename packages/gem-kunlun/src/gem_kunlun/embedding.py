@@ -104,8 +104,9 @@ class FeatureEmbedding(nn.Module):
 
     def __init__(
         self, spec: FeatureSpec, dim: int, event_dims: dict[str, int] | None = None, device: torch.device | None = None,
-        shared: dict[str, str] | None = None,
+        shared: dict[str, str] | None = None, dense_columns: tuple[int, ...] | None = None,
     ) -> None:
+        """``dense_columns``: the columns of ``batch.dense`` read (``spec.num_dense`` of them; None: all of them)."""
         super().__init__()
         event_dims = event_dims or {}
         self.spec = spec
@@ -147,6 +148,13 @@ class FeatureEmbedding(nn.Module):
         # the collection that holds each shared feature's table
         self.shared_collection = {k: f"width{self.event_widths[event_features[v]]}" for k, v in self.shared.items()}
         self.dense = nn.Linear(spec.num_dense, dim, device=device)
+        # NOTE: a model may read only some of a batch's dense columns too (a two-tower request side: not the
+        # candidate's); leading columns are a view, others a gather
+        if dense_columns is not None and len(dense_columns) != spec.num_dense:
+            raise ValueError(f"FeatureEmbedding: {len(dense_columns)} dense columns given for a spec of {spec.num_dense}")
+        columns = None if dense_columns is None else tuple(dense_columns)
+        self.dense_prefix = len(columns) if columns is not None and columns == tuple(range(len(columns))) else None
+        self.dense_columns = None if columns is None or self.dense_prefix is not None else list(columns)
 
     def shared_width(self, name: str) -> int:
         return int(self.shared_collection[name].removeprefix("width"))
@@ -159,7 +167,12 @@ class FeatureEmbedding(nn.Module):
         else:
             features = select_keys(batch.sparse, [f.name for f in self.spec.sparse])
             sparse = torch.stack(pooled_in_order(self.bags(features), [f.name for f in self.spec.sparse]), 1)
-        dense = self.dense(batch.dense)
+        dense_input = batch.dense
+        if self.dense_prefix is not None:
+            dense_input = dense_input[:, : self.dense_prefix]
+        elif self.dense_columns is not None:
+            dense_input = dense_input[:, self.dense_columns]
+        dense = self.dense(dense_input)
         events, shared = {}, {}
         for key, collection in self.events.items():
             width = int(key.removeprefix("width"))

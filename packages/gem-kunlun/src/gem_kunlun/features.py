@@ -46,6 +46,10 @@ class FeatureSpec:
     # the sparse features that describe the candidate item (its id, its attributes): what a two-tower
     # model's item side reads and its request side leaves out
     candidate: tuple[str, ...] = ()
+    # the dense columns that describe the candidate item (its float fields), by index: a two-tower model's request
+    # side leaves them out as it leaves out the candidate's sparse features (reading them would let the query see
+    # the item it is to find)
+    candidate_dense: tuple[int, ...] = ()
     # float vector sequences per example (``Batch.representations``), read by the models that support them
     representations: tuple[RepresentationFeature, ...] = ()
     # (sparse feature, event feature) pairs whose ids name the same things (the candidate's item id and the
@@ -62,6 +66,9 @@ class FeatureSpec:
         unknown = sorted(set(self.candidate) - {f.name for f in self.sparse})
         if unknown:
             raise ValueError(f"FeatureSpec.candidate names {unknown}, which are not sparse features")
+        if len(set(self.candidate_dense)) != len(self.candidate_dense) or any(not 0 <= i < self.num_dense for i in self.candidate_dense):
+            raise ValueError(f"FeatureSpec.candidate_dense must name distinct dense columns in [0, {self.num_dense}), "
+                             f"got {list(self.candidate_dense)}")
         vectors = [r.name for r in self.representations]
         if len(set(vectors)) != len(vectors):
             raise ValueError(f"FeatureSpec.representations names must be unique, got {vectors}")

@@ -248,7 +248,7 @@ class KunlunEncoder(nn.Module):
     """
 
     def __init__(self, spec: FeatureSpec, config: KunlunConfig, device: torch.device | None = None,
-                 shared: dict[str, str] | None = None) -> None:
+                 shared: dict[str, str] | None = None, dense_columns: tuple[int, ...] | None = None) -> None:
         super().__init__()
         c, d = config, config.d_model
         check_event_names(c.events, spec)
@@ -256,7 +256,7 @@ class KunlunEncoder(nn.Module):
         personal = {e.name: c.events.get(e.name) or EventPersonalization() for e in spec.events}
         widths = {name: p.width or d for name, p in personal.items()}
         # ``shared``: other features (the candidate's id) embedded through an event feature's table (FeatureEmbedding)
-        self.embedding = FeatureEmbedding(spec, d, event_dims=widths, device=device, shared=shared)
+        self.embedding = FeatureEmbedding(spec, d, event_dims=widths, device=device, shared=shared, dense_columns=dense_columns)
         self.event_encoders = nn.ModuleDict(
             {name: EventEncoder(widths[name], d, p, c.rote, c.kernel, device=device) for name, p in personal.items()}
         )
@@ -475,19 +475,21 @@ class KunlunModel(nn.Module):
     def __init__(self, spec: FeatureSpec, config: KunlunConfig = KunlunConfig(), device: torch.device | None = None):
         super().__init__()
         self.spec, self.config = spec, config
-        request_spec = spec
+        request_spec, request_dense = spec, None
         if config.two_tower:
             if not spec.candidate:
                 raise ValueError("two_tower needs the data's candidate features (FeatureSpec.candidate is empty)")
             if len(spec.tasks) != 1:
                 raise ValueError(f"two_tower scores one task, the data has {list(spec.tasks)}")
             request = tuple(f for f in spec.sparse if f.name not in spec.candidate)
-            request_spec = dataclasses.replace(spec, sparse=request, candidate=(), shared_ids=())
+            request_dense = tuple(i for i in range(spec.num_dense) if i not in spec.candidate_dense)
+            request_spec = dataclasses.replace(spec, sparse=request, candidate=(), shared_ids=(), num_dense=len(request_dense),
+                                               candidate_dense=())
         # the candidate features embedded through the history's tables: looked up by the encoder, pooled by the item tower
         shared = {s: e for s, e in spec.shared_ids if s in spec.candidate} if config.share_item_table else {}
         if config.share_item_table and not shared:
             raise ValueError("share_item_table needs candidate ids that the history shares (FeatureSpec.shared_ids is empty)")
-        self.encoder = KunlunEncoder(request_spec, config, device=device, shared=shared)
+        self.encoder = KunlunEncoder(request_spec, config, device=device, shared=shared, dense_columns=request_dense)
         self.trunk = KunlunTrunk(config, self.encoder.num_tokens, device=device)
         self.representation_dim = self.trunk.representation_dim
         if config.two_tower:

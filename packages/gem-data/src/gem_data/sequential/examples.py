@@ -161,6 +161,8 @@ class NextItemDataset:
             tasks=(c.task,),
             num_surfaces=c.num_surfaces,
             candidate=tuple(f.name for f in sparse[: 1 + len(self.item_fields)]),
+            # the item's float fields follow the user's in ``assemble``'s dense
+            candidate_dense=tuple(range(corpus.user_dense.shape[1], corpus.user_dense.shape[1] + corpus.item_dense.shape[1])),
             shared_ids=(("item_id", "history_item_id"),),
         )
         lengths = corpus.lengths()
