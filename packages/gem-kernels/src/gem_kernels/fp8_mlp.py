@@ -50,6 +50,7 @@ def fp8_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
     if x.dim() != 2:
         raise ValueError(f"fp8_layer_norm: x must be [M, K], got {tuple(x.shape)}")
+    V.check_eps(eps)
     _check(x, weight, bias, None, "pytorch", out_dtype=out_dtype)  # the shapes, devices and dtypes, one line each
     if _use_triton(recipe, x, x.shape[1]):
         from gem_kernels.ops.triton.triton_norms import triton_layer_norm

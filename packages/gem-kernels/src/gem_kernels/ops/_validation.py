@@ -7,6 +7,9 @@ and are batched into a single transfer.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,6 +28,9 @@ def check_values(name: str, x: torch.Tensor, ndim: int, layout: str) -> None:
         raise ValueError(f"{name} must have rank {ndim} ({layout}), got shape {tuple(x.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.shape[-2] < 1 or x.shape[-1] < 1:  # every layout ends in [..., H, D]
+        raise ValueError(f"{name} must have at least one head and a non-empty head dim ({layout}), "
+                         f"got shape {tuple(x.shape)}")
 
 
 def check_same(names: list[str], tensors: list[torch.Tensor]) -> None:
@@ -70,14 +76,24 @@ def check_offsets_values(
         raise ValueError(f"{name} must be non-decreasing (monotonic)")
     if last != total:
         raise ValueError(f"{name}[-1] must equal the number of tokens {total}, got {last}")
-    if max_len is not None and real_max > max_len:
-        raise ValueError(f"{max_len_name}={max_len} is below the longest sequence ({real_max})")
+    check_max_len_covers(max_len_name, max_len, real_max)
     return int(real_max)
 
 
 def check_max_len(name: str, max_len: int) -> None:
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
         raise ValueError(f"{name} must be a positive int, got {max_len!r}")
+
+
+def check_max_len_covers(max_len_name: str, max_len: int | None, real_max: int) -> None:
+    """A declared maximum length against the real one (read from the offsets by ``check_offsets_values``)."""
+    if max_len is not None and real_max > max_len:
+        raise ValueError(f"{max_len_name}={max_len} is below the longest sequence ({real_max})")
+
+
+def check_eps(eps: float) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
 def check_positive_int(name: str, value: int) -> None:

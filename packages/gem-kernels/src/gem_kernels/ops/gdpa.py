@@ -91,6 +91,8 @@ def gdpa(
 
     if q_offsets is not None and (validate or max_seq_len_q is None):
         real = V.check_offsets_values("q_offsets", q_offsets, q.shape[0], max_seq_len_q, "max_seq_len_q")
+        if self_mode:  # the keys share q_offsets: their longest sequence is the queries' one
+            V.check_max_len_covers("max_seq_len_kv", max_seq_len_kv, real)
         max_seq_len_q = max_seq_len_q or max(real, 1)
     if self_mode:
         max_seq_len_kv = max_seq_len_kv or max_seq_len_q

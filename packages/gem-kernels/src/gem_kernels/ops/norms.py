@@ -69,6 +69,7 @@ def layer_norm(
     its own). out_dtype: y's dtype (None: x's), e.g. the autocast dtype of the matmul that reads y, which then
     needs no cast pass (and y's gradient none back). kernel: "triton", "pytorch", "auto" (Triton on CUDA) or
     "builtin" (torch's unfused ops)."""
+    V.check_eps(eps)
     if _check(x, weight, bias, residual, kernel, skip, out_dtype):
         from gem_kernels.ops.triton.triton_norms import triton_layer_norm
 
@@ -98,6 +99,7 @@ def layer_norm_pair(
         if not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[1], torch.Tensor):
             raise ValueError(f"layer_norm_pair: {name} must be a (weight, bias) pair of tensors")
     (w1, b1), (w2, b2) = first, second
+    V.check_eps(eps)
     _check(x, w2, b2, residual, kernel, skip, out_dtype)
     if _check(x, w1, b1, residual, kernel, skip, out_dtype):
         from gem_kernels.ops.triton.triton_norms import triton_layer_norm
@@ -125,6 +127,7 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x [..., N]: y = h / sqrt(mean(h^2) + eps) * weight, h = x (+ residual).
     Returns y, or (y, h) when a residual is given, or (y, x) with skip; see layer_norm."""
+    V.check_eps(eps)
     if _check(x, weight, None, residual, kernel, skip, out_dtype):
         from gem_kernels.ops.triton.triton_norms import triton_rms_norm
 
