@@ -244,3 +244,15 @@ def test_cuda_graphs_auto_replays_on_one_gpu_where_nothing_is_compiled(overrides
     assert cuda_graphs(config, torch.device(device), world) is expected
     if expected:  # the MoEs are replayed, not compiled
         assert not compile_experts(config, torch.device(device), world)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--data.batch_size=true", r"data: batch_size takes a number, got True"),
+    ("--data.sequential.popularity_power=nan", r"data.sequential.popularity_power: Input should be a finite number"),
+    ('--data.mixture.sources=[{name = "a", weight = inf}]', r"data.mixture.sources.0.weight: Input should be a finite number"),
+    ("--data.sequential.eval_seeds=[]", r"data.sequential.eval_seeds: Tuple should have at least 1 item"),
+])
+def test_values_that_pass_a_bound_but_mean_nothing_are_refused_in_one_line(override, message):
+    with pytest.raises(ConfigError, match=f"override {override[:20]}.*{message}") as error:
+        load_config(None, [override])
+    assert "\n" not in str(error.value)

@@ -78,3 +78,17 @@ def test_a_fixed_synthetic_seed_gives_every_run_seed_the_same_data_and_the_run_s
 def test_sources_other_than_synthetic_need_a_path():
     with pytest.raises(ConfigError, match="data.path is required"):
         load_config(None, ["--data.source=sequence_text"])
+
+
+def test_an_attributes_file_given_must_exist(tmp_path):
+    from gem_data.testing import small_corpus
+    from gem_trainer import builders
+
+    small_corpus(tmp_path, "shop", 10, 12, attributes=True)
+    base = [f"--run_dir={tmp_path / 'run'}", *SMALL, "--data.source=sequence_text", f"--data.path={tmp_path / 'shop.txt'}"]
+    # a typo in the attributes file's name must not train without the attributes
+    config = load_config(None, [*base, f"--data.sequential.attributes_file={tmp_path / 'shop_typo.json'}"])
+    with pytest.raises(FileNotFoundError, match=r"data.sequential.attributes_file: .*shop_typo.json does not exist"):
+        builders.build_data(config, init_distributed("cpu", "gloo"))
+    config = load_config(None, [*base, f"--data.sequential.attributes_file={tmp_path / 'shop.json'}"])
+    assert builders.build_data(config, init_distributed("cpu", "gloo")).spec.candidate == ("item_id", "item_attributes")

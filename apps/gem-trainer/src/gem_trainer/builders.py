@@ -319,6 +319,9 @@ def _read_corpus(config: TrainerConfig, reader: str, path: Path) -> SequenceCorp
     d, s = config.data, config.data.sequential
     if reader == "sequence_text":
         text = path if path.is_file() else _single(path, "*.txt")
+        if s.attributes_file and not Path(s.attributes_file).is_file():
+            raise FileNotFoundError(f"data.sequential.attributes_file: {s.attributes_file} does not exist")
+        # without one given, the attributes file beside the sequences is read where it exists
         attributes = Path(s.attributes_file) if s.attributes_file else text.with_name(f"{text.stem}_item2attributes.json")
         return read_sequence_text(text, attributes if attributes.is_file() else None, skip_bad_rows=d.skip_bad_rows)
     return read_atomic(path, skip_bad_rows=d.skip_bad_rows)

@@ -30,7 +30,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NOTE: no field takes NaN or infinity (a NaN popularity power or mixture weight would pass every bound check)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -40,6 +41,22 @@ class Section(BaseModel):
             return data
         optional = {name for name, field in cls.model_fields.items() if not field.is_required() and _allows_none(field.annotation)}
         return {k: (None if k in optional and isinstance(v, str) and v.lower() == "none" else v) for k, v in data.items()}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        """pydantic would take true / false for a number (1 / 0): a TOML boolean where a number belongs is a mistake."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if isinstance(value, bool) and name in cls.model_fields and _is_number(cls.model_fields[name].annotation):
+                    raise ValueError(f"{name} takes a number, got {value!r}")
+        return data
+
+
+def _is_number(annotation: Any) -> bool:
+    """Whether a field's annotation is a number (int or float, maybe optional), nothing else."""
+    kinds = set(typing.get_args(annotation)) - {type(None)} if typing.get_origin(annotation) in (typing.Union, types.UnionType) else {annotation}
+    return bool(kinds) and kinds <= {int, float}
 
 
 def _allows_none(annotation: Any) -> bool:
@@ -169,7 +186,7 @@ class SequentialDataConfig(Section):
     eval_split: Literal["valid", "test", "next_period", "offline_period"] = "test"
     eval_protocols: tuple[Literal["sampled", "full"], ...] = ("sampled",)
     eval_negatives: int = Field(99, ge=1)
-    eval_seeds: tuple[int, ...] = (0,)
+    eval_seeds: tuple[int, ...] = Field((0,), min_length=1)
     eval_users: int | None = Field(None, ge=1)  # a fixed random subset of users (None: all)
     eval_chunk: int = Field(8192, ge=1)
 
