@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gem_kunlun import Batch
+from gem_kunlun import Batch, NextItemTargets
 
 
 def shared_data_dir(repo_root: str | Path) -> Path:
@@ -54,7 +54,20 @@ def equal_batches(a: Batch, b: Batch) -> bool:
         and a.representations.keys() == b.representations.keys()
         and all(torch.equal(a.representations[k].values, b.representations[k].values)
                 and torch.equal(a.representations[k].lengths, b.representations[k].lengths) for k in a.representations)
+        and _equal_targets(a.next_items, b.next_items)
     )
+
+
+def _equal_targets(a: NextItemTargets | None, b: NextItemTargets | None) -> bool:
+    """Retrieval targets equal: the same queries, positives and negatives, and catalogues of the same items."""
+    if a is None or b is None:
+        return a is b
+    same_negatives = (a.negatives is None and b.negatives is None) or (
+        a.negatives is not None and b.negatives is not None and torch.equal(a.negatives, b.negatives))
+    same_catalogue = (a.catalogue is None and b.catalogue is None) or (
+        a.catalogue is not None and b.catalogue is not None and a.catalogue.keys() == b.catalogue.keys()
+        and torch.equal(a.catalogue.values(), b.catalogue.values()) and torch.equal(a.catalogue.lengths(), b.catalogue.lengths()))
+    return a.every == b.every and a.loss == b.loss and torch.equal(a.positives, b.positives) and same_negatives and same_catalogue
 
 
 def small_corpus(folder: str | Path, name: str, users: int, items: int, attributes: bool):
