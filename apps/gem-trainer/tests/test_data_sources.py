@@ -92,3 +92,16 @@ def test_an_attributes_file_given_must_exist(tmp_path):
         builders.build_data(config, init_distributed("cpu", "gloo"))
     config = load_config(None, [*base, f"--data.sequential.attributes_file={tmp_path / 'shop.json'}"])
     assert builders.build_data(config, init_distributed("cpu", "gloo")).spec.candidate == ("item_id", "item_attributes")
+
+
+def test_a_corpus_without_training_examples_is_named_in_one_line(tmp_path):
+    from gem_data import DataError
+    from gem_trainer import builders
+
+    (tmp_path / "short.txt").write_text("1 1 2 3\n2 4 5 6 7\n3 6\n")  # a user id, then its items
+    config = load_config(None, [f"--run_dir={tmp_path / 'run'}", *SMALL, "--data.source=sequence_text",
+                                f"--data.path={tmp_path / 'short.txt'}"])
+    builders.build_data(config, init_distributed("cpu", "gloo"))  # user 2 has 4 items: one training example
+    (tmp_path / "short.txt").write_text("1 1 2 3\n2 4 5\n3 6\n")
+    with pytest.raises(DataError, match=r"short.txt: no training examples: .* 3 of its 3 users have 3 items or fewer"):
+        builders.build_data(config, init_distributed("cpu", "gloo"))

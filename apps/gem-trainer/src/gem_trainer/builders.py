@@ -16,6 +16,7 @@ from gem_data import (
     AlignedRanking,
     AlignmentError,
     BatchSource,
+    DataError,
     DomainExpertModel,
     FeatureAlignment,
     JoinedRanking,
@@ -310,9 +311,17 @@ def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | 
         max_history=s.max_history, attribute_slots=s.attribute_slots, with_user_id=s.with_user_id, seed=config.seed,
     )
     if s.time_split is None:
-        return NextItemDataset(corpus, next_item)
+        dataset = NextItemDataset(corpus, next_item)
+        if not dataset.num_training_examples:
+            short = int((corpus.lengths() < 4).sum())
+            raise DataError(path, None, f"no training examples: a user trains on the items before the last two (kept to "
+                                        f"validate and test), and {short} of its {corpus.num_users} users have 3 items or fewer")
+        return dataset
     period = "before_next" if source is None else ("online" if source.online else "offline")
-    return TimeSplitDataset(corpus, next_item, TimeSplit(*s.time_split), period)
+    dataset = TimeSplitDataset(corpus, next_item, TimeSplit(*s.time_split), period)
+    if not dataset.num_training_examples:
+        raise DataError(path, None, f"no training examples in the {period} period of data.sequential.time_split = {list(s.time_split)}")
+    return dataset
 
 
 def _read_corpus(config: TrainerConfig, reader: str, path: Path) -> SequenceCorpus:
