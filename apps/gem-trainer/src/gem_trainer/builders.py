@@ -286,9 +286,10 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
 
 
 def _held_out_table(config: TrainerConfig, table: ParquetTable, eval_path: str) -> ParquetTable:
-    """The held-out Parquet files, read with the training table's vocabularies and surfaces."""
+    """The held-out Parquet files, read with the training table's vocabularies, surfaces and time base."""
     return ParquetTable(_files(eval_path, "*.parquet"), skip_bad_rows=config.data.skip_bad_rows,
-                        vocab_sizes={f.name: f.num_embeddings for f in table.spec.sparse}, num_surfaces=table.spec.num_surfaces)
+                        vocab_sizes={f.name: f.num_embeddings for f in table.spec.sparse}, num_surfaces=table.spec.num_surfaces,
+                        time_base=table.time_base)
 
 
 def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | None = None) -> NextItemDataset:

@@ -3,12 +3,14 @@
 Tab-separated, first line a typed header ``field:type`` with ``type`` one of ``token`` (one id),
 ``token_seq`` (space-separated ids), ``float``, ``float_seq``. The ``.inter`` file needs the user and item
 fields; a ``timestamp`` float field orders each user's events (file order otherwise, and for ties).
+Text is UTF-8; a cell's surrounding whitespace is not part of its value.
 ``.user`` / ``.item`` token and token_seq fields become id bags, float fields dense features; float_seq fields
 have no place in the batch schema and are listed in ``ignored_fields``.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from gem_kunlun import lengths_to_offsets, segment_positions
 
 from gem_data.errors import BadRows, DataError
+from gem_data.readers.text import text_lines
 from gem_data.sequential.corpus import Bags, SequenceCorpus, vocabulary
 
 TYPES = ("token", "token_seq", "float", "float_seq")
@@ -26,15 +29,17 @@ def read_atomic(
     name: str | None = None,
     user_field: str = "user_id",
     item_field: str = "item_id",
-    time_field: str = "timestamp",
+    time_field: str | None = None,
     skip_bad_rows: bool = False,
 ) -> SequenceCorpus:
     """Read ``directory/<name>.{inter,user,item}`` (``name`` defaults to the folder name) into a corpus.
 
     Users and items are those of the ``.inter`` file; ``.user``/``.item`` rows of others are ignored and
-    entities without a row get empty bags and zero floats. Bad rows (wrong column count, unparsable float,
-    empty user or item) raise ``DataError`` naming file and line, or are counted with ``skip_bad_rows=True``;
-    a bad header always raises.
+    entities without a row get empty bags and zero floats. ``time_field`` orders the events: by default
+    ``timestamp`` where the header has it, file order where not; a field named here must be there. Bad rows
+    (wrong column count, a float that is not a finite number, empty user, item or time) raise ``DataError``
+    naming file and line, or are counted with ``skip_bad_rows=True``; a bad header, a time field that is not
+    float and bytes that are not UTF-8 always raise.
     """
     directory = Path(directory)
     name = name or directory.name
@@ -48,11 +53,21 @@ def read_atomic(
             raise DataError(inter_path, 1, f"header needs a {required}:token field, has {_describe(header)}")
     columns = list(header)
     u_col, i_col = columns.index(user_field), columns.index(item_field)
-    t_col = columns.index(time_field) if header.get(time_field) == "float" else None
+    if time_field is None:
+        time_field = "timestamp" if "timestamp" in header else None
+    elif time_field not in header:  # a misspelt name would quietly leave the events in file order
+        raise DataError(inter_path, 1, f"header has no {time_field} field, has {_describe(header)}")
+    if time_field is not None and header[time_field] != "float":
+        kind = header[time_field]
+        raise DataError(inter_path, 1, f"field {time_field!r} orders the events, so must be float, is {kind}")
+    t_col = columns.index(time_field) if time_field is not None else None
     kept = []
     for number, row in rows:
         if not row[u_col] or not row[i_col]:
             bad.report(inter_path, number, f"empty {user_field} or {item_field}")
+            continue
+        if t_col is not None and not row[t_col]:
+            bad.report(inter_path, number, f"empty {time_field}")
             continue
         kept.append(row)
     if not kept:
@@ -104,11 +119,10 @@ def _describe(header: dict[str, str]) -> str:
 
 def _read_table(path: Path, bad: BadRows) -> tuple[dict[str, str], list[tuple[int, list[str]]]]:
     """The typed header and the ``(line number, cells)`` of every well-formed row."""
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        lines = handle.read().split("\n")
+    lines = text_lines(path) or [""]
     header: dict[str, str] = {}
-    for cell in lines[0].rstrip("\r").split("\t"):
-        field, _, kind = cell.partition(":")
+    for cell in lines[0].split("\t"):
+        field, _, kind = cell.strip().partition(":")
         if kind not in TYPES or not field:
             raise DataError(path, 1, f"header cell {cell!r} is not field:type with type in {TYPES}")
         if field in header:
@@ -117,22 +131,27 @@ def _read_table(path: Path, bad: BadRows) -> tuple[dict[str, str], list[tuple[in
     floats = [i for i, kind in enumerate(header.values()) if kind == "float"]
     rows = []
     for number, line in enumerate(lines[1:], 2):
-        line = line.rstrip("\r")
         if not line:
             continue
-        cells = line.split("\t")
+        # " 1" and "1" would be two users
+        cells = [cell.strip() for cell in line.split("\t")]
         if len(cells) != len(header):
             bad.report(path, number, f"{len(cells)} columns, the header has {len(header)}")
             continue
-        try:
-            for i in floats:
-                if cells[i]:
-                    float(cells[i])
-        except ValueError:
-            bad.report(path, number, f"{cells[i]!r} in float field {list(header)[i]!r} is not a number")
+        # float() takes "nan" and "inf": one NaN time would make every time NaN (times.min())
+        wrong = next((i for i in floats if cells[i] and not _finite(cells[i])), None)
+        if wrong is not None:
+            bad.report(path, number, f"{cells[wrong]!r} in float field {list(header)[wrong]!r} is not a finite number")
             continue
         rows.append((number, cells))
     return header, rows
+
+
+def _finite(cell: str) -> bool:
+    try:
+        return math.isfinite(float(cell))
+    except ValueError:
+        return False
 
 
 def _read_features(path: Path, key: str, index: dict[str, int], bad: BadRows):

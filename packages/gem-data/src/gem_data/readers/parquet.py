@@ -7,25 +7,31 @@ Schema (one row = one example; column names carry the role):
 | ``dense`` (optional) | ``list<float>`` or ``fixed_size_list<float>``, same length every row | non-sequence dense floats |
 | ``sparse.<feature>`` | ``list<int64>`` (a bag) or ``int64`` (one id) | non-sequence sparse ids |
 | ``event.<type>.<feature>`` | ``list<int64>`` | one id per event of ``<type>``; every feature of a type has the same length per row |
-| ``event.<type>.timestamp`` | ``list<double>`` | event times, non-decreasing within the row, same length |
+| ``event.<type>.timestamp`` | ``list<double>`` | event times (finite), non-decreasing within the row, same length |
 | ``label.<task>`` | numeric or bool scalar in {0, 1} | one column per task, in file order |
 | ``surface`` (optional) | integer scalar | surface / domain id (0 when absent) |
 
 Vocabulary sizes are ``max id + 1`` over the file(s) unless ``vocab_sizes`` gives them or the file's
 schema metadata ``gem.vocab_sizes`` (a JSON object, written by ``write_parquet``) does; ``num_surfaces``
-is ``max + 1`` unless given. Bad rows (nulls, negative ids, event features of unequal length, unsorted times, labels outside
+is ``max + 1`` unless given. Batches' event times are seconds since ``time_base``, one value for all the
+files, so float32 keeps their resolution: the earliest event time unless ``time_base`` or the schema
+metadata ``gem.time_base`` (0 from ``write_parquet``, whose batches' times are float32 already) gives it.
+Bad rows (nulls, negative ids, event features of unequal length, times unsorted or not finite, labels outside
 {0, 1}, dense of the wrong width) raise ``DataError`` naming the file and 0-based row, or are counted and
-skipped with ``skip_bad_rows=True``. ``write_parquet`` writes batches in this schema.
+skipped with ``skip_bad_rows=True``; a file that is not Parquet raises ``DataError`` naming it.
+``write_parquet`` writes batches in this schema.
 """
 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+import math
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from torchrec import KeyedJaggedTensor
@@ -52,22 +58,29 @@ class ParquetTable:
         vocab_sizes: dict[str, int] | None = None,
         num_surfaces: int | None = None,
         cache_row_groups: int = 2,
+        time_base: float | None = None,
     ) -> None:
         self.paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
         if not self.paths:
             raise ValueError("ParquetTable needs at least one file")
-        self.layout = _Layout.of(self.paths[0], pq.read_schema(self.paths[0]))
+        first_file = _open(self.paths[0])
+        self.layout = _Layout.of(self.paths[0], first_file.schema_arrow)
         if self.layout.has_dense and self.layout.num_dense is None:
-            # NOTE: a plain list column fixes the width by its first row; rows of another width are bad rows
-            first = pq.ParquetFile(self.paths[0]).read_row_group(0, columns=["dense"]).column("dense")
-            self.layout.num_dense = len(first[0]) if len(first) and first[0].is_valid else 0
+            # NOTE: a plain list column fixes the width by the commonest of its first row group (the first
+            # row's would make one bad first row blame every other); rows of another width are bad rows
+            widths = Counter()
+            if first_file.num_row_groups:
+                first = first_file.read_row_group(0, columns=["dense"]).column("dense")
+                widths.update(pc.list_value_length(first).drop_null().to_pylist())
+            self.layout.num_dense = widths.most_common(1)[0][0] if widths else 0
         bad = BadRows(skip=skip_bad_rows)
         self._groups: list[tuple[int, int]] = []  # (file, row group)
         self._valid_rows: list[torch.Tensor] = []  # kept rows of each row group
         maxima: dict[str, int] = {}
         max_surface = 0
+        first_time = float("inf")
         for f, path in enumerate(self.paths):
-            handle = pq.ParquetFile(path)
+            handle = _open(path)
             if f and not _Layout.of(path, handle.schema_arrow).same_columns(self.layout):
                 raise DataError(path, None, f"columns differ from {self.paths[0]}")
             first_row = 0
@@ -76,6 +89,7 @@ class ParquetTable:
                 for row, reason in decoded.problems:
                     bad.report(path, f"row {first_row + row}", reason)
                 first_row += decoded.num_rows
+                first_time = min(first_time, decoded.first_time)
                 valid = decoded.valid.nonzero().squeeze(1)
                 self._groups.append((f, g))
                 self._valid_rows.append(valid)
@@ -89,8 +103,12 @@ class ParquetTable:
                     max_surface = max(max_surface, int(kept.surface.max()))
         self.bad_rows, self.bad_row_examples = bad.count, bad.examples
         # files written by write_parquet carry their spec's vocabulary sizes; explicit arguments win
-        metadata = pq.read_schema(self.paths[0]).metadata or {}
+        metadata = first_file.schema_arrow.metadata or {}
         vocab_sizes = {**json.loads(metadata.get(b"gem.vocab_sizes", b"{}")), **(vocab_sizes or {})}
+        # one base for every file and row group: times of different examples stay comparable
+        if time_base is None:
+            time_base = float(metadata[b"gem.time_base"]) if b"gem.time_base" in metadata else first_time
+        self.time_base = time_base if math.isfinite(time_base) else 0.0  # inf: the files hold no event
 
         def size(name: str) -> int:
             found = maxima.get(name, -1) + 1
@@ -122,7 +140,8 @@ class ParquetTable:
     def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
         if block not in self._cache:
             f, g = self._groups[block]
-            decoded = self.layout.decode(pq.ParquetFile(self.paths[f]).read_row_group(g), self.paths[f], 0)
+            table = pq.ParquetFile(self.paths[f]).read_row_group(g)
+            decoded = self.layout.decode(table, self.paths[f], 0, self.time_base)
             self._cache[block] = select_examples(decoded.batch, self._valid_rows[block])
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -131,8 +150,8 @@ class ParquetTable:
 
 
 class _Decoded:
-    def __init__(self, batch: Batch, valid: torch.Tensor, problems: list[tuple[int, str]]) -> None:
-        self.batch, self.valid, self.problems = batch, valid, problems
+    def __init__(self, batch: Batch, valid: torch.Tensor, problems: list[tuple[int, str]], first_time: float) -> None:
+        self.batch, self.valid, self.problems, self.first_time = batch, valid, problems, first_time
         self.num_rows = valid.numel()
 
 
@@ -197,8 +216,9 @@ class _Layout:
         events = {e: tuple(f"{e}_{f}" for f in fs) for e, fs in events.items()}  # feature names unique across types
         return _Layout(tuple(sparse), events, tuple(labels), has_dense, has_surface, num_dense)
 
-    def decode(self, table: pa.Table, path: Path, first_row: int) -> _Decoded:
-        """The row group as one batch (bad rows included but marked) plus ``valid [n]`` and the problems."""
+    def decode(self, table: pa.Table, path: Path, first_row: int, time_base: float = 0.0) -> _Decoded:
+        """The row group as one batch (bad rows included but marked, times less ``time_base``) plus ``valid [n]``,
+        the problems and the earliest event time of the valid rows (inf where none)."""
         n = table.num_rows
         bad = torch.zeros(n, dtype=torch.bool)
         problems: list[tuple[int, str]] = []
@@ -231,6 +251,9 @@ class _Layout:
                 values.append(v)
                 lengths.append(l)
             owner = segment_ids(time_lengths)
+            # NaN compares false, so the order check below would pass it
+            flag(torch.zeros(n, dtype=torch.bool).index_fill_(0, owner[~times.isfinite()], True),
+                 f"event.{event}.timestamp is not a finite number")
             same_owner = owner[1:] == owner[:-1]
             backwards = same_owner & (times[1:] < times[:-1])
             flag(torch.zeros(n, dtype=torch.bool).index_fill_(0, owner[1:][backwards], True), f"event.{event}.timestamp decreases")
@@ -266,16 +289,27 @@ class _Layout:
         else:
             dense = torch.zeros(n, 0)
         sparse = _kjt([f for f in self.sparse], sparse_values, sparse_lengths, good)
-        built = {}
+        built, first_time = {}, float("inf")
         for event, (features, values, lengths, times, time_lengths) in sequences.items():
-            keep_events = torch.repeat_interleave(good, time_lengths)
+            kept_times = times[torch.repeat_interleave(good, time_lengths)]
+            if kept_times.numel():
+                first_time = min(first_time, float(kept_times.min()))
+            # float64 less the base, then float32: epoch seconds in float32 alone resolve only ~128 s
             built[event] = EventSequence(
-                ids=_kjt(list(features), values, lengths, good), timestamps=times[keep_events].float()
+                ids=_kjt(list(features), values, lengths, good), timestamps=(kept_times - time_base).float()
             )
         label_tensor = torch.stack(labels, 1) if labels else torch.zeros(n, 0)
         label_tensor[bad] = 0
         surface[bad] = 0
-        return _Decoded(Batch(dense=dense, sparse=sparse, sequences=built, labels=label_tensor, surface=surface), good, sorted(problems))
+        batch = Batch(dense=dense, sparse=sparse, sequences=built, labels=label_tensor, surface=surface)
+        return _Decoded(batch, good, sorted(problems), first_time)
+
+
+def _open(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except pa.ArrowInvalid as error:  # pyarrow's message does not name the file
+        raise DataError(path, None, f"not a Parquet file ({str(error).splitlines()[0]})") from None
 
 
 def _nulls(column: pa.ChunkedArray) -> torch.Tensor:
@@ -347,7 +381,8 @@ def write_parquet(batches: Iterable[Batch], spec: FeatureSpec, path: str | Path,
             table = _to_arrow(batch, spec)
             if writer is None:
                 vocab = {f.name: f.num_embeddings for f in spec.sparse} | {f.name: f.num_embeddings for e in spec.events for f in e.features}
-                writer = pq.ParquetWriter(str(path), table.schema.with_metadata({b"gem.vocab_sizes": json.dumps(vocab).encode()}))
+                metadata = {b"gem.vocab_sizes": json.dumps(vocab).encode(), b"gem.time_base": b"0"}
+                writer = pq.ParquetWriter(str(path), table.schema.with_metadata(metadata))
             pending.append(table.replace_schema_metadata(writer.schema.metadata))
             total += batch.batch_size
             if sum(t.num_rows for t in pending) >= row_group_size:

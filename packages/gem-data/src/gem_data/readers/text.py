@@ -4,6 +4,7 @@ with an optional ``item2attributes.json`` (``{"item": [attribute ids]}``), as in
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
@@ -20,9 +21,10 @@ def read_sequence_text(
 ) -> SequenceCorpus:
     """Read ``path`` (and the attribute file) into a ``SequenceCorpus``.
 
-    Ids must be non-negative integers. Blank lines are ignored. A bad line (a non-integer token, a user
-    without items, a user seen twice) raises ``DataError`` naming file and line, or is counted and skipped
-    with ``skip_bad_rows=True``. Items are those appearing in the sequences; attribute entries of other items
+    Ids must be non-negative integers, written in decimal; leading zeros do not matter (``01`` is ``1``).
+    Blank lines are ignored. A bad line (a non-integer token, a user without items, a user seen twice)
+    raises ``DataError`` naming file and line, or is counted and skipped with ``skip_bad_rows=True``; bytes
+    that are not UTF-8 always raise. Items are those appearing in the sequences; attribute entries of other items
     are ignored. Timestamps are the positions ``0, 1, ...`` since the file has none.
     """
     path = Path(path)
@@ -30,25 +32,25 @@ def read_sequence_text(
     users: list[str] = []
     sequences: list[list[str]] = []
     seen: set[str] = set()
-    with path.open() as handle:
-        for number, line in enumerate(handle, 1):
-            tokens = line.split()
-            if not tokens:
-                continue
-            # NOTE: isdecimal alone accepts other scripts' digits (and isdigit superscripts), which int() refuses
-            wrong = next((t for t in tokens if not (t.isascii() and t.isdecimal())), None)
-            if wrong is not None:
-                bad.report(path, number, f"{wrong!r} is not a non-negative integer id")
-                continue
-            if len(tokens) < 2:
-                bad.report(path, number, f"user {tokens[0]} has no items")
-                continue
-            if tokens[0] in seen:
-                bad.report(path, number, f"user {tokens[0]} appears on an earlier line too")
-                continue
-            seen.add(tokens[0])
-            users.append(tokens[0])
-            sequences.append(tokens[1:])
+    for number, line in enumerate(text_lines(path), 1):
+        tokens = line.split()
+        if not tokens:
+            continue
+        # NOTE: isdecimal alone accepts other scripts' digits (and isdigit superscripts), which int() refuses
+        wrong = next((t for t in tokens if not (t.isascii() and t.isdecimal())), None)
+        if wrong is not None:
+            bad.report(path, number, f"{wrong!r} is not a non-negative integer id")
+            continue
+        tokens = [_canonical(t) for t in tokens]
+        if len(tokens) < 2:
+            bad.report(path, number, f"user {tokens[0]} has no items")
+            continue
+        if tokens[0] in seen:
+            bad.report(path, number, f"user {tokens[0]} appears on an earlier line too")
+            continue
+        seen.add(tokens[0])
+        users.append(tokens[0])
+        sequences.append(tokens[1:])
     if not users:
         raise DataError(path, None, "no users")
     item_tokens = vocabulary(t for seq in sequences for t in seq)
@@ -73,20 +75,48 @@ def read_sequence_text(
     )
 
 
+def _canonical(token: str) -> str:
+    """One spelling per integer id, or ``01`` and ``1`` would be two items (and one user could appear twice)."""
+    return token.lstrip("0") or "0"
+
+
+def text_lines(path: Path) -> list[str]:
+    """The lines of ``path`` split as Python's text files split them (``\\n``, ``\\r\\n`` or ``\\r``), decoded
+    strictly as UTF-8 after a byte order mark, if any: a byte that is not UTF-8 raises ``DataError`` naming
+    its line, where a lenient decode would make distinct ids one."""
+    if not path.is_file():
+        raise DataError(path, None, "is a directory, not a file" if path.is_dir() else "file not found")
+    lines = []
+    for number, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), 1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            where = f"byte {raw[error.start]:#04x} at column {error.start + 1}"
+            raise DataError(path, number, f"{where} is not UTF-8 text") from None
+    return lines
+
+
 def _read_attributes(path: Path, item_index: dict[str, int], bad: BadRows) -> Bags:
     try:
-        raw = json.loads(path.read_text())
+        # JSON counts lines at "\n" alone, so its line numbers stay those of the file
+        raw = json.loads("\n".join(text_lines(path)))
     except json.JSONDecodeError as error:
         raise DataError(path, error.lineno, f"invalid JSON: {error.msg}") from None
     if not isinstance(raw, dict):
         raise DataError(path, None, "expected an object mapping item ids to lists of attribute ids")
     per_item: list[list[str]] = [[] for _ in item_index]
+    given: set[str] = set()
     for key, values in raw.items():
         if not isinstance(values, list) or not all(isinstance(v, int) and v >= 0 for v in values):
             bad.report(path, f"item {key}", f"attributes must be a list of non-negative integers, got {values!r}")
             continue
-        if key in item_index:
-            per_item[item_index[key]] = [str(v) for v in values]
+        item = _canonical(key) if key.isascii() and key.isdecimal() else key
+        if item in given:
+            bad.report(path, f"item {key}", f"item {item} has attributes under another key too")
+            continue
+        given.add(item)
+        if item in item_index:
+            per_item[item_index[item]] = [str(v) for v in values]
     attribute_tokens = vocabulary(t for bag in per_item for t in bag)
     attribute_index = {t: i for i, t in enumerate(attribute_tokens)}
     return Bags.from_lists([[attribute_index[t] for t in bag] for bag in per_item], len(attribute_tokens), attribute_tokens)

@@ -17,8 +17,11 @@ from gem_kunlun import lengths_to_offsets, segment_ids
 def vocabulary(tokens) -> list[str]:
     """Sorted distinct tokens: numerically when every token is an integer, else lexicographically."""
     distinct = set(tokens)
-    if all(t.lstrip("-").isascii() and t.lstrip("-").isdecimal() for t in distinct):  # int() takes exactly these
-        return sorted(distinct, key=int)
+    digits = (t.removeprefix("-") for t in distinct)
+    if all(d.isascii() and d.isdecimal() for d in digits):  # int() takes exactly these
+        # tokens are strings, so "01" and "1" may both be here: the text breaks the tie, else the order (and the
+        # indices) would follow the set's, which changes from run to run
+        return sorted(distinct, key=lambda t: (int(t), t))
     return sorted(distinct)
 
 
