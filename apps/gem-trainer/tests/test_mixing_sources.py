@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gem_data import concat_batches, select_examples
+from gem_data import TableStream, concat_batches, select_examples
 from gem_data.testing import equal_batches, find_repo_root, shared_data_dir
 from gem_trainer import builders
 from gem_trainer.config import ConfigError, load_config
@@ -110,6 +110,41 @@ def test_parquet_and_synthetic_sources_mix_in_one_declared_id_space(tmp_path):
     disjoint = config_for(tmp_path / "d", sources.replace('id_space = "ads", ', "").replace(', id_space = "ads"', ""))
     spec = builders.build_data(disjoint, init_distributed("cpu", "gloo")).spec
     assert {f.name: f.num_embeddings for f in spec.sparse}["ad_id"] == 2 * generator.config.num_ads
+
+
+def test_parquet_sources_of_a_mixture_share_one_clock_with_their_held_out_files(tmp_path):
+    # each file's times count from its own earliest event otherwise: a per-user memory (LoopFM, Solaris) comparing
+    # times across sources would take a later event of the other source for an earlier one
+    import pyarrow.parquet as pq
+
+    from gem_data import SyntheticConfig, SyntheticGenerator, write_parquet
+
+    generator = SyntheticGenerator(SyntheticConfig(num_users=8))
+
+    def users_file(name, indices):  # written by another tool: absolute times, no gem.time_base
+        path = tmp_path / f"{name}.parquet"
+        write_parquet((generator.batch(i, 16) for i in indices), generator.spec, path)
+        table = pq.read_table(path)
+        pq.write_table(table.replace_schema_metadata({k: v for k, v in table.schema.metadata.items() if k != b"gem.time_base"}), path)
+        return path
+
+    log, live, held_out = users_file("log", range(0, 200, 50)), users_file("live", [400, 401]), users_file("held", [410])
+    sources = (f'--data.mixture.sources=[{{name = "log", reader = "parquet", path = "{log}"}}, '
+               f'{{name = "live", reader = "parquet", path = "{live}", eval_path = "{held_out}", online = true}}]')
+    data = builders.build_data(config_for(tmp_path / "run", sources, "--data.mixture.eval_source=live",
+                                          "--data.synthetic.num_users=8"), init_distributed("cpu", "gloo"))
+    log_table, live_table = (source.table for source in data.mixer.sources)
+    assert log_table.time_base == live_table.time_base < 1e6 + 3600  # the log's earliest event: the one clock
+
+    def newest(batches):
+        return max(float(s.timestamps.max()) for b in batches for s in b.sequences.values() if s.timestamps.numel())
+
+    def once(table):
+        return TableStream(table, 16, shuffle=False, num_epochs=1)
+
+    # each batch's newest event is its examples' time (synthetic histories end then): log, live stream, held-out
+    assert newest(once(log_table)) < newest(once(live_table)) < newest(data.eval_batches())
+    assert newest(once(live_table)) < 1e6 + 402 * 3600  # not counted from the live file's own first event
 
 
 def test_the_log_shows_each_sources_share_along_the_ramp(tmp_path, capsys):

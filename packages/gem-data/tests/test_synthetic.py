@@ -99,6 +99,24 @@ def test_a_user_population_gives_user_ids_and_examples_ordered_in_time():
         assert float((ads % 16 == population.user_cluster[owner]).float().mean()) > 0.5
 
 
+def test_every_stream_runs_on_one_clock_before_the_held_out_split():
+    # a mixture's second synthetic stream must not sit after the held-out split (its rows would read held-out
+    # representations as earlier ones), nor at times float32 resolves to hours
+    from gem_data import SyntheticStream
+    from gem_data.synthetic import SECONDS_PER_BATCH
+
+    population = SyntheticGenerator(SyntheticConfig(seed=1, num_users=50))
+    first, second = SyntheticStream(population, 32).global_batch(5), SyntheticStream(population, 32, stream=1).global_batch(5)
+    assert not torch.equal(first.dense, second.dense)  # other draws ...
+    for batch in (first, second):  # ... in the same hour: batch 5's, where its histories end
+        newest = max(float(s.timestamps.max()) for s in batch.sequences.values())
+        assert 1e6 + 5 * SECONDS_PER_BATCH <= newest <= 1e6 + 6 * SECONDS_PER_BATCH
+    held_out = population.batch(0, 32, split="eval")
+    assert newest < min(float(s.timestamps.min()) for s in held_out.sequences.values())
+    with pytest.raises(ValueError, match=r"stream must lie in \[0, 128\)"):
+        population.batch(0, 4, stream=128)
+
+
 def test_user_propensity_gives_each_user_a_lasting_click_offset():
     # with the offset, a user's click rate over many examples follows it; drawn last, it moves no other draw
     with pytest.raises(ValueError, match="user_propensity needs num_users"):

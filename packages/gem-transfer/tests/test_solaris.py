@@ -169,6 +169,15 @@ def test_default_embedding_is_the_mean_of_everything_written():
     assert DefaultEmbedding.from_state(default.state()).value().tolist() == [3.0, 4.0]
 
 
+def test_a_loaded_default_embedding_keeps_its_entries_by_time_after_more_are_added():
+    saved = DefaultEmbedding(1)
+    saved.add(np.ones((4, 1)), np.array([1.0, 2.0, 3.0, 4.0]))
+    loaded = DefaultEmbedding.from_state(saved.state())
+    loaded.add(np.full((1, 1), 6.0), np.array([10.0]))
+    assert loaded.value(5.0).tolist() == [1.0]  # the four loaded entries before time 5
+    assert loaded.value(11.0).tolist() == [2.0] and loaded.value().tolist() == [2.0]
+
+
 # -- the nearest-neighbour index ------------------------------------------------------------------------------
 
 def test_user_index_finds_the_most_similar_users(tmp_path):

@@ -253,6 +253,12 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
             table = tables[s.name] = ParquetTable(_files(path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
         # an online source replays its stream in time order; offline logs are shuffled
         streams[s.name] = TableStream(table, d.batch_size, shuffle=not s.online, seed=config.seed, read_rows=d.read_rows)
+    # NOTE: each table's times count from its own earliest event; a per-user memory (LoopFM, Solaris) compares times
+    # across sources, so every table of the mixture (and the held-out files, read with its base) takes one clock
+    if tables:
+        base = min(table.time_base for table in tables.values())
+        for table in tables.values():
+            table.rebase(base)
     try:
         alignment = FeatureAlignment({n: stream.spec for n, stream in streams.items()}, id_spaces,
                                      {s.name: s.surface for s in m.sources})

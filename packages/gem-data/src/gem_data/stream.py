@@ -20,7 +20,7 @@ from gem_data.alignment import FeatureAlignment
 from gem_data.batch_ops import concat_batches, select_examples
 from gem_data.gathering import BatchView
 from gem_data.source import ShardedStream
-from gem_data.synthetic import SyntheticGenerator
+from gem_data.synthetic import MAX_STREAMS, SyntheticGenerator
 from gem_data.table import ExampleTable
 
 
@@ -29,10 +29,6 @@ from gem_data.table import ExampleTable
 # gain little and, with long histories, cost more per row
 READ_ROWS = 1024
 
-# NOTE: torch's CPU generator keeps 32 bits of a seed, and the generator's train and eval splits sit 2**31
-# batch indices apart: 128 streams of 2**24 batches each fit below that.
-BATCHES_PER_STREAM = 1 << 24
-MAX_STREAMS = 128
 
 
 class SyntheticStream(ShardedStream):
@@ -50,8 +46,7 @@ class SyntheticStream(ShardedStream):
         super().__init__(batch_size, rank, world_size)
         if not 0 <= stream < MAX_STREAMS:
             raise ValueError(f"stream must lie in [0, {MAX_STREAMS}), got {stream}")
-        self.generator = generator
-        self.first_index = stream * BATCHES_PER_STREAM
+        self.generator, self.stream = generator, stream
 
     @property
     def spec(self) -> FeatureSpec:
@@ -59,7 +54,7 @@ class SyntheticStream(ShardedStream):
 
     def global_batch(self, index: int) -> Batch:
         # NOTE: a synthetic batch is one draw, so every rank draws the whole global batch and keeps its slice.
-        return self.generator.batch(self.first_index + index, self.global_batch_size, split="train")
+        return self.generator.batch(index, self.global_batch_size, split="train", stream=self.stream)
 
 
 def eval_batches(generator: SyntheticGenerator, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1):

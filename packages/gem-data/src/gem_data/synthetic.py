@@ -12,9 +12,11 @@ carries a ``user_id`` sparse feature, the user's interest cluster is fixed (draw
 examples happen in time: the example at row ``r`` of global batch ``i`` of ``B`` rows is at
 ``1e6 + (i + r / B) * 3600`` seconds (the held-out split starts ``EVAL_AFTER_BATCHES`` batches later, after
 any training stream shorter than that), its history ending then. A user's examples are thus ordered in
-time, which is what a per-user memory of earlier events (LoopFM) needs. With ``user_propensity`` each user
-also has a fixed offset of the click logit (standard deviation ``user_propensity``): some users click more
-than others whatever they see. Without it every label is a function of its own example's features, and a
+time, which is what a per-user memory of earlier events (LoopFM) needs. Every stream of the data set
+(``stream``: disjoint draws, such as a mixture's offline log and live stream) runs on that one clock: batch ``i``
+of any stream is at the time above, so that the held-out split comes after every training stream's batches.
+With ``user_propensity`` each user also has a fixed offset of the click logit (standard deviation
+``user_propensity``): some users click more than others whatever they see. Without it every label is a function of its own example's features, and a
 user's earlier events carry nothing about a new label that the example does not already show.
 """
 
@@ -28,6 +30,10 @@ from torchrec import KeyedJaggedTensor
 from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, SparseFeature, lengths_to_offsets, segment_ids
 
 SPLITS = {"train": 0, "eval": 1}
+# NOTE: torch's CPU generator keeps 32 bits of a seed, and the train and eval splits sit 2**31 batch indices apart:
+# 128 streams of 2**24 batches each fit below that
+BATCHES_PER_STREAM = 1 << 24
+MAX_STREAMS = 128
 # with num_users: examples are an hour of time per batch apart, held-out ones this many batches after the first
 # training example (timestamps are float32: at ~6e7 s they resolve 4 s)
 SECONDS_PER_BATCH = 3600.0
@@ -101,12 +107,16 @@ class SyntheticGenerator:
         self.user_cluster = torch.randint(c.num_clusters, (c.num_users,), generator=g) if c.num_users else None
         self.user_bias = torch.randn(c.num_users, generator=g) * c.user_propensity if c.num_users else None
 
-    def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
-        """The batch at position ``index`` of ``split``: identical for identical arguments."""
+    def batch(self, index: int, batch_size: int, split: str = "train", stream: int = 0) -> Batch:
+        """The batch at position ``index`` of ``split`` (of one of its disjoint ``stream``s): identical for identical
+        arguments."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+        if not 0 <= stream < MAX_STREAMS:
+            raise ValueError(f"stream must lie in [0, {MAX_STREAMS}), got {stream}")
         c = self.config
-        g = torch.Generator().manual_seed(((c.seed * 1_000_003 + SPLITS[split]) * 2_147_483_647 + index) % (2**63))
+        drawn = stream * BATCHES_PER_STREAM + index  # the streams' draws are disjoint, their clock is one
+        g = torch.Generator().manual_seed(((c.seed * 1_000_003 + SPLITS[split]) * 2_147_483_647 + drawn) % (2**63))
         b, k = batch_size, c.num_clusters
         surface = torch.randint(c.num_surfaces, (b,), generator=g)
         if c.num_users:

@@ -137,6 +137,12 @@ class ParquetTable:
     def block_sizes(self) -> list[int]:
         return [v.numel() for v in self._valid_rows]
 
+    def rebase(self, time_base: float) -> None:
+        """Read event times as seconds since ``time_base`` from now on: tables on one clock (the sources of a
+        mixture, whose times a per-user memory compares across them)."""
+        self.time_base = time_base
+        self._cache.clear()
+
     def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
         if block not in self._cache:
             f, g = self._groups[block]

@@ -96,7 +96,10 @@ class DefaultEmbedding:
         default = cls(len(state["sum"]))
         default._sum, default._count = np.asarray(state["sum"], np.float64), int(state["count"])
         if "times" in state:
-            default._sorted = (np.asarray(state["times"], np.float64), np.asarray(state["prefix"], np.float64))
+            times, prefix = np.asarray(state["times"], np.float64), np.asarray(state["prefix"], np.float64)
+            # kept as added entries too: a later ``add`` rebuilds the order from every entry, these included
+            default._timed = [(times, np.diff(prefix, axis=0))]
+            default._sorted = (times, prefix)
         return default
 
     def save(self, path: str | Path) -> Path:
