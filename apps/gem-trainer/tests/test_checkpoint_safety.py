@@ -67,6 +67,33 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_intact_one(two_checkpoint
         trainer_at(run_dir, 6).resume(4)
 
 
+def test_a_damaged_final_checkpoint_is_written_anew_when_the_restart_reaches_its_step_again(tmp_path):
+    first = trainer_at(tmp_path, 5)  # saves steps 2 and 4, and the last step, 5, which is no multiple of 2
+    first.train()
+    first.close()
+    manager = CheckpointManager(tmp_path / "checkpoints", keep_latest=3)
+    shard = next(p for p in sorted((tmp_path / "checkpoints" / "step-5").iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    restarted = trainer_at(tmp_path, 5)
+    restarted.train()  # resumes at step 4 (step 5 damaged) and trains step 5 again
+    restarted.close()
+    assert manager.damage(5) is None and manager.newest_intact()[0] == 5
+
+
+def test_a_restart_without_a_checkpoint_starts_the_log_over(tmp_path):
+    first = trainer_at(tmp_path, 3, "--checkpoint.enable=false")
+    first.train()
+    first.close()
+    again = trainer_at(tmp_path, 3)  # no checkpoint was written: it starts at step 0
+    again.train()
+    again.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("phase", "train") == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 3  # each training step logged once
+
+
 def test_a_restart_after_damage_says_so_in_one_line_and_continues(two_checkpoints):
     run_dir, _ = two_checkpoints
     (run_dir / "checkpoints" / "step-4" / "local-rank0.pt").unlink()

@@ -18,23 +18,46 @@ READERS = {"thread": "--data.read_ahead_process=false", "process": "--data.read_
 
 
 @pytest.mark.parametrize("reader", READERS)
-def test_batches_reach_the_gpu_from_page_locked_memory_and_train(tmp_path, reader):
+def test_batches_reach_the_gpu_from_the_reader_and_train(tmp_path, reader):
+    from gem_trainer import builders
+
     config = load_config(None, [f"--run_dir={tmp_path}", "--device=cuda", "--data.batch_size=64", "--data.eval_batches=1",
                                 "--metrics.tensorboard=false", "--checkpoint.enable=false", READERS[reader]])
-    trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
+    env = init_distributed(config.device, config.parallelism.collectives)
+    trainer = Trainer(config, env)
     try:
-        host = next(trainer._batches)
-        tensors = [host.dense, host.labels, host.surface, host.sparse.values(), host.sparse.lengths()]
-        for seq in host.sequences.values():
-            tensors += [seq.timestamps, seq.ids.values(), seq.ids.lengths()]
-        assert all(t.is_pinned() for t in tensors)
-        copied = host.to(trainer.env.device, non_blocking=True)
-        torch.cuda.synchronize()
-        assert torch.equal(copied.dense.cpu(), host.dense) and torch.equal(copied.sparse.values().cpu(), host.sparse.values())
+        batch = next(trainer._batches)  # on the device already (the process reader: one copy of its packed buffer)
+        host = next(iter(builders.build_data(config, env).train))
+        pairs = [(batch.dense, host.dense), (batch.labels, host.labels), (batch.surface, host.surface),
+                 (batch.sparse.values(), host.sparse.values()), (batch.sparse.lengths(), host.sparse.lengths())]
+        for name, seq in host.sequences.items():
+            got = batch.sequences[name]
+            pairs += [(got.timestamps, seq.timestamps), (got.ids.values(), seq.ids.values()), (got.ids.lengths(), seq.ids.lengths())]
+            assert got.host_lengths() == seq.lengths().tolist()  # known on the host: nothing read back from the GPU
+        assert all(a.is_cuda and torch.equal(a.cpu(), b) for a, b in pairs)
+        assert batch.sparse.length_per_key() == host.sparse.length_per_key()
         losses = [float(trainer.train_step()["loss"]) for _ in range(3)]
         assert all(math.isfinite(x) for x in losses)
     finally:
         trainer.close()
+
+
+def test_dropout_on_the_gpu_resumes_exactly(tmp_path):
+    # dropout on a GPU draws from the device's generator: a checkpoint carries its state
+    overrides = [f"--run_dir={tmp_path}", "--device=cuda", "--data.batch_size=64", "--data.eval_batches=1",
+                 "--metrics.tensorboard=false", "--model.kunlun.dropout=0.3", "--checkpoint.asynchronous=false",
+                 "--deterministic=true"]
+    env = init_distributed("cuda", load_config(None, overrides).parallelism.collectives)
+    first = Trainer(load_config(None, overrides), env)
+    for _ in range(2):
+        first.train_step()
+    first.save_checkpoint()
+    expected = [float(first.train_step()["loss"]) for _ in range(2)]
+    first.close()
+    resumed = Trainer(load_config(None, overrides), env)
+    assert resumed.resume(2)
+    assert [float(resumed.train_step()["loss"]) for _ in range(2)] == expected
+    resumed.close()
 
 
 @pytest.mark.parametrize("reader", READERS)

@@ -73,3 +73,10 @@ def test_balanced_stream_resumes_mid_window(generator):
     resumed = LengthBalancedStream(SyntheticStream(generator, 2 * 32), rank=1, world_size=2, window_batches=3)
     resumed.load_state_dict(state)
     assert all(equal_batches(a, b) for a, b in zip(itertools.islice(resumed, 4), expected))
+    # part-way through a window, another window size cannot continue it; a state saved without balancing is no
+    # balanced stream's
+    other = LengthBalancedStream(SyntheticStream(generator, 2 * 32), rank=1, world_size=2, window_batches=2)
+    with pytest.raises(ValueError, match="saved with window_batches 3 part-way through a window; resume it with window_batches 3"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved without length balancing"):
+        resumed.load_state_dict(SyntheticStream(generator, 2 * 32).state_dict())

@@ -229,3 +229,13 @@ def test_a_finite_source_ends_batches_gathered_several_at_once_where_it_ends_the
     one_by_one = list(mixture())
     assert 0 < len(together) == len(one_by_one) < 20
     assert all(equal_batches(a, b) for a, b in zip(together, one_by_one))
+
+
+def test_reading_through_data_workers_leaves_the_global_random_state_alone():
+    # a DataLoader iterator draws its workers' seed from the global generator unless given its own: a resumed run
+    # would then draw other dropout masks than the run it continues
+    loader = WorkerLoader(MixedStream(sources(), CONFIG), num_workers=2)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    next(iter(loader))
+    assert torch.equal(torch.get_rng_state(), before)

@@ -131,6 +131,7 @@ class Trainer:
         # on the device once: from pageable host memory, a copy every step would wait for the GPU's queue
         self.task_weights = builders.task_weights(config, self.spec).to(env.device)
         self.step = self.first_step = 0
+        self._saved_step: int | None = None  # of the newest checkpoint this run wrote or resumed from
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
         if config.checkpoint.enable and config.checkpoint.asynchronous and env.device.type == "cuda":
             # NOTE: its start (seconds of imports) then overlaps the first steps instead of delaying the first save;
@@ -174,7 +175,9 @@ class Trainer:
             "world_size": self.env.world_size,
             "data": self.input.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    # dropout on a GPU draws from the device's generator, not the host's
+                    **({"cuda": torch.cuda.get_rng_state(self.env.device)} if self.env.device.type == "cuda" else {})},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -187,11 +190,14 @@ class Trainer:
             group["lr"] = lr
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and self.env.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.env.device)
 
     def save_checkpoint(self) -> None:
         self.check_divergence()  # never save the update of a step whose loss was not finite
         self.checkpoints.save(self.step, self.distributed_state(), self.state_dict(),
                               asynchronous=self.config.checkpoint.asynchronous)
+        self._saved_step = self.step
 
     def resume(self, step: int | None = None) -> bool:
         """Load checkpoint ``step`` (None: the newest intact one, skipping damaged newer ones with a line each);
@@ -219,6 +225,7 @@ class Trainer:
         saved_world = local.get("world_size", self.env.world_size)
         resharded = f" (written by {saved_world} ranks, resharded to {self.env.world_size})" if saved_world != self.env.world_size else ""
         self.logger.drop_after(self.step)
+        self._saved_step = self.step
         self._print(f"resumed from {self.checkpoints.path(step)} at step {self.step}{resharded}")
         return True
 
@@ -280,8 +287,8 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg = self.config
-        if cfg.checkpoint.enable and cfg.checkpoint.resume:
-            self.resume()
+        if cfg.checkpoint.enable and cfg.checkpoint.resume and not self.resume():
+            self.logger.drop_after(self.step)  # no checkpoint: the run starts over, an earlier attempt's lines go
         self.first_step = self.step  # where this process started (a resumed run counts from there)
         window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
         metrics: dict[str, float] = {}
@@ -316,7 +323,8 @@ class Trainer:
                 self.evaluate()
         self.check_divergence()
         self.checkpoints.wait()
-        if cfg.checkpoint.enable and self.checkpoints.latest_step() != self.step:
+        # NOTE: not the newest folder's step: a damaged newest checkpoint, skipped by the resume, must be written anew
+        if cfg.checkpoint.enable and self._saved_step != self.step:
             self.save_checkpoint()
             self.checkpoints.wait()
         return {k: float(v) for k, v in metrics.items()}

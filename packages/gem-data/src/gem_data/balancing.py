@@ -161,14 +161,19 @@ class LengthBalancedStream:
     def state_dict(self) -> dict[str, Any]:
         # the source's state before the current window, and how much of the window this rank consumed
         emitted = self._emitted
+        shape = {"world_size": self.world_size, "window_batches": self.window_batches}
         if emitted == self.window_batches:  # the window is done: the next one starts at the source's position
-            return {"source": copy.deepcopy(self.source.state_dict()), "emitted": 0, "world_size": self.world_size}
-        return {"source": copy.deepcopy(self._state_before), "emitted": emitted, "world_size": self.world_size}
+            return {"source": copy.deepcopy(self.source.state_dict()), "emitted": 0, **shape}
+        return {"source": copy.deepcopy(self._state_before), "emitted": emitted, **shape}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["world_size"] != self.world_size and state["emitted"]:
-            # a window cut into other bins cannot be continued part-way; between windows any rank count can
-            raise ValueError(f"balanced-stream state was saved by {state['world_size']} ranks part-way through a window; "
-                             f"resume it on {state['world_size']} ranks")
+        if "emitted" not in state:
+            raise ValueError("the data state was saved without length balancing (data.balance): resume without it")
+        # a window cut into other bins cannot be continued part-way; between windows any rank count and window can
+        for name in ("world_size", "window_batches"):
+            saved = state.get(name, getattr(self, name))
+            if saved != getattr(self, name) and state["emitted"]:
+                raise ValueError(f"balanced-stream state was saved with {name} {saved} part-way through a window; "
+                                 f"resume it with {name} {saved}")
         self.source.load_state_dict(state["source"])
         self._state_before, self._emitted = copy.deepcopy(state["source"]), int(state["emitted"])

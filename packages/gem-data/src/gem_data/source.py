@@ -111,12 +111,16 @@ class WorkerLoader:
         if self.num_workers == 0:
             yield from self.stream
             return
+        # NOTE: a DataLoader iterator draws its workers' base seed from the generator it is given, by default the
+        # global one, which then hands a resumed run other dropout masks than the run it continues (the draw
+        # falls on the other side of the restored state); the streams draw nothing from it, so a fixed one serves
         loader = DataLoader(
             self.stream,
             batch_size=None,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
             collate_fn=_identity,
+            generator=torch.Generator().manual_seed(0),
         )
         for batch in loader:
             self.stream.position += 1
