@@ -56,7 +56,8 @@ def test_dropout_on_the_gpu_resumes_exactly(tmp_path):
     first.close()
     resumed = Trainer(load_config(None, overrides), env)
     assert resumed.resume(2)
-    assert [float(resumed.train_step()["loss"]) for _ in range(2)] == expected
+    # other masks move a step's loss by ~1e-2; kernels that add in another order, by far less than the tolerance
+    assert [float(resumed.train_step()["loss"]) for _ in range(2)] == pytest.approx(expected, rel=1e-4)
     resumed.close()
 
 
