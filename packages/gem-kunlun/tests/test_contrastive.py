@@ -67,3 +67,13 @@ def test_contrastive_weight_needs_dropout_and_a_positive_temperature():
         KunlunConfig(dropout=0.1, contrastive_weight=0.1, contrastive_temperature=0.0)
     with pytest.raises(ValueError, match="contrastive_weight"):
         KunlunConfig(dropout=0.1, contrastive_weight=-1.0)
+
+
+def test_the_flop_count_takes_the_trunk_twice_for_two_views():
+    batch = random_batch(6, seed=3)
+    model = KunlunModel(SPEC, CONFIG)
+    plain = model.flops(batch)
+    contrastive = KunlunModel(SPEC, KunlunConfig(**{**CONFIG.__dict__, "contrastive_weight": 0.5})).flops(batch)
+    trunk = set(model.trunk.flops(model.encoder.merged_lengths(batch)))  # not the encoder, not the heads (one view)
+    assert contrastive.keys() == plain.keys() and trunk and "heads" in plain
+    assert all(contrastive[k] == (2 * plain[k] if k in trunk else plain[k]) for k in plain)

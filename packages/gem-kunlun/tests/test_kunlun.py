@@ -103,6 +103,11 @@ def test_event_personalization_changes_widths_and_flops():
     assert len(personal.encoder.event_encoders["buy"].layers) == 2
     with pytest.raises(ValueError, match="unknown event types"):
         KunlunModel(SPEC, dataclasses.replace(TINY, events={"click": EventPersonalization()}))
+    # an event type's own attention layers are checked where the config is made, not at the first forward
+    with pytest.raises(ValueError, match=r"events\['buy'\]: width \(6\) must be divisible by num_heads \(4\)"):
+        dataclasses.replace(TINY, events={"buy": EventPersonalization(width=6, num_heads=4, num_layers=1)})
+    with pytest.raises(ValueError, match=r"events\['buy'\]: ROTE needs an even head dim"):
+        dataclasses.replace(TINY, events={"buy": EventPersonalization(width=10, num_heads=2, num_layers=1)})
 
 
 def test_unknown_event_names_are_reported_under_the_field_that_set_them():

@@ -109,6 +109,12 @@ class KunlunConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
         if (self.d_model // self.num_heads) % 2 and self.rote:
             raise ValueError("ROTE needs an even head dim (d_model / num_heads)")
+        for name, p in self.events.items():  # an event type's own attention layers, at its own width
+            width = p.width or self.d_model
+            if p.num_layers and width % p.num_heads:
+                raise ValueError(f"events[{name!r}]: width ({width}) must be divisible by num_heads ({p.num_heads})")
+            if p.num_layers and (width // p.num_heads) % 2 and self.rote:
+                raise ValueError(f"events[{name!r}]: ROTE needs an even head dim (width {width} / num_heads {p.num_heads})")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must lie in [1, num_experts = {self.num_experts}]")
         if self.summarization not in ("pma", "hsp"):
@@ -585,10 +591,13 @@ class KunlunModel(nn.Module):
         return dot_scores(self.query_vectors(representation), vectors[candidates])
 
     def flops(self, batch: Batch) -> dict[str, float]:
-        """Forward model FLOPs of ``batch`` per component (real lengths; active experts only; embedding
-        lookups excluded). Multiply by 3 for training."""
+        """Forward model FLOPs of ``batch`` per component in training (real lengths; active experts only;
+        embedding lookups excluded; with a contrastive weight the trunk runs on two views of every example).
+        Multiply by 3 for a training step."""
         table = self.encoder.flops(batch)
-        table.update(self.trunk.flops(self.encoder.merged_lengths(batch)))
+        trunk = self.trunk.flops(self.encoder.merged_lengths(batch))
+        views = 2 if self.config.contrastive_weight > 0 else 1
+        table.update({name: views * value for name, value in trunk.items()})
         if not self.config.two_tower:
             table["heads"] = self.heads.flops_per_example() * batch.batch_size
             return table

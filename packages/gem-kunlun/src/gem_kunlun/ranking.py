@@ -33,9 +33,14 @@ def kunlun_score_candidates(model, requests: Batch, candidates: torch.Tensor, ca
     ``rows_per_call`` (user, candidate) rows at a time, each group of whole users.
     """
     u, c = candidates.shape
-    _, seq, offsets, positions = model.encoder(requests)
+    request_tokens, seq, offsets, positions = model.encoder(requests)
     sparse, dense, _ = model.encoder.embedding(candidate_features)
     x = torch.cat([sparse, dense[:, None]], 1)
+    # the request's tokens past its non-sequence features' (one per representation feature: the user's, not the
+    # candidate's) go with each of its candidates
+    user_tokens = request_tokens[:, x.shape[1]:]
+    if user_tokens.shape[1]:
+        x = torch.cat([x, user_tokens.repeat_interleave(c, 0).to(x.dtype)], 1)
     users_per_call = max(1, rows_per_call // max(c, 1))
     scores = []
     for start in range(0, u, users_per_call):

@@ -165,7 +165,9 @@ class SasrecModel(nn.Module):
 
     def position_representations(self, history_vectors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``[T, D]``: the output at every history event, each seeing only the events up to it (causal),
-        which is what training on every position of a sequence at once needs."""
+        which is what training on every position of a sequence at once needs. The learned positions count back
+        from the newest event, as SASRec's left padding does: an event's output tells how many events follow it,
+        though not what they are."""
         message = (f"a history is longer than model.sasrec.max_seq_len ({self.config.max_seq_len}): every-position "
                    "training needs data.sequential.max_history <= it")
         if lengths.numel() and lengths.device.type == "cuda":
