@@ -101,7 +101,14 @@ def test_text_ids_equal_as_integers_are_one_id(tmp_path):
         read_sequence_text(path)
     path.write_text("1 1 2 3\n")
     attributes.write_text(json.dumps({"1": [7], "01": [8]}))
-    with pytest.raises(DataError, match=r"a.json:item 01: item 1 has attributes under another key too"):
+    with pytest.raises(DataError, match=r"a.json:item 01: item 1 is given attributes twice"):
+        read_sequence_text(path, attributes)
+    # a key written twice in the JSON (a plain dict would keep its last value) and JSON's true as an id
+    attributes.write_text('{"1": [7], "1": [8]}')
+    with pytest.raises(DataError, match=r"a.json:item 1: item 1 is given attributes twice"):
+        read_sequence_text(path, attributes)
+    attributes.write_text('{"1": [true]}')
+    with pytest.raises(DataError, match=r"a.json:item 1: attributes must be a list of non-negative integers, got \[True\]"):
         read_sequence_text(path, attributes)
 
 

@@ -99,20 +99,22 @@ def text_lines(path: Path) -> list[str]:
 def _read_attributes(path: Path, item_index: dict[str, int], bad: BadRows) -> Bags:
     try:
         # JSON counts lines at "\n" alone, so its line numbers stay those of the file
-        raw = json.loads("\n".join(text_lines(path)))
+        # every (key, value) pair in file order: a key written twice would otherwise keep its last value silently
+        pairs = json.loads("\n".join(text_lines(path)), object_pairs_hook=lambda items: items)
     except json.JSONDecodeError as error:
         raise DataError(path, error.lineno, f"invalid JSON: {error.msg}") from None
-    if not isinstance(raw, dict):
+    if not isinstance(pairs, list) or any(not isinstance(item, tuple) for item in pairs):
         raise DataError(path, None, "expected an object mapping item ids to lists of attribute ids")
     per_item: list[list[str]] = [[] for _ in item_index]
     given: set[str] = set()
-    for key, values in raw.items():
-        if not isinstance(values, list) or not all(isinstance(v, int) and v >= 0 for v in values):
+    for key, values in pairs:
+        # NOTE: JSON's true and false are Python ints too: no attribute id
+        if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
             bad.report(path, f"item {key}", f"attributes must be a list of non-negative integers, got {values!r}")
             continue
         item = _canonical(key) if key.isascii() and key.isdecimal() else key
         if item in given:
-            bad.report(path, f"item {key}", f"item {item} has attributes under another key too")
+            bad.report(path, f"item {key}", f"item {item} is given attributes twice")
             continue
         given.add(item)
         if item in item_index:
