@@ -176,3 +176,11 @@ def test_parquet_dense_width_is_not_set_by_a_bad_first_row(tmp_path):
     path = parquet(tmp_path / "n.parquet", [[1.0]] * 3, dense=[None, [3.0, 4.0], [5.0, 6.0]])
     table = ParquetTable(path, skip_bad_rows=True)
     assert table.bad_rows == 1 and table.spec.num_dense == 2 and table.num_rows == 2
+
+
+def test_parquet_rejects_dense_values_that_are_not_finite(tmp_path):
+    path = parquet(tmp_path / "f.parquet", [[1.0]] * 3, dense=[[1.0, 2.0], [3.0, float("nan")], [float("inf"), 6.0]])
+    with pytest.raises(DataError, match=r"f.parquet:row 1: dense is not a finite number"):
+        ParquetTable(path)
+    table = ParquetTable(path, skip_bad_rows=True)
+    assert table.bad_rows == 2 and table.num_rows == 1

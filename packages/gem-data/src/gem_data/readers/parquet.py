@@ -17,7 +17,7 @@ is ``max + 1`` unless given. Batches' event times are seconds since ``time_base`
 files, so float32 keeps their resolution: the earliest event time unless ``time_base`` or the schema
 metadata ``gem.time_base`` (0 from ``write_parquet``, whose batches' times are float32 already) gives it.
 Bad rows (nulls, negative ids, event features of unequal length, times unsorted or not finite, labels outside
-{0, 1}, dense of the wrong width) raise ``DataError`` naming the file and 0-based row, or are counted and
+{0, 1}, dense of the wrong width or not finite) raise ``DataError`` naming the file and 0-based row, or are counted and
 skipped with ``skip_bad_rows=True``; a file that is not Parquet raises ``DataError`` naming it.
 ``write_parquet`` writes batches in this schema.
 """
@@ -281,6 +281,8 @@ class _Layout:
         if self.has_dense:
             values, lengths, nulls = _jagged(table.column("dense"), torch.float32)
             flag(nulls, "null in dense")
+            owner = segment_ids(lengths)
+            flag(torch.zeros(n, dtype=torch.bool).index_fill_(0, owner[~values.isfinite()], True), "dense is not a finite number")
             width = self.num_dense or 0
             flag(lengths != width, f"dense has a row width other than {width}")
         else:
