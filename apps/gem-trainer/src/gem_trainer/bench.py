@@ -9,19 +9,22 @@ The variants train the same model (same config, same batches) in one process:
 - ``gem``: ``gem-trainer train``'s own step (``Trainer.train_step``: TorchRec-sharded tables with their fused
   row-wise Adagrad, FSDP2, the read-ahead of page-locked host batches, the divergence check, FLOP counting) on
   gem-kernels' Triton kernels (jagged BlockAttention, GDPA for pFFN and PMA, fused LayerNorm, rotary);
-- ``bare``: the same model and kernels in a bare loop: unsharded tables (TorchRec EBC / EC run unsharded) with
-  plain SGD, fused AdamW, batches already on the device; ``gem`` over ``bare`` is the trainer's overhead;
-- ``plain``: ``kernel="builtin"`` in the bare loop: FlexAttention for BlockAttention, ``varlen_attn``
-  (FlashAttention-2 varlen) for PMA, padded batched matmuls for the pointwise pFFN, unfused ``F.layer_norm``.
+- ``bare``: the trainer's own model and optimizers (its sharded tables, their fused row-wise Adagrad, fused AdamW
+  with the configured gradient clipping) in a bare loop over batches already on the device, as many as the trainer
+  stepped through; ``gem`` over ``bare`` is the trainer's overhead;
+- ``plain``: the model with ``kernel="builtin"`` in a loop of its own: unsharded tables with plain SGD, fused AdamW,
+  FlexAttention for BlockAttention, ``varlen_attn`` (FlashAttention-2 varlen) for PMA, padded batched matmuls for
+  the pointwise pFFN, unfused ``F.layer_norm``.
 
-The MoE runs its per-expert loop in all three, with bf16 autocast.
+All three run with bf16 autocast; ``gem`` and ``bare`` compile each MoE alone where the trainer does
+(``parallelism.compile_experts``), ``plain`` runs its per-expert loop eagerly.
 Batches are drawn here: ``--sparse-features`` pooled id features, two event types whose merged history per
 example has log-normal length (``--mean-len``, clipped to ``[16, --max-len]``). The lengths are drawn once and
 kept for every step (ids, timestamps, dense features and labels are fresh), so every step has the same shapes
 and the same FLOPs. Model FLOPs come from ``model.flops(batch)`` (forward, real lengths, x3 for training).
 
 Per variant: warm-up steps, timed steps back to back (one device sync at the end: ``step_ms``, the rate
-training sees, from which examples/s and MFU follow), for the bare loops also each step between syncs
+training sees, from which examples/s and MFU follow), for ``plain`` also each step between syncs
 (``step_ms_median``), then a few steps under
 ``torch.profiler`` whose GPU time is attributed to model components (``gem::<component>`` ranges entered by
 module hooks; backward kernels are matched to the forward op that created their autograd node by sequence
@@ -431,9 +434,11 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
             if args.checkpoint_every > 0:
                 measure_checkpoints(trainer, trainer_step, gem, args, device, log)
 
-            host = [next(trainer._batches) for _ in range(args.batches)]
-            batches = [b.to(device) for b in host]
-            flops = [3.0 * sum(trainer.flop_model.flops(b).values()) for b in host]
+            # NOTE: as many batches as the trainer stepped through its timed steps: on a config's own (jagged) data
+            # a few cycled batches would do other work than the trainer's fresh ones
+            count = args.batches if data is not None else steps
+            batches = [next(trainer._batches).to(device) for _ in range(count)]
+            flops = [3.0 * sum(trainer.flop_model.flops(b.to(torch.device("cpu"))).values()) for b in batches]
             bare: dict = {"kernel": gem["kernel"], "step": "the trainer's model and optimizers (clipping as configured), "
                                                            "batches on the device"}
             clip = config.optimizer.grad_clip
@@ -874,13 +879,17 @@ def main(argv=None) -> dict:
         "train_tflop_per_step": round(flops_per_step / 1e12, 3),
         "forward_flop_share": {k: round(v / forward, 4) for k, v in sorted(table.items(), key=lambda kv: -kv[1])},
         "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
-        "optimizers": "gem: the trainer's (fused AdamW dense, fused row-wise Adagrad in the sharded tables' backward); "
-                      "bare / plain: fused AdamW (dense), SGD (unsharded embedding tables)",
+        "optimizers": "gem and bare: the trainer's (fused AdamW dense with the configured gradient clipping, fused "
+                      "row-wise Adagrad in the sharded tables' backward); plain: fused AdamW (dense), SGD (unsharded "
+                      "embedding tables)",
         "timing": "step_ms: steps back to back, one device sync at the end (examples/s, TFLOP/s and MFU follow "
-                  "from it); step_ms_median (bare loops): each step between device syncs",
-        "compile": "ROTE: the Triton rotary kernel (gem), PyTorch's ops compiled (plain); FlexAttention compiled "
+                  "from it); step_ms_median (plain): each step between device syncs",
+        "compile": "ROTE: the Triton rotary kernel (gem, bare), PyTorch's ops compiled (plain); FlexAttention compiled "
                    "(plain); the rest runs eagerly (jagged, data-dependent shapes)",
-        "moe": "per-expert loop in every variant",
+        "moe": "gem and bare: each MoE compiled alone where the trainer compiles it (parallelism.compile_experts); "
+               "plain: the per-expert loop, eager",
+        "startup": "gem's setup_s and first_step_s are measured after the checks ran in the same process (the CUDA "
+                   "context made, shared kernels compiled): a fresh gem-trainer train pays those too",
         "warmup": args.warmup, "steps": args.steps, "profile_steps": args.profile_steps,
     }
     log(f"forward {doc['config']['forward_gflop_per_example']} GFLOP/example, {doc['config']['train_tflop_per_step']} "

@@ -240,19 +240,23 @@ class SourceReads:
         self.seconds = 0.0
 
 
-def measure_mixed(name: str, makers: dict, config, surfaces: dict | None, seconds: float, batch: int) -> tuple[float, dict[str, float]]:
-    """Examples/s per core of the mixture, and its milliseconds per batch: in all, in the sources' own reads and in
-    the mixer's own work (the rest)."""
+def measure_mixed(name: str, makers: dict, config, surfaces: dict | None, seconds: float,
+                  batch: int) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Examples/s per core of the mixture; its milliseconds per batch: in all, in the sources' own reads and in
+    the mixer's own work (the rest); and each source's share of the examples it read."""
     from gem_data import FeatureAlignment, MixedStream
     from gem_data.bench import measure
 
     streams = {s: make() for s, make in makers.items()}
     alignment = None if surfaces is None else FeatureAlignment({s: x.spec for s, x in streams.items()}, surfaces=surfaces)
     reads = SourceReads(streams.values())
-    row = measure(name, MixedStream(streams, config, alignment=alignment), seconds, batch, started=reads.reset)
+    mixture = MixedStream(streams, config, alignment=alignment)
+    row = measure(name, mixture, seconds, batch, started=reads.reset)
     mixed, source_reads = row["seconds"] / row["batches"], reads.seconds / row["batches"]
     ms = {"mixed": mixed, "source_reads": source_reads, "mixer": mixed - source_reads}
-    return row["examples_per_s_per_core"], {k: round(1e3 * v, 4) for k, v in ms.items()}
+    counts = mixture.counts()
+    shares = {s: n / max(sum(counts.values()), 1) for s, n in counts.items()}
+    return row["examples_per_s_per_core"], {k: round(1e3 * v, 4) for k, v in ms.items()}, shares
 
 
 def reader_cost(data: Path, seconds: float, batch_sizes: list[int]) -> dict:
@@ -295,25 +299,36 @@ def reader_cost(data: Path, seconds: float, batch_sizes: list[int]) -> dict:
             config = MixingConfig(tuple(MixSource(s, weights.get(s, 1.0), s in online_names) for s in makers), batch_size=batch, **schedule)
             # NOTE: rounds of (each source alone, then the mixture) one after the other, the ratio taken per round:
             # a shared machine's speed drifts over seconds, which would otherwise land in the ratio
-            rounds = []
+            rounds, ratios, at_shares = [], [], []
             for _ in range(ROUNDS):
                 alone = {source: measure(source, make(), seconds, batch)["examples_per_s_per_core"] for source, make in makers.items()}
                 slowest = min(alone.values())
-                mixed, ms = measure_mixed(name, makers, config, surfaces, seconds, batch)
-                rounds.append({"alone": alone, "mixed": mixed, "mixed_over_slowest": round(mixed / slowest, 3),
+                mixed, ms, shares = measure_mixed(name, makers, config, surfaces, seconds, batch)
+                # the sources read alone at the shares the mixture read them: its examples' cost without a mixer
+                sources_at_shares = 1.0 / sum(share / alone[s] for s, share in shares.items())
+                ratios.append(mixed / slowest)
+                at_shares.append(mixed / sources_at_shares)
+                rounds.append({"alone": alone, "mixed": mixed, "shares": {s: round(v, 4) for s, v in shares.items()},
+                               "mixed_over_slowest": round(ratios[-1], 4), "mixed_over_sources_at_shares": round(at_shares[-1], 4),
                                "ms_per_batch": {"slowest_alone": round(1e3 * batch / slowest, 4), **ms}})
-            ratio = statistics.median(r["mixed_over_slowest"] for r in rounds)
-            row = {"mix": name, "batch_size": batch, "rounds": rounds, "mixed_over_slowest": ratio, "target_met": ratio >= 0.9,
+            # NOTE: the target is judged on the unrounded median (a rounded 0.89991 would pass as 0.900)
+            ratio = statistics.median(ratios)
+            row = {"mix": name, "batch_size": batch, "rounds": rounds, "mixed_over_slowest": round(ratio, 4),
+                   "target_met": ratio >= 0.9, "mixed_over_sources_at_shares": round(statistics.median(at_shares), 4),
                    "ms_per_batch": {key: statistics.median(r["ms_per_batch"][key] for r in rounds)
                                     for key in ("slowest_alone", "mixed", "source_reads", "mixer")}}
             line = (f"reader_cost {name}, batch {batch}: mixed/slowest per round {[r['mixed_over_slowest'] for r in rounds]}, "
-                    f"median {ratio:.3f}; ms/batch: slowest alone {row['ms_per_batch']['slowest_alone']:.3f}, mixed "
+                    f"median {ratio:.4f} (at the shares {row['mixed_over_sources_at_shares']:.3f}); ms/batch: slowest alone "
+                    f"{row['ms_per_batch']['slowest_alone']:.3f}, mixed "
                     f"{row['ms_per_batch']['mixed']:.3f} = source reads {row['ms_per_batch']['source_reads']:.3f} + mixer "
                     f"{row['ms_per_batch']['mixer']:.3f}")
             rows.append(row)
             print(line, flush=True)
     return {"seconds_per_measure": seconds, "rounds": ROUNDS,
-            "target": "mixed >= 0.9 x slowest source alone (median over rounds of the per-round ratio)",
+            "target": "mixed >= 0.9 x slowest source alone (median over rounds of the per-round ratio, unrounded)",
+            "mixed_over_sources_at_shares": "also reported, not the target: the mixture against its sources read alone at "
+                                            "the shares it read them (harmonic mean of their rates): a stricter "
+                                            "baseline where one source is much faster than the slowest",
             "ms_per_batch": "per batch, medians over rounds: slowest_alone (its batch at its rate), mixed (the mixture's "
                             "batch) = source_reads (time in the sources' own reads, wrapped) + mixer (the rest: draws, "
                             "bookkeeping, gathering)",

@@ -10,9 +10,10 @@ activations) while the time budget lasts. Prints a table with the ratio to the b
 
 FLOP counts are the real, unpadded work of the op (4*H*D per visible query-key pair forward, 2.5x that
 backward) and are the same for every implementation of a case, so TFLOP/s ratios are time ratios. Times are
-wall times of the call (``do_bench`` medians), what a caller gets; gem's rows also carry ``kernel_ms``, the GPU time
-of its kernels alone (profiler): where it is well below the wall time, the call waits on the host (launches,
-Python), not on the kernels.
+wall times of a call among calls issued back to back (``bench_ms``: medians of rounds), what a caller gets; gem's
+rows also carry ``kernel_ms``, the GPU time of its kernels alone (profiler): where it is well below the wall time,
+the call waits on the host (launches, Python), not on the kernels. (Runs before this ``bench_ms`` timed each call
+with Triton's ``do_bench``, which hid part of the host's time; their short rows read faster than they were.)
 """
 
 from __future__ import annotations
@@ -119,12 +120,32 @@ def pairs_block(lengths, bs, kb):
 
 # --- timing ---------------------------------------------------------------------------------------------------
 
-def bench_ms(fn) -> float:
-    import triton
+def bench_ms(fn, rounds: int = 7, round_ms: float = 10.0) -> float:
+    """Milliseconds of one call: the median over ``rounds`` rounds of back-to-back calls (about ``round_ms`` each),
+    each round timed by two events on the stream, what a caller issuing one call after another gets: where the
+    GPU waits for the host (launches, Python), the host's time counts.
 
+    NOTE: not Triton's ``do_bench``, which clears a 256 MB buffer on the GPU before each call it times while the
+    host already queues the call: up to the clearing's ~70 us of host time per call is hidden, which flatters
+    host-bound calls (short ones, ours more than the peers with little host work)."""
     fn()
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    calls = max(1, min(1000, int(round_ms / max(start.elapsed_time(end) / 3, 1e-3))))
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return float(sorted(times)[len(times) // 2])
 
 
 def fwd_bwd(fn, inputs):
@@ -140,6 +161,7 @@ def fwd_bwd(fn, inputs):
 class Recorder:
     def __init__(self, path: str, meta: dict):
         self.path, self.meta, self.rows, self.checks, self.errors = path, meta, [], [], []
+        self.missing: list[tuple[str, str, str, str]] = []  # (op, case, peer, pass) of peers that failed or were cut
 
     def add(self, op, case, impl, pas, ms, flops=None, nbytes=None, **extra):
         row = {"op": op, "case": case, "impl": impl, "pass": pas, "ms": round(ms, 4)}
@@ -156,6 +178,8 @@ class Recorder:
         self.write()
 
     def summary(self):
+        """Per (op, case, pass): ours against the fastest peer timed. ``peers_missing``: the compiled peers of the
+        row that failed or were cut by the time budget: its best peer is over fewer peers, its ratio an upper bound."""
         out = []
         keys = []
         for r in self.rows:
@@ -169,11 +193,13 @@ class Recorder:
             if not gem:
                 continue
             best = min(peers, key=lambda r: r["ms"]) if peers else None
+            missing = sorted({impl for op, case, impl, pas in self.missing if (op, case, pas) == k})
             out.append({"op": k[0], "case": k[1], "pass": k[2], "gem_ms": gem[0]["ms"],
                         "gem_kernel_ms": gem[0].get("kernel_ms"),
                         "gem_tflops": gem[0]["tflops"], "best_peer": best["impl"] if best else None,
                         "best_peer_ms": best["ms"] if best else None,
                         "ratio_vs_best_peer": round(best["ms"] / gem[0]["ms"], 2) if best else None,
+                        "peers_missing": missing,
                         "target": gem[0].get("target")})
         return out
 
@@ -184,9 +210,11 @@ class Recorder:
             json.dump(doc, f, indent=1)
 
 
-def guarded(rec: Recorder, label: str, fn):
+def guarded(rec: Recorder, label: str, fn) -> bool:
+    """Run ``fn``; False (the error recorded) where it failed."""
     try:
         fn()
+        return True
     except Exception as e:  # a peer missing on this torch, or out of memory: record and go on
         msg = f"{label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
         print("  ERROR", msg, flush=True)
@@ -470,7 +498,7 @@ def bench_jfa(rec: Recorder, slow: list):
                 run = flex_jagged(q, k, v, lens, lens, causal=causal)
                 rec.add("jfa", name, "flex_attention", pas,
                         bench_ms(run if pas == "fwd" else fwd_bwd(run, run.inputs)), fl * f)
-            slow.append((f"{case} flex {pas}", flex_case))
+            slow.append((f"{case} flex {pas}", flex_case, ("jfa", name, "flex_attention", pas)))
         torch.cuda.empty_cache()
 
 
@@ -520,7 +548,7 @@ def bench_gdpa(rec: Recorder, slow: list):
                         run = flex_jagged(q, k, v, lens, kv_lens)
                         rec.add("gdpa", f"{name} softmax", "flex_attention", pas, timed(run, run.inputs, pas),
                                 fl * FLOP_FACTOR[pas], nbytes[pas])
-                    slow.append((f"cross{nkv} flex {pas}", flex_cross))
+                    slow.append((f"cross{nkv} flex {pas}", flex_cross, ("gdpa", f"{name} softmax", "flex_attention", pas)))
                 else:
                     def compiled_ref(k=k, v=v, ko=ko, nkv=nkv, name=name, fl=fl, act=act, q=q, qo=qo, pas=pas):
                         from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
@@ -570,7 +598,7 @@ def bench_gdpa(rec: Recorder, slow: list):
             run = flex_jagged(qrep, kv[0], kv[1], [32] * 256, lens)
             rec.add("gdpa", f"{name} softmax", "flex_attention", pas, timed(run, run.inputs, pas),
                     fl * FLOP_FACTOR[pas])
-        slow.append((f"pma flex {pas}", pma_flex))
+        slow.append((f"pma flex {pas}", pma_flex, ("gdpa", f"{name} softmax", "flex_attention", pas)))
 
         def pma_compiled(name=name, fl=fl, kv=kv, qp32=qp32, qo=qo, pas=pas):
             from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
@@ -626,7 +654,7 @@ def bench_block(rec: Recorder, slow: list):
                 qf, kf, vf = (x.detach().view(8, 8192, H, D).transpose(1, 2).requires_grad_() for x in (bq, bk, bv))
                 rec.add("block", name, "flex_attention", pas,
                         timed(lambda: flex()(qf, kf, vf, block_mask=bm), [qf, kf, vf], pas), f)
-            slow.append((f"{case} flex {pas}", flex_block))
+            slow.append((f"{case} flex {pas}", flex_block, ("block", name, "flex_attention", pas)))
 
 
 def bench_norms(rec: Recorder, slow: list):
@@ -679,12 +707,20 @@ def bench_all(rec: Recorder, deadline: float, ops: set[str]):
     # gem leads many times over, take what the budget leaves (on a fresh machine it ran out before all were compiled)
     slow.sort(key=lambda item: " flex " not in f" {item[0]} ")
     print(f"\n== compiled peers ({len(slow)}), {deadline - time.time():.0f} s left ==", flush=True)
-    for label, fn in slow:
+    run_compiled_peers(rec, slow, deadline)
+
+
+def run_compiled_peers(rec: Recorder, slow: list, deadline: float) -> None:
+    """Each ``(label, fn[, (op, case, peer, pass)])`` of ``slow`` while time is left; a peer that fails or is cut
+    goes into ``rec.missing``, so that its row's summary says its best peer is over fewer peers."""
+    for label, fn, *peer in slow:
         if time.time() > deadline:
             rec.errors.append(f"{label}: skipped, out of time budget")
             print("  skip", label, flush=True)
+            rec.missing += peer
             continue
-        guarded(rec, label, fn)
+        if not guarded(rec, label, fn):
+            rec.missing += peer
 
 
 def bench_rotary(rec: Recorder):
