@@ -261,3 +261,19 @@ def test_two_ranks_of_a_two_tower_kunlun_sharing_its_item_table_equal_one_proces
     assert_close_states(*({k: v for k, v in s.items() if "item_tower.project.bias" not in k} for s in (state, expected)))
     evaluated, wanted = (json.loads((tmp_path / run / "eval.json").read_text()) for run in ("two", "one"))
     assert evaluated["sampled/hr@10"] == pytest.approx(wanted["sampled/hr@10"], abs=1e-6)
+
+
+@pytest.mark.parametrize("case", ["uneven surface shares", "interformer"])
+def test_two_ranks_equal_one_process_with_uneven_shares_and_an_interformer(tmp_path, case):
+    """A surface filter's ranks hold slices differing by one example (each rank's loss weighted by its share of the
+    global batch, as one process averages); InterFormer's first summary runs inside its sharded first layer."""
+    steps = 4
+    overrides = {"uneven surface shares": ["--data.train_surfaces=[1]", "--model.kunlun.capacity_factor=0"],
+                 "interformer": ["--model.name=interformer"]}[case]
+    overrides += [f"--schedule.steps={steps}", "--data.synthetic.max_events=8"]
+    train(tmp_path / "one", 1, *overrides)
+    train(tmp_path / "two", 2, *overrides)
+    ours, theirs = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert len(ours) == len(theirs) == steps
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=2e-5, atol=2e-6)
+    assert_close_states(final_state(tmp_path / "two", steps), final_state(tmp_path / "one", steps))

@@ -254,7 +254,9 @@ class Trainer:
             else:
                 output = self.model(batch)
         loss = training_loss(output, batch, self.task_weights)
-        # the loss of the global batch: each rank's is the mean over its equal slice
+        if self.env.world_size > 1:
+            loss = loss * self._rank_share(batch)
+        # the loss of the global batch: the ranks' average (each rank's weighted by its share, see _rank_share)
         global_loss = loss.detach().clone()
         if self.env.world_size > 1:
             dist.all_reduce(global_loss)
@@ -279,6 +281,20 @@ class Trainer:
             "examples": batch.batch_size,
             "flops": report.flops,
         }
+
+    def _rank_share(self, batch: Batch) -> torch.Tensor:
+        """``world_size x`` this rank's share of the global batch's loss terms (examples, or retrieval queries).
+
+        NOTE: a rank's loss is the mean over its own terms, and the ranks' gradients (and logged losses) are averaged
+        with equal weights: right only where every rank holds as many terms. They need not: a surface filter's slices
+        differ by one example, every-position retrieval has one query per history event. Weighted by its share, each
+        rank's loss makes the average the mean over the global batch, as one process computes it (1 where shares are
+        equal). One all-reduce of a number per step, queued on the device."""
+        terms = batch.next_items.num_queries if batch.next_items is not None else batch.batch_size
+        count = torch.full((), float(terms), device=self.env.device)  # filled there: no copy that waits for the GPU
+        total = count.clone()
+        dist.all_reduce(total)
+        return count * self.env.world_size / total
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Scale the dense gradients to a global norm of at most ``max_norm`` (inf: none); that norm, on the device."""

@@ -97,7 +97,11 @@ class InterFormerLayer(nn.Module):
         last[nonempty] = normed[offsets[1:][nonempty] - 1]
         return torch.cat([pooled, last[:, None]], 1)
 
-    def forward(self, x, seq, offsets, positions, summary):
+    def forward(self, x, seq, offsets, positions, summary=None):
+        """``summary`` None (the first layer): the history as this layer's cross arch summarises it, computed here,
+        inside the layer's call (a sharded layer's parameters are gathered only around it)."""
+        if summary is None:
+            summary = self.summarize(seq, offsets)
         b, d = x.shape[0], self.config.d_model
         tokens = self.interaction_norm(torch.cat([x, summary], 1)).flatten(1)
         x = x + self.back_to_tokens(self.cross(tokens)).view(b, self.num_tokens, d)
@@ -133,8 +137,7 @@ class InterFormerModel(nn.Module):
 
     def forward(self, batch: Batch) -> ModelOutput:
         x, seq, offsets, positions = self.encoder(batch)
-        # the first interaction reads the history as summarised by the first layer's cross arch
-        summary = self.layers[0].summarize(seq, offsets)
+        summary = None  # the first interaction reads the history as the first layer's cross arch summarises it
         for layer in self.layers:
             x, seq, summary = layer(x, seq, offsets, positions, summary)
         representation = self.mlp(self.final_norm(torch.cat([x, summary], 1)).flatten(1))
