@@ -154,7 +154,8 @@ class FeatureEmbedding(nn.Module):
             raise ValueError(f"FeatureEmbedding: {len(dense_columns)} dense columns given for a spec of {spec.num_dense}")
         columns = None if dense_columns is None else tuple(dense_columns)
         self.dense_prefix = len(columns) if columns is not None and columns == tuple(range(len(columns))) else None
-        self.dense_columns = None if columns is None or self.dense_prefix is not None else list(columns)
+        self.dense_columns = None if columns is None or self.dense_prefix is not None else columns
+        self._dense_index: dict[torch.device, torch.Tensor] = {}  # the columns as an index, made once per device
 
     def shared_width(self, name: str) -> int:
         return int(self.shared_collection[name].removeprefix("width"))
@@ -171,7 +172,11 @@ class FeatureEmbedding(nn.Module):
         if self.dense_prefix is not None:
             dense_input = dense_input[:, : self.dense_prefix]
         elif self.dense_columns is not None:
-            dense_input = dense_input[:, self.dense_columns]
+            # NOTE: a list index would be copied to the device at every call (a copy that waits for the GPU)
+            index = self._dense_index.get(dense_input.device)
+            if index is None:
+                index = self._dense_index[dense_input.device] = torch.tensor(self.dense_columns, device=dense_input.device)
+            dense_input = dense_input.index_select(1, index)
         dense = self.dense(dense_input)
         events, shared = {}, {}
         for key, collection in self.events.items():
