@@ -437,8 +437,10 @@ def run_trainer(config_path: str, overrides: list[str], data: DataSetup | None, 
             # NOTE: as many batches as the trainer stepped through its timed steps: on a config's own (jagged) data
             # a few cycled batches would do other work than the trainer's fresh ones
             count = args.batches if data is not None else steps
-            batches = [next(trainer._batches).to(device) for _ in range(count)]
-            flops = [3.0 * sum(trainer.flop_model.flops(b.to(torch.device("cpu"))).values()) for b in batches]
+            batches, flops = [], []
+            for _ in range(count):  # each batch's step FLOPs as the trainer's reader counted them
+                batches.append(next(trainer._batches).to(device))
+                flops.append(trainer.input.observed.flops)
             bare: dict = {"kernel": gem["kernel"], "step": "the trainer's model and optimizers (clipping as configured), "
                                                            "batches on the device"}
             clip = config.optimizer.grad_clip

@@ -254,13 +254,10 @@ class Trainer:
             else:
                 output = self.model(batch)
         loss = training_loss(output, batch, self.task_weights)
-        if self.env.world_size > 1:
-            loss = loss * self._rank_share(batch)
-        # the loss of the global batch: the ranks' average (each rank's weighted by its share, see _rank_share)
+        # the loss of the global batch: with several ranks, the mean over all of their terms (see _weighted_by_share)
         global_loss = loss.detach().clone()
         if self.env.world_size > 1:
-            dist.all_reduce(global_loss)
-            global_loss /= self.env.world_size
+            loss, global_loss = self._weighted_by_share(loss, batch)
         # NOTE: the previous step's loss is read now, long computed, rather than this one's, which would stall the
         # host until this forward pass finished; on the reduced loss, so that every rank stops together
         self.check_divergence()
@@ -282,19 +279,20 @@ class Trainer:
             "flops": report.flops,
         }
 
-    def _rank_share(self, batch: Batch) -> torch.Tensor:
-        """``world_size x`` this rank's share of the global batch's loss terms (examples, or retrieval queries).
+    def _weighted_by_share(self, loss: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss x world_size x this rank's share of the global batch's loss terms, the global batch's loss)``;
+        terms: examples, or retrieval queries.
 
-        NOTE: a rank's loss is the mean over its own terms, and the ranks' gradients (and logged losses) are averaged
-        with equal weights: right only where every rank holds as many terms. They need not: a surface filter's slices
-        differ by one example, every-position retrieval has one query per history event. Weighted by its share, each
-        rank's loss makes the average the mean over the global batch, as one process computes it (1 where shares are
-        equal). One all-reduce of a number per step, queued on the device."""
+        NOTE: a rank's loss is the mean over its own terms, and the ranks' gradients are averaged with equal weights:
+        right only where every rank holds as many terms. They need not: a surface filter's slices differ by one
+        example, every-position retrieval has one query per history event. Weighted by its share, each rank's loss
+        makes the average the mean over the global batch, as one process computes it (a factor 1 where shares are
+        equal). One all-reduce of two numbers per step, queued on the device."""
         terms = batch.next_items.num_queries if batch.next_items is not None else batch.batch_size
-        count = torch.full((), float(terms), device=self.env.device)  # filled there: no copy that waits for the GPU
-        total = count.clone()
-        dist.all_reduce(total)
-        return count * self.env.world_size / total
+        # the loss's sum over this rank's terms and their count; filled on the device: no copy that waits for the GPU
+        sums = torch.stack([loss.detach() * terms, torch.full((), float(terms), device=loss.device)])
+        dist.all_reduce(sums)
+        return loss * (terms * self.env.world_size / sums[1]), sums[0] / sums[1]
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Scale the dense gradients to a global norm of at most ``max_norm`` (inf: none); that norm, on the device."""

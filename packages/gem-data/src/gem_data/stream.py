@@ -20,7 +20,7 @@ from gem_data.alignment import FeatureAlignment
 from gem_data.batch_ops import concat_batches, select_examples
 from gem_data.gathering import BatchView
 from gem_data.source import ShardedStream
-from gem_data.synthetic import MAX_STREAMS, SyntheticGenerator
+from gem_data.synthetic import SyntheticGenerator
 from gem_data.table import ExampleTable
 
 
@@ -44,9 +44,7 @@ class SyntheticStream(ShardedStream):
         self, generator: SyntheticGenerator, batch_size: int, rank: int = 0, world_size: int = 1, stream: int = 0
     ) -> None:
         super().__init__(batch_size, rank, world_size)
-        if not 0 <= stream < MAX_STREAMS:
-            raise ValueError(f"stream must lie in [0, {MAX_STREAMS}), got {stream}")
-        self.generator, self.stream = generator, stream
+        self.generator, self.stream = generator, stream  # the generator checks the stream's range
 
     @property
     def spec(self) -> FeatureSpec:
