@@ -6,6 +6,7 @@ single-process run per configuration is the reference; each mode is a ``gem-trai
 the global batch split over the ranks.
 """
 
+import itertools
 import json
 import os
 import shutil
@@ -16,6 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from gem_data import SyntheticStream
+from gem_trainer.builders import build_generator
+from gem_trainer.config import load_config
 
 STEPS, GLOBAL_BATCH = 20, 32
 BASE = [
@@ -272,6 +277,26 @@ def test_two_ranks_equal_one_process_with_uneven_shares_and_an_interformer(tmp_p
                  "interformer": ["--model.name=interformer"]}[case]
     overrides += [f"--schedule.steps={steps}", "--data.synthetic.max_events=8"]
     train(tmp_path / "one", 1, *overrides)
+    train(tmp_path / "two", 2, *overrides)
+    ours, theirs = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert len(ours) == len(theirs) == steps
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=2e-5, atol=2e-6)
+    assert_close_states(final_state(tmp_path / "two", steps), final_state(tmp_path / "one", steps))
+
+
+def test_two_ranks_of_domain_experts_with_a_domain_missing_from_a_rank_equal_one_process(tmp_path):
+    """Each domain's experts see a different number of its rows on each rank, and none where a rank's slice lacks
+    the domain (a stand-in row runs there, so that every rank runs the same modules): the MoE balance loss, the
+    expert fractions and the capacity are those of the domain's rows of the global batch, as one process counts."""
+    steps = 4
+    overrides = ["--model.name=domain_experts", "--model.domain_experts.num_shared=1", "--model.kunlun.num_layers=1",
+                 "--model.kunlun.balance_loss_weight=0.5", "--data.batch_size=4", f"--schedule.steps={steps}",
+                 "--data.synthetic.max_events=8", "--data.synthetic.num_surfaces=3"]
+    generator = build_generator(load_config(overrides=[*BASE, *overrides]))
+    ranks_surfaces = [[set(b.surface.tolist()) for b in itertools.islice(SyntheticStream(generator, 4, rank, 2), steps)]
+                      for rank in range(2)]
+    assert any(a != b for a, b in zip(*ranks_surfaces)), "no step with a domain on one rank only: the test tests nothing"
+    train(tmp_path / "one", 1, *overrides, "--data.batch_size=8")
     train(tmp_path / "two", 2, *overrides)
     ours, theirs = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert len(ours) == len(theirs) == steps

@@ -33,9 +33,11 @@ def test_a_domain_specific_expert_learns_only_from_its_domain():
     batch = random_batch(10, seed=1)
     only_domain_0 = dataclasses.replace(batch, surface=torch.zeros_like(batch.surface))
     out = model(only_domain_0)
-    multitask_loss(out.logits, batch.labels, torch.ones(2)).backward()
-    assert model.get_parameter("specific.0.0.mlp.0.weight").grad is not None
-    assert model.get_parameter("specific.1.0.mlp.0.weight").grad is None
+    (multitask_loss(out.logits, batch.labels, torch.ones(2)) + out.aux_loss).backward()
+    assert model.get_parameter("specific.0.0.mlp.0.weight").grad.abs().sum() > 0
+    # domain 1's experts ran on a stand-in row (the same modules on every rank), which teaches them nothing
+    absent = [p.grad for name, p in model.named_parameters() if name.startswith("specific.1.")]
+    assert absent and all(g is not None and not g.any() for g in absent)
 
 
 def test_examples_are_scored_independently_of_their_batch():

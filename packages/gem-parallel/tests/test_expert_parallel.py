@@ -30,6 +30,9 @@ def test_expert_parallel_equals_the_mixture_on_the_global_batch(tmp_path, ranks)
             assert errors["gate_grad"] < 1e-4 and errors["expert_grad_max"] < 1e-4, (mode, errors)
         # the capacity bites in the drop case, and counts over the global batch
         assert results[0]["exact_drops"]["assigned"] == 2 * 12 * ranks
+        uneven = result["uneven_balance_drops"]
+        assert uneven["balance"] < 1e-6 and uneven["out"] < 1e-5 and uneven["grad_max"] < 1e-5, uneven
+        assert uneven["assigned"] == uneven["expected_assigned"]  # the stand-in row claims nothing
         clip = result["clip"]
         assert clip["norm"] == pytest.approx(clip["expected"], rel=1e-5) and clip["gate_after_clip"] < 1e-6
     for mode in ("exact_drops", "local_bound_drops", "local_mask_drops"):

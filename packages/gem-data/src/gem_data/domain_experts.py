@@ -9,6 +9,8 @@ examples, so adding domains adds parameters but not per-example compute.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -22,6 +24,7 @@ from gem_kunlun import (
     MultiTaskHeads,
     lengths_to_offsets,
     segment_ids,
+    stand_in_rows,
 )
 
 
@@ -52,25 +55,26 @@ class DomainExpertModel(nn.Module):
     def forward(self, batch: Batch) -> ModelOutput:
         x, seq, offsets, positions = self.encoder(batch)
         b, domain = x.shape[0], batch.surface
-        outputs = x.new_zeros(b, self.experts_per_domain, self.representation_dim)
+        outputs = x.new_zeros(b + 1, self.experts_per_domain, self.representation_dim)  # row b: a stand-in's
         aux = x.new_zeros((), dtype=torch.float32)
         for j, expert in enumerate(self.shared):
             rep, expert_aux = expert(x, seq, offsets, positions)
-            outputs[:, j] = rep
+            outputs[:b, j] = rep
             aux = aux + expert_aux
         for d, experts in enumerate(self.specific):
             rows = (domain == d).nonzero().squeeze(1)
             present = rows.numel() > 0
-            # NOTE: a domain absent from this batch still runs, on one stand-in row whose result is discarded:
-            # every rank then runs the same modules and reduces the same (here zero) gradients
-            sub = _select_rows(x, seq, offsets, positions, rows if present else domain.new_zeros(1))
-            for j, expert in enumerate(experts):
-                rep, expert_aux = expert(*sub)
-                if present:
-                    outputs[rows, self.num_shared + j] = rep
+            # NOTE: a domain absent from this batch still runs, on a stand-in row (example 0) whose routing counts
+            # nothing and whose result goes to the spare row b: every rank then runs the same modules through the
+            # same autograd graph, so that their collectives (FSDP's, the MoE's) come in the same order on each
+            taken, written = (rows, rows) if present else (domain.new_zeros(1), domain.new_full((1,), b))
+            sub = _select_rows(x, seq, offsets, positions, taken)
+            with nullcontext() if present else stand_in_rows(experts):
+                for j, expert in enumerate(experts):
+                    rep, expert_aux = expert(*sub)
+                    outputs[written, self.num_shared + j] = rep
                     aux = aux + expert_aux
-                else:
-                    aux = aux + 0.0 * (rep.sum() + expert_aux)
+        outputs = outputs[:b]
         gates = self.gate(x.flatten(1)).view(b, self.num_domains, self.experts_per_domain)
         weights = torch.softmax(gates[torch.arange(b, device=x.device), domain].float(), dim=-1).to(outputs.dtype)
         representation = (weights[:, :, None] * outputs).sum(1)

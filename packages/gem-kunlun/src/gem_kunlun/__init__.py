@@ -11,7 +11,7 @@ from gem_kunlun.interformer import InterFormerConfig, InterFormerLayer, InterFor
 from gem_kunlun.kunlun import (KUNLUN_SIZES, KunlunConfig, KunlunEncoder, KunlunLayer, KunlunModel, KunlunTrunk,
                                apply_cuda_graphs)
 from gem_kunlun.cuda_graphs import GraphedForward
-from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatch
+from gem_kunlun.moe import MixtureOfExperts, Routing, WukongBlock, local_dispatch, stand_in_rows
 from gem_kunlun.representation_summary import RepresentationSummary
 from gem_kunlun.retrieval import CosineScore, dot_scores, next_item_loss, retrieval_logits, scored_item_ids
 from gem_kunlun.sasrec import SasrecBlock, SasrecConfig, SasrecModel
@@ -78,4 +78,5 @@ __all__ = [
     "scored_item_ids",
     "segment_ids",
     "segment_positions",
+    "stand_in_rows",
 ]

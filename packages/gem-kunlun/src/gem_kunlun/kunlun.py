@@ -203,7 +203,9 @@ class KunlunLayer(nn.Module):
                 normed, seq = self.summary_norm(seq, skip=True, pending=pending)
             pending = None
             summary = self.summary(normed, offsets, max_len)[:examples]
-        u, assigned, kept, balance = (self.cross if self.graphs is None else self.graphs)(x, summary)
+        # stand-in rows (``stand_in_rows``) run eagerly: a graph holds the routing of the rows it was captured with
+        graphed = self.graphs is not None and self.moe.counts_rows
+        u, assigned, kept, balance = (self.graphs if graphed else self.cross)(x, summary)
         self.moe.last_stats = RoutingStats(assigned=assigned, kept=kept, balance_loss=balance)
         if self.pffn is not None:
             queries = u[:, : c.num_summary_tokens]
@@ -418,7 +420,8 @@ class KunlunTrunk(nn.Module):
             representation, aux, _ = self._layers(x, seq, offsets, positions, head)
             return representation, aux
         seq, offsets, positions = pad_history(seq, offsets, positions, self.history_bucket, c.max_seq_len)
-        trunk = self.padded if self.trunk_graphs is None else self.trunk_graphs
+        graphed = self.trunk_graphs is not None and all(layer.moe.counts_rows for layer in self.layers)
+        trunk = self.trunk_graphs if graphed else self.padded
         representation, aux, *stats = trunk(x, seq, offsets, positions)
         for layer, (assigned, kept, balance) in zip(self.layers, zip(stats[0::3], stats[1::3], stats[2::3])):
             layer.moe.last_stats = RoutingStats(assigned=assigned, kept=kept, balance_loss=balance)

@@ -10,10 +10,13 @@ a load-balancing loss keeps the gate from collapsing onto a few experts.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_autograd
 from torch import nn
 from torch.nn import functional as F
 
@@ -239,6 +242,11 @@ class MixtureOfExperts(nn.Module):
       in backward). A global batch larger than the bound fails a device-side check, never drops silently.
     - ``dispatch(experts, x, routing) -> [B, n, D]``: where experts run (default ``local_dispatch``);
       expert parallelism keeps only its rank's experts in ``experts`` and moves examples to their owners.
+    - ``counts_rows``: False while the rows stand in for an absent batch (``stand_in_rows``).
+
+    With ``batch_group`` the balance loss is the global batch's: its mean gate probabilities are summed over the
+    group (an all-reduce of ``E`` numbers whose backward all-reduces their gradients), so each rank's loss holds
+    the same value and the ranks' averaged gradients are one process's, however the rows are spread.
 
     ``routed`` is the forward with its statistics returned: a caller replaying it in a CUDA graph (one process:
     fixed shapes, no collective) sets ``last_stats`` itself, to views of the graph's memory.
@@ -260,6 +268,7 @@ class MixtureOfExperts(nn.Module):
         self.capacity_per_rank = False
         self.global_batch_bound: int | None = None
         self.dispatch = local_dispatch
+        self.counts_rows = True
         self.last_stats: RoutingStats | None = None
 
     def capacity(self, batch_size):
@@ -293,8 +302,10 @@ class MixtureOfExperts(nn.Module):
         expert = chosen.t().reshape(-1)  # [k*B], slot-major
         slot = torch.arange(k, device=x.device).repeat_interleave(b)
         cell = slot * e + expert  # (slot, expert) of every assignment
-        # NOTE: counts by scatter-add, not bincount: bincount reads the largest value back to size its output
-        cell_counts = torch.zeros(k * e, dtype=torch.int64, device=x.device).scatter_add_(0, cell, torch.ones_like(cell))
+        # NOTE: counts by scatter-add, not bincount: bincount reads the largest value back to size its output;
+        # stand-in rows run the same operations with zeros (a rank's collectives match the other ranks')
+        counted = int(self.counts_rows)
+        cell_counts = torch.zeros(k * e, dtype=torch.int64, device=x.device).scatter_add_(0, cell, torch.full_like(cell, counted))
         ahead, counts = self._claimed_ahead(cell_counts.view(k, e))
         # position of an assignment in its expert's queue: assignments ahead of this rank's cell, then the
         # cell's own in example order
@@ -305,14 +316,19 @@ class MixtureOfExperts(nn.Module):
         # every example makes exactly one first choice: slot 0's counts sum to the (global) batch size
         claimants = b if self.capacity_per_rank else counts[0].sum()
         keep = position < self.capacity(claimants) if self.training else torch.ones_like(position, dtype=torch.bool)
+        keep = keep & self.counts_rows
 
         routing = Routing(example=torch.arange(b, device=x.device).repeat(k), expert=expert,
                           weight=weights.t().reshape(-1), keep=keep, slots=self._slots(b, claimants))
         out = self.dispatch(self.experts, x, routing)
         kept = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, expert, keep.long())
+        rows = counts[0].sum()  # the (global) batch's counted examples: each makes one first choice
         counts = counts.sum(0)  # [E] over the global batch
         fraction = counts.float() / counts.sum().clamp(min=1)
-        balance = e * (fraction * probs.mean(0)).sum()
+        prob_sums = probs.sum(0) * counted
+        if self.training and self.batch_group is not None:
+            prob_sums = dist_autograd.all_reduce(prob_sums, group=self.batch_group)
+        balance = e * (fraction * prob_sums).sum() / rows.clamp(min=1)
         return out, counts.detach(), kept.detach(), balance
 
     def _slots(self, b: int, claimants) -> int | None:
@@ -360,6 +376,21 @@ class MixtureOfExperts(nn.Module):
         return 2.0 * self.gate.in_features * self.num_experts * batch_size + active * self.expert_flops
 
 
+@contextmanager
+def stand_in_rows(module: nn.Module) -> Iterator[None]:
+    """Within: the rows that ``module``'s MoEs route stand in for an absent batch (run so that every rank runs the
+    same modules and collectives): they claim no capacity, count in no expert fraction and add nothing to the
+    balance loss; the outputs are zeros of no meaning."""
+    moes = [m for m in module.modules() if isinstance(m, MixtureOfExperts)]
+    for moe in moes:
+        moe.counts_rows = False
+    try:
+        yield
+    finally:
+        for moe in moes:
+            moe.counts_rows = True
+
+
 def dense_moe_reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
     """Every expert on every example, weighted by the renormalised top-k gate (zero elsewhere): what the
     routed forward computes when no expert is over capacity."""
@@ -370,5 +401,6 @@ def dense_moe_reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
     return (outputs * dense.to(x.dtype)[:, :, None, None]).sum(1)
 
 
-__all__ = ["MixtureOfExperts", "Routing", "RoutingStats", "WukongBlock", "dense_moe_reference", "local_dispatch"]
+__all__ = ["MixtureOfExperts", "Routing", "RoutingStats", "WukongBlock", "dense_moe_reference", "local_dispatch",
+           "stand_in_rows"]
 

@@ -3,12 +3,13 @@ the global batch in one process, forward and backward; the clipped gradient norm
 
 import json
 import sys
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from teardown import finish
 
-from gem_kunlun import MixtureOfExperts
+from gem_kunlun import MixtureOfExperts, stand_in_rows
 from gem_parallel import apply_expert_parallel, clip_grad_norm_
 
 TOKENS, DIM, EXPERTS, TOP_K, LOCAL = 5, 6, 4, 2, 12
@@ -59,6 +60,39 @@ def compare(capacity_factor: float, padded: bool, expert_parallel: bool = True, 
     return errors
 
 
+def uneven_with_balance_loss(capacity_factor: float) -> dict[str, float]:
+    """Ranks holding different numbers of rows, the last none (it routes a stand-in row), the balance loss in each
+    rank's loss (divided by the ranks, as gradients summed over them count it once): output, balance loss and
+    gradients equal one process's on the global batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = [3 + 5 * r for r in range(world - 1)] + [0]
+    x = torch.randn(sum(sizes), TOKENS, DIM, generator=torch.Generator().manual_seed(9))
+    weight = torch.randn(sum(sizes), TOKENS, DIM, generator=torch.Generator().manual_seed(10))
+    reference = make(capacity_factor)
+    whole = x.clone().requires_grad_()
+    expected_out = reference(whole)
+    ((expected_out * weight).sum() + reference.last_stats.balance_loss).backward()
+
+    moe = make(capacity_factor)
+    moe.batch_group = dist.group.WORLD
+    mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    present = sizes[rank] > 0
+    local = (x[mine] if present else torch.randn(1, TOKENS, DIM)).clone().requires_grad_()
+    with nullcontext() if present else stand_in_rows(moe):
+        out = moe(local)
+    task = (out * weight[mine]).sum() if present else (out * 0).sum()
+    (task + moe.last_stats.balance_loss / world).backward()
+    errors = {"balance": abs(moe.last_stats.balance_loss.item() - reference.last_stats.balance_loss.item()),
+              "out": (out - expected_out[mine]).abs().max().item() if present else out.abs().max().item(),
+              "assigned": int(moe.last_stats.assigned.sum()), "expected_assigned": int(reference.last_stats.assigned.sum())}
+    for name, p in moe.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        expected = reference.get_parameter(name).grad
+        errors["grad_max"] = max(errors.get("grad_max", 0.0), (grad - expected).abs().max().item())
+    return errors
+
+
 def clipped_norm() -> dict[str, float]:
     """Experts split over the ranks: the global norm equals torch's over every parameter of one process."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,6 +117,7 @@ def main(out_dir: str) -> None:
         "padded": compare(capacity_factor=0.0, padded=True),
         "local_bound_drops": compare(capacity_factor=0.75, padded=False, expert_parallel=False, bound=dist.get_world_size() * LOCAL),
         "local_mask_drops": compare(capacity_factor=0.75, padded=False, expert_parallel=False),
+        "uneven_balance_drops": uneven_with_balance_loss(capacity_factor=0.75),
         "clip": clipped_norm(),
     }
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:

@@ -19,7 +19,9 @@ def _to_padded(values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
     """[T, H, D] rows starts[b] + p for p < lengths[b] -> [B, max_len, H, D] in fp32, zeros elsewhere."""
     B = starts.shape[0]
     if values.shape[0] == 0:
-        return values.new_zeros(B, max_len, *values.shape[1:], dtype=torch.float32)
+        # NOTE: zeros plus a sum over no rows, not new_zeros: the result stays in values' autograd graph, so what made
+        # values (a projection's weights) gets a zero gradient rather than none, as on a rank holding rows
+        return values.new_zeros(B, max_len, *values.shape[1:], dtype=torch.float32) + values.float().sum()
     pos = torch.arange(max_len, device=values.device)
     valid = pos[None, :] < lengths[:, None]
     idx = (starts[:, None] + pos[None, :]).clamp(0, values.shape[0] - 1)
