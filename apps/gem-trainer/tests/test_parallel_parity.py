@@ -175,12 +175,21 @@ def test_compiled_blocks_equal_eager_blocks(tmp_path):
     """``parallelism.compile`` (torch.compile of each Kunlun layer, inductor on the CPU) on a small model."""
     small = ["--schedule.steps=2", "--schedule.warmup_steps=1", "--eval.at_end=false", "--checkpoint.enable=false",
              "--model.kunlun.num_layers=1", "--model.kunlun.d_model=16", "--data.synthetic.max_events=8"]
-    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    for run, extra in ((eager, []), (compiled, ["--parallelism.compile=true"])):
+    eager, compiled, again = tmp_path / "eager", tmp_path / "compiled", tmp_path / "again"
+    shared = ["--parallelism.compile=true", f"--parallelism.compile_cache_dir={tmp_path / 'cache'}"]
+    cached: list[dict[str, int]] = []
+    for run, extra in ((eager, []), (compiled, shared), (again, shared)):
         subprocess.run([sys.executable, "-m", "gem_trainer.cli", "train", f"--run_dir={run}", *BASE, *small,
                         "--data.batch_size=16", *extra], check=True, capture_output=True, timeout=900,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cached.append({str(f.relative_to(tmp_path)): f.stat().st_mtime_ns for f in (tmp_path / "cache").rglob("*")
+                       if f.is_file()})
     torch.testing.assert_close(torch.tensor(losses(compiled)), torch.tensor(losses(eager)), rtol=1e-5, atol=1e-6)
+    # the compiled graphs went to the shared folder, and the second job loaded them: a graph compiled again would
+    # have rewritten its entry
+    assert any(f.startswith("cache/inductor/") for f in cached[1])
+    assert cached[2] == cached[1]
+    torch.testing.assert_close(torch.tensor(losses(again)), torch.tensor(losses(compiled)), rtol=0, atol=0)
 
 
 def test_compiled_experts_equal_eager_experts(tmp_path):

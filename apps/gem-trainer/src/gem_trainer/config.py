@@ -364,6 +364,9 @@ class ParallelismConfig(Section):
     # step waits on the host); "auto" where they apply: on a GPU, in one process without FSDP mixed precision,
     # blocks and MoEs not compiled, no activation checkpointing, MoEs with a capacity; true / false: "on" / "off"
     cuda_graphs: Literal["auto", "on", "off"] = "off"
+    # a folder for Triton's compiled kernels and Inductor's compiled graphs that jobs share (storage every machine
+    # mounts): a job restarted elsewhere loads them instead of compiling again (None: each machine's own caches)
+    compile_cache_dir: str | None = None
     # with CUDA graphs on: > 0 pads Kunlun's jagged history to multiples of this many tokens (padding segments after
     # the examples; the examples' outputs unchanged) and replays each trunk whole, one pair of graphs per batch size
     # and bucket; 0 keeps the history eager (only the fixed-shape parts above replayed)

@@ -17,6 +17,7 @@ from gem_data import ProcessReadAhead, ReadAhead, rank_imbalance
 from gem_kunlun import Batch, MixtureOfExperts
 from gem_trainer import builders
 from gem_trainer.checkpoint import CheckpointError, CheckpointManager
+from gem_trainer.compile_cache import share_compiled_code
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluators import Evaluator
@@ -75,6 +76,8 @@ class Trainer:
         created = time.perf_counter()
         self.config, self.env = config, env
         set_determinism(config.seed, config.deterministic)
+        if config.parallelism.compile_cache_dir is not None:  # before anything compiles
+            share_compiled_code(config.parallelism.compile_cache_dir)
         self.data = data if data is not None else builders.build_data(config, env)
         # NOTE: from here on every part (loop, LR schedule, logging, checkpoints, soft labels) sees the resolved steps
         config = self.config = builders.resolve_schedule(config, self.data, env)
