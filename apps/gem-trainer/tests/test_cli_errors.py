@@ -150,3 +150,28 @@ def test_help_tells_how_to_override_and_resume():
     assert "--debug" in train
     plot = cli("plot", "--help").stdout
     assert "FLOP" not in plot and "PNG" in plot
+
+
+def test_a_rank_failing_alone_stops_the_job_instead_of_hanging(tmp_path):
+    """Rank 0 fails while rank 1 waits in a collective rank 0 never joins: leaving on its exception, rank 0 skips the
+    shutdown's barrier (which rank 1 would never reach), so the launcher ends the job with rank 0's error."""
+    script = tmp_path / "fail_alone.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "from gem_trainer.distributed import shutdown_distributed\n"
+        "dist.init_process_group('gloo')\n"
+        "try:\n"
+        "    if dist.get_rank() == 0:\n"
+        "        raise RuntimeError('rank 0 fails alone')\n"
+        "    dist.broadcast_object_list([None], src=0)\n"
+        "finally:\n"
+        "    shutdown_distributed()\n"
+    )
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode != 0 and "rank 0 fails alone" in run.stdout + run.stderr
+
+
+def test_a_sharding_that_torchrec_cannot_apply_to_sequence_tables_is_one_line(tmp_path):
+    line = one_line(cli("train", f"--run_dir={tmp_path}", *TINY, "--parallelism.sparse_sharding=table_column_wise"), 2)
+    assert "sparse_sharding = 'table_column_wise' cannot shard the model's sequence tables" in line

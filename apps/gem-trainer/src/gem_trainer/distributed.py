@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,11 @@ def _free_port() -> int:
 
 
 def shutdown_distributed() -> None:
-    """Tear the process group down before exit: leaving Gloo's threads running can abort the interpreter."""
+    """Tear the process group down before exit (leaving Gloo's threads running can abort the interpreter), meeting
+    the other ranks at a barrier first, unless called while an exception leaves this process (from a ``finally``):
+    the others may wait in a collective this rank never joins, and a barrier would hang the job where this rank's
+    exit lets the launcher stop it with this rank's error."""
     if dist.is_initialized():
-        dist.barrier()
+        if sys.exc_info()[0] is None:
+            dist.barrier()
         dist.destroy_process_group()

@@ -7,9 +7,15 @@ global window of examples, scores each with ``(1 - a) * L / sum(L) + a * L**2 / 
 with equal example counts per bin, which TorchRec's sharded embeddings and equal-weight gradient averaging
 expect (``equal_counts=False`` lets counts float for the best balance).
 
-Within a batch, examples are ordered by decreasing length (``sort_by_length``): the result is the same for
-per-example models, and it pays for kernels that tile the jagged batch (neighbouring examples share tile
-shapes, less padding) and for schedulers that start the longest problems first.
+Within a batch, examples are ordered by decreasing length (``sort_by_length``): it pays for kernels that tile the
+jagged batch (neighbouring examples share tile shapes, less padding) and for schedulers that start the longest
+problems first.
+
+Against one process: with a window of one global batch, the ranks together train on the same examples at each
+step, and per-example models compute the same. A model whose result depends on the order of the examples does not:
+a MoE with a capacity claims it in example order (rank by rank), and the ranks' sorted shares are not the global
+batch sorted, so other assignments may be dropped. A window of several global batches spreads its examples over
+the steps by rank (bin ``r + k * world_size`` to rank ``r``), so a step's examples then depend on the ranks too.
 """
 
 from __future__ import annotations

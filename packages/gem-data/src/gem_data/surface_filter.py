@@ -24,7 +24,9 @@ class SurfaceFilterStream:
 
     Every rank reads the whole global batch (built with ``rank=0, world_size=1``), so the kept examples of a
     step do not depend on the number of ranks. Batches vary in size with the domain's share of each global
-    batch; a global batch with fewer kept examples than ranks is skipped, so that no rank gets none.
+    batch; a global batch with fewer kept examples than ranks is skipped, so that no rank gets none. That one
+    depends on the ranks: where a global batch can keep fewer examples than there are ranks (a rare domain, small
+    batches), ``world_size`` ranks train on other steps than one process does.
     """
 
     def __init__(self, global_source: BatchSource, surfaces: tuple[int, ...], rank: int = 0, world_size: int = 1) -> None:

@@ -4,7 +4,8 @@ On sparse data a representation trained on the next item alone overfits the few 
 Encoding every example twice with independent dropout masks and pulling the two views together, against
 the views of the batch's other examples (InfoNCE over ``2B`` vectors, as in SimCLR), asks the trunk for a
 representation that a masked event does not move: a regulariser that costs one wider forward pass, since
-both views travel as one batch of ``2B`` examples.
+both views travel as one batch of ``2B`` examples. The negatives are the views of the batch in hand: on several
+ranks, each rank's own examples (fewer than one process holding the global batch has).
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "ta
 # NOTE: TorchRec's CPU kernels shard pooled tables (EmbeddingBagCollection) only these ways; sequence
 # tables (EmbeddingCollection) also row-wise. Row-wise pooled sharding needs a GPU.
 CPU_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise")
+# TorchRec shards sequence tables only these ways, on any device (its EmbeddingCollectionSharder)
+SEQUENCE_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise")
 # the sequence tables' lookup dtypes (``shard_embeddings``' sequence_dtype) and TorchRec's names for them
 SEQUENCE_DTYPES = {None: None, torch.bfloat16: "BF16", torch.float16: "FP16"}
 RECATS_KEPT = 64  # all-to-all reorder indices kept by memoize_recat, the oldest dropped first
@@ -104,6 +106,11 @@ def shard_embeddings(
     ):
         raise LayoutError(f"sparse_sharding = {sharding_type!r} needs GPUs (TorchRec's CPU kernels shard pooled tables "
                          f"only {CPU_SHARDING_TYPES})")
+    if sharding_type not in SEQUENCE_SHARDING_TYPES and any(
+        isinstance(m, EmbeddingCollection) for m in embedding_modules(model)
+    ):
+        raise LayoutError(f"sparse_sharding = {sharding_type!r} cannot shard the model's sequence tables (TorchRec "
+                          f"shards them {SEQUENCE_SHARDING_TYPES} only)")
     if index_dedup and device.type != "cuda":
         raise LayoutError("sparse_index_dedup needs GPUs (fbgemm's unique-index kernel has no CPU version)")
     if sequence_dtype not in SEQUENCE_DTYPES:
