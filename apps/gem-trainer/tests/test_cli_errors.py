@@ -175,3 +175,10 @@ def test_a_rank_failing_alone_stops_the_job_instead_of_hanging(tmp_path):
 def test_a_sharding_that_torchrec_cannot_apply_to_sequence_tables_is_one_line(tmp_path):
     line = one_line(cli("train", f"--run_dir={tmp_path}", *TINY, "--parallelism.sparse_sharding=table_column_wise"), 2)
     assert "sparse_sharding = 'table_column_wise' cannot shard the model's sequence tables" in line
+
+
+def test_a_compile_cache_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
+    taken = tmp_path / "a_file"
+    taken.write_text("not a folder")
+    line = one_line(cli("train", f"--run_dir={tmp_path / 'run'}", *TINY, f"--parallelism.compile_cache_dir={taken}"), 2)
+    assert line.startswith("gem-trainer:") and "parallelism.compile_cache_dir" in line and "a_file" in line

@@ -77,7 +77,10 @@ class Trainer:
         self.config, self.env = config, env
         set_determinism(config.seed, config.deterministic)
         if config.parallelism.compile_cache_dir is not None:  # before anything compiles
-            share_compiled_code(config.parallelism.compile_cache_dir)
+            try:
+                share_compiled_code(config.parallelism.compile_cache_dir)
+            except OSError as error:
+                raise ConfigError(f"parallelism.compile_cache_dir: {error}") from None
         self.data = data if data is not None else builders.build_data(config, env)
         # NOTE: from here on every part (loop, LR schedule, logging, checkpoints, soft labels) sees the resolved steps
         config = self.config = builders.resolve_schedule(config, self.data, env)
