@@ -95,7 +95,6 @@ def uneven_with_balance_loss(capacity_factor: float) -> dict[str, float]:
 
 def clipped_norm() -> dict[str, float]:
     """Experts split over the ranks: the global norm equals torch's over every parameter of one process."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     reference = make(0.0)
     for p in reference.parameters():
         p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
