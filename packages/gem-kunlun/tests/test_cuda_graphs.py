@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from gem_kunlun import GraphedForward, KunlunConfig, KunlunModel, MixtureOfExperts, apply_cuda_graphs, multitask_loss
+from gem_kunlun import (GraphedForward, KunlunConfig, KunlunModel, MixtureOfExperts, apply_cuda_graphs, multitask_loss,
+                        stand_in_rows)
 from gem_kunlun.testing import SPEC, random_batch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -89,6 +90,21 @@ def test_a_graphed_model_on_the_cpu_trains_eagerly_as_its_twin_and_copies_get_gr
     for (name, a), b in zip(graphed.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
     assert all(r.replays == 0 and r.eager_calls == 1 for r in regions)
+
+
+@pytest.mark.parametrize("bucket", [0, 16])
+def test_stand_in_rows_bypass_the_graphs_whose_routing_counts_rows(bucket):
+    """A graph replays the routing it was captured with: rows that count nothing (``stand_in_rows``) run eagerly,
+    beside the graphs (on a GPU a stand-in of a captured batch size would otherwise replay counted routing)."""
+    (graphed, _) = model_pair("cpu", dataclasses.replace(TINY, kernel="pytorch"), history_bucket=bucket)
+    layers = [m.graphs for m in graphed.layers] if not bucket else [graphed.trunk.trunk_graphs]
+    batch = random_batch(12, seed=1)
+    with stand_in_rows(graphed):
+        graphed(batch)
+    assert all(r.eager_calls == 0 for r in layers)
+    assert graphed.layers[0].moe.counts_rows and int(graphed.layers[0].moe.last_stats.assigned.sum()) == 0
+    graphed(batch)
+    assert all(r.eager_calls == 1 for r in layers)
 
 
 @pytest.mark.parametrize("bucket", [16, 40, 256])
