@@ -13,10 +13,11 @@ problems first.
 
 Against one process: with a window of one global batch, the ranks together train on the same examples at each
 step, and per-example models compute the same up to float rounding (the tables' gradients are summed in another
-order; over many steps a normalising optimizer and a ReLU near zero can grow that into a visible drift). A model whose result depends on the order of the examples does not:
-a MoE with a capacity claims it in example order (rank by rank), and the ranks' sorted shares are not the global
-batch sorted, so other assignments may be dropped. A window of several global batches spreads its examples over
-the steps by rank (bin ``r + k * world_size`` to rank ``r``), so a step's examples then depend on the ranks too.
+order; over many steps a normalising optimizer and a ReLU near zero can grow that into a visible drift). A model
+whose result depends on the order of the examples does not: a MoE with a capacity claims it in example order (rank
+by rank), and the ranks' sorted shares are not the global batch sorted, so other assignments may be dropped. A
+window of several global batches spreads its examples over the steps by rank (bin ``r + k * world_size`` to rank
+``r``), so a step's examples then depend on the ranks too.
 """
 
 from __future__ import annotations
