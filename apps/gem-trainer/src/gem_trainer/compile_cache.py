@@ -17,12 +17,10 @@ from pathlib import Path
 CACHE_VARIABLES = {"triton": "TRITON_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR"}
 
 
-def share_compiled_code(folder: str | Path) -> dict[str, str]:
-    """Point Triton's and Inductor's caches at ``folder/triton`` and ``folder/inductor``; ``{compiler: folder}``.
-    Set before anything compiles; a variable the user set already is replaced (the config names the folder)."""
-    in_use = {}
+def share_compiled_code(folder: str | Path) -> None:
+    """Point Triton's and Inductor's caches at ``folder/triton`` and ``folder/inductor``. Set before anything
+    compiles; a variable the user set already is replaced (the config names the folder)."""
     for compiler, variable in CACHE_VARIABLES.items():
         path = Path(folder).expanduser().resolve() / compiler
         path.mkdir(parents=True, exist_ok=True)
-        os.environ[variable] = in_use[compiler] = str(path)
-    return in_use
+        os.environ[variable] = str(path)
