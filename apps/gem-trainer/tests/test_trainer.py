@@ -314,6 +314,28 @@ def test_fp8_recipe_reaches_the_wide_layers_and_trains_near_float32(tmp_path, mo
     assert default.low_precision_modules == []
 
 
+def test_blockwise_fp8_recipe_reaches_the_layers_of_whole_blocks_and_trains_near_float32(tmp_path, monkeypatch):
+    from gem_kernels import Fp8Linear
+    from gem_kunlun import norm
+
+    fused = []
+    monkeypatch.setattr(norm, "fp8_norm_mlp", lambda *args, **kwargs: fused.append(args) or None)
+    steps = ("--schedule.steps=4", "--schedule.warmup_steps=1", "--checkpoint.enable=false")
+    config = small_config(tmp_path, *steps, "--precision.low_precision=fp8", "--precision.fp8_scaling=blockwise",
+                          "--precision.fp8_min_features=16", "--precision.fp8_min_tokens=0",
+                          "--precision.fp8_weight_gradient=fp8")
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    fp8 = {name: m for name, m in trainer.model.named_modules() if isinstance(m, Fp8Linear)}
+    assert fp8 and all(m.recipe.scaling == "blockwise" for m in fp8.values())
+    # only layers of whole 128 x 128 blocks convert (the rowwise recipe also takes this model's narrower ones)
+    assert all(m.in_features % 128 == 0 and m.out_features % 128 == 0 for m in fp8.values())
+    losses = [float(trainer.train_step()["loss"]) for _ in range(4)]
+    assert not fused  # the norm + MLP block's producers write rowwise E4M3: blockwise linears quantise their own inputs
+    reference = Trainer(small_config(tmp_path / "fp32", *steps), trainer.env)
+    exact = [float(reference.train_step()["loss"]) for _ in range(4)]
+    assert losses != exact and losses == pytest.approx(exact, rel=0.05)
+
+
 def test_a_history_padded_to_token_buckets_trains_as_the_unpadded_one(tmp_path):
     # parallelism.cuda_graph_history_bucket pads Kunlun's history with padding segments (a GPU then replays the whole
     # trunk as CUDA graphs; on the CPU the padded trunk runs eagerly): the same losses, step by step

@@ -93,6 +93,11 @@ def _run_every_op():
     outs.append(fp8_norm_mlp(x, w, b, 1e-5, w1, r(64, dtype=torch.float16), w2, None, Fp8Recipe(kernel="triton"),
                              emulate=True))
     sum(o.float().sum() for o in outs).backward()
+    # the blockwise FP8 quantiser, each block shape (the weight gradient's transposed)
+    from gem_kernels import fp8_blockwise_quantize
+
+    for block, transpose in [((1, 128), False), ((128, 128), False), ((128, 1), True)]:
+        fp8_blockwise_quantize(r(130, 256, dtype=torch.float16).detach(), block, 16, transpose, kernel="triton")
 
 
 _LOWER = """
@@ -140,7 +145,7 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
             "attn_bwd_broadcast_q_kernel", "attn_bwd_delta_kernel", "attn_fwd_fp8_kernel", "norm_fwd_kernel",
             "norm_bwd_kernel", "sum_rows_kernel", "fp8_dequantize_rows_kernel",
             "fp8_dequantize_transposed_kernel", "sequence_aligned_layout_kernel", "gelu_fp8_fwd_kernel",
-            "gelu_fp8_bwd_kernel"} <= names, names
+            "gelu_fp8_bwd_kernel", "fp8_blocks_kernel"} <= names, names
     jobs = []
     for (name, _), (kernel, args, named) in launches.items():
         params = kernel.arg_names

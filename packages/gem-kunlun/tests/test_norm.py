@@ -32,3 +32,25 @@ def test_layer_norm_writes_autocast_dtype_and_matches_nn_layer_norm(skip):
         assert out[1] is x
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_norm_mlp_fuses_only_rowwise_fp8_linears(scaling, monkeypatch):
+    from gem_kernels import Fp8Linear, Fp8Recipe
+
+    from gem_kunlun import norm as norm_module
+
+    fused = []
+    block = norm_module.fp8_norm_mlp
+    monkeypatch.setattr(norm_module, "fp8_norm_mlp", lambda *args, **kwargs: fused.append(1) or block(*args, **kwargs))
+    torch.manual_seed(0)
+    recipe = Fp8Recipe(scaling=scaling, min_features=0, min_tokens=0, kernel="pytorch")
+    layer_norm = nn.LayerNorm(128)
+    mlp = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+    x = torch.randn(4, 8, 128)
+    exact = mlp(layer_norm(x))
+    mlp[0], mlp[2] = Fp8Linear.from_linear(mlp[0], recipe), Fp8Linear.from_linear(mlp[2], recipe)
+    y = norm_module.norm_mlp(layer_norm, mlp, x)
+    # the rowwise recipe runs the fused block; a blockwise recipe's linears quantise their own inputs
+    assert fused == ([1] if scaling == "rowwise" else [])
+    assert y.shape == exact.shape and float((y - exact).norm() / exact.norm()) < 0.1

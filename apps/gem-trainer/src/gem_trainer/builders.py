@@ -451,7 +451,7 @@ def apply_low_precision(config: TrainerConfig, model: nn.Module) -> list[str]:
     if p.low_precision == "off":
         return converted
     if p.low_precision == "fp8":
-        recipe = Fp8Recipe(weight_gradient=p.fp8_weight_gradient, min_features=p.fp8_min_features,
+        recipe = Fp8Recipe(weight_gradient=p.fp8_weight_gradient, scaling=p.fp8_scaling, min_features=p.fp8_min_features,
                            min_tokens=p.fp8_min_tokens)
     else:
         recipe = MXRecipe(elem=p.mx_elem, grad_elem=p.mx_grad_elem, rounding=p.mx_rounding)

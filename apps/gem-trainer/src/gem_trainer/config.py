@@ -416,6 +416,9 @@ class PrecisionConfig(Section):
     low_precision: Literal["off", "fp8", "mxfp8_emulated"] = "off"
     # fp8: the weight-gradient GEMM in the input's precision ("high") or FP8 too
     fp8_weight_gradient: Literal["high", "fp8"] = "high"
+    # fp8: one scale per row ("rowwise"), or per 1 x 128 block of activations and gradients and 128 x 128 block of
+    # weights ("blockwise": layers whose features are multiples of 128; their linears quantise their own inputs)
+    fp8_scaling: Literal["rowwise", "blockwise"] = "rowwise"
     # fp8: where it does not pay, layers narrower than this (in or out features) and calls with fewer rows than
     # fp8_min_tokens stay in high precision (default: the crossover measured on an H200, see Fp8Recipe)
     fp8_min_features: int = Field(Fp8Recipe.min_features, ge=0)

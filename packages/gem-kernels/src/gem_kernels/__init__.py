@@ -7,7 +7,7 @@ Every attention, norm and rotary op has an exact PyTorch reference and a Triton 
 """
 
 from gem_kernels.mx import MXTensor, mx_dequantize, mx_fake_quantize, mx_quantize
-from gem_kernels.fp8 import fp8_dequantize, fp8_rowwise_quantize
+from gem_kernels.fp8 import fp8_blockwise_dequantize, fp8_blockwise_quantize, fp8_dequantize, fp8_rowwise_quantize
 from gem_kernels.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear
 from gem_kernels.low_precision import convert_to_low_precision
 from gem_kernels.mx_linear import MXLinear, MXRecipe, mx_matmul
@@ -34,6 +34,8 @@ __all__ = [
     "MXTensor",
     "block_attention",
     "convert_to_low_precision",
+    "fp8_blockwise_dequantize",
+    "fp8_blockwise_quantize",
     "fp8_dequantize",
     "fp8_linear",
     "fp8_rowwise_quantize",

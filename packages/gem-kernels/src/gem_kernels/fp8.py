@@ -13,6 +13,14 @@ is clamped to float32's normal range (down to 2^-126: an all-zero or all-tiny ro
 holding a NaN or an infinity gets a NaN scale and zero elements, so the GEMM's output row is NaN: loud, never a
 silently finite number.
 
+Blockwise scales (``fp8_blockwise_quantize``): one scale per ``block`` of the matrix instead of per row: 1 x 128
+(a token's 128 channels: activations and gradients along the dimension their GEMM contracts), 128 x 128 (weights:
+the transposed weight takes the same blocks, transposed, so one quantisation serves the forward and the input
+gradient) and 128 x 1 (128 tokens of a channel: the weight gradient contracts the tokens, and a 128-token block's
+scales are local to it, where a row's spans every token). The same scale rule per block, the same non-finite rule
+(a NaN scale and zero elements for the block). ``transpose`` writes the transpose's elements and scales (x^T's 1 x
+128 blocks from x's 128 x 1), the layout the GEMM of the weight gradient reads.
+
 Padding: the kept dimension can be padded to a multiple of ``rows_to`` (zero rows, scale 1) and the reduced one
 to a multiple of ``cols_to`` (zeros), because the scaled GEMM needs sizes divisible by 16; padded rows and
 columns contribute nothing to a product. Or the output's reduced dimension can be ``placed``: a map giving each
@@ -95,6 +103,86 @@ def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_
 
         return triton_fp8_rowwise_quantize(x, dim, rows_to, cols_to, placed)
     return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to, placed)
+
+
+# the block shapes the scaled GEMM takes: 1 x 128 and 128 x 128, and 128 x 1 (1 x 128 of the transpose)
+BLOCKS = ((1, 128), (128, 128), (128, 1))
+
+
+def _check_blockwise(x: torch.Tensor, block: tuple[int, int], rows_to: int) -> None:
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"fp8 blockwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
+    if tuple(block) not in BLOCKS:
+        raise ValueError(f"fp8 blockwise quantisation: block must be one of {BLOCKS}, got {tuple(block)}")
+    if rows_to < 1:
+        raise ValueError(f"fp8 blockwise quantisation: rows_to must be >= 1, got {rows_to}")
+
+
+def blockwise_shapes(shape: tuple[int, int], block: tuple[int, int], rows_to: int,
+                     transpose: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The elements' and scales' shapes of ``fp8_blockwise_quantize``: ``[R', C]`` and ``[ceil(R' / br), ceil(C /
+    bc)]`` for ``R'`` the rows padded to ``rows_to``; transposed with ``transpose``."""
+    rows, cols = padded(shape[0], rows_to), shape[1]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    return ((cols, rows), grid[::-1]) if transpose else ((rows, cols), grid)
+
+
+def blockwise_scales(grid: tuple[int, int], block: tuple[int, int], device) -> torch.Tensor:
+    """An empty float32 scale tensor of shape ``grid`` laid out as the scaled GEMM reads it: a 1 x 128 block's scales
+    column-major (each block column's scales contiguous), a 128 x 128 block's row-major."""
+    if block[0] == 1:
+        return torch.empty(grid[::-1], dtype=torch.float32, device=device).t()
+    return torch.empty(grid, dtype=torch.float32, device=device)
+
+
+def fp8_blockwise_quantize_reference(x: torch.Tensor, block: tuple[int, int], rows_to: int = 1,
+                                     transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (2-D, floating point; rows padded with zeros to a multiple of ``rows_to``) as E4M3 with one scale per
+    ``block`` (module docstring): ``(elements, scales)``, shapes as ``blockwise_shapes`` gives, the scales laid out
+    as ``blockwise_scales`` (of the output's blocks: 1 x 128 for ``transpose`` of 128 x 1)."""
+    _check_blockwise(x, block, rows_to)
+    (rows, cols), (grid_r, grid_c) = blockwise_shapes(tuple(x.shape), block, rows_to, False)
+    br, bc = block
+    full = torch.zeros(grid_r * br, grid_c * bc, dtype=torch.float32, device=x.device)
+    full[: x.shape[0], :cols] = x.float()
+    tiles = full.view(grid_r, br, grid_c, bc)
+    finite = torch.isfinite(tiles).all(3).all(1)
+    amax = tiles.abs().amax(3).amax(1)
+    field = scale_exponent_field(torch.where(finite, amax, torch.zeros_like(amax)))
+    scale = torch.where(finite, (field << 23).view(torch.float32), float("nan"))
+    inverse = ((254 - field) << 23).view(torch.float32)[:, None, :, None]
+    elements = torch.where(finite[:, None, :, None], tiles * inverse, 0.0).clamp(-E4M3_MAX, E4M3_MAX)
+    elements = elements.to(torch.float8_e4m3fn).view(grid_r * br, grid_c * bc)[:rows, :cols]
+    out_block = block[::-1] if transpose else block
+    if transpose:
+        elements, scale = elements.t(), scale.t()
+    laid_out = blockwise_scales(tuple(scale.shape), out_block, x.device)
+    laid_out.copy_(scale)
+    return elements.contiguous(), laid_out
+
+
+def fp8_blockwise_quantize(x: torch.Tensor, block: tuple[int, int], rows_to: int = 1, transpose: bool = False,
+                           kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_blockwise_quantize_reference``'s result, from the Triton kernel on CUDA (``kernel="auto"``; ``"triton"``
+    forces it, e.g. under the interpreter) or the reference (``"pytorch"``); both give the same bits."""
+    from gem_kernels.ops import _validation as V
+
+    if kernel not in ("auto", "triton", "pytorch"):
+        raise ValueError(f"kernel must be 'auto', 'triton' or 'pytorch', got {kernel!r}")
+    _check_blockwise(x, block, rows_to)
+    if V.use_triton(kernel, x.device) and x.numel():
+        V.check_triton_device("x", x)
+        from gem_kernels.ops.triton.triton_fp8 import triton_fp8_blockwise_quantize
+
+        return triton_fp8_blockwise_quantize(x, tuple(block), rows_to, transpose)
+    return fp8_blockwise_quantize_reference(x, tuple(block), rows_to, transpose)
+
+
+def fp8_blockwise_dequantize(elements: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The float32 values E4M3 ``elements`` with one scale per ``block`` stand for."""
+    rows, cols = elements.shape
+    expanded = scales.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return elements.float() * expanded
 
 
 def sequence_aligned_layout(offsets: torch.Tensor, total: int, multiple: int = 16,

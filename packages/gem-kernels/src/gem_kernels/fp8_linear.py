@@ -1,4 +1,4 @@
-"""FP8 training GEMMs for Hopper: a linear layer whose GEMMs run on FP8 tensor cores with rowwise scales.
+"""FP8 training GEMMs for Hopper: a linear layer whose GEMMs run on FP8 tensor cores with rowwise or blockwise scales.
 
 For ``y = x @ W^T`` (``x [M, K]``, ``W [N, K]``), every operand is quantised with one scale per row along the
 dimension its GEMM contracts (``gem_kernels.fp8``), and ``torch._scaled_mm`` multiplies, accumulating in float32
@@ -11,6 +11,15 @@ and writing bfloat16:
   ``"fp8"`` it is an FP8 GEMM too (``g`` and ``x`` along M).
 
 All operands are E4M3: rowwise scales already give each row its range, so the gradient needs no E5M2.
+
+``Fp8Recipe.scaling = "blockwise"``: one scale per block instead of per row (``gem_kernels.fp8.fp8_blockwise_quantize``):
+activations and output gradients in 1 x 128 blocks along the dimension their GEMM contracts, the weight in 128 x 128
+blocks (quantised once in the forward; the input gradient reads the same blocks transposed), and an FP8 weight
+gradient from 1 x 128 blocks of ``g^T`` and ``x^T`` along the tokens (each 128 tokens' scales local to them: no
+amax over all of them). A block's scale follows its own range (an outlier token or channel no longer coarsens its
+whole row). Layers need in and out features that are multiples of 128; the products run on
+``torch.nn.functional.scaled_mm``'s block-scaled GEMM on CUDA, and as the dequantised blocks' product (the same
+numerics) where a device has none (the CPU); the bias is added to the bfloat16 product.
 
 Where FP8 does not pay: a GEMM costs ``2MKN`` while quantising its operands costs memory passes over ``MK`` and
 ``MN``, so below some ``min(K, N)`` the casts eat the gain; ``Fp8Recipe.min_features`` (a layer narrower than it
@@ -31,24 +40,30 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gem_kernels.fp8 import fp8_dequantize, fp8_rowwise_quantize, fp8_rowwise_quantize_reference, padded
+from gem_kernels.fp8 import (fp8_blockwise_dequantize, fp8_blockwise_quantize, fp8_blockwise_quantize_reference,
+                             fp8_dequantize, fp8_rowwise_quantize, fp8_rowwise_quantize_reference, padded)
 from gem_kernels.low_precision import LowPrecisionLinear
 
 _ALIGN = 16  # the scaled GEMM's size multiple
+_BLOCK = 128  # the blockwise recipe's block side: its layers' features are multiples of it
 
 
 @dataclass(frozen=True)
 class Fp8Recipe:
     weight_gradient: Literal["high", "fp8"] = "high"
-    # the crossover on an H200 (benchmarks/results/fp8-h200.json, forward+backward, quantisation included):
+    # the crossover on an H200 (benchmarks/results/fp8-h200.json, forward+backward, quantisation included; rowwise
+    # scales, the blockwise ones not yet measured):
     # K = N = 2048 pays from 64k tokens on (1.09-1.13x), 1024 never (at most 0.97x); at 16k tokens only 4096 (1.21x)
     min_features: int = 2048  # layers with in or out features below it stay in high precision
     min_tokens: int = 65536  # calls with fewer rows run in high precision
     kernel: str = "auto"  # the quantisation kernel: "auto" (Triton on CUDA), "triton", "pytorch"
+    scaling: Literal["rowwise", "blockwise"] = "rowwise"  # one scale per row, or per 1 x 128 / 128 x 128 block
 
     def __post_init__(self) -> None:
         if self.weight_gradient not in ("high", "fp8"):
             raise ValueError(f"Fp8Recipe.weight_gradient must be 'high' or 'fp8', got {self.weight_gradient!r}")
+        if self.scaling not in ("rowwise", "blockwise"):
+            raise ValueError(f"Fp8Recipe.scaling must be 'rowwise' or 'blockwise', got {self.scaling!r}")
         if self.min_features < 0 or self.min_tokens < 0:
             raise ValueError(f"Fp8Recipe.min_features / min_tokens must be >= 0, got {self.min_features} / {self.min_tokens}")
 
@@ -59,7 +74,8 @@ class Fp8Recipe:
     def linear(self, linear: nn.Linear) -> "Fp8Linear | None":
         """The FP8 twin of ``linear`` on the same parameters, or None where FP8 does not pay or cannot run."""
         k, n = linear.in_features, linear.out_features
-        if min(k, n) < self.min_features or k % _ALIGN or n % _ALIGN:
+        align = _BLOCK if self.scaling == "blockwise" else _ALIGN
+        if min(k, n) < self.min_features or k % align or n % align:
             return None
         return Fp8Linear.from_linear(linear, self)
 
@@ -86,16 +102,61 @@ def _gemm(a, a_scale, b, b_scale, emulate: bool, bias: torch.Tensor | None = Non
     return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t(), bias=bias, out_dtype=torch.bfloat16)
 
 
-def forward_gemm(x, x_fp8, weight, recipe: Fp8Recipe, emulate: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _block_quantize(x: torch.Tensor, block: tuple[int, int], rows_to: int, transpose: bool, kernel: str, emulate: bool):
+    if emulate:
+        return fp8_blockwise_quantize_reference(x, block, rows_to, transpose)
+    return fp8_blockwise_quantize(x, block, rows_to, transpose, kernel=kernel)
+
+
+_SCALING_TYPES = {(1, 128): "BlockWise1x128", (128, 128): "BlockWise128x128"}
+
+
+def _blockwise_gemm(a, a_scale, a_block, b, b_scale, b_block, emulate: bool,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``A @ B^T (+ bias)`` in bfloat16 for E4M3 ``a [P, C]`` and ``b [Q, C]`` with block scales along ``C``
+    (``a_block`` / ``b_block``: 1 x 128 or 128 x 128, scales as ``fp8_blockwise_quantize`` lays them out)."""
+    if emulate or a.device.type != "cuda":  # no block-scaled GEMM on the CPU: the dequantised blocks' product
+        product = fp8_blockwise_dequantize(a, a_scale, a_block) @ fp8_blockwise_dequantize(b, b_scale, b_block).t()
+        out = product.to(torch.bfloat16)
+    else:
+        scaled_mm = getattr(F, "scaled_mm", None)
+        if scaled_mm is None:
+            raise RuntimeError("Fp8Recipe(scaling='blockwise') needs torch.nn.functional.scaled_mm (torch >= 2.10)")
+        kinds = F.ScalingType
+        out = scaled_mm(a, b.t(), a_scale, getattr(kinds, _SCALING_TYPES[a_block]), b_scale.t(),
+                        getattr(kinds, _SCALING_TYPES[b_block]), output_dtype=torch.bfloat16)
+    return out if bias is None else out + bias.to(torch.bfloat16)
+
+
+def quantize_weight(weight: torch.Tensor, recipe: Fp8Recipe, emulate: bool):
+    """The blockwise recipe's weight: 128 x 128 blocks of ``weight`` ``[N, K]`` (None for the rowwise recipe, which
+    quantises the weight along each GEMM's contraction)."""
+    if recipe.scaling != "blockwise":
+        return None
+    return _block_quantize(weight, (_BLOCK, _BLOCK), 1, False, recipe.kernel, emulate)
+
+
+def forward_gemm(x, x_fp8, weight, recipe: Fp8Recipe, emulate: bool, bias: torch.Tensor | None = None,
+                 weight_fp8=None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` in bfloat16 from E4M3 operands; ``x_fp8``: x's rows already quantised by its
-    producer (``(elements, scales)``, rows padded to a multiple of 16), or None to quantise them here."""
+    producer (``(elements, scales)``, rows padded to a multiple of 16), or None to quantise them here;
+    ``weight_fp8``: the blockwise recipe's ``quantize_weight`` (None: quantised here)."""
+    if recipe.scaling == "blockwise":
+        xq, xs = _block_quantize(x, (1, _BLOCK), _ALIGN, False, recipe.kernel, emulate)
+        wq, ws = quantize_weight(weight, recipe, emulate) if weight_fp8 is None else weight_fp8
+        return _blockwise_gemm(xq, xs, (1, _BLOCK), wq, ws, (_BLOCK, _BLOCK), emulate, bias)[: x.shape[0]]
     xq, xs = _quantize(x, -1, _ALIGN, 1, recipe.kernel, emulate) if x_fp8 is None else x_fp8
     wq, ws = _quantize(weight, -1, 1, 1, recipe.kernel, emulate)
     return _gemm(xq, xs, wq, ws, emulate, bias)[: x.shape[0]]
 
 
-def input_gradient(grad_fp8, rows: int, weight, recipe: Fp8Recipe, emulate: bool) -> torch.Tensor:
-    """``grad @ weight`` in bfloat16 from the output gradient's E4M3 rows (along N) and ``W^T``'s."""
+def input_gradient(grad_fp8, rows: int, weight, recipe: Fp8Recipe, emulate: bool, weight_fp8=None) -> torch.Tensor:
+    """``grad @ weight`` in bfloat16 from the output gradient's E4M3 rows (along N) and ``W^T``'s; blockwise: the
+    gradient's 1 x 128 blocks and the forward's 128 x 128 blocks of the weight (``weight_fp8``), transposed."""
+    if recipe.scaling == "blockwise":
+        wq, ws = quantize_weight(weight, recipe, emulate) if weight_fp8 is None else weight_fp8
+        wtq, wts = wq.t().contiguous(), ws.t().contiguous()  # W^T [K, N]: the same blocks, transposed
+        return _blockwise_gemm(*grad_fp8, (1, _BLOCK), wtq, wts, (_BLOCK, _BLOCK), emulate)[:rows]
     # NOTE: W^T's rows from a transposed copy: a weight is small, and the one-pass kernel over its copy took a third
     # of the two-pass column kernel's time on the H200 (2048 x 2048: 0.15 ms for the columns, 0.04 for the rows)
     wtq, wts = _quantize(weight.t().contiguous(), -1, 1, 1, recipe.kernel, emulate)  # W^T: rows along N
@@ -105,7 +166,12 @@ def input_gradient(grad_fp8, rows: int, weight, recipe: Fp8Recipe, emulate: bool
 def weight_gradient(grad, x, weight, recipe: Fp8Recipe, emulate: bool, dtype: torch.dtype) -> torch.Tensor:
     """``grad^T @ x`` in the weight's dtype: in ``dtype`` or, with ``recipe.weight_gradient == "fp8"``, from E4M3
     columns along M."""
-    if recipe.weight_gradient == "fp8":
+    if recipe.weight_gradient == "fp8" and recipe.scaling == "blockwise":
+        # g^T [N, M] and x^T [K, M] in 1 x 128 blocks along the tokens: 128 x 1 blocks of g and x, written transposed
+        gtq, gts = _block_quantize(grad, (_BLOCK, 1), _BLOCK, True, recipe.kernel, emulate)
+        xtq, xts = _block_quantize(x, (_BLOCK, 1), _BLOCK, True, recipe.kernel, emulate)
+        grad_w = _blockwise_gemm(gtq, gts, (1, _BLOCK), xtq, xts, (1, _BLOCK), emulate)
+    elif recipe.weight_gradient == "fp8":
         gtq, gts = _quantize(grad, 0, 1, _ALIGN, recipe.kernel, emulate)  # [N, M]
         xtq, xts = _quantize(x, 0, 1, _ALIGN, recipe.kernel, emulate)  # [K, M]
         grad_w = _gemm(gtq, gts, xtq, xts, emulate)
@@ -114,16 +180,19 @@ def weight_gradient(grad, x, weight, recipe: Fp8Recipe, emulate: bool, dtype: to
     return grad_w.to(weight.dtype)
 
 
-def linear_gradients(ctx, grad, grad_fp8, x, weight):
+def linear_gradients(ctx, grad, grad_fp8, x, weight, weight_fp8=None):
     """The input, weight and bias gradients of an FP8 linear (those ``ctx.needs_input_grad`` asks for, inputs
     ``x, weight, bias`` first) from its output gradient ``grad`` and that gradient's E4M3 rows (None: quantised
-    here). ``ctx`` holds ``recipe``, ``emulate``, ``dtype`` and ``bias_dtype`` (None: no bias)."""
+    here). ``ctx`` holds ``recipe``, ``emulate``, ``dtype`` and ``bias_dtype`` (None: no bias); ``weight_fp8``: the
+    blockwise recipe's quantised weight from the forward."""
     recipe, emulate = ctx.recipe, ctx.emulate
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
-        if grad_fp8 is None:
+        if grad_fp8 is None and recipe.scaling == "blockwise":
+            grad_fp8 = _block_quantize(grad, (1, _BLOCK), _ALIGN, False, recipe.kernel, emulate)
+        elif grad_fp8 is None:
             grad_fp8 = _quantize(grad, -1, _ALIGN, 1, recipe.kernel, emulate)
-        grad_x = input_gradient(grad_fp8, grad.shape[0], weight, recipe, emulate).to(x.dtype)
+        grad_x = input_gradient(grad_fp8, grad.shape[0], weight, recipe, emulate, weight_fp8).to(x.dtype)
     if ctx.needs_input_grad[1]:
         grad_w = weight_gradient(grad, x, weight, recipe, emulate, ctx.dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
@@ -136,25 +205,34 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, x_elements, x_scales, recipe: Fp8Recipe, emulate: bool, dtype: torch.dtype):
         """``dtype``: the output's, and the high-precision weight gradient's (autocast's, else the input's);
         ``x_elements`` / ``x_scales``: x already quantised (None: quantise here)."""
-        ctx.save_for_backward(x, weight)
+        weight_fp8 = quantize_weight(weight, recipe, emulate)  # blockwise: once, for the forward and the backward
+        ctx.save_for_backward(x, weight, *(weight_fp8 or ()))
         ctx.recipe, ctx.emulate, ctx.dtype = recipe, emulate, dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         x_fp8 = None if x_elements is None else (x_elements, x_scales)
-        return forward_gemm(x, x_fp8, weight, recipe, emulate, bias).to(dtype)
+        return forward_gemm(x, x_fp8, weight, recipe, emulate, bias, weight_fp8).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        return (*linear_gradients(ctx, grad.contiguous(), None, x, weight), None, None, None, None, None)
+        x, weight, *weight_fp8 = ctx.saved_tensors
+        gradients = linear_gradients(ctx, grad.contiguous(), None, x, weight, tuple(weight_fp8) or None)
+        return (*gradients, None, None, None, None, None)
 
 
-def check_linear_shapes(name: str, x: torch.Tensor, weight: torch.Tensor, x_fp8, bias: torch.Tensor | None) -> None:
+def check_linear_shapes(name: str, x: torch.Tensor, weight: torch.Tensor, x_fp8, bias: torch.Tensor | None,
+                        recipe: Fp8Recipe | None = None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"{name}: x [M, K] and weight [N, K] needed, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[1] % _ALIGN or weight.shape[0] % _ALIGN:
         raise ValueError(f"{name}: in and out features must be multiples of {_ALIGN}, got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"{name}: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if recipe is not None and recipe.scaling == "blockwise":
+        if x.shape[1] % _BLOCK or weight.shape[0] % _BLOCK:
+            raise ValueError(f"{name}: blockwise scaling needs in and out features that are multiples of {_BLOCK}, got "
+                             f"{tuple(weight.shape)}")
+        if x_fp8 is not None:
+            raise ValueError(f"{name}: x_fp8 holds rowwise E4M3 (a producer's); the blockwise recipe quantises x itself")
     if x_fp8 is not None:
         elements, scales = x_fp8
         rows = padded(x.shape[0], _ALIGN)
@@ -175,13 +253,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Rec
     docstring); the bias is added in the GEMM's epilogue (bfloat16 bias, float32 sum). The output has autocast's
     dtype when autocast is on for ``x``'s device, else ``x``'s. ``x_fp8``: x's E4M3 rows and scales from its
     producer (``fp8_layer_norm``, ``fp8_linear_gelu``), which spares the quantisation pass."""
-    check_linear_shapes("fp8_linear", x, weight, x_fp8, bias)
+    check_linear_shapes("fp8_linear", x, weight, x_fp8, bias, recipe)
     elements, scales = (None, None) if x_fp8 is None else x_fp8
     return _Fp8Linear.apply(x, weight, bias, elements, scales, recipe, emulate, compute_dtype(x))
 
 
 class Fp8Linear(LowPrecisionLinear):
-    """``nn.Linear`` whose GEMMs run in FP8 with rowwise scales (``fp8_linear``, the bias in the GEMM's epilogue).
+    """``nn.Linear`` whose GEMMs run in FP8 with the recipe's scales (``fp8_linear``).
     Calls with fewer than ``recipe.min_tokens`` rows run as a plain linear."""
 
     recipe: Fp8Recipe = Fp8Recipe()
@@ -194,4 +272,4 @@ class Fp8Linear(LowPrecisionLinear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8 rowwise, weight gradient {self.recipe.weight_gradient}"
+        return f"{super().extra_repr()}, fp8 {self.recipe.scaling}, weight gradient {self.recipe.weight_gradient}"

@@ -104,10 +104,17 @@ class _Fp8LinearGelu(torch.autograd.Function):
         return (*linear_gradients(ctx, dh, (elements, scales), x, weight), None, None, None, None, None, None)
 
 
+def _check_rowwise(name: str, recipe: Fp8Recipe) -> None:
+    if recipe.scaling != "rowwise":
+        raise ValueError(f"{name}: its producers write rowwise E4M3; it takes a rowwise Fp8Recipe, got scaling "
+                         f"{recipe.scaling!r} (use Fp8Linear layers for blockwise scales)")
+
+
 def fp8_linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe = Fp8Recipe(),
                     emulate: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``gelu(x @ weight^T + bias)`` (erf GELU) with FP8 GEMMs, and the result's E4M3 rows and scales for the
     next GEMM: ``(a, (elements, scales))``. ``x_fp8`` as ``fp8_linear``'s."""
+    _check_rowwise("fp8_linear_gelu", recipe)
     check_linear_shapes("fp8_linear_gelu", x, weight, x_fp8, bias)
     elements, scales = (None, None) if x_fp8 is None else x_fp8
     a, a_elements, a_scales = _Fp8LinearGelu.apply(x, weight, bias, elements, scales, recipe, emulate,
@@ -121,6 +128,7 @@ def fp8_norm_mlp(x: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Te
     """``linear2(gelu(linear1(layer_norm(x))))`` over ``x [..., K]`` with FP8 GEMMs whose activations come
     quantised from their producers (module docstring). The output has autocast's dtype when autocast is on for
     x's device, else x's."""
+    _check_rowwise("fp8_norm_mlp", recipe)
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     dtype = compute_dtype(flat)

@@ -48,12 +48,13 @@ class LayerNorm(nn.LayerNorm):
 
 def norm_mlp(norm: nn.LayerNorm, mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """``mlp(norm(x))`` for an MLP ``Linear, GELU, Linear``. Where a low-precision recipe made both linears FP8
-    (``Fp8Linear``, the same recipe) and the call has the recipe's tokens, it runs as gem-kernels' ``fp8_norm_mlp``:
-    the same parameters and function, with the norm and GELU passes writing the E4M3 operands of the GEMMs after
-    them (no quantisation passes of their own)."""
+    (``Fp8Linear``, the same rowwise recipe) and the call has the recipe's tokens, it runs as gem-kernels'
+    ``fp8_norm_mlp``: the same parameters and function, with the norm and GELU passes writing the E4M3 operands of the
+    GEMMs after them (no quantisation passes of their own). A blockwise recipe's linears quantise their own inputs."""
     first, second = mlp[0], mlp[-1]
     fused = (len(mlp) == 3 and isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear)
-             and first.recipe == second.recipe and type(mlp[1]) is nn.GELU and mlp[1].approximate == "none"
+             and first.recipe == second.recipe and first.recipe.scaling == "rowwise"
+             and type(mlp[1]) is nn.GELU and mlp[1].approximate == "none"
              and first.recipe.runs_fp8(x.numel() // x.shape[-1]))
     if not fused:
         return mlp(norm(x))

@@ -5,13 +5,14 @@ emulated twin (outputs and both gradients), and its error against the bfloat16 l
 against our bf16 JFA on run_all's JFA cases, forward and forward+backward (quantisation included), with the output's
 and the gradients' errors against fp32 on the first case. Then, for M tokens and
 square K = N layers, one linear forward and forward+backward, quantisation included: bfloat16 (``F.linear``),
-FP8 with the weight gradient in bfloat16 (the default recipe) and FP8 throughout; and the quantisation alone
-(GB/s against the 4.2 TB/s copy). The summary gives each FP8 variant's speed-up over bfloat16 and the crossover
+FP8 with the weight gradient in bfloat16 (the default recipe) and FP8 throughout, each with rowwise and with
+blockwise scales (1 x 128 activations, 128 x 128 weights); and the quantisation alone (GB/s against the 4.2 TB/s
+copy). The summary gives each FP8 variant's speed-up over bfloat16 and the crossover
 (the narrowest layer where FP8 pays), from which ``Fp8Recipe``'s defaults come. Part ``mlp``: the block
 LayerNorm -> Linear -> GELU -> Linear (hidden = K) forward and forward+backward, bfloat16 (our LayerNorm, ``F.linear``,
 ``F.gelu``) against ``fp8_norm_mlp`` (activations quantised by their producers), FP8 throughout, and the same block
-with FP8 linears that quantise in passes of their own; checks: the producers' E4M3 bits on the GPU and the block's
-error. Writes JSON with provenance.
+with FP8 linears that quantise in passes of their own (the blockwise variants' block); checks: the producers' E4M3
+bits on the GPU and the block's error. Writes JSON with provenance.
 
     PYTHONPATH=packages/gem-kernels/src python -m gem_kernels.ops.benchmarks.bench_fp8 --out fp8.json
 """
@@ -27,7 +28,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-from gem_kernels.fp8 import (fp8_attention_operands, fp8_rowwise_quantize, fp8_rowwise_quantize_reference,
+from gem_kernels.fp8 import (fp8_attention_operands, fp8_blockwise_quantize, fp8_blockwise_quantize_reference,
+                             fp8_rowwise_quantize, fp8_rowwise_quantize_reference,
                              sequence_aligned_layout)
 from gem_kernels.fp8_linear import Fp8Recipe, fp8_linear
 from gem_kernels.ops.benchmarks.provenance import git_commit
@@ -42,7 +44,9 @@ ATTENTION_CASES = [("jfa_self", 256, 512, 4096, {}), ("jfa_causal", 256, 512, 40
                    ("jfa_long", 64, 2048, 16384, {})]  # as run_all's: B, mean length, max length
 ATTENTION_TARGET = 1.2  # FP8 forward over our bf16 forward, jfa_self
 VARIANTS = {"fp8": Fp8Recipe(min_features=0, min_tokens=0),
-            "fp8_wgrad_fp8": Fp8Recipe(weight_gradient="fp8", min_features=0, min_tokens=0)}
+            "fp8_wgrad_fp8": Fp8Recipe(weight_gradient="fp8", min_features=0, min_tokens=0),
+            "fp8_blockwise": Fp8Recipe(scaling="blockwise", min_features=0, min_tokens=0),
+            "fp8_blockwise_wgrad_fp8": Fp8Recipe(weight_gradient="fp8", scaling="blockwise", min_features=0, min_tokens=0)}
 MLP_ONLY = ("fp8_unfused",)  # the MLP block with FP8 linears that quantise their inputs in passes of their own
 
 
@@ -89,8 +93,16 @@ def run_checks(rec: Recorder) -> None:
         same = torch.equal(fast[0].float(), ref[0].float()) and torch.equal(fast[1].nan_to_num(-1.0), ref[1].nan_to_num(-1.0))
         rec.checks.append({"name": f"quantize {shape} dim={dim}", "same_bits": same, "ok": same})
         print(f"  quantize {shape} dim={dim}: same bits {same}", flush=True)
-    for weight_gradient in ("high", "fp8"):
-        recipe = Fp8Recipe(weight_gradient=weight_gradient, min_features=0, min_tokens=0)
+    for block, transpose in [((1, 128), False), ((128, 128), False), ((128, 1), True)]:
+        x = (torch.randn(4097, 1024, device="cuda") * torch.logspace(-4, 4, 4097, device="cuda")[:, None]).bfloat16()
+        x[7, 3] = float("inf")
+        fast = fp8_blockwise_quantize(x, block, 128, transpose)
+        ref = fp8_blockwise_quantize_reference(x, block, 128, transpose)
+        same = torch.equal(fast[0].float(), ref[0].float()) and torch.equal(fast[1].nan_to_num(-1.0), ref[1].nan_to_num(-1.0))
+        rec.checks.append({"name": f"quantize blockwise {block} transpose={transpose}", "same_bits": same, "ok": same})
+        print(f"  quantize blockwise {block} transpose={transpose}: same bits {same}", flush=True)
+    for weight_gradient, scaling in [("high", "rowwise"), ("fp8", "rowwise"), ("high", "blockwise"), ("fp8", "blockwise")]:
+        recipe = Fp8Recipe(weight_gradient=weight_gradient, scaling=scaling, min_features=0, min_tokens=0)
         x = torch.randn(8195, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(2048, 1024, device="cuda") * 0.03).requires_grad_()
         g = torch.randn(8195, 2048, device="cuda", dtype=torch.bfloat16)
@@ -102,9 +114,9 @@ def run_checks(rec: Recorder) -> None:
 
         twin, bf16 = relative_errors(got["fast"], got["twin"]), relative_errors(got["fast"], got["bf16"])
         ok = max(twin) < 0.01 and max(bf16) < 0.1
-        rec.checks.append({"name": f"fp8_linear weight_gradient={weight_gradient}", "rel_err_vs_twin [y, dx, dw]": twin,
-                           "rel_err_vs_bf16 [y, dx, dw]": bf16, "ok": ok})
-        print(f"  fp8_linear wgrad={weight_gradient}: vs twin {twin}, vs bf16 {bf16}", flush=True)
+        rec.checks.append({"name": f"fp8_linear {scaling} weight_gradient={weight_gradient}",
+                           "rel_err_vs_twin [y, dx, dw]": twin, "rel_err_vs_bf16 [y, dx, dw]": bf16, "ok": ok})
+        print(f"  fp8_linear {scaling} wgrad={weight_gradient}: vs twin {twin}, vs bf16 {bf16}", flush=True)
 
 
 def bench_linear(rec: Recorder, m: int, width: int) -> None:
@@ -118,7 +130,7 @@ def bench_linear(rec: Recorder, m: int, width: int) -> None:
         impls[name] = lambda recipe=recipe: fp8_linear(x, w, recipe)
     for name, fn in impls.items():
         extra = {"target": TARGETS.get(width)} if name == "bf16" else {}
-        if name != "fp8_wgrad_fp8":  # the same forward as fp8
+        if name == "bf16" or VARIANTS[name].weight_gradient != "fp8":  # an FP8 weight gradient: the same forward
             with torch.no_grad():
                 rec.add("linear", case, name, "fwd", bench_ms(fn), flops, **extra)
         rec.add("linear", case, name, "fwd+bwd", bench_ms(lambda fn=fn: torch.autograd.grad(fn(), (x, w), g)), 3 * flops, **extra)
@@ -126,6 +138,10 @@ def bench_linear(rec: Recorder, m: int, width: int) -> None:
         nbytes = m * width * 2 + m * width  # read bf16, write e4m3 (the chunked kernel reads twice: not counted)
         rec.add("quantize", case, "gem", f"dim={dim}", bench_ms(lambda dim=dim: fp8_rowwise_quantize(x.detach(), dim, 16, 16)),
                 nbytes=nbytes)
+    for block, transpose in [((1, 128), False), ((128, 1), True)]:  # activations; their transpose along the tokens
+        rec.add("quantize", case, "gem", f"blockwise {block[0]}x{block[1]}{' transposed' if transpose else ''}",
+                bench_ms(lambda block=block, transpose=transpose: fp8_blockwise_quantize(x.detach(), block, 128, transpose)),
+                nbytes=m * width * 3)
 
 
 def _mlp_params(width: int):
@@ -149,13 +165,15 @@ def mlp_blocks(params) -> dict:
     def bf16(x):
         return F.linear(F.gelu(F.linear(layer_norm(x, nw, nb), w1, b1)), w2, b2)
 
-    def unfused(x):
-        recipe = VARIANTS["fp8"]
+    def unfused(x, recipe=VARIANTS["fp8"]):
         return fp8_linear(F.gelu(fp8_linear(layer_norm(x, nw, nb), w1, recipe, bias=b1)), w2, recipe, bias=b2)
 
     blocks = {"bf16": bf16, "fp8_unfused": unfused}
     for name, recipe in VARIANTS.items():
-        blocks[name] = lambda x, recipe=recipe: fp8_norm_mlp(x, nw, nb, 1e-5, w1, b1, w2, b2, recipe)
+        if recipe.scaling == "rowwise":
+            blocks[name] = lambda x, recipe=recipe: fp8_norm_mlp(x, nw, nb, 1e-5, w1, b1, w2, b2, recipe)
+        else:  # the fused block's producers write rowwise E4M3: blockwise linears quantise their own inputs
+            blocks[name] = lambda x, recipe=recipe: unfused(x, recipe)
     return blocks
 
 
@@ -203,7 +221,7 @@ def bench_mlp(rec: Recorder, m: int, width: int) -> None:
     flops = 4.0 * m * width * width  # two GEMMs
     for name, fn in mlp_blocks(params).items():
         extra = {"target": TARGETS.get(width)} if name == "bf16" else {}
-        if name != "fp8_wgrad_fp8":
+        if name not in VARIANTS or VARIANTS[name].weight_gradient != "fp8":  # an FP8 weight gradient: the same forward
             with torch.no_grad():
                 rec.add("mlp", case, name, "fwd", bench_ms(lambda fn=fn: fn(x)), flops, **extra)
         rec.add("mlp", case, name, "fwd+bwd", bench_ms(lambda fn=fn: torch.autograd.grad(fn(x), [x, *params], g)),
@@ -314,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python -m gem_kernels.ops.benchmarks.bench_fp8 " + " ".join(argv or sys.argv[1:]),
-            "dtype": "bfloat16 activations, float8_e4m3fn rowwise (power-of-two scales)",
+            "dtype": "bfloat16 activations, float8_e4m3fn rowwise or blockwise (power-of-two scales)",
             "flops_note": "2*M*K*N forward, 3x that forward+backward; quantisation included in the FP8 times",
             "peak_bw_TBps": 4.2}
     from gem_kernels.ops.triton import _tuning

@@ -14,6 +14,10 @@ Two shapes of work:
 ``sequence_aligned_layout_kernel`` builds that map for attention's V^T in one launch: a program per sequence sums
 the spans of the sequences before it (in blocks) for its first column, then writes its span's tokens.
 
+``fp8_blocks_kernel`` gives the blockwise scales (``gem_kernels.fp8.fp8_blockwise_quantize``): a program reads a
+tile that holds whole blocks (rows of 128 for 1 x 128, one block for 128 x 128, columns of 128 for 128 x 1), reduces
+each block's amax in registers and writes its elements, transposed where asked, in the same pass.
+
 The scale comes from the bits of ``amax`` (``_scale_fields``), the same integer arithmetic as the reference,
 so both produce the same scale and, with an exact power-of-two scaling, the same elements.
 """
@@ -24,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.fp8 import E4M3_MAX, padded
+from gem_kernels.fp8 import E4M3_MAX, blockwise_scales, blockwise_shapes, padded
 from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
 
 _ONE_PASS_MAX = 8192  # widest contiguous row kept whole in registers
@@ -134,6 +138,62 @@ def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, SOURCE, R, C, R_out, C_out, stride
         q = _round_to_e4m3(q)
     out = (rows < R_out)[:, None] & (cols < C_out)[None, :]
     tl.store(Q + rows[:, None] * C_out + cols[None, :], q.to(Q.dtype.element_ty), mask=out)
+
+
+@triton.jit
+def fp8_blocks_kernel(X, Q, S, R, C, R_out, stride_xr, stride_xc, stride_qr, stride_qc, stride_sr, stride_sc,
+                      MAX: tl.constexpr, EXACT_CAST: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                      TR: tl.constexpr, TC: tl.constexpr):
+    """Tile ``[TR, TC]`` of x (rows ``[R, R_out)`` zero padding) as E4M3 with one scale per ``BR x BC`` block (1 x
+    128: the tile's rows; 128 x 128: the tile; 128 x 1: its columns). Element (r, c) goes to ``Q + r * stride_qr + c
+    * stride_qc`` and block (i, j)'s scale to ``S + i * stride_sr + j * stride_sc`` (swapped strides: transposed)."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = (pid_r * TR + tl.arange(0, TR)).to(tl.int64)
+    cols = (pid_c * TC + tl.arange(0, TC)).to(tl.int64)
+    x = tl.load(X + rows[:, None] * stride_xr + cols[None, :] * stride_xc,
+                mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    nonfinite = tl.where(ax < float("inf"), 0, 1)  # NaN compares false: counted
+    if BR == 1:  # a block per row of the tile
+        amax, bad = tl.max(ax, 1)[:, None], tl.max(nonfinite, 1)[:, None]
+    elif BC == 1:  # a block per column
+        amax, bad = tl.max(ax, 0)[None, :], tl.max(nonfinite, 0)[None, :]
+    else:  # the tile is one block
+        amax, bad = tl.max(tl.max(ax, 1), 0), tl.max(tl.max(nonfinite, 1), 0)
+    fields = _scale_fields(amax, bad)
+    inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
+    q = tl.where(bad == 0, x * inverse, 0.0)
+    q = tl.minimum(tl.maximum(q, -MAX), MAX)
+    if EXACT_CAST:
+        q = _round_to_e4m3(q)
+    tl.store(Q + rows[:, None] * stride_qr + cols[None, :] * stride_qc, q.to(Q.dtype.element_ty),
+             mask=(rows < R_out)[:, None] & (cols < C)[None, :])
+    scale = tl.where(bad != 0, float("nan"), (fields << 23).to(tl.float32, bitcast=True))
+    if BR == 1:
+        tl.store(S + rows[:, None] * stride_sr + pid_c * stride_sc, scale, mask=(rows < R_out)[:, None])
+    elif BC == 1:
+        tl.store(S + pid_r * stride_sr + cols[None, :] * stride_sc, scale, mask=(cols < C)[None, :])
+    else:
+        tl.store(S + pid_r * stride_sr + pid_c * stride_sc, scale)
+
+
+def triton_fp8_blockwise_quantize(x: torch.Tensor, block: tuple[int, int], rows_to: int,
+                                  transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gem_kernels.fp8.fp8_blockwise_quantize_reference``'s bits in one pass."""
+    R, C = x.shape
+    R_out = padded(R, rows_to)
+    (q_shape, s_shape) = blockwise_shapes((R, C), block, rows_to, transpose)
+    q = torch.empty(q_shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = blockwise_scales(s_shape, block[::-1] if transpose else block, x.device)
+    q_strides, s_strides = (q.stride()[::-1], s.stride()[::-1]) if transpose else (q.stride(), s.stride())
+    br, bc = block
+    # NOTE: a tile of whole blocks, ~4k elements: 32 rows of a 1 x 128 block, one 128 x 128 block, 32 columns of 128 x 1
+    tile = (32, 128) if br == 1 else (128, 128) if bc != 1 else (128, 32)
+    launch(fp8_blocks_kernel, lambda c: (cdiv(R_out, tile[0]), cdiv(C, tile[1])),
+           (x, q, s, R, C, R_out, *x.stride(), *q_strides, *s_strides),
+           dict(MAX=E4M3_MAX, EXACT_CAST=interpreting(), BR=br, BC=bc, TR=tile[0], TC=tile[1]),
+           ("fp8_blocks", block, transpose, x.dtype), [dict(num_warps=4)])
+    return q, s
 
 
 @triton.jit
