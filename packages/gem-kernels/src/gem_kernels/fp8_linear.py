@@ -250,9 +250,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Recipe(), emulate: bool = False,
                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` (``x [M, K]``, ``weight [N, K]``, ``bias [N]`` or None) with FP8 GEMMs (module
-    docstring); the bias is added in the GEMM's epilogue (bfloat16 bias, float32 sum). The output has autocast's
-    dtype when autocast is on for ``x``'s device, else ``x``'s. ``x_fp8``: x's E4M3 rows and scales from its
-    producer (``fp8_layer_norm``, ``fp8_linear_gelu``), which spares the quantisation pass."""
+    docstring); rowwise, the bias is added in the GEMM's epilogue (bfloat16 bias, float32 sum), blockwise to the
+    bfloat16 product. The output has autocast's dtype when autocast is on for ``x``'s device, else ``x``'s.
+    ``x_fp8``: x's E4M3 rows and scales from its producer (``fp8_layer_norm``, ``fp8_linear_gelu``), which spares
+    the quantisation pass (rowwise recipes)."""
     check_linear_shapes("fp8_linear", x, weight, x_fp8, bias, recipe)
     elements, scales = (None, None) if x_fp8 is None else x_fp8
     return _Fp8Linear.apply(x, weight, bias, elements, scales, recipe, emulate, compute_dtype(x))
