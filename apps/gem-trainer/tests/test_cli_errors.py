@@ -59,12 +59,45 @@ def test_a_finished_run_says_it_had_nothing_to_train(finished_run):
     assert "trained 4 steps in 0 s" not in done.stdout
 
 
-def test_eval_of_a_given_step_keeps_the_final_eval_json(finished_run):
+def test_eval_of_a_given_step_keeps_the_final_eval_json_and_the_training_log(finished_run):
     final = (finished_run / "eval.json").read_text()
+    assert json.loads(final)["split"] == "held-out split"  # what was evaluated, also in the header
+    logged = (finished_run / "metrics.jsonl").read_text()
+    assert '"phase": "train", "step": 4' in logged
     done = cli("eval", f"--run_dir={finished_run}", *TINY, "--step=2")
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "evaluation at step 2 (held-out split)" in done.stdout
     assert json.loads((finished_run / "eval-step-2.json").read_text())["step"] == 2
     assert (finished_run / "eval.json").read_text() == final
+    # an earlier checkpoint's evaluation adds its record; the training's later records stay
+    now = (finished_run / "metrics.jsonl").read_text()
+    assert now.startswith(logged) and json.loads(now.splitlines()[-1])["phase"] == "eval"
+
+
+def test_a_run_that_would_not_resume_the_checkpoints_in_its_run_dir_is_refused(finished_run):
+    before = sorted(p.name for p in (finished_run / "checkpoints").iterdir())
+    for off in ("--checkpoint.resume=false", "--checkpoint.enable=false"):
+        line = one_line(cli("train", f"--run_dir={finished_run}", *TINY, off), 2)
+        assert f"{off[2:].replace('=', ' = ')}: run_dir {finished_run} holds checkpoints of an earlier run (steps 2, 4)" in line
+        assert "use a new run_dir" in line
+    assert sorted(p.name for p in (finished_run / "checkpoints").iterdir()) == before
+
+
+def test_a_resumed_run_with_another_length_says_so(finished_run, tmp_path):
+    run = tmp_path / "longer"
+    shutil.copytree(finished_run, run)
+    done = cli("train", f"--run_dir={run}", *TINY, "--schedule.steps=6")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "note: schedule.steps is 6, the run recorded 4: the learning-rate schedule follows the new length" in done.stdout
+    assert "trained 2 steps (to step 6)" in done.stdout
+
+
+def test_eval_reads_the_runs_own_config_and_refuses_another_model_in_one_line(finished_run):
+    # the run trained with TINY's overrides: without --config, eval takes them from run_dir/config.toml
+    done = cli("eval", f"--run_dir={finished_run}", "--step=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = one_line(cli("eval", f"--run_dir={finished_run}", "--step=4", "--model.kunlun.d_model=64"), 2)
+    assert "holds checkpoints of another model (model.kunlun.d_model: None -> 64)" in line
 
 
 def test_a_missing_checkpoint_step_and_a_missing_run_dir_are_one_line(finished_run, tmp_path):

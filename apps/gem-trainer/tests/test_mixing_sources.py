@@ -55,7 +55,12 @@ def test_time_split_trains_on_the_offline_log_and_the_online_stream_and_evaluate
     assert counts["source_offline"] + counts["source_online"] == 6 * 32 and counts["source_online"] > 0
     assert set(trainer._last_batch.source.tolist()) <= {0, 1}
     result = trainer.evaluate()  # the next period
-    assert result["sampled/users"] == 64 and 0.0 <= result["sampled/hr@10"] <= 1.0
+    assert result["sampled/queries"] == 64 and 0.0 <= result["sampled/hr@10"] <= 1.0
+    # the next period holds several queries (next items) per user: the users are counted apart
+    ranking = trainer.data.ranking.ranking_examples("next_period", "sampled", 99, 0)
+    chosen = torch.randperm(ranking.num_users, generator=torch.Generator().manual_seed(trainer.config.seed))[:64]
+    assert result["sampled/users"] == ranking.users[chosen].unique().numel()
+    assert ranking.users.unique().numel() < ranking.num_users
     forgetting = trainer_for(tmp_path / "f", *TIME_SPLIT, "--data.sequential.eval_split=offline_period")
     assert forgetting.data.ranking.ranking_examples("offline_period", "sampled", 99, 0).num_users > 600
 

@@ -504,10 +504,13 @@ def measure_checkpoints(trainer, step, result: dict, args, device, log) -> None:
         row = {"pace_ms": round(pace_s / pace_steps * 1e3, 2)}
         for mode in ("synchronous", "asynchronous"):
             elapsed, steps, blocked = window(mode)
-            stall = elapsed - steps * pace_s / pace_steps  # below 0 only by the steps' own spread: kept as timed
-            cost = max(0.0, stall)
+            stall = elapsed - steps * pace_s / pace_steps  # kept as timed
+            # NOTE: the training waits at least as long as the save call blocks it; a stall timed below that (even
+            # below 0: a few noisy steps set the pace) is the steps' own spread, and the cost counts the call
+            cost = max(stall, blocked)
             row[mode] = {"save_call_ms": round(blocked * 1e3, 1), "steps": steps, "stall_ms": round(stall * 1e3, 1),
-                         "cost_share": round(cost / (args.checkpoint_every * result["step_ms"] / 1e3 + cost), 4)}
+                         "cost_share": round(cost / (args.checkpoint_every * result["step_ms"] / 1e3 + cost), 4),
+                         **({"stall_below_save_call": True} if stall < blocked else {})}
         rounds.append(row)
     start = time.perf_counter()
     save(asynchronous=True)

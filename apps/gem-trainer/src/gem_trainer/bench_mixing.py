@@ -63,7 +63,9 @@ def loss_spike(losses: dict[int, float], switch: int) -> dict[str, float]:
 
 
 def ranking_row(result: dict[str, float]) -> dict[str, float]:
-    return {"hr@10": result["sampled/hr@10"], "ndcg@10": result["sampled/ndcg@10"], "users": result["sampled/users"]}
+    # NOTE: rows written before the evaluation counted queries and users apart hold the queries under "users"
+    return {"hr@10": result["sampled/hr@10"], "ndcg@10": result["sampled/ndcg@10"], "queries": result["sampled/queries"],
+            "users": result["sampled/users"]}
 
 
 # -- sections --------------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from gem_trainer.config import ConfigError, TrainerConfig, dump_config, load_con
 OVERRIDES_HELP = ("Any --section.field=value (or --section.field value) overrides the config, e.g. --optimizer.lr=3e-4 "
                   "--model.kunlun.d_model=64 --optimizer.grad_clip=none; `gem-trainer config` prints the result.")
 RESUME_HELP = ("A run resumes from the newest intact checkpoint under run_dir/checkpoints (a damaged one is skipped "
-               "with a warning); --checkpoint.resume=false ignores them. A run_dir that holds another model's run is "
-               "refused: use a new run_dir.")
+               "with a warning). A run_dir that holds another model's run, or checkpoints that a run with "
+               "--checkpoint.resume=false or --checkpoint.enable=false would not resume, is refused: use a new run_dir.")
 COMMAND_HELP = {
     "train": "train (resuming from the newest intact checkpoint), then evaluate",
     "eval": "evaluate the newest (or a given) checkpoint on the held-out split",
@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_text in COMMAND_HELP.items():
         epilog = f"{OVERRIDES_HELP} {RESUME_HELP}" if name in ("train", "eval", "launch", "distill") else OVERRIDES_HELP
         sub = commands.add_parser(name, help=help_text, description=help_text, epilog=epilog)
-        sub.add_argument("--config", default=None, help="TOML config file (default: the embedded default)")
+        sub.add_argument("--config", default=None, help="TOML config file (default: the run's own run_dir/config.toml, "
+                                                        "else the embedded default)" if name == "eval" else
+                         "TOML config file (default: the embedded default)")
         sub.add_argument("--debug", action="store_true", help="show the full traceback of an error")
         if name == "eval":
             sub.add_argument("--step", type=int, default=None,
@@ -71,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unexpected argument {item!r}; overrides look like --section.field=value")
     try:
         config = load_config(args.config, overrides)
+        recorded = Path(config.run_dir) / "config.toml"
+        if args.command == "eval" and args.config is None and recorded.is_file():
+            config = load_config(recorded, overrides)  # the config the run trained with (as train recorded it)
         return COMMANDS[args.command](config, args, overrides)
     except Exception as error:  # noqa: BLE001 - every known failure is one line; --debug shows the rest
         kind, code = _one_line_kind(error)
@@ -101,7 +106,7 @@ def _one_line_kind(error: Exception) -> tuple[str | None, int]:
 
 def _train(config: TrainerConfig, args, overrides) -> int:
     from gem_trainer.distributed import init_distributed, shutdown_distributed
-    from gem_trainer.run_folder import check_same_run, write_run_record
+    from gem_trainer.run_folder import check_same_run, schedule_change, write_run_record
     from gem_trainer.trainer import Trainer
 
     check_same_run(config)
@@ -110,6 +115,9 @@ def _train(config: TrainerConfig, args, overrides) -> int:
     try:
         trainer = Trainer(config, env)
         if env.rank == 0:
+            note = schedule_change(trainer.config) if trainer.checkpoints.complete_steps() else None
+            if note is not None:
+                print(note, flush=True)
             write_run_record(trainer.config, trainer.spec)  # schedule.steps as resolved from schedule.epochs
         started = time.perf_counter()
         trainer.train()
@@ -120,7 +128,8 @@ def _train(config: TrainerConfig, args, overrides) -> int:
             timing = {"train_s": trained - started, "eval_s": time.perf_counter() - trained,
                       "steps_this_run": trainer.step - trainer.first_step}
             if env.rank == 0:
-                _print_eval({**result, **timing, **trainer.data_report()}, trainer.step, Path(config.run_dir) / "eval.json")
+                _print_eval({**result, **timing, **trainer.data_report()}, trainer.step, trainer.evaluated_split(),
+                            Path(config.run_dir) / "eval.json")
     finally:
         if trainer is not None:
             trainer.close()
@@ -178,22 +187,24 @@ def _precompute(config: TrainerConfig, args, overrides) -> int:
 def _eval(config: TrainerConfig, args, overrides) -> int:
     from gem_trainer.checkpoint import CheckpointManager
     from gem_trainer.distributed import init_distributed, shutdown_distributed
+    from gem_trainer.run_folder import check_same_model
     from gem_trainer.trainer import Trainer
 
     checkpoints = CheckpointManager(Path(config.run_dir) / "checkpoints", config.checkpoint.keep_latest)
     if not checkpoints.complete_steps():
         # NOTE: checked before anything is created: evaluating a mistyped run_dir must not leave a folder behind
         raise ConfigError(f"run_dir: no complete checkpoint under {checkpoints.folder}")
+    check_same_model(config)
     env = init_distributed(config.device, config.parallelism.collectives)
     trainer = None
     try:
         trainer = Trainer(config, env)
-        if not trainer.resume(args.step):
+        if not trainer.resume(args.step, training=False):
             raise ConfigError(f"run_dir: no intact checkpoint under {checkpoints.folder}")
         result = trainer.evaluate()
         if env.rank == 0:
             name = "eval.json" if args.step is None else f"eval-step-{args.step}.json"
-            _print_eval({**result, **trainer.data_report()}, trainer.step, Path(config.run_dir) / name)
+            _print_eval({**result, **trainer.data_report()}, trainer.step, trainer.evaluated_split(), Path(config.run_dir) / name)
     finally:
         if trainer is not None:
             trainer.close()
@@ -201,8 +212,8 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
     return 0
 
 
-def _print_eval(result: dict[str, float], step: int, out: Path) -> None:
-    out.write_text(json.dumps({"step": step, **result}, indent=2) + "\n")
+def _print_eval(result: dict[str, float], step: int, split: str, out: Path) -> None:
+    out.write_text(json.dumps({"step": step, "split": split, **result}, indent=2) + "\n")
     if "train_s" in result:
         if result["steps_this_run"]:
             print(f"\ntrained {int(result['steps_this_run'])} steps (to step {step}) in {result['train_s']:.0f} s, "
@@ -211,7 +222,7 @@ def _print_eval(result: dict[str, float], step: int, out: Path) -> None:
             print(f"\nalready trained to step {step} (nothing left to train); evaluated in {result['eval_s']:.0f} s")
     if result.get("data/bad_rows"):
         print(f"data: {int(result['data/bad_rows'])} bad rows were skipped (data.skip_bad_rows = true)")
-    print(f"\nevaluation at step {step} (held-out split):")
+    print(f"\nevaluation at step {step} ({split}):")
     if any(k.endswith("/auc") for k in result):
         print(f"{'task/group':<28}{'AUC':>8}{'NE':>8}{'calib':>8}{'count':>9}")
         for key in sorted(k for k in result if k.endswith("/auc")):
@@ -221,11 +232,13 @@ def _print_eval(result: dict[str, float], step: int, out: Path) -> None:
                 f"{result[prefix + '/calibration']:>8.3f}{int(result[prefix + '/count']):>9}"
             )
     for protocol in ("sampled", "full"):
-        names = [k.split("/")[1] for k in result if k.startswith(f"{protocol}/") and k.count("/") == 1 and not k.endswith("/users")]
+        names = [k.split("/")[1] for k in result if k.startswith(f"{protocol}/") and k.count("/") == 1
+                 and not k.endswith(("/users", "/queries"))]
         if names:
-            users = int(result[f"{protocol}/users"])
+            users, queries = int(result[f"{protocol}/users"]), int(result.get(f"{protocol}/queries", 0))
+            counted = f"{queries} queries of {users} users" if queries and queries != users else f"{users} users"
             cells = "  ".join(f"{n} {result[f'{protocol}/{n}']:.4f}±{result[f'{protocol}/{n}/std']:.4f}" for n in names)
-            print(f"{protocol} ({users} users): {cells}")
+            print(f"{protocol} ({counted}): {cells}")
     print(f"metrics written to {out}")
 
 

@@ -97,7 +97,9 @@ class Evaluator:
                 values = torch.tensor([m[key] for m in per_seed], dtype=torch.float64)
                 result[f"{protocol}/{key}"] = float(values.mean())
                 result[f"{protocol}/{key}/std"] = float(values.std(unbiased=False))
-            result[f"{protocol}/users"] = float(ranks.numel())
+            # a time split's next period holds several queries (next items) per user: both are counted
+            result[f"{protocol}/queries"] = float(ranks.numel())
+            result[f"{protocol}/users"] = float(ranking.users[users].unique().numel())
         return result
 
     def score(self, dataset, ranking, users: torch.Tensor, chunk_rows: int) -> torch.Tensor:

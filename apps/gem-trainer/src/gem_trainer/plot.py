@@ -35,7 +35,8 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         names = sorted(metrics)
         cols = min(3, len(names))
         rows = (len(names) + cols - 1) // cols
-        figure, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3 * rows), squeeze=False)
+        # NOTE: the constrained layout keeps room for the title above the first row's titles (tight_layout does not)
+        figure, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3 * rows), squeeze=False, layout="constrained")
         for ax, name in zip(axes.flat, names):
             steps, values = zip(*sorted(metrics[name]))
             ax.plot(steps, values, marker="." if len(steps) < 30 else None)
@@ -45,7 +46,6 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         for ax in list(axes.flat)[len(names):]:
             ax.axis("off")
         figure.suptitle(f"{run_dir.name}: {phase}")
-        figure.tight_layout()
         path = out_dir / f"{phase}.png"
         figure.savefig(path, dpi=100)
         plt.close(figure)

@@ -50,7 +50,8 @@ def summary_of_run(model: str, eval_result: dict[str, float], wall_s: float | No
         users = eval_result.get(f"{protocol}/users")
         if users is None:
             continue
-        mean = {k.split("/")[1]: v for k, v in eval_result.items() if re.fullmatch(rf"{protocol}/[^/]+", k) and k != f"{protocol}/users"}
+        mean = {k.split("/")[1]: v for k, v in eval_result.items() if re.fullmatch(rf"{protocol}/[^/]+", k)
+                and k not in (f"{protocol}/users", f"{protocol}/queries")}
         std = {k.split("/")[1]: v for k, v in eval_result.items() if re.fullmatch(rf"{protocol}/[^/]+/std", k)}
         seeds = sorted({int(m["seed"]) for k in eval_result if (m := _PER_SEED.match(k)) and m["protocol"] == protocol})
         summaries.append({

@@ -21,7 +21,26 @@ STATE_FIELDS = ("model", "optimizer.sparse", "data.source", "data.path", "data.s
 
 
 def check_same_run(config: TrainerConfig) -> None:
-    """Refuse, in one line naming the differing fields, to resume a run folder written by another model."""
+    """Before training into ``run_dir``: refuse, in one line, to resume a run folder written by another model
+    (naming the differing fields), or to start a run that would not resume the checkpoints already there
+    (``checkpoint.resume`` or ``checkpoint.enable`` false): its own checkpoints would be pruned among the earlier
+    run's higher steps, and a later run would resume the earlier one."""
+    run_dir = Path(config.run_dir)
+    steps = CheckpointManager(run_dir / "checkpoints", keep_latest=1).complete_steps()
+    if steps and not (config.checkpoint.enable and config.checkpoint.resume):
+        off = "checkpoint.resume = false" if config.checkpoint.enable else "checkpoint.enable = false"
+        raise ConfigError(f"{off}: run_dir {run_dir} holds checkpoints of an earlier run (steps {_listed(steps)}), which "
+                          f"this run would not resume: use a new run_dir, or delete {run_dir / 'checkpoints'} to start "
+                          f"afresh there")
+    check_same_model(config)
+
+
+def _listed(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, ..., {steps[-1]}"
+
+
+def check_same_model(config: TrainerConfig) -> None:
+    """Refuse, in one line naming the differing fields, to load a run folder's checkpoints into another model."""
     run_dir = Path(config.run_dir)
     saved = run_dir / "config.toml"
     if not (config.checkpoint.enable and config.checkpoint.resume) or not saved.is_file():
@@ -40,6 +59,19 @@ def check_same_run(config: TrainerConfig) -> None:
         more = f" (+{len(changed) - 4} more)" if len(changed) > 4 else ""
         raise ConfigError(f"run_dir: {run_dir} holds checkpoints of another model ({shown}{more}); use a new run_dir, "
                           f"or delete {run_dir / 'checkpoints'} to start afresh there")
+
+
+def schedule_change(config: TrainerConfig) -> str | None:
+    """A line telling that a run resumed with another ``schedule.steps`` (as resolved) than it recorded: its learning
+    rate then follows the new length from the resumed step on (None when nothing changed or nothing resumes)."""
+    saved = Path(config.run_dir) / "config.toml"
+    if not (config.checkpoint.enable and config.checkpoint.resume) or not saved.is_file():
+        return None
+    before = load_config(saved).schedule.steps
+    if before == config.schedule.steps:
+        return None
+    return (f"note: schedule.steps is {config.schedule.steps}, the run recorded {before}: the learning-rate schedule "
+            f"follows the new length from the resumed step on")
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

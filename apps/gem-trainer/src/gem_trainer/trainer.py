@@ -205,9 +205,11 @@ class Trainer:
                               asynchronous=self.config.checkpoint.asynchronous)
         self._saved_step = self.step
 
-    def resume(self, step: int | None = None) -> bool:
+    def resume(self, step: int | None = None, training: bool = True) -> bool:
         """Load checkpoint ``step`` (None: the newest intact one, skipping damaged newer ones with a line each);
-        False when there is none. A damaged or missing ``step`` is a ``CheckpointError``."""
+        False when there is none. A damaged or missing ``step`` is a ``CheckpointError``. ``training``: the run
+        continues from there, so the log's records of later steps go (it writes them again); an evaluation of an
+        earlier checkpoint leaves the log as it is."""
         self.checkpoints.wait()
         if step is None:
             step, skipped = self.checkpoints.newest_intact()
@@ -230,7 +232,8 @@ class Trainer:
             raise ConfigError(f"checkpoint.resume: {self.checkpoints.path(step)}: {error}, or start a new run_dir") from None
         saved_world = local.get("world_size", self.env.world_size)
         resharded = f" (written by {saved_world} ranks, resharded to {self.env.world_size})" if saved_world != self.env.world_size else ""
-        self.logger.drop_after(self.step)
+        if training:
+            self.logger.drop_after(self.step)
         self._saved_step = self.step
         self._print(f"resumed from {self.checkpoints.path(step)} at step {self.step}{resharded}")
         return True
@@ -429,6 +432,16 @@ class Trainer:
                 result = evaluator.ranking(self.data.ranking, self.config.data.sequential, self.config.seed)
         self.logger.log(self.step, result, phase="eval", echo=False)
         return result
+
+    def evaluated_split(self) -> str:
+        """What ``evaluate`` reads, for its report: the next-item split (``data.sequential.eval_split``) or the
+        held-out data, of ``data.mixture.eval_source`` in a mixture."""
+        data = self.config.data
+        split = f"{data.sequential.eval_split} split" if self.data.ranking is not None else "held-out split"
+        sources = data.mixture.sources
+        if sources:
+            return f"{split} of source {data.mixture.eval_source or sources[0].name!r}"
+        return split
 
     def evaluator(self) -> Evaluator:
         """The evaluation loops over this trainer's model (call with the parameters gathered, as ``evaluate``)."""
