@@ -156,6 +156,39 @@ def test_blockwise_recipe_converts_layers_of_whole_blocks_and_refuses_rowwise_pr
         fp8_linear_gelu(x, torch.randn(128, 128), None, recipe)
 
 
+@pytest.mark.parametrize("m,k,n", [(256, 512, 512), (203, 384, 640), (300, 2048, 1408), (64, 128, 128)])
+def test_the_block_scaled_gemm_takes_the_arguments_of_each_product(m, k, n, monkeypatch):
+    """The three products' ``scaled_mm`` arguments (forward 1 x 128 by 128 x 128, input gradient the same with the
+    weight's blocks transposed, weight gradient 1 x 128 by 1 x 128 along the tokens) pass the block-scaled GEMM's
+    layout checks, which torch's meta kernel applies as on CUDA (contraction blocks not a multiple of 4 included)."""
+    import importlib
+
+    from torch.nn import functional as F
+
+    module = importlib.import_module("gem_kernels.fp8_linear")  # the module (the package exports its function)
+
+    products, blockwise_gemm = [], module._blockwise_gemm
+
+    def recorded(a, a_scale, a_block, b, b_scale, b_block, emulate, bias=None):
+        products.append((a, a_scale, a_block, b, b_scale, b_block))
+        return blockwise_gemm(a, a_scale, a_block, b, b_scale, b_block, emulate, bias)
+
+    monkeypatch.setattr(module, "_blockwise_gemm", recorded)
+    x = torch.randn(m, k, requires_grad=True)
+    w = (torch.randn(n, k) * 0.05).requires_grad_()
+    y = fp8_linear(x, w, Fp8Recipe(weight_gradient="fp8", scaling="blockwise", min_features=0, min_tokens=0))
+    y.backward(torch.randn_like(y))
+    assert [(p[2], p[5]) for p in products] == [((1, 128), (128, 128)), ((1, 128), (128, 128)), ((1, 128), (1, 128))]
+
+    def meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    for a, a_scale, a_block, b, b_scale, b_block in products:
+        arguments = module.scaled_mm_arguments(meta(a), meta(a_scale), a_block, meta(b), meta(b_scale), b_block)
+        out = F.scaled_mm(*arguments, output_dtype=torch.bfloat16)
+        assert out.shape == (a.shape[0], b.shape[0])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the block-scaled GEMM needs a CUDA device")
 def test_block_scaled_gemm_on_the_gpu_matches_the_dequantised_product():
     torch.manual_seed(0)

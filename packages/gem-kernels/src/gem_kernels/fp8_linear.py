@@ -111,6 +111,18 @@ def _block_quantize(x: torch.Tensor, block: tuple[int, int], rows_to: int, trans
 _SCALING_TYPES = {(1, 128): "BlockWise1x128", (128, 128): "BlockWise128x128"}
 
 
+def scaled_mm_arguments(a, a_scale, a_block, b, b_scale, b_block) -> tuple:
+    """The positional arguments of ``torch.nn.functional.scaled_mm`` for ``A @ B^T`` (``a [P, C]``, ``b [Q, C]``, block
+    scales along ``C`` as ``fp8_blockwise_quantize`` lays them out), as cuBLAS's block scaling reads them: ``b``
+    column-major (``b.t()``); 1 x 128 scales of either operand as they are (``[rows, C / 128]``, column-major); ``b``'s
+    128 x 128 scales with their contraction blocks contiguous and padded with zeros to a multiple of 4 blocks
+    (``[L4, Q / 128]``, stride ``(1, L4)``: cuBLAS's layout for 2-D block scales)."""
+    if b_block == (128, 128):
+        b_scale = F.pad(b_scale.contiguous(), (0, -b_scale.shape[1] % 4)).t()
+    kinds = F.ScalingType
+    return (a, b.t(), a_scale, getattr(kinds, _SCALING_TYPES[a_block]), b_scale, getattr(kinds, _SCALING_TYPES[b_block]))
+
+
 def _blockwise_gemm(a, a_scale, a_block, b, b_scale, b_block, emulate: bool,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``A @ B^T (+ bias)`` in bfloat16 for E4M3 ``a [P, C]`` and ``b [Q, C]`` with block scales along ``C``
@@ -119,12 +131,9 @@ def _blockwise_gemm(a, a_scale, a_block, b, b_scale, b_block, emulate: bool,
         product = fp8_blockwise_dequantize(a, a_scale, a_block) @ fp8_blockwise_dequantize(b, b_scale, b_block).t()
         out = product.to(torch.bfloat16)
     else:
-        scaled_mm = getattr(F, "scaled_mm", None)
-        if scaled_mm is None:
+        if getattr(F, "scaled_mm", None) is None:
             raise RuntimeError("Fp8Recipe(scaling='blockwise') needs torch.nn.functional.scaled_mm (torch >= 2.10)")
-        kinds = F.ScalingType
-        out = scaled_mm(a, b.t(), a_scale, getattr(kinds, _SCALING_TYPES[a_block]), b_scale.t(),
-                        getattr(kinds, _SCALING_TYPES[b_block]), output_dtype=torch.bfloat16)
+        out = F.scaled_mm(*scaled_mm_arguments(a, a_scale, a_block, b, b_scale, b_block), output_dtype=torch.bfloat16)
     return out if bias is None else out + bias.to(torch.bfloat16)
 
 
