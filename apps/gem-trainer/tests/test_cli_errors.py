@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gem_trainer.config import ConfigError
+from gem_trainer.config import ConfigError, load_config
 from gem_trainer.distributed import check_fbgemm_cuda
 
 TINY = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", "--data.batch_size=16",
@@ -92,12 +92,45 @@ def test_a_resumed_run_with_another_length_says_so(finished_run, tmp_path):
     assert "trained 2 steps (to step 6)" in done.stdout
 
 
-def test_eval_reads_the_runs_own_config_and_refuses_another_model_in_one_line(finished_run):
-    # the run trained with TINY's overrides: without --config, eval takes them from run_dir/config.toml
-    done = cli("eval", f"--run_dir={finished_run}", "--step=4")
+def test_eval_reads_the_runs_own_config_and_refuses_another_model_in_one_line(finished_run, tmp_path):
+    # the run trained with TINY's overrides: without --config, eval takes them from run_dir/config.toml, and the
+    # overrides need only suit it (the embedded default's 50 warmup steps would refuse 3 steps)
+    done = cli("eval", f"--run_dir={finished_run}", "--step=4", "--schedule.steps=3")
     assert done.returncode == 0, done.stderr[-2000:]
-    line = one_line(cli("eval", f"--run_dir={finished_run}", "--step=4", "--model.kunlun.d_model=64"), 2)
-    assert "holds checkpoints of another model (model.kunlun.d_model: None -> 64)" in line
+    for extra in ([], ["--checkpoint.resume=false"]):  # eval loads the checkpoint whatever the resume setting
+        line = one_line(cli("eval", f"--run_dir={finished_run}", "--step=4", "--model.kunlun.d_model=64", *extra), 2)
+        assert "holds checkpoints of another model (model.kunlun.d_model: None -> 64)" in line
+        assert "evaluate it with the config it trained with" in line and "delete" not in line
+    # a record that no longer loads (an older run's): the given config stands in, as before records were read
+    old = tmp_path / "old"
+    shutil.copytree(finished_run, old)
+    (old / "config.toml").write_text((old / "config.toml").read_text() + "\nretired_field = 1\n")
+    done = cli("eval", f"--run_dir={old}", *TINY, "--step=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_run_that_resumes_nothing_starts_its_log_over_and_a_finished_run_keeps_its_record(finished_run, tmp_path):
+    crashed = tmp_path / "crashed"  # a run that stopped before its first checkpoint
+    crashed.mkdir()
+    (crashed / "metrics.jsonl").write_text(json.dumps({"phase": "train", "step": 8, "loss": 1.0}) + "\n")
+    done = cli("train", f"--run_dir={crashed}", *TINY, "--checkpoint.enable=false")
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (crashed / "metrics.jsonl").read_text().splitlines()]
+    assert 8 not in steps and max(steps) == 4
+    # asked for fewer steps than it trained, a finished run trains nothing and keeps its record
+    run = tmp_path / "finished"
+    shutil.copytree(finished_run, run)
+    done = cli("train", f"--run_dir={run}", *TINY, "--schedule.steps=3")
+    assert done.returncode == 0 and "already trained to step 4" in done.stdout and "note:" not in done.stdout
+    assert load_config(run / "config.toml").schedule.steps == 4
+
+
+def test_a_benchmark_run_from_scratch_does_not_mix_with_an_earlier_run_in_its_folder(tmp_path):
+    from gem_trainer.bench_runs import train
+
+    train(None, TINY[:-2], tmp_path)  # to step 4, checkpoints at 2 and 4
+    train(None, [*TINY[:-2], "--schedule.steps=2"], tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-2"]
 
 
 def test_a_missing_checkpoint_step_and_a_missing_run_dir_are_one_line(finished_run, tmp_path):

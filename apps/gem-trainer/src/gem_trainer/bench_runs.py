@@ -10,6 +10,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +34,8 @@ def train(config_file: Path | None, overrides: list[str], run_dir: Path) -> floa
     from gem_trainer.trainer import Trainer
 
     config = load_config(config_file, [*overrides, f"--run_dir={run_dir}", "--checkpoint.resume=false"])
+    # NOTE: an earlier run's checkpoints here would outrank this run's when pruned, and be what ``evaluate`` loads
+    shutil.rmtree(Path(run_dir) / "checkpoints", ignore_errors=True)
     started = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))

@@ -20,6 +20,8 @@ OVERRIDES_HELP = ("Any --section.field=value (or --section.field value) override
 RESUME_HELP = ("A run resumes from the newest intact checkpoint under run_dir/checkpoints (a damaged one is skipped "
                "with a warning). A run_dir that holds another model's run, or checkpoints that a run with "
                "--checkpoint.resume=false or --checkpoint.enable=false would not resume, is refused: use a new run_dir.")
+EVAL_HELP = ("Without --config, eval reads the config the run trained with (run_dir/config.toml); a run_dir holding "
+             "another model's checkpoints than the config describes is refused.")
 COMMAND_HELP = {
     "train": "train (resuming from the newest intact checkpoint), then evaluate",
     "eval": "evaluate the newest (or a given) checkpoint on the held-out split",
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gem-trainer", description=__doc__.split("\n\n")[0], epilog=OVERRIDES_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMAND_HELP.items():
-        epilog = f"{OVERRIDES_HELP} {RESUME_HELP}" if name in ("train", "eval", "launch", "distill") else OVERRIDES_HELP
+        notes = {"train": RESUME_HELP, "launch": RESUME_HELP, "distill": RESUME_HELP, "eval": EVAL_HELP}
+        epilog = f"{OVERRIDES_HELP} {notes[name]}" if name in notes else OVERRIDES_HELP
         sub = commands.add_parser(name, help=help_text, description=help_text, epilog=epilog)
         sub.add_argument("--config", default=None, help="TOML config file (default: the run's own run_dir/config.toml, "
                                                         "else the embedded default)" if name == "eval" else
@@ -72,10 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error(f"unexpected argument {item!r}; overrides look like --section.field=value")
     try:
-        config = load_config(args.config, overrides)
-        recorded = Path(config.run_dir) / "config.toml"
-        if args.command == "eval" and args.config is None and recorded.is_file():
-            config = load_config(recorded, overrides)  # the config the run trained with (as train recorded it)
+        config = _eval_config(overrides) if args.command == "eval" and args.config is None else None
+        config = config or load_config(args.config, overrides)
         return COMMANDS[args.command](config, args, overrides)
     except Exception as error:  # noqa: BLE001 - every known failure is one line; --debug shows the rest
         kind, code = _one_line_kind(error)
@@ -83,6 +84,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gem-trainer: {kind}: {error}", file=sys.stderr)
         return code
+
+
+def _eval_config(overrides: list[str]) -> TrainerConfig | None:
+    """``eval`` without ``--config``: the config the run trained with (``run_dir/config.toml``, as ``train`` recorded
+    it) under the overrides, which only it has to accept; None where there is no record or it no longer loads."""
+    run_dirs = [item.split("=", 1)[1] for item in overrides if item.startswith("--run_dir=")]
+    run_dir = Path(run_dirs[-1] if run_dirs else load_config(None).run_dir)
+    recorded = run_dir / "config.toml"
+    if not recorded.is_file():
+        return None
+    try:
+        load_config(recorded)
+    except ConfigError:
+        return None  # an older run's record: the embedded default (or --config) stands in, as before records were read
+    return load_config(recorded, overrides)
 
 
 def _one_line_kind(error: Exception) -> tuple[str | None, int]:
@@ -114,8 +130,10 @@ def _train(config: TrainerConfig, args, overrides) -> int:
     trainer = None
     try:
         trainer = Trainer(config, env)
-        if env.rank == 0:
-            note = schedule_change(trainer.config) if trainer.checkpoints.complete_steps() else None
+        latest = trainer.checkpoints.latest_step() if config.checkpoint.enable else None
+        if env.rank == 0 and (latest is None or trainer.config.schedule.steps > latest):
+            # NOTE: a finished run asked for fewer steps than it has trained keeps its record (nothing trains)
+            note = schedule_change(trainer.config) if latest is not None else None
             if note is not None:
                 print(note, flush=True)
             write_run_record(trainer.config, trainer.spec)  # schedule.steps as resolved from schedule.epochs
@@ -194,7 +212,7 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
     if not checkpoints.complete_steps():
         # NOTE: checked before anything is created: evaluating a mistyped run_dir must not leave a folder behind
         raise ConfigError(f"run_dir: no complete checkpoint under {checkpoints.folder}")
-    check_same_model(config)
+    check_same_model(config, evaluating=True)
     env = init_distributed(config.device, config.parallelism.collectives)
     trainer = None
     try:

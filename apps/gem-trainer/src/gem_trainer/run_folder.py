@@ -39,17 +39,21 @@ def _listed(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, ..., {steps[-1]}"
 
 
-def check_same_model(config: TrainerConfig) -> None:
-    """Refuse, in one line naming the differing fields, to load a run folder's checkpoints into another model."""
+def check_same_model(config: TrainerConfig, evaluating: bool = False) -> None:
+    """Refuse, in one line naming the differing fields, to load a run folder's checkpoints into another model:
+    to resume them (a training run that resumes), or to evaluate them (``evaluating``: always loaded)."""
     run_dir = Path(config.run_dir)
     saved = run_dir / "config.toml"
-    if not (config.checkpoint.enable and config.checkpoint.resume) or not saved.is_file():
+    loads = evaluating or (config.checkpoint.enable and config.checkpoint.resume)
+    if not loads or not saved.is_file():
         return
     if not CheckpointManager(run_dir / "checkpoints", keep_latest=1).complete_steps():
         return
     try:
         previous = load_config(saved)
     except ConfigError as error:
+        if evaluating:  # nothing to compare against: the checkpoint's own load decides
+            return
         raise ConfigError(f"run_dir: {run_dir} holds a run whose config no longer loads ({error}); use a new run_dir") from None
     before, after = _flatten(previous.model_dump(mode="json")), _flatten(config.model_dump(mode="json"))
     changed = [key for key in sorted(set(before) | set(after))
@@ -57,8 +61,9 @@ def check_same_model(config: TrainerConfig) -> None:
     if changed:
         shown = "; ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed[:4])
         more = f" (+{len(changed) - 4} more)" if len(changed) > 4 else ""
-        raise ConfigError(f"run_dir: {run_dir} holds checkpoints of another model ({shown}{more}); use a new run_dir, "
-                          f"or delete {run_dir / 'checkpoints'} to start afresh there")
+        advice = ("evaluate it with the config it trained with (without --config, eval reads its config.toml)"
+                  if evaluating else f"use a new run_dir, or delete {run_dir / 'checkpoints'} to start afresh there")
+        raise ConfigError(f"run_dir: {run_dir} holds checkpoints of another model ({shown}{more}); {advice}")
 
 
 def schedule_change(config: TrainerConfig) -> str | None:

@@ -310,8 +310,8 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg = self.config
-        if cfg.checkpoint.enable and cfg.checkpoint.resume and not self.resume():
-            self.logger.drop_after(self.step)  # no checkpoint: the run starts over, an earlier attempt's lines go
+        if not (cfg.checkpoint.enable and cfg.checkpoint.resume and self.resume()):
+            self.logger.drop_after(self.step)  # nothing resumed: the run starts over, an earlier attempt's lines go
         self.first_step = self.step  # where this process started (a resumed run counts from there)
         window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
         metrics: dict[str, float] = {}
