@@ -1,4 +1,4 @@
-"""Rowwise FP8 quantisation for Hopper's scaled GEMMs, the PyTorch reference.
+"""Rowwise and blockwise FP8 quantisation for Hopper's scaled GEMMs, the PyTorch reference.
 
 A matrix is cut into rows along the dimension a GEMM contracts (``dim``), and each row gets one float32 scale:
 ``elements = x / scale`` in E4M3 (round to nearest even), ``x ~ elements * scale``. The result is always laid out
@@ -21,7 +21,8 @@ scales are local to it, where a row's spans every token). The same scale rule pe
 (a NaN scale and zero elements for the block). ``transpose`` writes the transpose's elements and scales (x^T's 1 x
 128 blocks from x's 128 x 1), the layout the GEMM of the weight gradient reads.
 
-Padding: the kept dimension can be padded to a multiple of ``rows_to`` (zero rows, scale 1) and the reduced one
+Padding: the kept dimension can be padded to a multiple of ``rows_to`` (zero rows, scale 1; blockwise: zero rows
+within their blocks) and the reduced one
 to a multiple of ``cols_to`` (zeros), because the scaled GEMM needs sizes divisible by 16; padded rows and
 columns contribute nothing to a product. Or the output's reduced dimension can be ``placed``: a map giving each
 output column the input column it holds (-1: a zero column), e.g. attention's V^T with every sequence starting at
