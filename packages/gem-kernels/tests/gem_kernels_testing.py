@@ -1,4 +1,4 @@
-"""Shared test helpers: jagged inputs, a naive per-sequence attention (float64), closeness checks."""
+"""Shared test helpers: jagged inputs, a naive per-sequence attention (float64), closeness checks, FP8 inputs and bits."""
 
 from __future__ import annotations
 
@@ -74,3 +74,22 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what:
 def grads(out: torch.Tensor, inputs: list[torch.Tensor], dout: torch.Tensor) -> list[torch.Tensor]:
     gs = torch.autograd.grad(out, inputs, dout, allow_unused=True)
     return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, gs)]
+
+
+def awkward_fp8_input(shape, dtype, seed):
+    """Rows spanning 2^-40 .. 2^40, with a zero row, an infinity, a NaN and values at E4M3 rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-40, 40, (shape[0], 1), generator=g).float())
+    x[0] = 0.0
+    x[1, 2] = float("inf")
+    x[2, 0] = float("nan")
+    x[3, : shape[1] // 2] = 1.0625 * 2.0 ** torch.arange(-8, -8 + shape[1] // 2).clamp(max=8)  # exact ties after scaling
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4).nan_to_num(nan=float("nan"), posinf=float("inf")) * 1e-6
+        x[1, 2], x[2, 0] = float("inf"), float("nan")
+    return x.to(dtype)
+
+
+def same_fp8(a, b) -> bool:
+    """Whether two ``(E4M3 elements, scales)`` pairs hold the same bits (NaN scales equal)."""
+    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1].nan_to_num(-1.0), b[1].nan_to_num(-1.0))

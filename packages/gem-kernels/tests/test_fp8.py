@@ -4,28 +4,12 @@ rules; the FP8 linear (``torch._scaled_mm``, which runs on CPU too) against its 
 import pytest
 import torch
 from conftest import requires_triton
+from gem_kernels_testing import awkward_fp8_input as _awkward
+from gem_kernels_testing import same_fp8 as _same
 
 from gem_kernels import Fp8Linear, Fp8Recipe, convert_to_low_precision, fp8_dequantize, fp8_linear, fp8_rowwise_quantize
 from gem_kernels.fp8 import fp8_rowwise_quantize_reference
 from gem_kernels.mx import FORMATS, _blocks, shared_exponents
-
-
-def _awkward(shape, dtype, seed):
-    """Rows spanning 2^-40 .. 2^40, with a zero row, an infinity, a NaN and values at E4M3 rounding ties."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-40, 40, (shape[0], 1), generator=g).float())
-    x[0] = 0.0
-    x[1, 2] = float("inf")
-    x[2, 0] = float("nan")
-    x[3, : shape[1] // 2] = 1.0625 * 2.0 ** torch.arange(-8, -8 + shape[1] // 2).clamp(max=8)  # exact ties after scaling
-    if dtype == torch.float16:
-        x = x.clamp(-6e4, 6e4).nan_to_num(nan=float("nan"), posinf=float("inf")) * 1e-6
-        x[1, 2], x[2, 0] = float("inf"), float("nan")
-    return x.to(dtype)
-
-
-def _same(a, b):
-    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1].nan_to_num(-1.0), b[1].nan_to_num(-1.0))
 
 
 @requires_triton

@@ -5,7 +5,8 @@ float32; what takes only rowwise scales refuses blockwise ones."""
 import pytest
 import torch
 from conftest import requires_triton
-from test_fp8 import _awkward, _same
+from gem_kernels_testing import awkward_fp8_input as _awkward
+from gem_kernels_testing import same_fp8 as _same
 
 from gem_kernels import Fp8Linear, Fp8Recipe, convert_to_low_precision, fp8_blockwise_dequantize, fp8_blockwise_quantize
 from gem_kernels.fp8 import blockwise_shapes, fp8_blockwise_quantize_reference, fp8_rowwise_quantize_reference

@@ -4,14 +4,11 @@ E4M3 bits that quantising its own output gives; the block against its PyTorch tw
 import pytest
 import torch
 from conftest import requires_triton
+from gem_kernels_testing import same_fp8 as _same
 
 from gem_kernels import Fp8Recipe, fp8_linear
 from gem_kernels.fp8 import fp8_rowwise_quantize_reference
 from gem_kernels.fp8_mlp import _gelu_gradient_reference, _gelu_reference, fp8_layer_norm, fp8_linear_gelu, fp8_norm_mlp
-
-
-def _same(a, b):
-    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1].nan_to_num(-1.0), b[1].nan_to_num(-1.0))
 
 
 def _rel(a, b):

@@ -89,15 +89,14 @@ def main(argv: list[str] | None = None) -> int:
 def _eval_config(overrides: list[str]) -> TrainerConfig | None:
     """``eval`` without ``--config``: the config the run trained with (``run_dir/config.toml``, as ``train`` recorded
     it) under the overrides, which only it has to accept; None where there is no record or it no longer loads."""
-    run_dirs = [item.split("=", 1)[1] for item in overrides if item.startswith("--run_dir=")]
-    run_dir = Path(run_dirs[-1] if run_dirs else load_config(None).run_dir)
-    recorded = run_dir / "config.toml"
+    run_dir = load_config(None, [item for item in overrides if item.startswith("--run_dir=")]).run_dir
+    recorded = Path(run_dir) / "config.toml"
     if not recorded.is_file():
         return None
     try:
         load_config(recorded)
     except ConfigError:
-        return None  # an older run's record: the embedded default (or --config) stands in, as before records were read
+        return None  # an older run's record: the embedded default stands in, as before records were read
     return load_config(recorded, overrides)
 
 
