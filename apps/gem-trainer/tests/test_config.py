@@ -215,6 +215,12 @@ def test_cuda_graphs_with_compiled_parts_are_refused_in_one_line(overrides):
         load_config(None, ["--parallelism.cuda_graphs=true", *overrides])
 
 
+def test_padded_expert_messages_without_expert_parallelism_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="expert_padded sizes the all-to-all of expert parallelism: it needs expert > 1"):
+        load_config(None, ["--parallelism.expert_padded=true"])
+    assert load_config(None, ["--parallelism.expert_padded=true", "--parallelism.expert=2"])
+
+
 def test_a_history_bucket_without_cuda_graphs_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="cuda_graph_history_bucket pads the history for a CUDA graph of the trunk"):
         load_config(None, ["--parallelism.cuda_graph_history_bucket=256"])

@@ -28,8 +28,10 @@ BASE = [
     f"--schedule.steps={STEPS}", "--schedule.warmup_steps=2", "--checkpoint.every_steps=10", "--data.eval_batches=4",
     "--data.synthetic.max_events=24", "--model.kunlun.capacity_factor=1.0",
 ]
-# with plain SGD on the tables, averaging 2-D sparse replicas equals one process exactly (Adagrad is not linear)
-SGD = ["--optimizer.sparse=sgd", "--optimizer.sparse_lr=0.5", "--model.kunlun.capacity_factor=0"]
+# with plain SGD on the tables, averaging 2-D sparse replicas equals one process exactly (Adagrad is not linear);
+# two of the three surfaces trained on: the ranks' shares of a global batch differ in size
+SGD = ["--optimizer.sparse=sgd", "--optimizer.sparse_lr=0.5", "--model.kunlun.capacity_factor=0",
+       "--data.train_surfaces=[0,1]"]
 
 pytestmark = pytest.mark.slow
 
@@ -129,9 +131,11 @@ def test_four_ranks_hsdp_expert_parallel_column_wise_tables_equal_one_process(tm
 
 
 def test_four_ranks_2d_sparse_and_padded_expert_parallel_equal_one_process(tmp_path, reference_sgd):
-    """Tables sharded over groups of 2 and replicated across the 2 groups (averaged every step), experts
-    over all 4 ranks with the equal-split all-to-all (no capacity drops, so per-rank capacity changes nothing)."""
-    train(tmp_path, 4, *SGD, "--parallelism.sparse_group=2", "--parallelism.expert=4", "--parallelism.expert_padded=true")
+    """Tables sharded over groups of 2 and replicated across the 2 groups (averaged every step), experts over
+    groups of 2 inside the 4 dense shards (their gradients reduced over the 2 ranks holding the same experts) with
+    the equal-split all-to-all (no capacity drops, so per-rank capacity changes nothing), ranks holding different
+    numbers of examples."""
+    train(tmp_path, 4, *SGD, "--parallelism.sparse_group=2", "--parallelism.expert=2", "--parallelism.expert_padded=true")
     assert_same_run(tmp_path, reference_sgd)
 
 
@@ -145,6 +149,20 @@ def test_resume_on_the_same_and_on_another_number_of_ranks_continues_exactly(tmp
         done = train(run, ranks)
         assert "resumed from" in done.stdout and "at step 10" in done.stdout
         assert_close_states(final_state(run), final_state(expected))
+
+
+def test_2d_sparse_replicas_averaged_every_few_steps_resume_exactly(tmp_path):
+    """Table replicas averaged every 3 steps drift apart in between, and a checkpoint holds one copy of each shard:
+    the step-10 checkpoint (between two averages) is written from averaged replicas, and a run resumed from it
+    ends where the uninterrupted run ends."""
+    replicas = [*SGD, "--parallelism.sparse_group=1", "--parallelism.sparse_sync_every=3"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    train(full, 2, *replicas)
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step-10", resumed / "checkpoints" / "step-10")
+    assert "at step 10" in train(resumed, 2, *replicas).stdout
+    torch.testing.assert_close(torch.tensor(losses(resumed)), torch.tensor(losses(full)[10:]), rtol=2e-5, atol=2e-6)
+    assert_close_states(final_state(resumed), final_state(full))
 
 
 def test_resume_with_another_global_batch_stops_with_one_line(tmp_path, two_ranks):

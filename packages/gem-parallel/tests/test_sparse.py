@@ -22,8 +22,9 @@ def test_tables_are_sharded_over_ranks_and_updated_row_wise_in_backward(tmp_path
     for rank, result in enumerate(ranks):
         assert result["local_tables"] == sorted(t for t, owners in placement.items() if owners == [rank])
         assert result["looked_up_rows_changed"] and result["other_rows_unchanged"]
-    # the dense part is data parallel: identical on every rank after the all-reduced steps
-    assert ranks[0]["dense_weight"] == ranks[1]["dense_weight"]
+    # the dense part is data parallel: its gradient is the mean of the ranks' own, which differ
+    for result in ranks:
+        assert result["dense_grad_spread"] > 1e-3 and result["dense_grad_error"] < 1e-6, result
 
 
 def test_index_dedup_is_refused_without_a_gpu_in_one_line():

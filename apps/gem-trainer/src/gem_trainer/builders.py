@@ -174,12 +174,17 @@ def resolve_schedule(config: TrainerConfig, data: DataSetup, env: DistributedEnv
     return with_schedule_steps(config, steps)
 
 
-def global_batch_bound(config: TrainerConfig, env: DistributedEnv) -> int:
-    """The most examples one training step's global batch can hold: every stream of ``build_data`` gives a
+def rank_batch_bound(config: TrainerConfig) -> int:
+    """The most examples one rank's share of a training step can hold: every stream of ``build_data`` gives a
     rank at most ``data.batch_size`` examples a step (filters and the end of a finite stream give fewer), except
     that length balancing moves examples between the steps of its window."""
     d = config.data
-    return d.batch_size * env.world_size * (d.balance_window if d.balance else 1)
+    return d.batch_size * (d.balance_window if d.balance else 1)
+
+
+def global_batch_bound(config: TrainerConfig, env: DistributedEnv) -> int:
+    """The most examples one training step's global batch can hold (every rank's share at its bound)."""
+    return rank_batch_bound(config) * env.world_size
 
 
 def _joined(join, eval_batches: Callable[[], Iterator[Batch]] | None) -> Callable[[], Iterator[Batch]] | None:
@@ -560,7 +565,8 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
         return parallelize_kunlun(
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,
             sparse_optimizer=sparse_optimizer, sparse_optimizer_kwargs=sparse_kwargs, expert_padded=p.expert_padded,
-            global_batch_bound=global_batch_bound(config, env), sparse_index_dedup=p.sparse_index_dedup,
+            global_batch_bound=global_batch_bound(config, env), rank_batch_bound=rank_batch_bound(config),
+            sparse_index_dedup=p.sparse_index_dedup,
             sparse_sequence_dtype=sequence_lookup_dtype(config, env.device),
         )
     except LayoutError as error:

@@ -373,7 +373,9 @@ class ParallelismConfig(Section):
     cuda_graph_history_bucket: int = Field(0, ge=0)
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)
-    expert_padded: bool = False  # equal-split all-to-all (fixed shapes, capacity per rank)
+    # equal-split all-to-all (fixed shapes, capacity per rank), its messages sized for the most examples a rank can
+    # hold: data.batch_size (x data.balance_window with data.balance)
+    expert_padded: bool = False
     # sparse (TorchRec): tables sharded over groups of sparse_group ranks, replicated across groups
     sparse_group: int = Field(-1, ge=-1)
     sparse_sharding: Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"] = "table_wise"
@@ -401,6 +403,8 @@ class ParallelismConfig(Section):
         if self.cuda_graph_history_bucket and self.cuda_graphs == "off":
             raise ValueError("parallelism.cuda_graph_history_bucket pads the history for a CUDA graph of the trunk: it "
                              "needs cuda_graphs = \"auto\" or \"on\"")
+        if self.expert_padded and self.expert == 1:
+            raise ValueError("parallelism.expert_padded sizes the all-to-all of expert parallelism: it needs expert > 1")
         if self.compile_experts == "on" and self.compile != "off":
             raise ValueError(f"parallelism.compile_experts = \"on\" compiles the MoEs of blocks left eager; with "
                              f"compile = {self.compile!r} each block is compiled, its MoE with it")

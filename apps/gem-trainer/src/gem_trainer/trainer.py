@@ -201,6 +201,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.check_divergence()  # never save the update of a step whose loss was not finite
+        # NOTE: a checkpoint keeps one copy of each table shard: 2-D sparse replicas that drifted apart since their
+        # last average (sparse_sync_every > 1) are averaged first, so that a resumed run continues as this one does
+        self.sparse_replicas.sync()
         self.checkpoints.save(self.step, self.distributed_state(), self.state_dict(),
                               asynchronous=self.config.checkpoint.asynchronous)
         self._saved_step = self.step

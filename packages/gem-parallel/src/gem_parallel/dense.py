@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -133,12 +134,21 @@ def apply_fsdp(
         fully_shard(expert, mesh=expert_mesh, mp_policy=block_policy, reshard_after_forward=options.reshard_after_forward,
                     ignored_params=ignored_params)
         expert.set_gradient_divide_factor(float(world_size))
+        if _gloo(expert_mesh):
+            # NOTE: a factor other than the reduce-scatter's ranks makes FSDP reduce with ReduceOp.PREMUL_SUM, which
+            # Gloo lacks; summing and then dividing gives the same gradient
+            expert.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=options.reshard_after_forward,
                     ignored_params=ignored_params)
     # NOTE: the root's parameters are used first in forward and last in backward: resharding them after
     # forward would only gather them again at once.
     fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored_params)
+
+
+def _gloo(mesh: DeviceMesh) -> bool:
+    """Whether ``mesh``'s collectives go through Gloo."""
+    return any("gloo" in str(dist.get_backend(group)) for group in mesh.get_all_groups())
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:

@@ -13,11 +13,13 @@ Two ways to size the messages:
 - ``padded = False`` (exact): per-expert counts are exchanged first (one small all-to-all and a host
   round trip for the split sizes), then exactly the kept rows travel. Combined with the MoE's global
   capacity (``batch_group``) the result equals one process holding the global batch.
-- ``padded = True`` (equal split): every rank sends each expert exactly ``capacity(local batch)`` rows,
+- ``padded = True`` (equal split): every rank sends each expert exactly ``capacity(rank_batch_bound)`` rows,
   zero-padded: fixed shapes, no count exchange, no host synchronisation, at the price of the padding's
-  traffic and compute. Capacity is then per rank (each rank may fill its share of an expert, no more),
-  which drops more than the global policy when the routing is uneven across ranks; in eval mode, where
-  nothing is dropped, the exact path runs.
+  traffic and compute. Capacity is then per rank (each rank may fill ``capacity(local batch)`` of an expert, no
+  more), which drops more than the global policy when the routing is uneven across ranks; in eval mode, where
+  nothing is dropped, the exact path runs. The messages are sized by ``rank_batch_bound``, the most examples any
+  rank passes the MoE in one call, and not by the local batch: ranks hold different numbers of examples (a
+  domain's rows, a filtered surface, a stand-in row), and an all-to-all of equal splits needs one size on all.
 """
 
 from __future__ import annotations
@@ -35,13 +37,19 @@ from gem_parallel.parallel_dims import LayoutError
 class ExpertParallel:
     """The ``dispatch`` hook of one ``MixtureOfExperts`` under expert parallelism (see the module docstring)."""
 
-    def __init__(self, moe: MixtureOfExperts, group: dist.ProcessGroup, padded: bool = False) -> None:
-        self.group, self.padded = group, padded
+    def __init__(self, moe: MixtureOfExperts, group: dist.ProcessGroup, padded: bool = False,
+                 rank_batch_bound: int | None = None) -> None:
+        self.group, self.padded, self.rank_batch_bound = group, padded, rank_batch_bound
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts, self.capacity = moe.num_experts, moe.capacity
         if self.num_experts % self.size:
             raise LayoutError(f"expert ({self.size}) must divide the number of experts ({self.num_experts})")
+        if padded and (rank_batch_bound is None or rank_batch_bound < 1):
+            raise LayoutError(f"expert_padded needs rank_batch_bound >= 1, the most examples one rank passes a MoE in one "
+                              f"call (it sizes every rank's messages), got {rank_batch_bound}")
         self.per_rank = self.num_experts // self.size
+        # each expert's rows in one rank's message: as many as the largest batch any rank may send can keep
+        self.message_slots = min(rank_batch_bound, int(self.capacity(rank_batch_bound))) if padded else None
 
     def local_experts(self) -> range:
         return range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
@@ -80,11 +88,13 @@ class ExpertParallel:
     def _padded(self, experts, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Every assignment to its ``(expert, slot)`` cell of an ``[E, slots]`` send buffer by comparisons and
         sums only (no masks, no counts read back): fixed shapes end to end, no host wait."""
-        e, token_shape = self.num_experts, x.shape[1:]
-        slots = int(self.capacity(x.shape[0]))
+        e, token_shape, slots = self.num_experts, x.shape[1:], self.message_slots
+        if x.shape[0] > self.rank_batch_bound:
+            raise ValueError(f"padded expert parallelism: a batch of {x.shape[0]} examples reached a MoE sized for at "
+                             f"most rank_batch_bound = {self.rank_batch_bound} per rank")
         expert, keep = routing.expert, routing.keep
         # each kept assignment's slot: how many kept assignments of its expert come before it; the dropped ones
-        # (capacity per rank: a slot >= slots is never kept) go to a trash cell past the end
+        # (the MoE keeps capacity(local batch) per rank, never more than slots) go to a trash cell past the end
         onehot = ((expert.unsqueeze(1) == torch.arange(e, device=x.device)) & keep.unsqueeze(1)).long()
         slot = (torch.cumsum(onehot, 0) - onehot).gather(1, expert.unsqueeze(1)).squeeze(1)
         cell = torch.where(keep & (slot < slots), expert * slots + slot, torch.full_like(slot, e * slots))
@@ -119,13 +129,18 @@ def _all_to_all(tensor: torch.Tensor, output_splits, input_splits, group) -> tor
     return all_to_all_single(output, tensor, output_splits, input_splits, group=group)
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, padded: bool = False) -> list[MixtureOfExperts]:
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, padded: bool = False,
+                          rank_batch_bound: int | None = None) -> list[MixtureOfExperts]:
     """Split the experts of every ``MixtureOfExperts`` in ``model`` over ``group``: each rank keeps its own
     experts (still on the meta device, to be materialised by ``init_dense_parameters``) and dispatches
-    through ``ExpertParallel``. Returns the MoE modules touched."""
+    through ``ExpertParallel`` (``padded``: with messages sized by ``rank_batch_bound``). Returns the MoE modules
+    touched; a model without one is refused (nothing would be split)."""
     moes = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+    if not moes:
+        raise LayoutError(f"expert = {dist.get_world_size(group)} splits the experts of a mixture of experts over ranks, "
+                          f"and {type(model).__name__} has none: leave it at 1")
     for moe in moes:
-        hook = ExpertParallel(moe, group, padded)
+        hook = ExpertParallel(moe, group, padded, rank_batch_bound)
         mine = {str(i) for i in hook.local_experts()}
         for key in [k for k in moe.experts if k not in mine]:
             del moe.experts[key]

@@ -61,20 +61,23 @@ def parallelize_kunlun(
     sparse_optimizer_kwargs: dict[str, Any] | None = None,
     expert_padded: bool = False,
     global_batch_bound: int | None = None,
+    rank_batch_bound: int | None = None,
     sparse_index_dedup: bool = False,
     sparse_sequence_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Parallelise ``model`` (built on the meta device) as ``dims`` says; returns TorchRec's
     DistributedModelParallel around it (``.module`` is the model, now FSDP2-wrapped). See the module
     docstring for the order of the steps. ``global_batch_bound``: the most examples a training step's
-    global batch can hold (None: unknown), see ``MixtureOfExperts``. ``sparse_sequence_dtype``: the sequence
-    tables' lookup dtype (``shard_embeddings``' sequence_dtype)."""
+    global batch can hold (None: unknown), see ``MixtureOfExperts``; ``rank_batch_bound``: the most one rank's
+    share of it can hold (it sizes ``expert_padded``'s messages, which need it). ``sparse_sequence_dtype``: the
+    sequence tables' lookup dtype (``shard_embeddings``' sequence_dtype)."""
     moes = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
     if dims.expert_enabled:
         for moe in moes:
             if moe.num_experts % dims.expert:
                 raise LayoutError(f"expert ({dims.expert}) must divide the number of experts of every MoE ({moe.num_experts})")
-        apply_expert_parallel(model, meshes.expert.get_group("expert"), padded=expert_padded)
+        apply_expert_parallel(model, meshes.expert.get_group("expert"), padded=expert_padded,
+                              rank_batch_bound=rank_batch_bound)
     sharded = shard_embeddings(model, device, sparse_sharding, sparse_optimizer, sparse_optimizer_kwargs,
                                mesh=meshes.sparse, seed=seed, index_dedup=sparse_index_dedup,
                                sequence_dtype=sparse_sequence_dtype)

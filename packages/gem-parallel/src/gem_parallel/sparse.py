@@ -238,23 +238,36 @@ def _table_of(state_key: str, configs: dict[str, Any]) -> str | None:
 
 class SparseReplicas:
     """Averages the table replicas of 2-D sparse parallelism: weights and fused optimizer state, every
-    ``sync_every`` steps (``maybe_sync(step)``); a no-op with one replica."""
+    ``sync_every`` steps (``maybe_sync(step)``), and whenever asked (``sync``: before a checkpoint, which holds one
+    copy of each shard); a no-op with one replica."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None, sync_every: int = 1) -> None:
         self.model, self.mesh, self.sync_every = model, mesh, sync_every
+        self.synced = True  # the replicas are equal (nothing trained since the last average)
 
     def maybe_sync(self, step: int) -> bool:
-        if self.mesh is None or step % self.sync_every:
+        """After training step ``step``: average every ``sync_every`` steps; True when it did."""
+        if self.mesh is None:
             return False
+        self.synced = False
+        if step % self.sync_every:
+            return False
+        self.sync()
+        return True
+
+    def sync(self) -> None:
+        """Average the replicas now, unless they are equal already."""
+        if self.mesh is None or self.synced:
+            return
+        self.synced = True
         if hasattr(self.model, "sync"):  # DMPCollection
             self.model.sync()
-            return True
+            return
         group, replicas = self.mesh.get_group("sparse_replica"), self.mesh.size(0)
         with torch.no_grad():
             for tensor in self._local_tensors():
                 dist.all_reduce(tensor, group=group)
                 tensor.div_(replicas)
-        return True
 
     def _local_tensors(self) -> list[torch.Tensor]:
         """This rank's shards of every table and of its optimizer state (views of the live storage)."""

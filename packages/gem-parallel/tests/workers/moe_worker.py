@@ -32,7 +32,7 @@ def compare(capacity_factor: float, padded: bool, expert_parallel: bool = True, 
 
     moe = make(capacity_factor)
     if expert_parallel:
-        apply_expert_parallel(moe, dist.group.WORLD, padded=padded)
+        apply_expert_parallel(moe, dist.group.WORLD, padded=padded, rank_batch_bound=LOCAL)
     moe.batch_group, moe.capacity_per_rank, moe.global_batch_bound = dist.group.WORLD, padded, bound
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
     local = x[mine].clone().requires_grad_()
@@ -60,10 +60,11 @@ def compare(capacity_factor: float, padded: bool, expert_parallel: bool = True, 
     return errors
 
 
-def uneven_with_balance_loss(capacity_factor: float) -> dict[str, float]:
+def uneven_with_balance_loss(capacity_factor: float, padded: bool | None = None) -> dict[str, float]:
     """Ranks holding different numbers of rows, the last none (it routes a stand-in row), the balance loss in each
     rank's loss (divided by the ranks, as gradients summed over them count it once): output, balance loss and
-    gradients equal one process's on the global batch."""
+    gradients equal one process's on the global batch. ``padded``: with expert parallelism, exact (False) or padded
+    (True: messages sized by the largest rank's rows, as the trainer's bound sizes them)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = [3 + 5 * r for r in range(world - 1)] + [0]
     x = torch.randn(sum(sizes), TOKENS, DIM, generator=torch.Generator().manual_seed(9))
@@ -74,7 +75,9 @@ def uneven_with_balance_loss(capacity_factor: float) -> dict[str, float]:
     ((expected_out * weight).sum() + reference.last_stats.balance_loss).backward()
 
     moe = make(capacity_factor)
-    moe.batch_group = dist.group.WORLD
+    if padded is not None:
+        apply_expert_parallel(moe, dist.group.WORLD, padded=padded, rank_batch_bound=max(sizes))
+    moe.batch_group, moe.capacity_per_rank = dist.group.WORLD, bool(padded)
     mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     present = sizes[rank] > 0
     local = (x[mine] if present else torch.randn(1, TOKENS, DIM)).clone().requires_grad_()
@@ -87,7 +90,8 @@ def uneven_with_balance_loss(capacity_factor: float) -> dict[str, float]:
               "assigned": int(moe.last_stats.assigned.sum()), "expected_assigned": int(reference.last_stats.assigned.sum())}
     for name, p in moe.named_parameters():
         grad = p.grad.clone()
-        dist.all_reduce(grad)
+        if padded is None or not name.startswith("experts."):  # an expert's owner holds its whole gradient
+            dist.all_reduce(grad)
         expected = reference.get_parameter(name).grad
         errors["grad_max"] = max(errors.get("grad_max", 0.0), (grad - expected).abs().max().item())
     return errors
@@ -117,6 +121,9 @@ def main(out_dir: str) -> None:
         "local_bound_drops": compare(capacity_factor=0.75, padded=False, expert_parallel=False, bound=dist.get_world_size() * LOCAL),
         "local_mask_drops": compare(capacity_factor=0.75, padded=False, expert_parallel=False),
         "uneven_balance_drops": uneven_with_balance_loss(capacity_factor=0.75),
+        "uneven_exact_drops": uneven_with_balance_loss(capacity_factor=0.75, padded=False),
+        # no drops: capacity per rank (padded) would otherwise keep other assignments than the global batch's
+        "uneven_padded": uneven_with_balance_loss(capacity_factor=0.0, padded=True),
         "clip": clipped_norm(),
     }
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
