@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gem_data import TableStream, concat_batches, select_examples
+from gem_data import DataError, TableStream, concat_batches, select_examples
 from gem_data.testing import equal_batches, find_repo_root, shared_data_dir
 from gem_trainer import builders
 from gem_trainer.config import ConfigError, load_config
@@ -23,7 +23,7 @@ SMALL = ["--data.batch_size=32", "--metrics.tensorboard=false", "--metrics.progr
          "--schedule.steps=6", "--schedule.warmup_steps=1", "--schedule.decay=constant", "--metrics.log_every=1",
          "--checkpoint.enable=false", "--data.sequential.eval_users=64", "--deterministic=true"]
 TIME_SPLIT = [f"--config={CONFIGS / 'mixing-ml100k-time.toml'}", f"--data.path={ML}",
-              "--data.mixture.ramp_steps=6", "--data.mixture.online_share_end=0.8"]
+              "--data.mixture.ramp_start=0", "--data.mixture.ramp_steps=6", "--data.mixture.online_share_end=0.8"]
 DOMAINS = [f"--config={CONFIGS / 'mixing-domains.toml'}", f"--data.path={BEAUTY}", "--data.sequential.eval_users=32",
            '--data.mixture.sources=[{name = "beauty", surface = 0}, '
            f'{{name = "movielens", reader = "atomic", path = "{ML}", surface = 1}}]']
@@ -74,6 +74,52 @@ def test_the_online_stream_reaches_the_model_in_time_order(tmp_path):
     batches = list(itertools.islice(data.train, 8))
     read = concat_batches([select_examples(b, (b.source == 1).nonzero().squeeze(1)) for b in batches])
     assert torch.equal(read.sparse["item_id"].values(), expected[: read.batch_size])
+
+
+def test_the_online_stream_is_read_once_and_a_schedule_reading_past_its_end_is_refused(tmp_path):
+    needs(ML)
+    # the online period holds 19,810 examples: 700 steps of 32 at an online share of 0.8 after step 0 read ~17.9k
+    fits = config_for(tmp_path, *TIME_SPLIT, "--schedule.steps=700")
+    builders.check_mixture_reads(fits, builders.build_data(fits, init_distributed("cpu", "gloo")))
+    past = config_for(tmp_path, *TIME_SPLIT, "--schedule.steps=900")
+    data = builders.build_data(past, init_distributed("cpu", "gloo"))
+    with pytest.raises(ConfigError, match=r"^data\.mixture\.sources\.online: its stream holds 19,810 examples, read once "
+                                          r"in time order, and schedule\.steps = 900 would read 2\d,\d{3} of it \(it runs "
+                                          r"out at step \d{3}\): train fewer steps or give it a smaller share$") as error:
+        builders.check_mixture_reads(past, data)
+    step = int(str(error.value).split("runs out at step ")[1].split(")")[0])
+    online = data.mixer.names.index("online")
+    # exact: the batch of that step is the first to need an example past the end
+    assert data.mixer.positions(step - 1)[online] <= 19_810 < data.mixer.positions(step)[online]
+
+
+def test_sources_without_event_times_and_a_time_split(tmp_path):
+    """A sequence file has no event times: as an offline source of a time-split mixture all its examples train (it is
+    not split); as an online source, or evaluated on a period of the split, it is refused in one line."""
+    needs(ML, BEAUTY)
+    env = init_distributed("cpu", "gloo")
+    beauty = f'{{name = "beauty", reader = "sequence_text", path = "{BEAUTY}", surface = 1}}'
+    pointwise = ["--data.sequential.objective=pointwise", "--data.sequential.num_negatives=1", "--data.sequential.loss=binary"]
+    mixed = [*TIME_SPLIT, *pointwise, "--model.name=kunlun", "--model.kunlun.size=tiny",
+             '--data.sequential.eval_split="test"',
+             f'--data.mixture.sources=[{{name = "offline", surface = 0}}, {{name = "online", online = true, surface = 0}}, '
+             f'{beauty}]']
+    data = builders.build_data(config_for(tmp_path, *mixed), env)
+    whole = builders.build_next_item_dataset(config_for(tmp_path, *pointwise, "--data.source=sequence_text",
+                                                        f"--data.path={BEAUTY}"))
+    assert data.mixer.sources[2].rows_per_epoch == TableStream(whole.training_table(), 32).rows_per_epoch > 200_000
+    with pytest.raises(ConfigError, match=r"^override --data\.mixture\.sources=.*: data: data\.mixture\.sources\.beauty: an "
+                                          r"online source is read in time order, and a sequence file holds no event times"):
+        config_for(tmp_path, *mixed[:-1], f'--data.mixture.sources=[{{name = "offline"}}, {beauty[:-1]}, online = true}}]')
+    evaluated = config_for(tmp_path, *mixed, '--data.sequential.eval_split="next_period"', "--data.mixture.eval_source=beauty")
+    with pytest.raises(ConfigError, match=r"^data\.sequential\.eval_split = \"next_period\" evaluates a period of the "
+                                          r"time split, and the evaluated source 'beauty' has no event times"):
+        builders.build_data(evaluated, env)
+    alone = config_for(tmp_path, "--data.source=sequence_text", f"--data.path={BEAUTY}", "--data.sequential.queries=last",
+                       "--data.sequential.time_split=[0.7, 0.9]")
+    with pytest.raises(DataError, match=r"data: data\.sequential\.time_split cuts the data at event times, and this "
+                                        r"sequence_text data has none \(its events are in file order\)$"):
+        builders.build_data(alone, env)
 
 
 def test_two_real_domains_mix_as_two_surfaces_and_evaluate_per_domain(tmp_path):
@@ -212,6 +258,10 @@ def test_mixture_config_errors_name_the_field():
         load_config(None, ["--data.source=atomic", "--data.path=x", '--data.mixture.sources=[{name = "log"}, {name = "live", online = true}]'])
     with pytest.raises(ConfigError, match="data.mixture.eval_source names 'nope'"):
         load_config(None, ['--data.mixture.sources=[{name = "a"}]', "--data.mixture.eval_source=nope"])
+    with pytest.raises(ConfigError, match=r"^override --data\.mixture\.ramp_steps=100: data\.mixture: data\.mixture\.ramp_start "
+                                          r"/ ramp_steps move the online share to online_share_end, which is not set"):
+        load_config(None, ['--data.mixture.sources=[{name = "a"}, {name = "b", online = true, seed = 1}]',
+                           "--data.mixture.online_share_start=0.25", "--data.mixture.ramp_steps=100"])
     with pytest.raises(ConfigError, match="needs online and offline sources"):
         load_config(None, ['--data.mixture.sources=[{name = "a"}]', "--data.mixture.online_share_start=0.5"])
     with pytest.raises(ConfigError, match="needs data.sequential.time_split"):

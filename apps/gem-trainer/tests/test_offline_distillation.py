@@ -192,7 +192,8 @@ def test_the_adapter_corrects_a_teacher_trained_on_an_earlier_time_window(tmp_pa
     config_file = Path(__file__).resolve().parent.parent / "configs" / "mixing-ml100k-time.toml"
     pointwise = [f"--data.path={movielens}", "--data.sequential.objective=pointwise", "--data.sequential.num_negatives=1",
                  "--data.sequential.loss=binary", "--model.sasrec.dim=16", "--data.sequential.eval_users=32",
-                 "--data.mixture.online_share_end=none", "--data.batch_size=64", "--schedule.warmup_steps=2",
+                 "--data.mixture.online_share_end=none", "--data.mixture.ramp_start=0", "--data.mixture.ramp_steps=0",
+                 "--data.batch_size=64", "--schedule.warmup_steps=2",
                  "--metrics.tensorboard=false", "--metrics.progress_bar=false", "--device=cpu"]
     env = init_distributed("cpu", "gloo")
     teacher = tmp_path / "teacher"

@@ -124,6 +124,21 @@ def test_a_finite_source_ends_the_mixture_on_every_rank_at_the_same_step():
     assert steps[0] == steps[1] and 0 < steps[0] < 10
 
 
+def test_the_sources_a_number_of_steps_would_read_past_their_end_are_known_before_reading():
+    generator = SyntheticGenerator(SyntheticConfig(**SPEC))
+    table = BatchTable(generator.batch(0, 100), generator.spec)
+    config = MixingConfig((MixSource("log", 1.0), MixSource("live", 1.0)), batch_size=20, seed=1)
+
+    def mixture():
+        return MixedStream({"log": TableStream(table, 16, shuffle=False, num_epochs=1), "live": SyntheticStream(generator, 16)},
+                           config)
+    read = sum(1 for _ in mixture())  # the steps it gives before the finite source runs out
+    assert mixture().short_sources(read) == []
+    [(name, needed, held, step)] = mixture().short_sources(read + 5)
+    assert (name, held, step) == ("log", 100, read) and needed > 100
+    assert mixture().positions(read + 5)[0] == needed
+
+
 @pytest.mark.parametrize("granularity", ["example", "batch"])
 def test_data_workers_end_a_mixture_with_a_finite_source_where_one_process_ends_it(granularity):
     # each worker checks only its own steps: a later step that draws nothing from the spent source must end it too

@@ -31,7 +31,7 @@ from gem_data import (
     concat_batches,
     select_examples,
 )
-from gem_data.testing import small_corpus
+from gem_data.testing import small_corpus, with_event_times
 from gem_kunlun import Batch
 
 SPEC = dict(num_ads=2000, max_events=16)
@@ -51,7 +51,8 @@ def mixtures(tmp_path_factory):
     every = [NextItemDataset(shop_corpus, NextItemConfig(num_negatives=2, objective="retrieval", queries="every", seed=s))
              for s in (3, 4)]
     split = TimeSplit(0.5, 0.8)
-    periods = {p: TimeSplitDataset(shop_corpus, NextItemConfig(num_negatives=1, seed=5), split, p) for p in ("offline", "online")}
+    periods = {p: TimeSplitDataset(with_event_times(shop_corpus), NextItemConfig(num_negatives=1, seed=5), split, p)
+               for p in ("offline", "online")}
     three = (MixSource("feed", 5.0), MixSource("video", 3.0), MixSource("live", 2.0, online=True))
 
     def synthetic(chunk):
@@ -187,7 +188,9 @@ def reference(mixture, steps, rank=0, world_size=1) -> list[Batch]:
     return out
 
 
-# fingerprints of the first STEPS batches as the mixer gave them before its gathering was optimised (at 2a4d998)
+# fingerprints of the first STEPS batches as the mixer gave them before its gathering was optimised (at 2a4d998); the
+# time-split ones since the split corpus has event times of its own (with_event_times: a time split refuses a sequence
+# file's positions), taken where they equal the plain batch operations' reference, as every row here does
 SAVED = {
     ("synthetic ramp", 0, 1): "380140dbcf995cac",
     ("synthetic ramp", 1, 3): "579b9d1636d717e5",
@@ -199,10 +202,10 @@ SAVED = {
     ("two domains, aligned, stamped surfaces", 0, 1): "c31daf313441c61f",
     ("two domains, aligned, stamped surfaces", 1, 2): "933b2eacf8befa16",
     # ... and, for the time-split mixtures (two periods of one corpus), as it gave them at f469217
-    ("time split: offline shuffled + online in order, one corpus", 0, 1): "75e5b27d00726be0",
-    ("time split: offline shuffled + online in order, one corpus", 1, 2): "531891cc37f18733",
-    ("time split, read one batch at a time", 0, 1): "a1363e809b56bbd9",
-    ("time split, read one batch at a time", 1, 2): "bcd95bd3224cd83e",
+    ("time split: offline shuffled + online in order, one corpus", 0, 1): "2d84ae7aa4ca21a4",
+    ("time split: offline shuffled + online in order, one corpus", 1, 2): "adb1b2450cb2d6fc",
+    ("time split, read one batch at a time", 0, 1): "f7471e7120a5adc0",
+    ("time split, read one batch at a time", 1, 2): "3efc3d3ca7cde6ad",
     ("retrieval, a query per row", 0, 1): "a7a06bc45abfd47f",
     ("retrieval, a query per event", 0, 1): "8715f4e061e03e4c",
     ("retrieval, a query per event", 1, 2): "062fabc0f48b0237",

@@ -18,7 +18,7 @@ from gem_data import (
     read_atomic,
     select_examples,
 )
-from gem_data.testing import equal_batches, find_repo_root, shared_data_dir
+from gem_data.testing import equal_batches, find_repo_root, shared_data_dir, small_corpus
 
 DATA = shared_data_dir(find_repo_root(Path(__file__)))
 SPLIT = TimeSplit(0.6, 0.85)
@@ -99,9 +99,17 @@ def test_next_period_ranks_every_later_event_from_the_history_before_it(corpus):
     assert set(torch.isinf(scores[0]).nonzero().squeeze(1).tolist()) == before and before
 
 
-def test_a_time_split_is_checked():
+def test_a_time_split_is_checked(tmp_path):
     with pytest.raises(ValueError, match="0 < online_from < next_from < 1"):
         TimeSplit(0.9, 0.5)
+    untimed = small_corpus(tmp_path, "shop", 10, 20, False)  # a sequence file: positions, no event times
+    assert not untimed.timed
+    with pytest.raises(ValueError, match=r"^a time split cuts at event times, and corpus 'shop' has none"):
+        TimeSplitDataset(untimed, NextItemConfig(), SPLIT, "offline")
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "plain.inter").write_text("user_id:token\titem_id:token\n1\t2\n1\t3\n2\t2\n")
+    assert not read_atomic(folder).timed  # atomic files without a timestamp field
 
 
 def test_movielens_time_split(tmp_path):

@@ -256,8 +256,10 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
             table = datasets[s.name].training_table()
         else:
             table = tables[s.name] = ParquetTable(_files(path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
-        # an online source replays its stream in time order; offline logs are shuffled
-        streams[s.name] = TableStream(table, d.batch_size, shuffle=not s.online, seed=config.seed, read_rows=d.read_rows)
+        # an online source is its stream in time order, read once (check_mixture_reads); offline logs are shuffled,
+        # pass after pass
+        streams[s.name] = TableStream(table, d.batch_size, shuffle=not s.online, seed=config.seed, read_rows=d.read_rows,
+                                      num_epochs=1 if s.online else None)
     # NOTE: each table's times count from its own earliest event; a per-user memory (LoopFM, Solaris) compares times
     # across sources, so every table of the mixture (and the held-out files, read with its base) takes one clock
     if tables:
@@ -283,6 +285,10 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
     mixer = MixedStream(streams, mixing, rank, world, alignment)
     name = m.eval_source or m.sources[0].name
     ranking = eval_fn = None
+    split = d.sequential.eval_split
+    if name in datasets and split in ("next_period", "offline_period") and not isinstance(datasets[name], TimeSplitDataset):
+        raise ConfigError(f"data.sequential.eval_split = \"{split}\" evaluates a period of the time split, and the evaluated "
+                          f"source {name!r} has no event times (it is not split): evaluate \"valid\" or \"test\"")
     if name in datasets:
         ranking = AlignedRanking(datasets[name], alignment, name)
     elif name in tables:
@@ -296,6 +302,22 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
     return mixer, ranking, eval_fn
 
 
+def check_mixture_reads(config: TrainerConfig, data: DataSetup) -> None:
+    """Refuse a schedule that reads a mixture's online source past its end: the stream is read once, in time order,
+    and the draws of every step are known before training (replaying it from its start would train on the online
+    period again, out of time order)."""
+    from gem_trainer.config import ConfigError
+
+    if data.mixer is None:
+        return
+    short = data.mixer.short_sources(config.schedule.steps)
+    if short:
+        name, read, held, step = short[0]
+        raise ConfigError(f"data.mixture.sources.{name}: its stream holds {held:,} examples, read once in time order, and "
+                          f"schedule.steps = {config.schedule.steps:,} would read {read:,} of it (it runs out at step "
+                          f"{step + 1:,}): train fewer steps or give it a smaller share")
+
+
 def _held_out_table(config: TrainerConfig, table: ParquetTable, eval_path: str) -> ParquetTable:
     """The held-out Parquet files, read with the training table's vocabularies, surfaces and time base."""
     return ParquetTable(_files(eval_path, "*.parquet"), skip_bad_rows=config.data.skip_bad_rows,
@@ -307,7 +329,8 @@ def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | 
     """Read a sequence file (with its item attributes) or RecBole atomic files into the next-item task: of
     ``data`` or of mixture ``source`` (its reader and path); ``corpora`` shares files read by several sources.
     With ``data.sequential.time_split`` the examples are one period of the split: a mixture's online source the
-    online period, an offline one the offline period, a lone source both."""
+    online period, an offline one the offline period, a lone source both; a mixture's offline source whose events
+    carry no times (a sequence file, atomic files without a timestamp) is not split: all its examples train."""
     d, s = config.data, config.data.sequential
     reader = source.reader if source is not None and source.reader else d.source
     path = Path(source.path if source is not None and source.path else d.path)
@@ -322,7 +345,12 @@ def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | 
         sampler=s.sampler, popularity_power=s.popularity_power,
         max_history=s.max_history, attribute_slots=s.attribute_slots, with_user_id=s.with_user_id, seed=config.seed,
     )
-    if s.time_split is None:
+    where = "data" if source is None else f"data.mixture.sources.{source.name}"
+    if s.time_split is not None and not corpus.timed and (source is None or source.online):
+        role = "the data" if source is None else "an online source"
+        raise DataError(path, None, f"{where}: data.sequential.time_split cuts {role} at event times, and this {reader} "
+                                    f"data has none (its events are in file order)")
+    if s.time_split is None or not corpus.timed:
         dataset = NextItemDataset(corpus, next_item)
         if not dataset.num_training_examples:
             short = int((corpus.lengths() < 4).sum())

@@ -211,8 +211,9 @@ class MixtureSourceConfig(Section):
 
     name: str
     weight: float = Field(1.0, gt=0)
-    # online: a near-real-time stream; a next-item source is then the online period of data.sequential.time_split,
-    # read in time order (offline next-item sources read the offline period, shuffled)
+    # online: a near-real-time stream, read once in time order; a next-item source is then the online period of
+    # data.sequential.time_split (offline next-item sources read the offline period, shuffled, or, without event
+    # times, all their examples), a parquet source its file(s) in row order
     online: bool = False
     reader: Literal["synthetic", "sequence_text", "atomic", "parquet"] | None = None  # None: data.source
     path: str | None = None  # None: data.path
@@ -241,6 +242,9 @@ class MixtureConfig(Section):
     def _schedule_needs_both_groups(self) -> "MixtureConfig":
         if self.online_share_end is not None and self.online_share_start is None:
             raise ValueError("data.mixture.online_share_end needs online_share_start")
+        if self.online_share_end is None and (self.ramp_start or self.ramp_steps):
+            raise ValueError("data.mixture.ramp_start / ramp_steps move the online share to online_share_end, which is "
+                             "not set (without it the share stays constant)")
         if self.online_share_start is not None and self.sources:
             online = [s.online for s in self.sources]
             if all(online) or not any(online):
@@ -299,7 +303,10 @@ class DataConfig(Section):
                 raise ValueError("data.eval_path (held-out parquet) is required for data.source = \"parquet\"" if name is None
                                  else f"{where}: the evaluated parquet source needs an eval_path (or data.eval_path)")
         for s in sources:
-            if s.online and (s.reader or self.source) in ("sequence_text", "atomic") and self.sequential.time_split is None:
+            if s.online and (s.reader or self.source) == "sequence_text":
+                raise ValueError(f"data.mixture.sources.{s.name}: an online source is read in time order, and a sequence "
+                                 f"file holds no event times: use atomic files with a timestamp field, or parquet")
+            if s.online and (s.reader or self.source) == "atomic" and self.sequential.time_split is None:
                 raise ValueError(f"data.mixture.sources.{s.name}: an online next-item source is the online period of a time "
                                  f"split, read in time order: set data.sequential.time_split")
         if self.train_surfaces is not None and self.balance:
@@ -675,7 +682,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def _origin_of(origins: dict[tuple[str, ...], str], loc: tuple[str, ...], default: str, message: str = "") -> str:
     """Where the value at ``loc`` came from. For a section-level error (a check across its fields), an override
-    of one of its fields is the likeliest culprit, then the one file all its fields come from. A check across
+    of one of its fields is the likeliest culprit (one the message names first), then the one file all its fields
+    come from. A check across
     sections names its fields in ``message``: the last override of one of them, else the config file."""
     if not loc:
         named = [source for key, source in origins.items() if source.startswith("override ") and ".".join(key) in message]
@@ -683,10 +691,12 @@ def _origin_of(origins: dict[tuple[str, ...], str], loc: tuple[str, ...], defaul
     for n in range(len(loc), 0, -1):
         if loc[:n] in origins:
             return origins[loc[:n]]
-    inside = [source for key, source in origins.items() if key[: len(loc)] == loc]
-    overrides = [source for source in inside if source.startswith("override ")]
-    if overrides:
-        return overrides[-1]
+    inside = [(key, source) for key, source in origins.items() if key[: len(loc)] == loc]
+    overrides = [(key, source) for key, source in inside if source.startswith("override ")]
+    named = [source for key, source in overrides if ".".join(key) in message]
+    if named or overrides:  # the override of a field the message names, else the last override in the section
+        return (named or [source for _, source in overrides])[-1]
+    inside = [source for _, source in inside]
     return inside[0] if inside and len(set(inside)) == 1 else default
 
 

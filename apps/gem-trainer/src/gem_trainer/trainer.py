@@ -84,6 +84,7 @@ class Trainer:
         self.data = data if data is not None else builders.build_data(config, env)
         # NOTE: from here on every part (loop, LR schedule, logging, checkpoints, soft labels) sees the resolved steps
         config = self.config = builders.resolve_schedule(config, self.data, env)
+        builders.check_mixture_reads(config, self.data)
         if config.schedule.epochs is not None:
             self._print(f"schedule.epochs {config.schedule.epochs:g} = {config.schedule.steps:,} steps of "
                         f"{config.data.batch_size * env.world_size:,} examples ({self.data.rows_per_epoch:,} rows per epoch)")

@@ -355,6 +355,22 @@ class MixedStream(ShardedStream):
         ids = np.repeat(np.arange(len(self.sources), dtype=np.int64), self.composition(index))
         return torch.from_numpy(ids[lo:hi])
 
+    def short_sources(self, steps: int) -> list[tuple[str, int, int, int]]:
+        """The sources of known finite length that ``steps`` global batches would read past their end:
+        ``(name, examples read, examples held, first step that finds it spent)`` each (the draws are a pure function
+        of the step, so this is exact before a batch is read)."""
+        short = []
+        for i, (name, reader) in enumerate(zip(self.names, self._readers)):
+            held = reader.length
+            if held is None or math.isinf(held) or self.positions(steps)[i] <= held:
+                continue
+            lo, hi = 0, steps  # the first step whose batch would read past the end: positions(step + 1) > held
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (mid + 1, hi) if self.positions(mid + 1)[i] <= held else (lo, mid)
+            short.append((name, self.positions(steps)[i], int(held), lo))
+        return short
+
     # -- reporting and state --------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         """Examples read so far per source by the whole job (every rank), name -> count."""

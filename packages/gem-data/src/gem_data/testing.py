@@ -70,6 +70,18 @@ def _equal_targets(a: NextItemTargets | None, b: NextItemTargets | None) -> bool
     return a.every == b.every and a.loss == b.loss and torch.equal(a.positives, b.positives) and same_negatives and same_catalogue
 
 
+def with_event_times(corpus):
+    """``corpus`` with event times (a sequence file has none): user ``u``'s ``k``-th event at ``10 k + u`` seconds, so
+    users' events interleave in time."""
+    import dataclasses
+
+    from gem_kunlun import segment_ids
+
+    users = segment_ids(corpus.lengths())
+    position = torch.arange(users.numel()) - corpus.offsets[users]
+    return dataclasses.replace(corpus, timestamps=(10 * position + users).double(), timed=True)
+
+
 def small_corpus(folder: str | Path, name: str, users: int, items: int, attributes: bool):
     """A deterministic sequence corpus of ``users`` histories (4-8 events) over ``items`` items, written to
     ``folder/name.txt`` (with ``name.json`` item attributes when asked) and read back."""

@@ -96,6 +96,7 @@ def read_atomic(
         items=items[order],
         offsets=lengths_to_offsets(lengths),
         timestamps=timestamps,
+        timed=times is not None,
     )
     ignored = [f"{inter_path.name}:{f}" for f, t in header.items() if t == "float_seq"]
     for suffix, key, index, fields_attr, dense_attr in (

@@ -69,6 +69,7 @@ def read_sequence_text(
         items=items,
         offsets=offsets,
         timestamps=positions.double(),
+        timed=False,
         item_fields=item_fields,
         bad_rows=bad.count,
         bad_row_examples=bad.examples,

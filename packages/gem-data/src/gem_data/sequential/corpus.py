@@ -62,7 +62,7 @@ class SequenceCorpus:
 
     - ``items [E]`` item indices, user after user, each user's events in time order; ``offsets [U+1]``.
     - ``timestamps [E]`` float64 seconds since the data set's first event (positions ``0, 1, ...`` when the
-      file has no times), so float32 batches keep second-level resolution.
+      file has no times: then ``timed`` is False), so float32 batches keep second-level resolution.
     - ``item_fields`` / ``user_fields``: name -> ``Bags`` of token ids (one id for a ``token`` field).
     - ``item_dense [V, Di]`` / ``user_dense [U, Du]``: float fields.
     - ``bad_rows`` / ``bad_row_examples``: what ``skip_bad_rows=True`` skipped (0 and [] otherwise);
@@ -82,6 +82,7 @@ class SequenceCorpus:
     bad_rows: int = 0
     bad_row_examples: list[str] = field(default_factory=list)
     ignored_fields: list[str] = field(default_factory=list)
+    timed: bool = True  # the timestamps are event times (not positions)
 
     def __post_init__(self) -> None:
         if self.item_dense is None:

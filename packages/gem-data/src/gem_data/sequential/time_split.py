@@ -63,6 +63,9 @@ class TimeSplitDataset(NextItemDataset):
             raise ValueError(f"period must be one of {PERIODS}, got {period!r}")
         if config.objective == "retrieval" and config.queries == "every":
             raise ValueError("a time split trains on events in time order: use queries = \"last\" (one query per event)")
+        if not corpus.timed:
+            raise ValueError(f"a time split cuts at event times, and corpus {corpus.name!r} has none (its events are in "
+                             f"file order)")
         super().__init__(corpus, config)
         self.split, self.period = split, period
         self.online_from_time, self.next_from_time = split.cutoffs(corpus)
