@@ -67,6 +67,23 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_intact_one(two_checkpoint
         trainer_at(run_dir, 6).resume(4)
 
 
+def test_an_unfinished_newest_checkpoint_is_named_when_skipped(two_checkpoints):
+    """A run stopped while its newest checkpoint was still being written leaves a folder without the marker: the
+    restart says it skips it (it went unnamed, the restart quietly falling back or starting over)."""
+    run_dir, manager = two_checkpoints
+    (run_dir / "checkpoints" / "step-4" / MARKER).unlink()
+    step, skipped = manager.newest_intact()
+    assert step == 2 and skipped == [f"checkpoint {run_dir / 'checkpoints' / 'step-4'} is incomplete (its write did not "
+                                     f"finish: no {MARKER} marker); skipping it"]
+    (run_dir / "checkpoints" / "step-2" / MARKER).unlink()
+    step, skipped = manager.newest_intact()
+    assert step is None and [line.split("step-")[1][:1] for line in skipped] == ["4", "2"]
+    restarted = trainer_at(run_dir, 6)
+    restarted.train()  # starts over and writes steps 2 and 4 anew
+    restarted.close()
+    assert manager.newest_intact() == (6, [])
+
+
 def test_a_damaged_final_checkpoint_is_written_anew_when_the_restart_reaches_its_step_again(tmp_path):
     first = trainer_at(tmp_path, 5)  # saves steps 2 and 4, and the last step, 5, which is no multiple of 2
     first.train()
@@ -331,3 +348,28 @@ def test_a_closed_managers_writer_serves_the_next_manager_of_the_process(tmp_pat
     second.close()
     stop_idle_writers()
     assert subprocess.run(["kill", "-0", str(writer)], capture_output=True).returncode != 0  # stopped, not left behind
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint_it_resumes_from(tmp_path, signum):
+    """A preempted job's SIGTERM, or Ctrl-C: the run stops after the step it is in, writes a checkpoint there (the
+    asynchronous writes finished), says so in one line and exits with 128 + the signal; the same command resumes."""
+    command = [sys.executable, "-m", "gem_trainer.cli", "train", f"--run_dir={tmp_path}", *TINY, "--schedule.steps=100000",
+               "--checkpoint.every_steps=1000"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in run.stdout:
+        if line.startswith("train step 3 "):
+            break
+    run.send_signal(signum)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 128 + signum, err[-2000:]
+    lines = err.strip().splitlines()
+    assert f"{signum.name}: stopping after this step with a checkpoint (again: stop at once)" in lines
+    step = int(lines[-1].split(" at step ")[1].split()[0])
+    assert lines[-1] == (f"gem-trainer: stopped by {signum.name} at step {step} of 100000: checkpoint "
+                         f"{tmp_path / 'checkpoints' / f'step-{step}'}; run the same command to resume")
+    manager = CheckpointManager(tmp_path / "checkpoints", keep_latest=3)
+    assert step >= 3 and manager.newest_intact() == (step, [])
+    resumed = trainer_at(tmp_path, step + 1)
+    assert resumed.resume() and resumed.step == step

@@ -83,12 +83,14 @@ def test_a_run_that_would_not_resume_the_checkpoints_in_its_run_dir_is_refused(f
     assert sorted(p.name for p in (finished_run / "checkpoints").iterdir()) == before
 
 
-def test_a_resumed_run_with_another_length_says_so(finished_run, tmp_path):
+def test_a_resumed_run_with_another_length_or_other_settings_says_so(finished_run, tmp_path):
     run = tmp_path / "longer"
     shutil.copytree(finished_run, run)
-    done = cli("train", f"--run_dir={run}", *TINY, "--schedule.steps=6")
+    done = cli("train", f"--run_dir={run}", *TINY, "--schedule.steps=6", "--optimizer.lr=0.004")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "note: schedule.steps is 6, the run recorded 4: the learning-rate schedule follows the new length" in done.stdout
+    assert ("note: resuming with settings other than the run recorded (optimizer.lr: 0.002 -> 0.004): they apply from "
+            "the resumed step on, and config.toml now records them") in done.stdout
     assert "trained 2 steps (to step 6)" in done.stdout
 
 
@@ -97,6 +99,12 @@ def test_eval_reads_the_runs_own_config_and_refuses_another_model_in_one_line(fi
     # overrides need only suit it (the embedded default's 50 warmup steps would refuse 3 steps)
     done = cli("eval", f"--run_dir={finished_run}", "--step=4", "--schedule.steps=3")
     assert done.returncode == 0, done.stderr[-2000:]
+    written = json.loads((finished_run / "eval-step-4.json").read_text())
+    # --out: another evaluation beside it, the run's own files untouched
+    done = cli("eval", f"--run_dir={finished_run}", "--step=4", f"--out={tmp_path / 'side' / 'other.json'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "side" / "other.json").read_text())["step"] == 4
+    assert json.loads((finished_run / "eval-step-4.json").read_text()) == written
     for extra in ([], ["--checkpoint.resume=false"]):  # eval loads the checkpoint whatever the resume setting
         line = one_line(cli("eval", f"--run_dir={finished_run}", "--step=4", "--model.kunlun.d_model=64", *extra), 2)
         assert "holds checkpoints of another model (model.kunlun.d_model: None -> 64)" in line

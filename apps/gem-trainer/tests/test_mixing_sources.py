@@ -253,6 +253,25 @@ def test_misaligned_sources_are_rejected_in_one_line(tmp_path):
         builders.build_data(retrieval, env)
 
 
+def test_a_sources_missing_or_wrong_path_is_named_by_its_field(tmp_path):
+    needs(ML)
+    env = init_distributed("cpu", "gloo")
+    cases = {
+        f'{{name = "beauty", reader = "sequence_text", path = "{tmp_path / "beuaty"}"}}':
+            rf"^data\.mixture\.sources\.beauty\.path: {tmp_path / 'beuaty'} does not exist$",
+        f'{{name = "movies", reader = "atomic", path = "{ML}k"}}': rf"^data\.mixture\.sources\.movies\.path: {ML}k does not exist$",
+        f'{{name = "movies", reader = "atomic", path = "{ML / "ml-100k.inter"}"}}':
+            rf"^data\.mixture\.sources\.movies\.path: {ML / 'ml-100k.inter'} is not a folder of atomic files: give its "
+            rf"folder, {ML}$",
+        f'{{name = "logs", reader = "parquet", path = "{tmp_path}", eval_path = "{tmp_path}"}}':
+            rf"^data\.mixture\.sources\.logs\.path: no \*\.parquet file at {tmp_path}$",
+    }
+    for source, expected in cases.items():
+        config = config_for(tmp_path, *DOMAINS, f'--data.mixture.sources=[{{name = "base"}}, {source}]')
+        with pytest.raises(FileNotFoundError, match=expected):
+            builders.build_data(config, env)
+
+
 def test_mixture_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="data.mixture.sources.live: an online next-item source is the online period"):
         load_config(None, ["--data.source=atomic", "--data.path=x", '--data.mixture.sources=[{name = "log"}, {name = "live", online = true}]'])

@@ -122,8 +122,8 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
                             read_rows=d.read_rows)
         rows_per_epoch = train.rows_per_epoch
     else:
-        table = ParquetTable(_files(d.path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
-        held_out = _held_out_table(config, table, d.eval_path)
+        table = ParquetTable(_files(d.path, "*.parquet", "data.path"), skip_bad_rows=d.skip_bad_rows)
+        held_out = _held_out_table(config, table, d.eval_path, "data.eval_path")
         train = TableStream(table, batch_size, rank, world, shuffle=True, seed=config.seed, read_rows=d.read_rows)
         rows_per_epoch = train.rows_per_epoch
         eval_fn = lambda: iter(TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False,  # noqa: E731
@@ -255,7 +255,7 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
             datasets[s.name] = build_next_item_dataset(config, s, corpora)
             table = datasets[s.name].training_table()
         else:
-            table = tables[s.name] = ParquetTable(_files(path, "*.parquet"), skip_bad_rows=d.skip_bad_rows)
+            table = tables[s.name] = ParquetTable(_files(path, "*.parquet", _path_field(s, "path")), skip_bad_rows=d.skip_bad_rows)
         # an online source is its stream in time order, read once (check_mixture_reads); offline logs are shuffled,
         # pass after pass
         streams[s.name] = TableStream(table, d.batch_size, shuffle=not s.online, seed=config.seed, read_rows=d.read_rows,
@@ -292,7 +292,8 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
     if name in datasets:
         ranking = AlignedRanking(datasets[name], alignment, name)
     elif name in tables:
-        held_out = _held_out_table(config, tables[name], next(s for s in m.sources if s.name == name).eval_path or d.eval_path)
+        evaluated = next(s for s in m.sources if s.name == name)
+        held_out = _held_out_table(config, tables[name], evaluated.eval_path or d.eval_path, _path_field(evaluated, "eval_path"))
         eval_fn = lambda: (alignment.align(name, b) for b in  # noqa: E731
                            TableStream(held_out, d.batch_size, env.rank, env.world_size, shuffle=False, num_epochs=1,
                                        read_rows=d.read_rows))
@@ -318,9 +319,10 @@ def check_mixture_reads(config: TrainerConfig, data: DataSetup) -> None:
                           f"{step + 1:,}): train fewer steps or give it a smaller share")
 
 
-def _held_out_table(config: TrainerConfig, table: ParquetTable, eval_path: str) -> ParquetTable:
-    """The held-out Parquet files, read with the training table's vocabularies, surfaces and time base."""
-    return ParquetTable(_files(eval_path, "*.parquet"), skip_bad_rows=config.data.skip_bad_rows,
+def _held_out_table(config: TrainerConfig, table: ParquetTable, eval_path: str, field: str) -> ParquetTable:
+    """The held-out Parquet files (``eval_path``, set by config field ``field``), read with the training table's
+    vocabularies, surfaces and time base."""
+    return ParquetTable(_files(eval_path, "*.parquet", field), skip_bad_rows=config.data.skip_bad_rows,
                         vocab_sizes={f.name: f.num_embeddings for f in table.spec.sparse}, num_surfaces=table.spec.num_surfaces,
                         time_base=table.time_base)
 
@@ -337,7 +339,7 @@ def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | 
     key = (reader, str(path.resolve()))
     corpus = corpora.get(key) if corpora is not None else None
     if corpus is None:
-        corpus = _read_corpus(config, reader, path)
+        corpus = _read_corpus(config, reader, path, "data.path" if source is None else _path_field(source, "path"))
         if corpora is not None:
             corpora[key] = corpus
     next_item = NextItemConfig(
@@ -364,32 +366,43 @@ def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | 
     return dataset
 
 
-def _read_corpus(config: TrainerConfig, reader: str, path: Path) -> SequenceCorpus:
+def _path_field(source, name: str) -> str:
+    """The config field that gave mixture ``source`` its ``path`` or ``eval_path``: its own, or data's default."""
+    return f"data.mixture.sources.{source.name}.{name}" if getattr(source, name) else f"data.{name}"
+
+
+def _read_corpus(config: TrainerConfig, reader: str, path: Path, field: str) -> SequenceCorpus:
+    """The corpus of a sequence file or of atomic files at ``path``, set by config field ``field``."""
     d, s = config.data, config.data.sequential
     if reader == "sequence_text":
-        text = path if path.is_file() else _single(path, "*.txt")
+        text = path if path.is_file() else _single(path, "*.txt", field)
         if s.attributes_file and not Path(s.attributes_file).is_file():
             raise FileNotFoundError(f"data.sequential.attributes_file: {s.attributes_file} does not exist")
         # without one given, the attributes file beside the sequences is read where it exists
         attributes = Path(s.attributes_file) if s.attributes_file else text.with_name(f"{text.stem}_item2attributes.json")
         return read_sequence_text(text, attributes if attributes.is_file() else None, skip_bad_rows=d.skip_bad_rows)
+    if not path.exists():
+        raise FileNotFoundError(f"{field}: {path} does not exist")
+    if not path.is_dir():
+        hint = f": give its folder, {path.parent}" if path.suffix == ".inter" else ""
+        raise FileNotFoundError(f"{field}: {path} is not a folder of atomic files{hint}")
     return read_atomic(path, skip_bad_rows=d.skip_bad_rows)
 
 
-def _single(folder: Path, pattern: str) -> Path:
+def _single(folder: Path, pattern: str, field: str) -> Path:
     if not folder.is_dir():
-        raise FileNotFoundError(f"data.path: {folder} does not exist")
+        raise FileNotFoundError(f"{field}: {folder} does not exist")
     found = sorted(folder.glob(pattern))
     if len(found) != 1:
-        raise FileNotFoundError(f"data.path: expected one {pattern} file in {folder}, found {[f.name for f in found]}")
+        raise FileNotFoundError(f"{field}: expected one {pattern} file in {folder}, found {[f.name for f in found]}")
     return found[0]
 
 
-def _files(path: str, pattern: str) -> list[Path]:
+def _files(path: str, pattern: str, field: str) -> list[Path]:
     p = Path(path)
     files = sorted(p.glob(pattern)) if p.is_dir() else [p]
     if not files or not all(f.is_file() for f in files):
-        raise FileNotFoundError(f"data: no {pattern} file at {p}")
+        raise FileNotFoundError(f"{field}: no {pattern} file at {p}")
     return files
 
 

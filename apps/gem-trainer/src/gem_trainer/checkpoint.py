@@ -147,10 +147,14 @@ class CheckpointManager:
         return None
 
     def newest_intact(self, at_most: int | None = None) -> tuple[int | None, list[str]]:
-        """The newest verified step (at most ``at_most``) and a line per damaged newer one."""
-        skipped = []
-        for step in reversed(self.complete_steps()):
+        """The newest verified step (at most ``at_most``) and a line per damaged or unfinished newer one."""
+        skipped, complete = [], set(self.complete_steps())
+        for step in reversed(step_folders(self.folder)):
             if at_most is not None and step > at_most:
+                continue
+            if step not in complete:
+                skipped.append(f"checkpoint {self.path(step)} is incomplete (its write did not finish: no {MARKER} "
+                               f"marker); skipping it")
                 continue
             problem = self.damage(step)
             if problem is None:
@@ -196,16 +200,16 @@ def _what_is_kept(folder: Path) -> str:
     return f"step-{steps[-1]} is kept" if steps else "no earlier checkpoint exists"
 
 
-def complete_steps(folder: Path) -> list[int]:
-    """Steps of ``folder`` whose checkpoint holds the marker."""
+def step_folders(folder: Path) -> list[int]:
+    """Steps of ``folder`` with a checkpoint folder, finished or not."""
     if not folder.is_dir():
         return []
-    steps = []
-    for child in folder.iterdir():
-        match = STEP_FOLDER.match(child.name)
-        if match and (child / MARKER).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return sorted(int(match.group(1)) for match in map(STEP_FOLDER.match, (c.name for c in folder.iterdir())) if match)
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps of ``folder`` whose checkpoint holds the marker."""
+    return [step for step in step_folders(folder) if (step_path(folder, step) / MARKER).is_file()]
 
 
 def finish_checkpoint(folder: Path, keep_latest: int, step: int, failure: BaseException | None,

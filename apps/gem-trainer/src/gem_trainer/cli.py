@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,8 +19,9 @@ from gem_trainer.config import ConfigError, TrainerConfig, dump_config, load_con
 OVERRIDES_HELP = ("Any --section.field=value (or --section.field value) overrides the config, e.g. --optimizer.lr=3e-4 "
                   "--model.kunlun.d_model=64 --optimizer.grad_clip=none; `gem-trainer config` prints the result.")
 RESUME_HELP = ("A run resumes from the newest intact checkpoint under run_dir/checkpoints (a damaged one is skipped "
-               "with a warning). A run_dir that holds another model's run, or checkpoints that a run with "
-               "--checkpoint.resume=false or --checkpoint.enable=false would not resume, is refused: use a new run_dir.")
+               "with a warning). SIGTERM or Ctrl-C stops it after the current step with a checkpoint (on several ranks "
+               "at the next logged step; a second signal stops at once). A run_dir that holds another model's run, or "
+               "checkpoints that a run with --checkpoint.resume=false or --checkpoint.enable=false would not resume, is refused: use a new run_dir.")
 EVAL_HELP = ("Without --config, eval reads the config the run trained with (run_dir/config.toml); a run_dir holding "
              "another model's checkpoints than the config describes is refused.")
 COMMAND_HELP = {
@@ -35,8 +37,9 @@ COMMAND_HELP = {
     "precompute": "Solaris: score candidate pairs with the teacher (distillation.teacher_run_dir) into the cache of "
                   "[solaris], then report the lookup's hit rate per fallback level, staleness and latency",
 }
-# exit codes of the one-line errors
-EXIT_CONFIG, EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_DATA = 2, 3, 4, 5
+# exit codes of the one-line errors; a run stopped by a signal exits with 128 + its number, as one killed by it would
+EXIT_CONFIG, EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_DATA, EXIT_SIGNAL = 2, 3, 4, 5, 128
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "eval":
             sub.add_argument("--step", type=int, default=None,
                              help="checkpoint step (default: the newest intact one); writes eval-step-N.json")
+            sub.add_argument("--out", default=None, help="write the metrics to this file instead of run_dir/eval.json "
+                                                         "(or eval-step-N.json): evaluations of other splits or mixture "
+                                                         "sources side by side")
         if name == "flops":
             sub.add_argument("--out", default=None, help="also write the table as JSON to this file")
         if name == "plot":
@@ -78,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         config = _eval_config(overrides) if args.command == "eval" and args.config is None else None
         config = config or load_config(args.config, overrides)
         return COMMANDS[args.command](config, args, overrides)
+    except KeyboardInterrupt:  # Ctrl-C outside training, or a second one in it
+        if args.debug:
+            raise
+        print("gem-trainer: interrupted", file=sys.stderr)
+        return EXIT_SIGNAL + signal.SIGINT
     except Exception as error:  # noqa: BLE001 - every known failure is one line; --debug shows the rest
         kind, code = _one_line_kind(error)
         if args.debug or kind is None:
@@ -121,24 +132,31 @@ def _one_line_kind(error: Exception) -> tuple[str | None, int]:
 
 def _train(config: TrainerConfig, args, overrides) -> int:
     from gem_trainer.distributed import init_distributed, shutdown_distributed
-    from gem_trainer.run_folder import check_same_run, schedule_change, write_run_record
+    from gem_trainer.run_folder import check_same_run, resume_changes, write_run_record
     from gem_trainer.trainer import Trainer
 
     check_same_run(config)
     env = init_distributed(config.device, config.parallelism.collectives)
-    trainer = None
+    trainer, handlers = None, {}
     try:
         trainer = Trainer(config, env)
+        handlers = _stop_on_signals(trainer)
         latest = trainer.checkpoints.latest_step() if config.checkpoint.enable else None
         if env.rank == 0 and (latest is None or trainer.config.schedule.steps > latest):
             # NOTE: a finished run asked for fewer steps than it has trained keeps its record (nothing trains)
-            note = schedule_change(trainer.config) if latest is not None else None
-            if note is not None:
+            for note in resume_changes(trainer.config) if latest is not None else ():
                 print(note, flush=True)
             write_run_record(trainer.config, trainer.spec)  # schedule.steps as resolved from schedule.epochs
         started = time.perf_counter()
         trainer.train()
         trained = time.perf_counter()
+        if trainer.stop_signal is not None:
+            if env.rank == 0:
+                saved = (f"checkpoint {trainer.checkpoints.path(trainer.step)}; run the same command to resume"
+                         if config.checkpoint.enable else "no checkpoint (checkpoint.enable = false)")
+                print(f"gem-trainer: stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step} of "
+                      f"{trainer.config.schedule.steps}: {saved}", file=sys.stderr, flush=True)
+            return EXIT_SIGNAL + trainer.stop_signal
         if config.eval.at_end:
             result = trainer.evaluate()
             # wall times of this process (a resumed run counts from its restart)
@@ -148,10 +166,26 @@ def _train(config: TrainerConfig, args, overrides) -> int:
                 _print_eval({**result, **timing, **trainer.data_report()}, trainer.step, trainer.evaluated_split(),
                             Path(config.run_dir) / "eval.json")
     finally:
+        for signum, previous in handlers.items():
+            signal.signal(signum, previous)
         if trainer is not None:
             trainer.close()
         shutdown_distributed()
     return 0
+
+
+def _stop_on_signals(trainer) -> dict:
+    """SIGTERM (a preempted job) and SIGINT (Ctrl-C) ask ``trainer`` to stop after its current step, with a checkpoint;
+    the same signal again stops at once. Returns the handlers replaced, signal -> handler."""
+    def handler(signum, frame):
+        if trainer.stop_signal is not None:
+            raise KeyboardInterrupt
+        trainer.request_stop(signum)
+        if trainer.env.rank == 0:
+            print(f"{signal.Signals(signum).name}: stopping after this step with a checkpoint (again: stop at once)",
+                  file=sys.stderr, flush=True)
+
+    return {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
 
 
 def _distill(config: TrainerConfig, args, overrides) -> int:
@@ -221,7 +255,8 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
         result = trainer.evaluate()
         if env.rank == 0:
             name = "eval.json" if args.step is None else f"eval-step-{args.step}.json"
-            _print_eval({**result, **trainer.data_report()}, trainer.step, trainer.evaluated_split(), Path(config.run_dir) / name)
+            out = Path(args.out) if args.out else Path(config.run_dir) / name
+            _print_eval({**result, **trainer.data_report()}, trainer.step, trainer.evaluated_split(), out)
     finally:
         if trainer is not None:
             trainer.close()
@@ -230,6 +265,7 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
 
 
 def _print_eval(result: dict[str, float], step: int, split: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"step": step, "split": split, **result}, indent=2) + "\n")
     if "train_s" in result:
         if result["steps_this_run"]:

@@ -66,17 +66,36 @@ def check_same_model(config: TrainerConfig, evaluating: bool = False) -> None:
         raise ConfigError(f"run_dir: {run_dir} holds checkpoints of another model ({shown}{more}); {advice}")
 
 
-def schedule_change(config: TrainerConfig) -> str | None:
-    """A line telling that a run resumed with another ``schedule.steps`` (as resolved) than it recorded: its learning
-    rate then follows the new length from the resumed step on (None when nothing changed or nothing resumes)."""
+def resume_changes(config: TrainerConfig) -> list[str]:
+    """Lines telling what a resumed run changed against the config it recorded (nothing when nothing changed or
+    nothing resumes): another ``schedule.steps`` (as resolved: its learning rate then follows the new length from
+    the resumed step on), and any other setting (a mixture's weights or ramp: what the record said of the steps
+    already trained no longer holds once it records the new config)."""
     saved = Path(config.run_dir) / "config.toml"
     if not (config.checkpoint.enable and config.checkpoint.resume) or not saved.is_file():
-        return None
-    before = load_config(saved).schedule.steps
-    if before == config.schedule.steps:
-        return None
-    return (f"note: schedule.steps is {config.schedule.steps}, the run recorded {before}: the learning-rate schedule "
-            f"follows the new length from the resumed step on")
+        return []
+    previous = load_config(saved)
+    lines = []
+    if previous.schedule.steps != config.schedule.steps:
+        lines.append(f"note: schedule.steps is {config.schedule.steps}, the run recorded {previous.schedule.steps}: the "
+                     f"learning-rate schedule follows the new length from the resumed step on")
+    before, after = _settings(previous), _settings(config)
+    # NOTE: not run_dir: a run folder moved or copied elsewhere is the same run
+    changed = [key for key in sorted(set(before) | set(after))
+               if key not in ("schedule.steps", "run_dir") and before.get(key) != after.get(key)]
+    if changed:
+        shown = "; ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed[:4])
+        more = f" (+{len(changed) - 4} more)" if len(changed) > 4 else ""
+        lines.append(f"note: resuming with settings other than the run recorded ({shown}{more}): they apply from the "
+                     f"resumed step on, and config.toml now records them")
+    return lines
+
+
+def _settings(config: TrainerConfig) -> dict[str, Any]:
+    """Every setting of ``config`` by dotted name, a mixture's sources by their names."""
+    tree = config.model_dump(mode="json")
+    tree["data"]["mixture"]["sources"] = {s["name"]: s for s in tree["data"]["mixture"]["sources"]}
+    return _flatten(tree)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

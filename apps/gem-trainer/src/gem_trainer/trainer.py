@@ -139,6 +139,7 @@ class Trainer:
         self.task_weights = builders.task_weights(config, self.spec).to(env.device)
         self.step = self.first_step = 0
         self._saved_step: int | None = None  # of the newest checkpoint this run wrote or resumed from
+        self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
         if config.checkpoint.enable and config.checkpoint.asynchronous and env.device.type == "cuda":
             # NOTE: its start (seconds of imports) then overlaps the first steps instead of delaying the first save;
@@ -348,6 +349,8 @@ class Trainer:
                 self.save_checkpoint()
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.schedule.steps:
                 self.evaluate()
+            if self._stopping():
+                break
         self.check_divergence()
         self.checkpoints.wait()
         # NOTE: not the newest folder's step: a damaged newest checkpoint, skipped by the resume, must be written anew
@@ -355,6 +358,24 @@ class Trainer:
             self.save_checkpoint()
             self.checkpoints.wait()
         return {k: float(v) for k, v in metrics.items()}
+
+    def request_stop(self, signum: int) -> None:
+        """Stop training after the current step (a checkpoint is written there, as at the end): what a preempted
+        job's SIGTERM or a Ctrl-C asks (``gem-trainer train`` installs the handler)."""
+        self.stop_signal = signum
+
+    def _stopping(self) -> bool:
+        """Whether to stop after this step. Several ranks stop together, at a logged step: each rank says whether
+        it was asked (an all-reduce of one number, where the host reads the step's metrics anyway), and a request to
+        any rank stops them all."""
+        if self.env.world_size == 1:
+            return self.stop_signal is not None
+        if self.step % self.config.metrics.log_every:
+            return False
+        asked = torch.tensor([self.stop_signal or 0], device=self.env.device)
+        dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+        self.stop_signal = int(asked.item()) or None
+        return self.stop_signal is not None
 
     def _report_first_step(self, started: float) -> None:
         """Time the first step (once: the host waits for the device here) and log the start-up times."""
