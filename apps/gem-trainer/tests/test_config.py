@@ -31,6 +31,17 @@ def test_wrong_type_names_field_and_value(tmp_path):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("text, expected", [
+    ('[optimizer]\nlr = "0.01"\n', r"bad\.toml: optimizer: lr takes a number, got '0\.01'$"),
+    ('[[data.mixture.sources]]\nname = "a"\nweight = "2"\n', r"data\.mixture\.sources\.0: weight takes a number, got '2'$"),
+    ('[[data.mixture.sources]]\nname = "a"\nonline = "yes"\n', r"data\.mixture\.sources\.0: online takes true or false, got 'yes'$"),
+])
+def test_text_where_a_number_or_a_switch_belongs_is_refused(tmp_path, text, expected):
+    """pydantic would read "0.01" as 0.01 and "yes" as true: a quoted value is a mistake the user should hear of."""
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path / "bad.toml", text))
+
+
 def test_nested_section_field_is_named(tmp_path):
     path = write(tmp_path / "bad.toml", "[data.synthetic]\nmax_events = -1\n")
     with pytest.raises(ConfigError, match=r"data.synthetic.max_events: .*greater than or equal to 1"):

@@ -45,11 +45,18 @@ class Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, data: Any) -> Any:
-        """pydantic would take true / false for a number (1 / 0): a TOML boolean where a number belongs is a mistake."""
+        """pydantic would take true / false for a number (1 / 0), and text for a number or a switch ("2" for 2, "yes"
+        for true): a TOML boolean or string where a number belongs, or a string where a boolean does, is a mistake."""
         if isinstance(data, dict):
             for name, value in data.items():
-                if isinstance(value, bool) and name in cls.model_fields and _is_number(cls.model_fields[name].annotation):
+                field = cls.model_fields.get(name)
+                if field is None or (isinstance(value, str) and value.lower() == "none" and _allows_none(field.annotation)):
+                    continue
+                # NOTE: only text pydantic would convert; other text gets its own error, which names the field's path
+                if (isinstance(value, bool) or (isinstance(value, str) and _numeric(value))) and _is_number(field.annotation):
                     raise ValueError(f"{name} takes a number, got {value!r}")
+                if isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS and _is_switch(field.annotation):
+                    raise ValueError(f"{name} takes true or false, got {value!r}")
         return data
 
 
@@ -57,6 +64,24 @@ def _is_number(annotation: Any) -> bool:
     """Whether a field's annotation is a number (int or float, maybe optional), nothing else."""
     kinds = set(typing.get_args(annotation)) - {type(None)} if typing.get_origin(annotation) in (typing.Union, types.UnionType) else {annotation}
     return bool(kinds) and kinds <= {int, float}
+
+
+# text pydantic reads as a boolean in its lax mode
+_SWITCH_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n"}
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_switch(annotation: Any) -> bool:
+    """Whether a field's annotation is a boolean (maybe optional), nothing else."""
+    kinds = set(typing.get_args(annotation)) - {type(None)} if typing.get_origin(annotation) in (typing.Union, types.UnionType) else {annotation}
+    return kinds == {bool}
 
 
 def _allows_none(annotation: Any) -> bool:
