@@ -12,6 +12,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 
 import pytest
@@ -354,14 +355,15 @@ def test_a_closed_managers_writer_serves_the_next_manager_of_the_process(tmp_pat
 def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint_it_resumes_from(tmp_path, signum):
     """A preempted job's SIGTERM, or Ctrl-C: the run stops after the step it is in, writes a checkpoint there (the
     asynchronous writes finished), says so in one line and exits with 128 + the signal; the same command resumes."""
-    command = [sys.executable, "-m", "gem_trainer.cli", "train", f"--run_dir={tmp_path}", *TINY, "--schedule.steps=100000",
-               "--checkpoint.every_steps=1000"]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    command = [sys.executable, "-m", "gem_trainer.cli", "train", f"--run_dir={tmp_path}", *TINY, "--schedule.steps=100000"]
+    # its own process group, signalled whole: as a terminal's Ctrl-C or a scheduler reaches every process of the job,
+    # the checkpoint writer's too (which must live on to write the last checkpoint)
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     for line in run.stdout:
-        if line.startswith("train step 3 "):
+        if line.startswith("train step 5 "):  # checkpoints of steps 2 and 4 written in the background
             break
-    run.send_signal(signum)
+    os.killpg(run.pid, signum)
     out, err = run.communicate(timeout=300)
     assert run.returncode == 128 + signum, err[-2000:]
     lines = err.strip().splitlines()
@@ -370,6 +372,21 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint_it_resumes_from
     assert lines[-1] == (f"gem-trainer: stopped by {signum.name} at step {step} of 100000: checkpoint "
                          f"{tmp_path / 'checkpoints' / f'step-{step}'}; run the same command to resume")
     manager = CheckpointManager(tmp_path / "checkpoints", keep_latest=3)
-    assert step >= 3 and manager.newest_intact() == (step, [])
+    assert step >= 5 and manager.newest_intact() == (step, [])
     resumed = trainer_at(tmp_path, step + 1)
     assert resumed.resume() and resumed.step == step
+
+
+def test_a_second_signal_stops_at_once_with_its_own_exit_code(tmp_path):
+    command = [sys.executable, "-m", "gem_trainer.cli", "train", f"--run_dir={tmp_path}", *TINY, "--schedule.steps=100000"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in run.stdout:
+        if line.startswith("train step 3 "):
+            break
+    run.send_signal(signal.SIGTERM)
+    time.sleep(0.2)  # apart: two pending signals of one kind are delivered once
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1] == "gem-trainer: interrupted by SIGTERM"

@@ -42,6 +42,20 @@ def test_text_where_a_number_or_a_switch_belongs_is_refused(tmp_path, text, expe
         load_config(write(tmp_path / "bad.toml", text))
 
 
+def test_a_switched_off_setting_reads_back_from_the_record(tmp_path):
+    """TOML has no null: a None written as nothing read back as the field's default (grad_clip 1.0, max_history 50),
+    so eval of a run with its recorded config used other settings, and every resume noted a change."""
+    config = load_config(None, ["--optimizer.grad_clip=none", "--data.sequential.max_history=none"])
+    again = load_config(write(tmp_path / "record.toml", dump_config(config)))
+    assert again == config and again.optimizer.grad_clip is None and again.data.sequential.max_history is None
+
+
+@pytest.mark.parametrize("text, value", [(".5", 0.5), ("5.", 5.0), ("2e-3", 0.002)])
+def test_an_override_of_a_number_toml_cannot_read_is_the_number(text, value):
+    assert load_config(None, [f"--optimizer.lr={text}"]).optimizer.lr == value
+    assert load_config(None, ["--data.read_ahead=False"]).data.read_ahead is False  # Python's spelling
+
+
 def test_nested_section_field_is_named(tmp_path):
     path = write(tmp_path / "bad.toml", "[data.synthetic]\nmax_events = -1\n")
     with pytest.raises(ConfigError, match=r"data.synthetic.max_events: .*greater than or equal to 1"):

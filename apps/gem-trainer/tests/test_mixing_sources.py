@@ -87,6 +87,9 @@ def test_the_online_stream_is_read_once_and_a_schedule_reading_past_its_end_is_r
                                           r"in time order, and schedule\.steps = 900 would read 2\d,\d{3} of it \(it runs "
                                           r"out at step \d{3}\): train fewer steps or give it a smaller share$") as error:
         builders.check_mixture_reads(past, data)
+    trainer = trainer_for(tmp_path, *TIME_SPLIT, "--schedule.steps=900")  # evaluating such a run reads no stream
+    with pytest.raises(ConfigError, match=r"^data\.mixture\.sources\.online: its stream holds"):
+        trainer.train()
     step = int(str(error.value).split("runs out at step ")[1].split(")")[0])
     online = data.mixer.names.index("online")
     # exact: the batch of that step is the first to need an example past the end

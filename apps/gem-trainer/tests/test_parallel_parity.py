@@ -120,6 +120,10 @@ def two_ranks(tmp_path_factory):
 
 def test_two_ranks_fsdp_equal_one_process(two_ranks, reference):
     assert_same_run(two_ranks, reference)
+    # from the same weights, each rank draws its own random numbers (dropout masks): their generators differ
+    states = [torch.load(two_ranks / "checkpoints" / f"step-{STEPS}" / f"local-rank{r}.pt", weights_only=True)["rng"]["torch"]
+              for r in range(2)]
+    assert not torch.equal(*states)
 
 
 def test_four_ranks_hsdp_expert_parallel_column_wise_tables_equal_one_process(tmp_path, reference):

@@ -261,9 +261,10 @@ class WriterProcess:
         ours, theirs = socket.socketpair()
         # NOTE: a plain interpreter on this module, not multiprocessing's spawn, which would first import the
         # launching program's own main module (the trainer: TorchRec, FBGEMM, the models) in the writer too
+        # (a session of its own: a terminal's Ctrl-C, sent to the trainer's process group, does not reach it)
         process = subprocess.Popen(
             [sys.executable, "-m", "gem_trainer.checkpoint_writer", str(theirs.fileno()), str(os.getpid()),
-             json.dumps(rendezvous)], pass_fds=(theirs.fileno(),))
+             json.dumps(rendezvous)], pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
         self._adopt(process, Connection(ours.detach()))
 
@@ -319,6 +320,10 @@ def serve(conn, parent: int, rendezvous: list | None) -> None:
     """The writer process: write each staged save it is handed, answer ``(step, None | reason)``, until told to
     stop or its training process is gone."""
     _die_with_parent(parent)
+    # NOTE: a Ctrl-C or a scheduler's SIGTERM reaches every process of the job: the training process answers it by
+    # stopping with a checkpoint, which this process writes; it ends with its parent (above) or when told to
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)  # the copies it makes must not take cores from the training process
     from gem_trainer.checkpoint import CheckpointError, finish_checkpoint, first_line, without_record_checksums
 

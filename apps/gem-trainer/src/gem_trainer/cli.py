@@ -84,11 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         config = _eval_config(overrides) if args.command == "eval" and args.config is None else None
         config = config or load_config(args.config, overrides)
         return COMMANDS[args.command](config, args, overrides)
-    except KeyboardInterrupt:  # Ctrl-C outside training, or a second one in it
+    except KeyboardInterrupt as interrupt:  # Ctrl-C outside training, or a second stop signal in it
         if args.debug:
             raise
-        print("gem-trainer: interrupted", file=sys.stderr)
-        return EXIT_SIGNAL + signal.SIGINT
+        signum = getattr(interrupt, "signum", signal.SIGINT)
+        print(f"gem-trainer: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return EXIT_SIGNAL + signum
     except Exception as error:  # noqa: BLE001 - every known failure is one line; --debug shows the rest
         kind, code = _one_line_kind(error)
         if args.debug or kind is None:
@@ -174,16 +175,29 @@ def _train(config: TrainerConfig, args, overrides) -> int:
     return 0
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second stop signal: the run stops at once."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _stop_on_signals(trainer) -> dict:
     """SIGTERM (a preempted job) and SIGINT (Ctrl-C) ask ``trainer`` to stop after its current step, with a checkpoint;
-    the same signal again stops at once. Returns the handlers replaced, signal -> handler."""
+    a second signal to this process stops it at once. Returns the handlers replaced, signal -> handler."""
+    received = []
+
     def handler(signum, frame):
-        if trainer.stop_signal is not None:
-            raise KeyboardInterrupt
+        received.append(signum)
+        if len(received) > 1:
+            raise Interrupted(signum)
+        name = signal.Signals(signum).name
+        if trainer.finishing:
+            print(f"{name}: the run is past its last step and finishing (again: stop at once)", file=sys.stderr, flush=True)
+            return
         trainer.request_stop(signum)
-        if trainer.env.rank == 0:
-            print(f"{signal.Signals(signum).name}: stopping after this step with a checkpoint (again: stop at once)",
-                  file=sys.stderr, flush=True)
+        print(f"{name}: stopping after this step with a checkpoint (again: stop at once)", file=sys.stderr, flush=True)
 
     return {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
 

@@ -789,7 +789,7 @@ def _apply_override(raw: dict[str, Any], item: str, origins: dict[tuple[str, ...
     try:
         value = tomllib.loads(f"v = {value_text}")["v"]
     except tomllib.TOMLDecodeError:
-        value = value_text
+        value = _number_or_text(value_text)
     node = raw
     for key in keys[:-1]:
         child = node.setdefault(key, {})
@@ -803,9 +803,11 @@ def _apply_override(raw: dict[str, Any], item: str, origins: dict[tuple[str, ...
 
 
 def dump_config(config: TrainerConfig) -> str:
-    """The resolved config as TOML text (sections after top-level values; None values omitted)."""
+    """The resolved config as TOML text (sections after top-level values; a None value omitted where it is the
+    field's default, else written as "none", which switches it off again when read)."""
     lines: list[str] = []
-    data = config.model_dump(mode="json", exclude_none=True)
+    data = config.model_dump(mode="json")
+    _spell_out_none(config, data)
 
     def emit(table: dict[str, Any], prefix: str) -> None:
         scalars = {k: v for k, v in table.items() if not isinstance(v, dict) or not v or _is_map(k)}
@@ -819,6 +821,36 @@ def dump_config(config: TrainerConfig) -> str:
 
     emit(data, "")
     return "\n".join(lines).lstrip() + "\n"
+
+
+def _number_or_text(text: str) -> Any:
+    """An override's value TOML cannot read: a number or a boolean as Python writes it (``.5``, ``5.``, ``010``,
+    ``True``), else the text itself (a bare word, a path)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _spell_out_none(model: BaseModel, data: dict[str, Any]) -> None:
+    """In ``data`` (``model``'s dump): each None value dropped where it is its field's default, else made "none"
+    (TOML has no null: omitted, it would read back as the default)."""
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            _spell_out_none(value, data[name])
+        elif isinstance(value, tuple) and value and all(isinstance(v, BaseModel) for v in value):
+            for item, dumped in zip(value, data[name]):
+                _spell_out_none(item, dumped)
+        elif value is None:
+            if field.default is None and field.default_factory is None:
+                del data[name]
+            else:
+                data[name] = "none"
 
 
 def _is_map(key: str) -> bool:

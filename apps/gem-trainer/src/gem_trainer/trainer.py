@@ -84,7 +84,6 @@ class Trainer:
         self.data = data if data is not None else builders.build_data(config, env)
         # NOTE: from here on every part (loop, LR schedule, logging, checkpoints, soft labels) sees the resolved steps
         config = self.config = builders.resolve_schedule(config, self.data, env)
-        builders.check_mixture_reads(config, self.data)
         if config.schedule.epochs is not None:
             self._print(f"schedule.epochs {config.schedule.epochs:g} = {config.schedule.steps:,} steps of "
                         f"{config.data.batch_size * env.world_size:,} examples ({self.data.rows_per_epoch:,} rows per epoch)")
@@ -117,6 +116,10 @@ class Trainer:
         model = builders.build_student(config, builders.build_model(config, self.spec, device=torch.device("meta")))
         self.low_precision_modules = builders.apply_low_precision(config, model)
         self.model = builders.parallelize_model(config, model, self.dims, self.meshes, env)
+        if env.world_size > 1:
+            # NOTE: every rank built the same weights from one seed; from here on each draws its own random numbers
+            # (dropout), or the examples at one position of the ranks' slices would share their masks
+            torch.manual_seed(config.seed + env.rank)
         self._modules = list(self.model.modules())
         self.sparse_replicas = SparseReplicas(self.model, self.meshes.sparse, config.parallelism.sparse_sync_every)
         self.optimizer, self.dense_optimizer, self._dense_adamw = builders.build_optimizers(config, self.model)
@@ -139,7 +142,9 @@ class Trainer:
         self.task_weights = builders.task_weights(config, self.spec).to(env.device)
         self.step = self.first_step = 0
         self._saved_step: int | None = None  # of the newest checkpoint this run wrote or resumed from
-        self.stop_signal: int | None = None  # a signal asked the run to stop (request_stop)
+        self.stop_signal: int | None = None  # the run stops early, asked by this signal (request_stop; agreed by the ranks)
+        self._asked: int | None = None  # the signal this rank was asked to stop by
+        self.finishing = False  # past the last decision to stop early: the run ends as it would have
         self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
         if config.checkpoint.enable and config.checkpoint.asynchronous and env.device.type == "cuda":
             # NOTE: its start (seconds of imports) then overlaps the first steps instead of delaying the first save;
@@ -315,6 +320,7 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg = self.config
+        builders.check_mixture_reads(cfg, self.data)  # (training only: evaluating a run reads no training stream)
         if not (cfg.checkpoint.enable and cfg.checkpoint.resume and self.resume()):
             self.logger.drop_after(self.step)  # nothing resumed: the run starts over, an earlier attempt's lines go
         self.first_step = self.step  # where this process started (a resumed run counts from there)
@@ -351,6 +357,10 @@ class Trainer:
                 self.evaluate()
             if self._stopping():
                 break
+        # NOTE: the last decision, taken by every rank (a request that came after the last logged step counts too);
+        # a request after it changes nothing: one rank alone must not leave its collectives to the others
+        self._stopping(agree=True)
+        self.finishing = True
         self.check_divergence()
         self.checkpoints.wait()
         # NOTE: not the newest folder's step: a damaged newest checkpoint, skipped by the resume, must be written anew
@@ -361,20 +371,19 @@ class Trainer:
 
     def request_stop(self, signum: int) -> None:
         """Stop training after the current step (a checkpoint is written there, as at the end): what a preempted
-        job's SIGTERM or a Ctrl-C asks (``gem-trainer train`` installs the handler)."""
-        self.stop_signal = signum
+        job's SIGTERM or a Ctrl-C asks (``gem-trainer train`` installs the handler). Once ``finishing``, too late."""
+        self._asked = signum
 
-    def _stopping(self) -> bool:
-        """Whether to stop after this step. Several ranks stop together, at a logged step: each rank says whether
-        it was asked (an all-reduce of one number, where the host reads the step's metrics anyway), and a request to
-        any rank stops them all."""
-        if self.env.world_size == 1:
-            return self.stop_signal is not None
-        if self.step % self.config.metrics.log_every:
-            return False
-        asked = torch.tensor([self.stop_signal or 0], device=self.env.device)
-        dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-        self.stop_signal = int(asked.item()) or None
+    def _stopping(self, agree: bool = False) -> bool:
+        """Whether to stop after this step (``stop_signal`` then names why). Several ranks decide together, at a
+        logged step (``agree``: now): each says whether it was asked (an all-reduce of one number, where the host
+        reads the step's metrics anyway), and a request to any rank stops them all."""
+        if self.env.world_size > 1 and (agree or self.step % self.config.metrics.log_every == 0):
+            asked = torch.tensor([self._asked or 0], device=self.env.device)
+            dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+            self.stop_signal = int(asked.item()) or None
+        elif self.env.world_size == 1:
+            self.stop_signal = self._asked
         return self.stop_signal is not None
 
     def _report_first_step(self, started: float) -> None:

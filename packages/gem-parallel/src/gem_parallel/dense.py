@@ -134,9 +134,10 @@ def apply_fsdp(
         fully_shard(expert, mesh=expert_mesh, mp_policy=block_policy, reshard_after_forward=options.reshard_after_forward,
                     ignored_params=ignored_params)
         expert.set_gradient_divide_factor(float(world_size))
-        if _gloo(expert_mesh):
-            # NOTE: a factor other than the reduce-scatter's ranks makes FSDP reduce with ReduceOp.PREMUL_SUM, which
-            # Gloo lacks; summing and then dividing gives the same gradient
+        if _gloo(expert_mesh) and expert_mesh.size(expert_mesh.ndim - 1) > 1:
+            # NOTE: a factor other than the reduce-scatter's ranks makes FSDP reduce-scatter with ReduceOp.PREMUL_SUM,
+            # which Gloo lacks; summing and then dividing gives the same gradient. Not over one rank: FSDP then copies
+            # the gradient divided by the factor and would divide it again
             expert.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=options.reshard_after_forward,
