@@ -21,7 +21,8 @@ OVERRIDES_HELP = ("Any --section.field=value (or --section.field value) override
 RESUME_HELP = ("A run resumes from the newest intact checkpoint under run_dir/checkpoints (a damaged one is skipped "
                "with a warning). SIGTERM or Ctrl-C stops it after the current step with a checkpoint (on several ranks "
                "at the next logged step; a second signal stops at once). A run_dir that holds another model's run, or "
-               "checkpoints that a run with --checkpoint.resume=false or --checkpoint.enable=false would not resume, is refused: use a new run_dir.")
+               "checkpoints that a run with --checkpoint.resume=false or --checkpoint.enable=false would not resume, "
+               "is refused: use a new run_dir.")
 EVAL_HELP = ("Without --config, eval reads the config the run trained with (run_dir/config.toml); a run_dir holding "
              "another model's checkpoints than the config describes is refused.")
 COMMAND_HELP = {
