@@ -35,6 +35,7 @@ def test_wrong_type_names_field_and_value(tmp_path):
     ('[optimizer]\nlr = "0.01"\n', r"bad\.toml: optimizer: lr takes a number, got '0\.01'$"),
     ('[[data.mixture.sources]]\nname = "a"\nweight = "2"\n', r"data\.mixture\.sources\.0: weight takes a number, got '2'$"),
     ('[[data.mixture.sources]]\nname = "a"\nonline = "yes"\n', r"data\.mixture\.sources\.0: online takes true or false, got 'yes'$"),
+    ('[data.sequential]\ntime_split = ["0.7", 0.9]\n', r"data\.sequential: time_split takes numbers, got \['0\.7', 0\.9\]$"),
 ])
 def test_text_where_a_number_or_a_switch_belongs_is_refused(tmp_path, text, expected):
     """pydantic would read "0.01" as 0.01 and "yes" as true: a quoted value is a mistake the user should hear of."""

@@ -55,6 +55,9 @@ class Section(BaseModel):
                 # NOTE: only text pydantic would convert; other text gets its own error, which names the field's path
                 if (isinstance(value, bool) or (isinstance(value, str) and _numeric(value))) and _is_number(field.annotation):
                     raise ValueError(f"{name} takes a number, got {value!r}")
+                if isinstance(value, (list, tuple)) and _is_numbers(field.annotation) and any(
+                        isinstance(v, bool) or (isinstance(v, str) and _numeric(v)) for v in value):
+                    raise ValueError(f"{name} takes numbers, got {list(value)!r}")
                 if isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS and _is_switch(field.annotation):
                     raise ValueError(f"{name} takes true or false, got {value!r}")
         return data
@@ -76,6 +79,13 @@ def _numeric(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _is_numbers(annotation: Any) -> bool:
+    """Whether a field's annotation is a tuple of numbers (maybe optional), nothing else."""
+    kinds = set(typing.get_args(annotation)) - {type(None)} if typing.get_origin(annotation) in (typing.Union, types.UnionType) else {annotation}
+    return len(kinds) == 1 and typing.get_origin(next(iter(kinds))) is tuple and \
+        set(typing.get_args(next(iter(kinds)))) - {Ellipsis} <= {int, float}
 
 
 def _is_switch(annotation: Any) -> bool:
