@@ -45,6 +45,34 @@ def test_parquet_source_trains_and_evaluates(tmp_path):
     assert result["click/all/count"] == 128
 
 
+def test_held_out_files_must_hold_the_training_columns_and_their_skipped_rows_count(tmp_path):
+    """Labels are matched by position: a held-out file with its label columns in another order (or another label)
+    would score one task's predictions against the other's labels. Bad held-out rows skipped are counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gem_data import DataError
+
+    generator = SyntheticGenerator(SyntheticConfig(num_ads=2000, max_events=16))
+    write_parquet((generator.batch(i, 64) for i in range(2)), generator.spec, tmp_path / "train.parquet")
+    write_parquet((generator.batch(i, 64, split="eval") for i in range(2)), generator.spec, tmp_path / "eval.parquet")
+    held_out = pq.read_table(tmp_path / "eval.parquet")
+    names = held_out.column_names
+    swapped = [n for n in names if not n.startswith("label.")] + ["label.conversion", "label.click"]
+    pq.write_table(held_out.select(swapped), tmp_path / "swapped.parquet")
+    base = ["--data.source=parquet", f"--data.path={tmp_path / 'train.parquet'}"]
+    with pytest.raises(DataError, match=r"swapped\.parquet: data\.eval_path: the held-out data's columns differ from the "
+                                        r"training data's \(tasks: \('click', 'conversion'\) != \('conversion', 'click'\)\)$"):
+        trainer_for(tmp_path / "a", *base, f"--data.eval_path={tmp_path / 'swapped.parquet'}")
+    labels = held_out.column("label.click").to_pylist()
+    labels[3] = 0.5  # a label outside {0, 1}
+    bad = held_out.set_column(names.index("label.click"), "label.click", pa.array(labels, held_out.schema.field("label.click").type))
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    trainer = trainer_for(tmp_path / "b", *base, f"--data.eval_path={tmp_path / 'bad.parquet'}", "--data.skip_bad_rows=true")
+    assert trainer.data_report() == {"data/bad_rows": 1.0}
+    assert trainer.evaluate()["click/all/count"] == 127
+
+
 def test_balanced_batches_report_imbalance_before_and_after(tmp_path):
     # how well balancing works is tested in gem-data; here: the trainer reads through it and logs its report
     trainer = trainer_for(tmp_path, "--data.balance=true", "--data.balance_window=2")

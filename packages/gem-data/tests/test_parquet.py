@@ -36,14 +36,14 @@ def test_vocabularies_come_from_the_data_without_metadata(generator, tmp_path):
         ParquetTable(tmp_path / "plain.parquet", vocab_sizes={"ad_id": 1})
 
 
-def handmade(path, rows):
+def handmade(path, rows, label_type=pa.float32()):
     pq.write_table(
         pa.table(
             {
                 "sparse.ad": pa.array([r[0] for r in rows], pa.list_(pa.int64())),
                 "event.click.item": pa.array([r[1] for r in rows], pa.list_(pa.int64())),
                 "event.click.timestamp": pa.array([r[2] for r in rows], pa.list_(pa.float64())),
-                "label.click": pa.array([r[3] for r in rows], pa.float32()),
+                "label.click": pa.array([r[3] for r in rows], label_type),
                 "surface": pa.array([0] * len(rows), pa.int64()),
             }
         ),
@@ -74,6 +74,16 @@ def test_bad_rows_name_file_and_row_or_are_counted(tmp_path, bad_row, message):
     batch.validate(table.spec)
     assert batch.sparse["ad"].values().tolist() == [1, 2] * 4
     assert table.spec.events[0].features[0].name == "click_item"
+
+
+def test_boolean_labels_read_as_zero_and_one_and_their_nulls_name_the_row(tmp_path):
+    good = ([1, 2], [5, 6], [1.0, 2.0], True)
+    path = handmade(tmp_path / "flags.parquet", [good, ([1], [3], [1.0], False), good], pa.bool_())
+    batch = next(iter(TableStream(ParquetTable(path), 3, shuffle=False)))
+    assert batch.labels[:, 0].tolist() == [1.0, 0.0, 1.0]
+    handmade(tmp_path / "null.parquet", [good, ([1], [3], [1.0], None), good], pa.bool_())
+    with pytest.raises(DataError, match=r"null.parquet:row 1: .*null in label.click"):
+        ParquetTable(tmp_path / "null.parquet")
 
 
 def test_unknown_columns_are_rejected(tmp_path):

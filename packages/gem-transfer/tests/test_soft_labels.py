@@ -76,6 +76,11 @@ def test_incomplete_missing_and_damaged_stores_are_named(tmp_path):
     (folder / "meta.json").unlink()
     with pytest.raises(SoftLabelError, match="incomplete soft-label store"):
         SoftLabelStore(folder)
+    # another kind of store in its place (posttrain writes a LoopFM store beside soft labels)
+    (folder / "meta.json").write_text('{"format": 1, "teacher": {"step": 60}, "dim": 8}')
+    with pytest.raises(SoftLabelError, match=r"meta\.json: not a soft-label store \(no width, steps, parts\); a LoopFM "
+                                             r"representation store is read through loopfm\.store$"):
+        SoftLabelStore(folder)
 
 
 def test_a_pass_cut_short_leaves_no_store(tmp_path):

@@ -39,6 +39,7 @@ from gem_data import (
     eval_batches,
     read_atomic,
     read_sequence_text,
+    spec_difference,
 )
 from gem_kernels import Fp8Recipe, MXRecipe, convert_to_low_precision
 from gem_kunlun import BaselineRanker, Batch, FeatureSpec, InterFormerModel, KunlunModel, SasrecModel
@@ -97,6 +98,7 @@ class DataSetup:
     balancer: LengthBalancedStream | None = None
     # rows of one pass over the training data, all ranks together (None: an endless stream, synthetic or mixed)
     rows_per_epoch: int | None = None
+    held_out: ParquetTable | None = None  # the held-out Parquet files eval_batches reads (their skipped rows count)
 
 
 def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool = True) -> DataSetup:
@@ -108,9 +110,9 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
     # with balancing or a surface filter every rank reads the same global batches and keeps its share of them
     whole = d.balance or d.train_surfaces is not None
     rank, world, batch_size = (0, 1, d.batch_size * env.world_size) if whole else (env.rank, env.world_size, d.batch_size)
-    mixer = ranking = eval_fn = rows_per_epoch = None
+    mixer = ranking = eval_fn = rows_per_epoch = held_out = None
     if d.mixture.sources:
-        mixer, ranking, eval_fn = _build_mixture(config, env, rank, world, batch_size)
+        mixer, ranking, eval_fn, held_out = _build_mixture(config, env, rank, world, batch_size)
         train = mixer
     elif d.source == "synthetic":
         generator = build_generator(config)
@@ -151,7 +153,7 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         train = build_representation_join(config, train)
         eval_fn = _joined(train, eval_fn)
         ranking = None if ranking is None else JoinedRanking(ranking, train.spec, train.attach)
-    return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer, rows_per_epoch)
+    return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer, rows_per_epoch, held_out)
 
 
 def resolve_schedule(config: TrainerConfig, data: DataSetup, env: DistributedEnv) -> TrainerConfig:
@@ -236,7 +238,8 @@ def build_representation_join(config: TrainerConfig, source: BatchSource) -> Rep
 
 def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world: int, batch_size: int):
     """The mixed training stream of ``[data.mixture]`` (every source read in place, aligned into one union
-    spec), and the held-out data of its evaluation source: ``(mixer, ranking data set, eval batches)``."""
+    spec), and the held-out data of its evaluation source: ``(mixer, ranking data set, eval batches, held-out Parquet
+    table)``."""
     from gem_trainer.config import ConfigError
 
     d, m = config.data, config.data.mixture
@@ -284,7 +287,7 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
     )
     mixer = MixedStream(streams, mixing, rank, world, alignment)
     name = m.eval_source or m.sources[0].name
-    ranking = eval_fn = None
+    ranking = eval_fn = held_out = None
     split = d.sequential.eval_split
     if name in datasets and split in ("next_period", "offline_period") and not isinstance(datasets[name], TimeSplitDataset):
         raise ConfigError(f"data.sequential.eval_split = \"{split}\" evaluates a period of the time split, and the evaluated "
@@ -300,7 +303,7 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
     else:
         eval_fn = lambda: (alignment.align(name, b) for b in  # noqa: E731
                            eval_batches(generator, d.batch_size, d.eval_batches, env.rank, env.world_size))
-    return mixer, ranking, eval_fn
+    return mixer, ranking, eval_fn, held_out
 
 
 def check_mixture_reads(config: TrainerConfig, data: DataSetup) -> None:
@@ -321,10 +324,16 @@ def check_mixture_reads(config: TrainerConfig, data: DataSetup) -> None:
 
 def _held_out_table(config: TrainerConfig, table: ParquetTable, eval_path: str, field: str) -> ParquetTable:
     """The held-out Parquet files (``eval_path``, set by config field ``field``), read with the training table's
-    vocabularies, surfaces and time base."""
-    return ParquetTable(_files(eval_path, "*.parquet", field), skip_bad_rows=config.data.skip_bad_rows,
-                        vocab_sizes={f.name: f.num_embeddings for f in table.spec.sparse}, num_surfaces=table.spec.num_surfaces,
-                        time_base=table.time_base)
+    vocabularies, surfaces and time base; files whose columns differ from the training data's are refused (labels
+    are matched by position: another order would score one task's predictions against another's labels)."""
+    held_out = ParquetTable(_files(eval_path, "*.parquet", field), skip_bad_rows=config.data.skip_bad_rows,
+                            vocab_sizes={f.name: f.num_embeddings for f in table.spec.sparse},
+                            num_surfaces=table.spec.num_surfaces, time_base=table.time_base)
+    difference = spec_difference(table.spec, held_out.spec)
+    if difference is not None:
+        raise DataError(eval_path, None, f"{field}: the held-out data's columns differ from the training data's "
+                                         f"({difference})")
+    return held_out
 
 
 def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | None = None) -> NextItemDataset:

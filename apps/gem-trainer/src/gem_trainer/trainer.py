@@ -533,5 +533,5 @@ def _skipped_rows(data) -> tuple[int, list[str]]:
         if isinstance(getattr(item, "bad_rows", None), int):
             count += item.bad_rows
             examples += list(getattr(item, "bad_row_examples", []))
-        pending += [getattr(item, name, None) for name in ("train", "ranking", "corpus", "stream", "source", "table")]
+        pending += [getattr(item, name, None) for name in ("train", "ranking", "corpus", "stream", "source", "table", "held_out")]
     return count, examples

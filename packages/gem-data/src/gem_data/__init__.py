@@ -23,7 +23,7 @@ from gem_data.readers.text import read_sequence_text
 from gem_data.sequential.corpus import Bags, SequenceCorpus
 from gem_data.sequential.examples import NextItemConfig, NextItemDataset, NextItemTable, RankingExamples
 from gem_data.sequential.time_split import TimeSplit, TimeSplitDataset
-from gem_data.source import BatchSource, ShardedStream, WorkerLoader
+from gem_data.source import BatchSource, ShardedStream, WorkerLoader, spec_difference
 from gem_data.stream import READ_ROWS, SyntheticStream, TableStream, eval_batches
 from gem_data.surface_filter import SurfaceFilterStream
 from gem_data.synthetic import SyntheticConfig, SyntheticGenerator
@@ -74,5 +74,6 @@ __all__ = [
     "read_atomic",
     "read_sequence_text",
     "select_examples",
+    "spec_difference",
     "write_parquet",
 ]

@@ -320,6 +320,10 @@ class SoftLabelStore:
             raise SoftLabelError(f"{meta_path}: not valid JSON ({error})") from None
         if self.meta.get("format") not in READABLE:
             raise SoftLabelError(f"{meta_path}: store format {self.meta.get('format')!r}, this gem-transfer reads {READABLE}")
+        missing = [key for key in ("width", "steps", "parts") if key not in self.meta]
+        if missing:  # (a LoopFM representation store, which posttrain writes beside soft labels, has none of them)
+            raise SoftLabelError(f"{meta_path}: not a soft-label store (no {', '.join(missing)}); a LoopFM representation "
+                                 f"store is read through loopfm.store")
         self.width, self.steps = int(self.meta["width"] or 0), int(self.meta["steps"])
         self.top_k: int | None = self.meta.get("top_k")
         weights = self.meta.get("log_weights")

@@ -267,6 +267,8 @@ class _Layout:
         labels = []
         for task in self.labels:
             column = table.column(f"label.{task}")
+            if pa.types.is_boolean(column.type):  # (a bool column fills its nulls with a bool only)
+                column = column.cast(pa.int8())
             flag(_nulls(column), f"null in label.{task}")
             y = torch.from_numpy(column.fill_null(0).to_numpy(zero_copy_only=False).copy()).to(torch.float32)
             flag((y != 0) & (y != 1), f"label.{task} outside {{0, 1}}")
