@@ -43,6 +43,11 @@ def test_text_where_a_number_or_a_switch_belongs_is_refused(tmp_path, text, expe
         load_config(write(tmp_path / "bad.toml", text))
 
 
+def test_soft_labels_and_the_loopfm_store_in_one_folder_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"loopfm\.store and distillation\.soft_labels name the same folder"):
+        load_config(None, [f"--distillation.soft_labels={tmp_path / 'same'}", f"--loopfm.store={tmp_path}/./same"])
+
+
 def test_a_switched_off_setting_reads_back_from_the_record(tmp_path):
     """TOML has no null: a None written as nothing read back as the field's default (grad_clip 1.0, max_history 50),
     so eval of a run with its recorded config used other settings, and every resume noted a change."""

@@ -64,6 +64,11 @@ def test_held_out_files_must_hold_the_training_columns_and_their_skipped_rows_co
     with pytest.raises(DataError, match=r"swapped\.parquet: data\.eval_path: the held-out data's columns differ from the "
                                         r"training data's \(tasks: \('click', 'conversion'\) != \('conversion', 'click'\)\)$"):
         trainer_for(tmp_path / "a", *base, f"--data.eval_path={tmp_path / 'swapped.parquet'}")
+    pq.write_table(held_out.slice(0, 0), tmp_path / "empty.parquet")
+    for flag in ("path", "eval_path"):  # (an empty training file was reported as the held-out file's surfaces)
+        files = {"path": tmp_path / "train.parquet", "eval_path": tmp_path / "eval.parquet", flag: tmp_path / "empty.parquet"}
+        with pytest.raises(DataError, match=rf"empty\.parquet: data\.{flag}: no rows$"):
+            trainer_for(tmp_path / flag, "--data.source=parquet", *(f"--data.{k}={v}" for k, v in files.items()))
     labels = held_out.column("label.click").to_pylist()
     labels[3] = 0.5  # a label outside {0, 1}
     bad = held_out.set_column(names.index("label.click"), "label.click", pa.array(labels, held_out.schema.field("label.click").type))
@@ -71,6 +76,24 @@ def test_held_out_files_must_hold_the_training_columns_and_their_skipped_rows_co
     trainer = trainer_for(tmp_path / "b", *base, f"--data.eval_path={tmp_path / 'bad.parquet'}", "--data.skip_bad_rows=true")
     assert trainer.data_report() == {"data/bad_rows": 1.0}
     assert trainer.evaluate()["click/all/count"] == 127
+
+
+def test_an_id_too_large_for_any_table_is_one_line(tmp_path):
+    """One stray id of 10^12 asks for a table of as many rows: TorchRec's planner finds no plan (dozens of lines)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    generator = SyntheticGenerator(SyntheticConfig(num_ads=2000, max_events=16))
+    write_parquet([generator.batch(0, 64)], generator.spec, tmp_path / "data.parquet")
+    table = pq.read_table(tmp_path / "data.parquet").replace_schema_metadata(None)
+    ads = table.column("sparse.ad_id").to_pylist()
+    ads[5] = [10**12] if isinstance(ads[5], list) else 10**12
+    table = table.set_column(table.column_names.index("sparse.ad_id"), "sparse.ad_id", pa.array(ads, table.schema.field("sparse.ad_id").type))
+    pq.write_table(table, tmp_path / "huge.parquet")
+    with pytest.raises(ConfigError, match=r"^parallelism: the embedding tables fit no sharding plan \(.*\); the largest: "
+                                          r"t_ad_id \(1,000,000,000,001 rows\)"):
+        trainer_for(tmp_path / "run", "--data.source=parquet", f"--data.path={tmp_path / 'huge.parquet'}",
+                    f"--data.eval_path={tmp_path / 'data.parquet'}")
 
 
 def test_balanced_batches_report_imbalance_before_and_after(tmp_path):

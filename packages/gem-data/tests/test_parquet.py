@@ -32,8 +32,10 @@ def test_vocabularies_come_from_the_data_without_metadata(generator, tmp_path):
     ads = generator.batch(0, 30).sparse["ad_id"].values()
     assert table.spec.sparse[0].num_embeddings == int(ads.max()) + 1
     assert ParquetTable(tmp_path / "plain.parquet", vocab_sizes={"ad_id": 5000}).spec.sparse[0].num_embeddings == 5000
-    with pytest.raises(DataError, match="vocab_sizes"):
+    with pytest.raises(DataError, match=rf"plain\.parquet: ad_id: id {int(ads.max())} is past the vocabulary's 1 ids"):
         ParquetTable(tmp_path / "plain.parquet", vocab_sizes={"ad_id": 1})
+    with pytest.raises(DataError, match=r"plain\.parquet: surface \d is past the 1 surfaces given"):
+        ParquetTable(tmp_path / "plain.parquet", num_surfaces=1)
 
 
 def handmade(path, rows, label_type=pa.float32()):

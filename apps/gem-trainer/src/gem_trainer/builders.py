@@ -124,7 +124,8 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
                             read_rows=d.read_rows)
         rows_per_epoch = train.rows_per_epoch
     else:
-        table = ParquetTable(_files(d.path, "*.parquet", "data.path"), skip_bad_rows=d.skip_bad_rows)
+        table = _nonempty(ParquetTable(_files(d.path, "*.parquet", "data.path"), skip_bad_rows=d.skip_bad_rows), d.path,
+                          "data.path")
         held_out = _held_out_table(config, table, d.eval_path, "data.eval_path")
         train = TableStream(table, batch_size, rank, world, shuffle=True, seed=config.seed, read_rows=d.read_rows)
         rows_per_epoch = train.rows_per_epoch
@@ -258,7 +259,9 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
             datasets[s.name] = build_next_item_dataset(config, s, corpora)
             table = datasets[s.name].training_table()
         else:
-            table = tables[s.name] = ParquetTable(_files(path, "*.parquet", _path_field(s, "path")), skip_bad_rows=d.skip_bad_rows)
+            field = _path_field(s, "path")
+            table = tables[s.name] = _nonempty(ParquetTable(_files(path, "*.parquet", field), skip_bad_rows=d.skip_bad_rows),
+                                               path, field)
         # an online source is its stream in time order, read once (check_mixture_reads); offline logs are shuffled,
         # pass after pass
         streams[s.name] = TableStream(table, d.batch_size, shuffle=not s.online, seed=config.seed, read_rows=d.read_rows,
@@ -326,9 +329,9 @@ def _held_out_table(config: TrainerConfig, table: ParquetTable, eval_path: str, 
     """The held-out Parquet files (``eval_path``, set by config field ``field``), read with the training table's
     vocabularies, surfaces and time base; files whose columns differ from the training data's are refused (labels
     are matched by position: another order would score one task's predictions against another's labels)."""
-    held_out = ParquetTable(_files(eval_path, "*.parquet", field), skip_bad_rows=config.data.skip_bad_rows,
-                            vocab_sizes={f.name: f.num_embeddings for f in table.spec.sparse},
-                            num_surfaces=table.spec.num_surfaces, time_base=table.time_base)
+    held_out = _nonempty(ParquetTable(_files(eval_path, "*.parquet", field), skip_bad_rows=config.data.skip_bad_rows,
+                                      vocab_sizes={f.name: f.num_embeddings for f in _sparse_features(table.spec)},
+                                      num_surfaces=table.spec.num_surfaces, time_base=table.time_base), eval_path, field)
     difference = spec_difference(table.spec, held_out.spec)
     if difference is not None:
         raise DataError(eval_path, None, f"{field}: the held-out data's columns differ from the training data's "
@@ -373,6 +376,19 @@ def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | 
     if not dataset.num_training_examples:
         raise DataError(path, None, f"no training examples in the {period} period of data.sequential.time_split = {list(s.time_split)}")
     return dataset
+
+
+def _sparse_features(spec: FeatureSpec) -> list:
+    """Every sparse feature of ``spec``, the event types' included."""
+    return [*spec.sparse, *(f for event in spec.events for f in event.features)]
+
+
+def _nonempty(table: ParquetTable, path: str, field: str) -> ParquetTable:
+    """``table``, unless it holds no rows (read from ``path``, set by config field ``field``): a one-line error."""
+    if not table.num_rows:
+        skipped = f" ({table.bad_rows} bad rows skipped)" if table.bad_rows else ""
+        raise DataError(path, None, f"{field}: no rows{skipped}")
+    return table
 
 
 def _path_field(source, name: str) -> str:
@@ -597,6 +613,7 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
                       env: DistributedEnv) -> nn.Module:
     """Shard the embedding tables (row-wise Adagrad fused into their backward), split the experts, initialise
     and FSDP-wrap the dense part, as ``gem_parallel.parallelize_kunlun`` orders it."""
+    from torchrec.distributed.planner.types import PlannerError
     from torchrec.optim import RowWiseAdagrad
 
     from gem_trainer.config import ConfigError
@@ -621,6 +638,13 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
         )
     except LayoutError as error:
         raise ConfigError(f"parallelism.{error}") from None
+    except PlannerError as error:  # TorchRec's dozens of lines; the tables' sizes say what to change
+        tables = sorted(((t.num_embeddings * t.embedding_dim, t.name, t.num_embeddings) for module in model.modules()
+                         for t in [*getattr(module, "embedding_bag_configs", list)(), *getattr(module, "embedding_configs", list)()]),
+                        reverse=True)
+        largest = ", ".join(f"{name} ({rows:,} rows)" for _, name, rows in tables[:3])
+        raise ConfigError(f"parallelism: the embedding tables fit no sharding plan ({str(error).splitlines()[0].strip()}); "
+                          f"the largest: {largest}") from None
 
 
 def build_optimizers(config: TrainerConfig, model: nn.Module):

@@ -297,7 +297,7 @@ class DataConfig(Section):
     path: str | None = None  # the data file (sequence_text, parquet) or folder (atomic)
     eval_path: str | None = None  # parquet: held-out file(s)
     batch_size: int = Field(256, ge=1)
-    eval_batches: int = Field(40, ge=1)
+    eval_batches: int = Field(40, ge=1)  # synthetic held-out batches (a parquet eval_path is read whole)
     num_workers: int = Field(0, ge=0)
     # batches read on a background thread one step ahead (true), or on the training thread when the step asks
     # (false: the same batches without a thread, the thread's reference; see gem_data.read_ahead)
@@ -637,6 +637,10 @@ class TrainerConfig(Section):
         example must be one event of its user."""
         if self.loopfm.store is None:
             return
+        soft_labels = self.distillation.soft_labels
+        if soft_labels is not None and Path(soft_labels).resolve() == Path(self.loopfm.store).resolve():
+            raise ValueError(f"loopfm.store and distillation.soft_labels name the same folder ({self.loopfm.store}): "
+                             f"posttrain writes two stores, one in each")
         if self.model.name == "sasrec":
             raise ValueError("loopfm.store: SASRec reads item ids only; use model.name = \"kunlun\", \"interformer\", "
                              "\"domain_experts\" or \"baseline\"")

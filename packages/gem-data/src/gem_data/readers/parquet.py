@@ -114,12 +114,15 @@ class ParquetTable:
             found = maxima.get(name, -1) + 1
             given = vocab_sizes.get(name)
             if given is not None and given < found:
-                raise DataError(self.paths[0], None, f"vocab_sizes[{name!r}]={given} but the data has id {found - 1}")
+                raise DataError(self.paths[0], None, f"{name}: id {found - 1} is past the vocabulary's {given} ids (given by "
+                                                     f"vocab_sizes: the training data's, for a held-out file, or the files' "
+                                                     f"gem.vocab_sizes metadata)")
             return max(given or found, 1)
 
         surfaces = max_surface + 1
         if num_surfaces is not None and num_surfaces < surfaces:
-            raise DataError(self.paths[0], None, f"num_surfaces={num_surfaces} but the data has surface {max_surface}")
+            raise DataError(self.paths[0], None, f"surface {max_surface} is past the {num_surfaces} surfaces given (the "
+                                                 f"training data's, for a held-out file)")
         self.spec = FeatureSpec(
             num_dense=self.layout.num_dense or 0,
             sparse=tuple(SparseFeature(n, size(n)) for n in self.layout.sparse),
