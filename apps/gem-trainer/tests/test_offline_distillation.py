@@ -61,6 +61,37 @@ def test_stored_soft_labels_train_the_student_exactly_as_the_online_teacher(teac
     assert plain != pytest.approx(online, rel=1e-3)  # the stored labels do reach the loss
 
 
+def test_an_online_student_keeps_its_teacher_checkpoint_when_resumed(teacher, tmp_path):
+    """The student records the teacher step it started with; the teacher training on meanwhile (a newer checkpoint)
+    does not change the teacher of the resumed student. A step the teacher no longer holds is one line."""
+    import shutil
+
+    copy = tmp_path / "teacher"
+    shutil.copytree(teacher, copy)
+    run = tmp_path / "student"
+    config = student_config(run, f"--distillation.teacher_run_dir={copy}", "--checkpoint.every_steps=4")
+    trainer = Trainer(config, init_distributed("cpu", "gloo"))
+    assert trainer.config.distillation.teacher_step == 20
+    write_run_record(trainer.config, trainer.spec)
+    trainer.close()
+    # the teacher trains on to step 30 (a new checkpoint beside step 20)
+    longer = [f"--run_dir={copy}", "--schedule.steps=30", "--checkpoint.keep_latest=3"]
+    more = Trainer(load_config(copy / "config.toml", longer), init_distributed("cpu", "gloo"))
+    more.train()
+    more.close()
+    (run / "checkpoints" / "step-4").mkdir(parents=True)  # a resume: the student's run holds checkpoints
+    (run / "checkpoints" / "step-4" / "COMPLETE").write_text("{}")
+    resumed = Trainer(student_config(run, f"--distillation.teacher_run_dir={copy}"), init_distributed("cpu", "gloo"))
+    assert resumed.config.distillation.teacher_step == 20
+    resumed.close()
+    fresh = Trainer(student_config(tmp_path / "fresh", f"--distillation.teacher_run_dir={copy}"), init_distributed("cpu", "gloo"))
+    assert fresh.config.distillation.teacher_step == 30  # a new student takes the teacher's newest
+    fresh.close()
+    with pytest.raises(ConfigError, match=r"^distillation\.teacher_step: no complete checkpoint 25 under .* \(complete: \[20, 30\]\)$"):
+        Trainer(student_config(tmp_path / "x", f"--distillation.teacher_run_dir={copy}", "--distillation.teacher_step=25"),
+                init_distributed("cpu", "gloo"))
+
+
 def test_a_store_that_does_not_fit_the_run_is_refused_in_one_line(teacher, tmp_path):
     labels = tmp_path / "labels"
     posttrain(student_config(tmp_path / "pass", f"--distillation.teacher_run_dir={teacher}", f"--distillation.soft_labels={labels}",

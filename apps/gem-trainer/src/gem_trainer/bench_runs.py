@@ -55,9 +55,9 @@ def evaluate(config_file: Path | None, overrides: list[str], run_dir: Path) -> d
 
     config = load_config(config_file, [*overrides, f"--run_dir={run_dir}"])
     with contextlib.redirect_stdout(io.StringIO()):
-        trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives))
+        trainer = Trainer(config, init_distributed(config.device, config.parallelism.collectives), training=False)
         try:
-            if not trainer.resume():
+            if not trainer.resume(training=False):
                 raise RuntimeError(f"no checkpoint under {run_dir}")
             return trainer.evaluate()
         finally:

@@ -488,9 +488,7 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     if not same:
         raise ConfigError(f"distillation.teacher_run_dir: the teacher at {folder} was trained on other features than this run")
     checkpoints = CheckpointManager(Path(folder) / "checkpoints", keep_latest=1)
-    step = checkpoints.latest_step()
-    if step is None:
-        raise ConfigError(f"distillation.teacher_run_dir: no complete checkpoint under {checkpoints.folder}")
+    step = teacher_step(config)
     unsharded = build_model(teacher_config, spec, device=torch.device("meta"))
     # the teacher only runs forward: tables sharded, the dense part replicated on every rank, then loaded
     teacher = shard_embeddings(unsharded, env.device, sharding_type=teacher_config.parallelism.sparse_sharding)
@@ -499,6 +497,44 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     dcp.load(state, checkpoint_id=str(checkpoints.path(step)))
     teacher.load_state_dict(state["model"])
     return teacher.eval(), unsharded  # frozen: it only ever runs under no_grad
+
+
+def teacher_step(config: TrainerConfig) -> int:
+    """The teacher's checkpoint step: ``distillation.teacher_step``, else its run's newest."""
+    from gem_trainer.checkpoint import CheckpointManager
+    from gem_trainer.config import ConfigError
+
+    d = config.distillation
+    checkpoints = CheckpointManager(Path(d.teacher_run_dir) / "checkpoints", keep_latest=1)
+    complete = checkpoints.complete_steps()
+    if d.teacher_step is None:
+        if not complete:
+            raise ConfigError(f"distillation.teacher_run_dir: no complete checkpoint under {checkpoints.folder}")
+        return complete[-1]
+    if d.teacher_step not in complete:
+        raise ConfigError(f"distillation.teacher_step: no complete checkpoint {d.teacher_step} under {checkpoints.folder} "
+                          f"(complete: {complete or 'none'})")
+    return d.teacher_step
+
+
+def with_teacher_step(config: TrainerConfig) -> TrainerConfig:
+    """``config`` with its online teacher's checkpoint pinned (``distillation.teacher_step``): as given, else the one
+    its run recorded when resuming it (a resumed student keeps its teacher, which may have trained on since), else
+    the teacher's newest."""
+    from gem_trainer.checkpoint import CheckpointManager
+    from gem_trainer.config import load_config
+
+    d = config.distillation
+    step = d.teacher_step
+    record = Path(config.run_dir) / "config.toml"
+    resumes = config.checkpoint.enable and config.checkpoint.resume and \
+        CheckpointManager(Path(config.run_dir) / "checkpoints", keep_latest=1).complete_steps()
+    if step is None and resumes and record.is_file():
+        recorded = load_config(record).distillation
+        if recorded.teacher_run_dir is not None and Path(recorded.teacher_run_dir).resolve() == Path(d.teacher_run_dir).resolve():
+            step = recorded.teacher_step
+    pinned = config.model_copy(update={"distillation": d.model_copy(update={"teacher_step": step})})
+    return config.model_copy(update={"distillation": d.model_copy(update={"teacher_step": teacher_step(pinned)})})
 
 
 def apply_low_precision(config: TrainerConfig, model: nn.Module) -> list[str]:

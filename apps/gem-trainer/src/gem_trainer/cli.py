@@ -264,7 +264,7 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
     env = init_distributed(config.device, config.parallelism.collectives)
     trainer = None
     try:
-        trainer = Trainer(config, env)
+        trainer = Trainer(config, env, training=False)
         if not trainer.resume(args.step, training=False):
             raise ConfigError(f"run_dir: no intact checkpoint under {checkpoints.folder}")
         result = trainer.evaluate()

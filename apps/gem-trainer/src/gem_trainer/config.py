@@ -520,6 +520,9 @@ class DistillationConfig(Section):
     than over its best k alone."""
 
     teacher_run_dir: str | None = None
+    # the teacher's checkpoint (None: its newest when the run starts; a run records the step it took and a resumed
+    # run keeps it, whatever the teacher has trained since)
+    teacher_step: int | None = Field(None, ge=0)
     soft_labels: str | None = None
     top_k: int | None = Field(None, ge=1)
     tail_samples: int = Field(0, ge=0)

@@ -71,8 +71,10 @@ class Trainer:
     exactly where the last checkpoint left off.
     """
 
-    def __init__(self, config: TrainerConfig, env: DistributedEnv, data: builders.DataSetup | None = None) -> None:
-        """``data``: what to train on instead of what ``config.data`` describes (the training benchmark's batches)."""
+    def __init__(self, config: TrainerConfig, env: DistributedEnv, data: builders.DataSetup | None = None,
+                 training: bool = True) -> None:
+        """``data``: what to train on instead of what ``config.data`` describes (the training benchmark's batches);
+        ``training`` false: a trainer that only evaluates, without the teacher or soft labels of distillation."""
         created = time.perf_counter()
         self.config, self.env = config, env
         set_determinism(config.seed, config.deterministic)
@@ -97,11 +99,14 @@ class Trainer:
         # NOTE: FLOPs are read off a second, unsharded meta copy: parallelising changes the model in place
         self.flop_model = builders.build_model(config, self.spec, device=torch.device("meta"))
         # offline distillation reads the teacher's stored logits; online, the teacher runs in every step
-        self.soft_labels = builders.build_soft_labels(config, self.spec, env)
+        self.soft_labels = builders.build_soft_labels(config, self.spec, env) if training else None
         # NOTE: loading the teacher leaves the random state alone, so the student draws the same dropout masks
         # whether its teacher runs online or was stored
+        online_teacher = training and self.soft_labels is None and config.distillation.teacher_run_dir is not None
+        if online_teacher:
+            config = self.config = builders.with_teacher_step(config)
         with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []):
-            teacher = None if self.soft_labels is not None else builders.build_teacher(config, self.spec, env)
+            teacher = builders.build_teacher(config, self.spec, env) if online_teacher else None
         self.teacher, self.teacher_flop_model = teacher or (None, None)
         # NOTE: batches are read (and, for a GPU, page-locked) on a background thread one step ahead, so that
         # neither the reader nor the copy to the device holds up the training thread; or, with
