@@ -477,10 +477,8 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     folder = config.distillation.teacher_run_dir
     if folder is None:
         return None
-    path = Path(folder) / "config.toml"
-    if not path.is_file():
-        raise ConfigError(f"distillation.teacher_run_dir: {path} not found (is {folder} a finished run folder?)")
-    teacher_config = load_config(path)
+    step = teacher_step(config)
+    teacher_config = load_config(Path(folder) / "config.toml")
     spec = teacher_spec(spec)
     # the teacher's features come from its run folder; only a run older than spec.json reads its data again
     recorded = stored_spec(folder)
@@ -488,7 +486,6 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     if not same:
         raise ConfigError(f"distillation.teacher_run_dir: the teacher at {folder} was trained on other features than this run")
     checkpoints = CheckpointManager(Path(folder) / "checkpoints", keep_latest=1)
-    step = teacher_step(config)
     unsharded = build_model(teacher_config, spec, device=torch.device("meta"))
     # the teacher only runs forward: tables sharded, the dense part replicated on every rank, then loaded
     teacher = shard_embeddings(unsharded, env.device, sharding_type=teacher_config.parallelism.sparse_sharding)
@@ -505,6 +502,9 @@ def teacher_step(config: TrainerConfig) -> int:
     from gem_trainer.config import ConfigError
 
     d = config.distillation
+    record = Path(d.teacher_run_dir) / "config.toml"
+    if not record.is_file():
+        raise ConfigError(f"distillation.teacher_run_dir: {record} not found (is {d.teacher_run_dir} a finished run folder?)")
     checkpoints = CheckpointManager(Path(d.teacher_run_dir) / "checkpoints", keep_latest=1)
     complete = checkpoints.complete_steps()
     if d.teacher_step is None:
