@@ -466,7 +466,7 @@ def build_student(config: TrainerConfig, model: nn.Module) -> nn.Module:
 
 
 def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) -> tuple[nn.Module, nn.Module] | None:
-    """The teacher of distillation, sharded like a trained model and loaded from its run's latest checkpoint,
+    """The teacher of distillation, sharded like a trained model and loaded from its checkpoint (``teacher_step``),
     with its unsharded twin (which answers FLOP questions)."""
     import torch.distributed.checkpoint as dcp
 
