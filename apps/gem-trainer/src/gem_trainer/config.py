@@ -44,7 +44,7 @@ class Section(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+    def _no_converted_values(cls, data: Any) -> Any:
         """pydantic would take true / false for a number (1 / 0), and text for a number or a switch ("2" for 2, "yes"
         for true): a TOML boolean or string where a number belongs, or a string where a boolean does, is a mistake."""
         if isinstance(data, dict):
