@@ -40,6 +40,7 @@ from gem_data import (
     read_atomic,
     read_sequence_text,
     spec_difference,
+    vocab_sizes,
 )
 from gem_kernels import Fp8Recipe, MXRecipe, convert_to_low_precision
 from gem_kunlun import BaselineRanker, Batch, FeatureSpec, InterFormerModel, KunlunModel, SasrecModel
@@ -330,7 +331,7 @@ def _held_out_table(config: TrainerConfig, table: ParquetTable, eval_path: str, 
     vocabularies, surfaces and time base; files whose columns differ from the training data's are refused (labels
     are matched by position: another order would score one task's predictions against another's labels)."""
     held_out = _nonempty(ParquetTable(_files(eval_path, "*.parquet", field), skip_bad_rows=config.data.skip_bad_rows,
-                                      vocab_sizes={f.name: f.num_embeddings for f in _sparse_features(table.spec)},
+                                      vocab_sizes=vocab_sizes(table.spec),
                                       num_surfaces=table.spec.num_surfaces, time_base=table.time_base), eval_path, field)
     difference = spec_difference(table.spec, held_out.spec)
     if difference is not None:
@@ -376,11 +377,6 @@ def build_next_item_dataset(config: TrainerConfig, source=None, corpora: dict | 
     if not dataset.num_training_examples:
         raise DataError(path, None, f"no training examples in the {period} period of data.sequential.time_split = {list(s.time_split)}")
     return dataset
-
-
-def _sparse_features(spec: FeatureSpec) -> list:
-    """Every sparse feature of ``spec``, the event types' included."""
-    return [*spec.sparse, *(f for event in spec.events for f in event.features)]
 
 
 def _nonempty(table: ParquetTable, path: str, field: str) -> ParquetTable:
@@ -533,8 +529,10 @@ def with_teacher_step(config: TrainerConfig) -> TrainerConfig:
         recorded = load_config(record).distillation
         if recorded.teacher_run_dir is not None and Path(recorded.teacher_run_dir).resolve() == Path(d.teacher_run_dir).resolve():
             step = recorded.teacher_step
-    pinned = config.model_copy(update={"distillation": d.model_copy(update={"teacher_step": step})})
-    return config.model_copy(update={"distillation": d.model_copy(update={"teacher_step": teacher_step(pinned)})})
+    def pinned(at: int | None) -> TrainerConfig:
+        return config.model_copy(update={"distillation": d.model_copy(update={"teacher_step": at})})
+
+    return pinned(teacher_step(pinned(step)))
 
 
 def apply_low_precision(config: TrainerConfig, model: nn.Module) -> list[str]:

@@ -63,9 +63,16 @@ class Section(BaseModel):
         return data
 
 
+def _kinds(annotation: Any) -> set:
+    """The types a field's annotation allows besides None."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set(typing.get_args(annotation)) - {type(None)}
+    return {annotation}
+
+
 def _is_number(annotation: Any) -> bool:
     """Whether a field's annotation is a number (int or float, maybe optional), nothing else."""
-    kinds = set(typing.get_args(annotation)) - {type(None)} if typing.get_origin(annotation) in (typing.Union, types.UnionType) else {annotation}
+    kinds = _kinds(annotation)
     return bool(kinds) and kinds <= {int, float}
 
 
@@ -83,15 +90,14 @@ def _numeric(text: str) -> bool:
 
 def _is_numbers(annotation: Any) -> bool:
     """Whether a field's annotation is a tuple of numbers (maybe optional), nothing else."""
-    kinds = set(typing.get_args(annotation)) - {type(None)} if typing.get_origin(annotation) in (typing.Union, types.UnionType) else {annotation}
-    return len(kinds) == 1 and typing.get_origin(next(iter(kinds))) is tuple and \
-        set(typing.get_args(next(iter(kinds)))) - {Ellipsis} <= {int, float}
+    kinds = _kinds(annotation)
+    return len(kinds) == 1 and typing.get_origin(kind := next(iter(kinds))) is tuple and \
+        set(typing.get_args(kind)) - {Ellipsis} <= {int, float}
 
 
 def _is_switch(annotation: Any) -> bool:
     """Whether a field's annotation is a boolean (maybe optional), nothing else."""
-    kinds = set(typing.get_args(annotation)) - {type(None)} if typing.get_origin(annotation) in (typing.Union, types.UnionType) else {annotation}
-    return kinds == {bool}
+    return _kinds(annotation) == {bool}
 
 
 def _allows_none(annotation: Any) -> bool:

@@ -18,7 +18,7 @@ from gem_data.mixing import MixedStream, MixingConfig, MixSource
 from gem_data.process_read_ahead import ProcessReadAhead
 from gem_data.read_ahead import ReadAhead
 from gem_data.readers.atomic import read_atomic
-from gem_data.readers.parquet import ParquetTable, write_parquet
+from gem_data.readers.parquet import ParquetTable, vocab_sizes, write_parquet
 from gem_data.readers.text import read_sequence_text
 from gem_data.sequential.corpus import Bags, SequenceCorpus
 from gem_data.sequential.examples import NextItemConfig, NextItemDataset, NextItemTable, RankingExamples
@@ -75,5 +75,6 @@ __all__ = [
     "read_sequence_text",
     "select_examples",
     "spec_difference",
+    "vocab_sizes",
     "write_parquet",
 ]

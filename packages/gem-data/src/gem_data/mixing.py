@@ -359,16 +359,17 @@ class MixedStream(ShardedStream):
         """The sources of known finite length that ``steps`` global batches would read past their end:
         ``(name, examples read, examples held, first step that finds it spent)`` each (the draws are a pure function
         of the step, so this is exact before a batch is read)."""
-        short = []
-        for i, (name, reader) in enumerate(zip(self.names, self._readers)):
-            held = reader.length
-            if held is None or math.isinf(held) or self.positions(steps)[i] <= held:
+        finite = [i for i, reader in enumerate(self._readers) if reader.length is not None and not math.isinf(reader.length)]
+        short, read = [], self.positions(steps) if finite else ()  # (replaying every step's draws: only when needed)
+        for i in finite:
+            name, held = self.names[i], self._readers[i].length
+            if read[i] <= held:
                 continue
             lo, hi = 0, steps  # the first step whose batch would read past the end: positions(step + 1) > held
             while lo < hi:
                 mid = (lo + hi) // 2
                 lo, hi = (mid + 1, hi) if self.positions(mid + 1)[i] <= held else (lo, mid)
-            short.append((name, self.positions(steps)[i], int(held), lo))
+            short.append((name, read[i], int(held), lo))
         return short
 
     # -- reporting and state --------------------------------------------------------------------------------

@@ -371,6 +371,12 @@ def _kjt(keys: list[str], values: list[torch.Tensor], lengths: list[torch.Tensor
     )
 
 
+def vocab_sizes(spec: FeatureSpec) -> dict[str, int]:
+    """Every sparse feature's vocabulary size, the event types' included: what ``gem.vocab_sizes`` records, and what
+    ``ParquetTable(vocab_sizes=)`` takes to read held-out files with the training data's vocabularies."""
+    return {f.name: f.num_embeddings for f in (*spec.sparse, *(f for e in spec.events for f in e.features))}
+
+
 def write_parquet(batches: Iterable[Batch], spec: FeatureSpec, path: str | Path, row_group_size: int = 65_536) -> int:
     """Write ``batches`` in the schema above (one row per example, row groups of ``row_group_size`` rows);
     returns the number of rows written.
@@ -393,8 +399,7 @@ def write_parquet(batches: Iterable[Batch], spec: FeatureSpec, path: str | Path,
         for batch in batches:
             table = _to_arrow(batch, spec)
             if writer is None:
-                vocab = {f.name: f.num_embeddings for f in spec.sparse} | {f.name: f.num_embeddings for e in spec.events for f in e.features}
-                metadata = {b"gem.vocab_sizes": json.dumps(vocab).encode(), b"gem.time_base": b"0"}
+                metadata = {b"gem.vocab_sizes": json.dumps(vocab_sizes(spec)).encode(), b"gem.time_base": b"0"}
                 writer = pq.ParquetWriter(str(path), table.schema.with_metadata(metadata))
             pending.append(table.replace_schema_metadata(writer.schema.metadata))
             total += batch.batch_size
