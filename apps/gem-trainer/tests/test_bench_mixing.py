@@ -1,7 +1,15 @@
-"""The mixing benchmark's reader cost: the mixture's rate, its batch time split, and the shares it read."""
+"""The mixing benchmark: the reader cost's rate, batch time split and shares read; the time split's schedules."""
+
+from pathlib import Path
+
+import pytest
 
 from gem_data import MixingConfig, MixSource, SyntheticConfig, SyntheticGenerator, SyntheticStream
+from gem_data.testing import find_repo_root, shared_data_dir
+from gem_trainer import bench_mixing, builders
 from gem_trainer.bench_mixing import measure_mixed
+from gem_trainer.config import load_config
+from gem_trainer.distributed import init_distributed
 
 
 def test_a_mixture_is_measured_with_the_shares_it_read():
@@ -12,3 +20,21 @@ def test_a_mixture_is_measured_with_the_shares_it_read():
     assert rate > 0 and ms["mixed"] >= ms["source_reads"] > 0
     assert shares.keys() == {"feed", "video"} and abs(sum(shares.values()) - 1) < 1e-9
     assert 0.6 < shares["feed"] < 0.9  # drawn 3:1
+
+
+def test_every_online_schedule_of_the_time_split_reads_the_stream_once_on_both_splits(tmp_path):
+    """The benchmark's online schedules fit the online period (the trainer would refuse them otherwise) on the
+    validation fold and on the test split, and each reads as much of it as sequential fine-tuning."""
+    data = shared_data_dir(find_repo_root(Path(__file__))) / "ml-100k"
+    if not (data / "ml-100k.inter").is_file():
+        pytest.skip(f"shared real data not found at {data} (expected ../shared/data beside the repository)")
+    config_file = Path(bench_mixing.__file__).resolve().parents[2] / "configs" / "mixing-ml100k-time.toml"
+    world = init_distributed("cpu", "gloo")
+    for split in ([], [f"--data.sequential.time_split={bench_mixing.VALIDATION_FOLD}"]):
+        for name, schedule in {"sequential": bench_mixing.SEQUENTIAL, **bench_mixing.RAMPS}.items():
+            config = load_config(config_file, [f"--data.path={data}", f"--run_dir={tmp_path}", "--device=cpu",
+                                               f"--schedule.steps={bench_mixing.TIME_SPLIT_STEPS}", *split, *schedule])
+            setup = builders.build_data(config, world)
+            builders.check_mixture_reads(config, setup)
+            online = setup.mixer.positions(bench_mixing.TIME_SPLIT_STEPS)[setup.mixer.names.index("online")]
+            assert 18_500 < online <= 19_810, (name, split)

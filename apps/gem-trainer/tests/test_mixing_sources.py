@@ -65,6 +65,22 @@ def test_time_split_trains_on_the_offline_log_and_the_online_stream_and_evaluate
     assert forgetting.data.ranking.ranking_examples("offline_period", "sampled", 99, 0).num_users > 600
 
 
+def test_a_validation_fold_of_the_time_split_evaluates_before_the_test_period(tmp_path):
+    needs(ML)
+    fold = trainer_for(tmp_path, *TIME_SPLIT, "--data.sequential.time_split=[0.6, 0.8, 0.9]")
+    offline = fold.data.mixer.sources[0].table.dataset
+    ranking = fold.data.ranking.ranking_examples("next_period", "sampled", 99, 0)
+    times = offline.corpus.timestamps
+    test_from = torch.quantile(times.double(), 0.9).item()  # where the config's own split, [0.7, 0.9], tests
+    events = offline.next_events
+    assert ranking.num_users == events.numel() > 9_000 and bool((times[events] < test_from).all())
+    assert bool((times[events] >= torch.quantile(times.double(), 0.8).item()).all())
+    for bad in ("[0.6, 0.9, 0.9]", "[0.6, 0.8, 0.9, 1.0]", "[0.8]"):
+        with pytest.raises(ConfigError, match=r"data\.sequential\.time_split must be event-time quantiles 0 < online_from < "
+                                              r"next_from < 1, or 0 < online_from < next_from < next_until <= 1"):
+            config_for(tmp_path, *TIME_SPLIT, f"--data.sequential.time_split={bad}")
+
+
 def test_the_online_stream_reaches_the_model_in_time_order(tmp_path):
     needs(ML)
     data = builders.build_data(config_for(tmp_path, *TIME_SPLIT, "--data.mixture.online_share_start=0.5"),

@@ -99,9 +99,25 @@ def test_next_period_ranks_every_later_event_from_the_history_before_it(corpus):
     assert set(torch.isinf(scores[0]).nonzero().squeeze(1).tolist()) == before and before
 
 
+def test_a_validation_fold_ends_the_next_period_early_and_trains_as_its_split(corpus):
+    fold = TimeSplit(SPLIT.online_from, SPLIT.next_from, 0.95)
+    whole, early = (TimeSplitDataset(corpus, NextItemConfig(num_negatives=0), split, "online") for split in (SPLIT, fold))
+    assert torch.equal(whole.example_user, early.example_user) and torch.equal(whole.example_k, early.example_k)
+    assert torch.equal(whole.held_out_events, early.held_out_events)
+    times = corpus.timestamps
+    assert early.next_until_time == torch.quantile(times.double(), 0.95).item()
+    kept = whole.next_events[times[whole.next_events] < early.next_until_time]
+    assert torch.equal(early.next_events, kept) and 0 < kept.numel() < whole.next_events.numel()
+    ranking = early.ranking_examples("next_period", "full")
+    assert ranking.users.numel() == kept.numel()
+    assert "next_until_day" in early.describe() and "next_until_day" not in whole.describe()
+
+
 def test_a_time_split_is_checked(tmp_path):
-    with pytest.raises(ValueError, match="0 < online_from < next_from < 1"):
+    with pytest.raises(ValueError, match="0 < online_from < next_from < next_until <= 1"):
         TimeSplit(0.9, 0.5)
+    with pytest.raises(ValueError, match="0 < online_from < next_from < next_until <= 1"):
+        TimeSplit(0.5, 0.8, 0.8)
     untimed = small_corpus(tmp_path, "shop", 10, 20, False)  # a sequence file: positions, no event times
     assert not untimed.timed
     with pytest.raises(ValueError, match=r"^a time split cuts at event times, and corpus 'shop' has none"):

@@ -39,7 +39,7 @@ from gem_trainer.bench_runs import ROOT, evaluate, mean_std, provenance, train, 
 from gem_trainer.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-SECTIONS = ("time_split", "domains", "synthetic", "reader_cost")
+SECTIONS = ("time_split_validation", "time_split", "domains", "synthetic", "reader_cost")
 SPIKE_WINDOW, SPIKE_SMOOTH = 20, 5
 ROUNDS = 5  # reader_cost: paired measurements per mix and batch size
 
@@ -71,48 +71,88 @@ def ranking_row(result: dict[str, float]) -> dict[str, float]:
 
 # -- sections --------------------------------------------------------------------------------------------------
 
-# NOTE: the online stream is read once (19,810 examples): the sequential schedule's last 150 steps of 128 read
-# 19,200 of it, and the config's ramp (0 -> 0.5 over the last 600 steps) as many in expectation
+# NOTE: the online stream is read once (19,810 examples; 19,838 in the validation fold): each online schedule reads
+# 150 steps' worth of it (19,200 examples in expectation), the sequential one its last 150 steps of 128 in full
 TIME_SPLIT_STEPS, TIME_SPLIT_SWITCH = 900, 750
-SCHEDULES = {
-    "offline_only": ["--data.mixture.online_share_start=0.0", "--data.mixture.online_share_end=none",
-                     "--data.mixture.ramp_start=0", "--data.mixture.ramp_steps=0"],
-    "sequential": ["--data.mixture.online_share_start=0.0", "--data.mixture.online_share_end=1.0",
-                   f"--data.mixture.ramp_start={TIME_SPLIT_SWITCH}", "--data.mixture.ramp_steps=0"],
-    "ramp": [],  # the config's own schedule
+VALIDATION_FOLD = "[0.6, 0.8, 0.9]"  # the test split [0.7, 0.9] moved back: its next period ends where the test's begins
+
+
+def share_schedule(start: float, end: float | None, ramp_start: int, ramp_steps: int) -> list[str]:
+    return [f"--data.mixture.online_share_start={start}", f"--data.mixture.online_share_end={'none' if end is None else end}",
+            f"--data.mixture.ramp_start={ramp_start}", f"--data.mixture.ramp_steps={ramp_steps}"]
+
+
+OFFLINE_ONLY = share_schedule(0.0, None, 0, 0)
+SEQUENTIAL = share_schedule(0.0, 1.0, TIME_SPLIT_SWITCH, 0)
+# the mixed schedules tuned on the validation fold, each reading the online stream once
+RAMPS = {
+    "ramp_0_0.5_from_300": share_schedule(0.0, 0.5, 300, 600),  # 0 -> 0.5 over the last 600 steps
+    "ramp_0_0.75_from_500": share_schedule(0.0, 0.75, 500, 400),
+    "ramp_0_1_from_600": share_schedule(0.0, 1.0, 600, 300),
+    "ramp_0_1_from_675_hold": share_schedule(0.0, 1.0, 675, 150),  # 0 -> 1 over steps 675-825, then online only
+    "constant_1/6": share_schedule(1 / 6, None, 0, 0),  # joint training: a sixth of every batch online throughout
 }
 
 
-def time_split(seeds: list[int], data: Path, work: Path) -> dict:
+def time_split_runs(schedules: dict[str, list[str]], seeds: list[int], data: Path, work: Path,
+                    split: list[str]) -> tuple[list[dict], dict]:
+    """Train every schedule under every seed on the time split ``split`` (overrides); per run the next-period and
+    offline-period metrics, the loss around the switch step and the examples read; and their means per schedule."""
     config = CONFIGS / "mixing-ml100k-time.toml"
     common = [f"--data.path={data / 'ml-100k'}", f"--schedule.steps={TIME_SPLIT_STEPS}", "--metrics.log_every=1",
-              f"--checkpoint.every_steps={TIME_SPLIT_STEPS}"]
+              f"--checkpoint.every_steps={TIME_SPLIT_STEPS}", *split]
     rows = []
     for seed in seeds:
-        for name, schedule in SCHEDULES.items():
-            run_dir = work / "time_split" / f"{name}-seed{seed}"
+        for name, schedule in schedules.items():
+            run_dir = work / f"{name.replace('/', '_')}-seed{seed}"
             overrides = [*common, *schedule, f"--seed={seed}"]
             wall = train(config, overrides, run_dir)
             row = {"schedule": name, "seed": seed, "train_s": round(wall, 1)}
-            for split in ("next_period", "offline_period"):
-                row[split] = ranking_row(evaluate(config, [*overrides, f"--data.sequential.eval_split={split}"], run_dir))
+            for period in ("next_period", "offline_period"):
+                row[period] = ranking_row(evaluate(config, [*overrides, f"--data.sequential.eval_split={period}"], run_dir))
             records = train_records(run_dir)
             row["switch"] = loss_spike({step: r["loss"] for step, r in records.items()}, TIME_SPLIT_SWITCH)
             # examples read per source, as the log line counts them: at the switch and at the end
             row["examples_read"] = {f"step_{step}": {k.removeprefix("source_"): v for k, v in records[step].items()
                                                      if k.startswith("source_")} for step in (TIME_SPLIT_SWITCH, TIME_SPLIT_STEPS)}
             rows.append(row)
-            print(f"time_split {name:<13} seed {seed}: next hr@10 {row['next_period']['hr@10']:.4f} ndcg@10 "
+            print(f"{work.name} {name:<22} seed {seed}: next hr@10 {row['next_period']['hr@10']:.4f} ndcg@10 "
                   f"{row['next_period']['ndcg@10']:.4f} | offline hr@10 {row['offline_period']['hr@10']:.4f} ndcg@10 "
                   f"{row['offline_period']['ndcg@10']:.4f} | spike {row['switch']['spike']:+.4f}", flush=True)
     summary = {}
-    for name in SCHEDULES:
+    for name in schedules:
         mine = [r for r in rows if r["schedule"] == name]
         summary[name] = {
-            f"{split}/{metric}": mean_std([r[split] for r in mine], metric)
-            for split in ("next_period", "offline_period") for metric in ("hr@10", "ndcg@10")
+            f"{period}/{metric}": mean_std([r[period] for r in mine], metric)
+            for period in ("next_period", "offline_period") for metric in ("hr@10", "ndcg@10")
         }
         summary[name]["switch/spike"] = mean_std([r["switch"] for r in mine], "spike")
+    return rows, summary
+
+
+def time_split_validation(seeds: list[int], data: Path, work: Path) -> dict:
+    """The mixed schedules and sequential fine-tuning on the validation fold; the ramp chosen for the test split is
+    the one with the best next-period NDCG@10 there (the metric of the model as served)."""
+    schedules = {"sequential": SEQUENTIAL, **RAMPS}
+    rows, summary = time_split_runs(schedules, seeds, data, work / "time_split_validation", [f"--data.sequential.time_split={VALIDATION_FOLD}"])
+    chosen = max(RAMPS, key=lambda name: summary[name]["next_period/ndcg@10"]["mean"])
+    print(f"time_split_validation: chose {chosen}", flush=True)
+    return {"config": str((CONFIGS / "mixing-ml100k-time.toml").relative_to(ROOT)), "time_split": VALIDATION_FOLD,
+            "steps": TIME_SPLIT_STEPS, "switch_step": TIME_SPLIT_SWITCH,
+            "split": describe_split([f"--data.path={data / 'ml-100k'}", f"--data.sequential.time_split={VALIDATION_FOLD}"]),
+            "schedules": schedules, "rows": rows, "summary": summary,
+            "choice": "the mixed schedule with the highest mean next-period NDCG@10 on this fold", "chosen": chosen}
+
+
+def time_split(seeds: list[int], data: Path, work: Path, out: Path) -> dict:
+    """Offline-only, sequential fine-tuning and the ramp chosen on the validation fold (``time_split_validation``
+    of ``out``, which must be there) on the config's test split."""
+    validation = json.loads(out.read_text()).get("time_split_validation") if out.is_file() else None
+    if validation is None:
+        raise SystemExit(f"{out} has no time_split_validation section: run it first (--sections time_split_validation)")
+    chosen = validation["chosen"]
+    schedules = {"offline_only": OFFLINE_ONLY, "sequential": SEQUENTIAL, "ramp": RAMPS[chosen]}
+    rows, summary = time_split_runs(schedules, seeds, data, work / "time_split", [])
     ramp, sequential = summary["ramp"], summary["sequential"]
     targets = {
         "ramp_not_worse_than_sequential_on_next_period": all(
@@ -120,16 +160,16 @@ def time_split(seeds: list[int], data: Path, work: Path) -> dict:
         "ramp_forgets_less_than_sequential": all(
             ramp[f"offline_period/{m}"]["mean"] > sequential[f"offline_period/{m}"]["mean"] for m in ("hr@10", "ndcg@10")),
     }
-    return {"config": str(config.relative_to(ROOT)), "steps": TIME_SPLIT_STEPS, "switch_step": TIME_SPLIT_SWITCH,
-            "split": describe_split(config, [*common]), "schedules": SCHEDULES, "rows": rows, "summary": summary,
-            "targets": targets}
+    return {"config": str((CONFIGS / "mixing-ml100k-time.toml").relative_to(ROOT)), "steps": TIME_SPLIT_STEPS,
+            "switch_step": TIME_SPLIT_SWITCH, "split": describe_split([f"--data.path={data / 'ml-100k'}"]),
+            "ramp_chosen_on_validation": chosen, "schedules": schedules, "rows": rows, "summary": summary, "targets": targets}
 
 
-def describe_split(config_file: Path, overrides: list[str]) -> dict[str, float]:
-    """The time split's cut-offs and sizes (``TimeSplitDataset.describe``) under the benchmark's config."""
+def describe_split(overrides: list[str]) -> dict[str, float]:
+    """The time split's cut-offs and sizes (``TimeSplitDataset.describe``) under the benchmark's config + ``overrides``."""
     from gem_data import NextItemConfig, TimeSplit, TimeSplitDataset, read_atomic
 
-    config = load_config(config_file, overrides)
+    config = load_config(CONFIGS / "mixing-ml100k-time.toml", overrides)
     split = TimeSplit(*config.data.sequential.time_split)
     corpus = read_atomic(config.data.path)
     sizes = {period: TimeSplitDataset(corpus, NextItemConfig(), split, period).describe() for period in ("offline", "online")}
@@ -359,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     for section in args.sections:
         started, meta = time.perf_counter(), provenance("gem_trainer.bench_mixing", argv)  # the commit of the code this section runs
-        if section == "time_split":
-            result = time_split(args.seeds, args.data, args.work)
+        if section == "time_split_validation":
+            result = time_split_validation(args.seeds, args.data, args.work)
+        elif section == "time_split":
+            result = time_split(args.seeds, args.data, args.work, args.out)
         elif section == "domains":
             result = domains(args.seeds, args.data, args.work)
         elif section == "synthetic":

@@ -220,8 +220,9 @@ class SequentialDataConfig(Section):
     attribute_slots: int = Field(4, ge=1)
     with_user_id: bool = False
     # time split (event-time quantiles online_from, next_from): offline | online | next period; mixture sources
-    # read the offline period (shuffled) or, declared online, the online period in time order
-    time_split: tuple[float, float] | None = None
+    # read the offline period (shuffled) or, declared online, the online period in time order. A third quantile,
+    # next_until, ends the next period early: a validation fold, e.g. [0.6, 0.8, 0.9] to tune what [0.7, 0.9] tests
+    time_split: tuple[float, ...] | None = None
     # leave-one-out "valid" / "test"; with a time split also "next_period" (every event after next_from) and
     # "offline_period" (each user's held-out last offline event: forgetting)
     eval_split: Literal["valid", "test", "next_period", "offline_period"] = "test"
@@ -237,9 +238,10 @@ class SequentialDataConfig(Section):
             raise ValueError("data.sequential.num_negatives must be >= 1 for loss = \"binary\" (0, every item, is softmax only)")
         if self.objective == "pointwise" and (self.queries != "last" or self.loss != "binary"):
             raise ValueError("data.sequential.queries and .loss apply to objective = \"retrieval\" only")
-        if self.time_split is not None and not 0 < self.time_split[0] < self.time_split[1] < 1:
-            raise ValueError(f"data.sequential.time_split must be two event-time quantiles 0 < online_from < next_from < 1, "
-                             f"got {list(self.time_split)}")
+        cuts = None if self.time_split is None else self.time_split if len(self.time_split) == 3 else (*self.time_split, 1.0)
+        if cuts is not None and not (len(cuts) == 3 and 0 < cuts[0] < cuts[1] < cuts[2] <= 1):
+            raise ValueError(f"data.sequential.time_split must be event-time quantiles 0 < online_from < next_from < 1, or "
+                             f"0 < online_from < next_from < next_until <= 1 for a validation fold, got {list(self.time_split)}")
         if self.eval_split in ("next_period", "offline_period") and self.time_split is None:
             raise ValueError(f"data.sequential.eval_split = \"{self.eval_split}\" needs data.sequential.time_split")
         if self.time_split is not None and self.queries == "every":

@@ -4,6 +4,10 @@ Two cut-offs, given as quantiles of the corpus' event times, divide it into thre
 
     offline [first event, online_from)   online [online_from, next_from)   next [next_from, last event]
 
+A third, ``next_until`` (1: the last event), ends the next period early: events from it on are neither trained
+on nor evaluated. It makes a validation fold of a test split, the same protocol moved back in time: schedules
+tuned on ``(0.6, 0.8, 0.9)`` never see the next period of ``(0.7, 0.9)``.
+
 A training example is an event with at least one earlier event of its user (history = the user's events
 before it, target = the event), assigned to the period of its target's time:
 
@@ -20,6 +24,7 @@ event whatever its period, since at serving time they are known inputs, not trai
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,15 +45,19 @@ SPLITS = ("next_period", "offline_period")
 class TimeSplit:
     online_from: float  # quantile of event times where the online period starts
     next_from: float  # quantile where the next (evaluation) period starts
+    next_until: float = 1.0  # quantile where the next period ends (1: with the last event; less: a validation fold)
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.online_from < self.next_from < 1.0:
-            raise ValueError(f"a time split needs 0 < online_from < next_from < 1, got {self.online_from}, {self.next_from}")
+        if not 0.0 < self.online_from < self.next_from < self.next_until <= 1.0:
+            raise ValueError(f"a time split needs 0 < online_from < next_from < next_until <= 1, got {self.online_from}, "
+                             f"{self.next_from}, {self.next_until}")
 
-    def cutoffs(self, corpus: SequenceCorpus) -> tuple[float, float]:
-        """The two cut-off times (seconds, as ``corpus.timestamps``)."""
-        quantiles = torch.quantile(corpus.timestamps.double(), torch.tensor([self.online_from, self.next_from], dtype=torch.float64))
-        return float(quantiles[0]), float(quantiles[1])
+    def cutoffs(self, corpus: SequenceCorpus) -> tuple[float, float, float]:
+        """The three cut-off times (seconds, as ``corpus.timestamps``): the next period holds the events at or after
+        the second and before the third (``inf`` for ``next_until = 1``: every later event)."""
+        quantiles = torch.quantile(corpus.timestamps.double(), torch.tensor([self.online_from, self.next_from, self.next_until],
+                                                                            dtype=torch.float64))
+        return float(quantiles[0]), float(quantiles[1]), float(quantiles[2]) if self.next_until < 1.0 else math.inf
 
 
 class TimeSplitDataset(NextItemDataset):
@@ -68,7 +77,7 @@ class TimeSplitDataset(NextItemDataset):
                              f"file order)")
         super().__init__(corpus, config)
         self.split, self.period = split, period
-        self.online_from_time, self.next_from_time = split.cutoffs(corpus)
+        self.online_from_time, self.next_from_time, self.next_until_time = split.cutoffs(corpus)
         times = corpus.timestamps
         users = segment_ids(corpus.lengths())
         position = torch.arange(times.numel()) - corpus.offsets[users]  # k: the event's index in its user's sequence
@@ -87,7 +96,7 @@ class TimeSplitDataset(NextItemDataset):
             events = events[torch.sort(times[events], stable=True).indices]  # time order; ties keep file order
         self.example_user, self.example_k = users[events], position[events]
         self.held_out_events = held_out.nonzero().squeeze(1)
-        self.next_events = ((times >= self.next_from_time) & (position >= 1)).nonzero().squeeze(1)
+        self.next_events = ((times >= self.next_from_time) & (times < self.next_until_time) & (position >= 1)).nonzero().squeeze(1)
         self._users, self._position = users, position
         # popularity negatives follow what this period trains on
         self.train_counts = torch.bincount(corpus.items[events], minlength=corpus.num_items)
@@ -121,8 +130,9 @@ class TimeSplitDataset(NextItemDataset):
 
     def describe(self) -> dict[str, float]:
         """Sizes of the split, for reports: cut-off times (days since the first event) and event counts."""
+        until = {} if math.isinf(self.next_until_time) else {"next_until_day": self.next_until_time / 86400}
         return {
-            "online_from_day": self.online_from_time / 86400, "next_from_day": self.next_from_time / 86400,
+            "online_from_day": self.online_from_time / 86400, "next_from_day": self.next_from_time / 86400, **until,
             "training_examples": float(self.example_user.numel()), "next_period_events": float(self.next_events.numel()),
             "offline_held_out": float(self.held_out_events.numel()),
         }
