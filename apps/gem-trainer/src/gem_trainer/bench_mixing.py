@@ -1,17 +1,19 @@
 """Cross-domain data mixing, measured on the CPU: ``benchmarks/results/mixing.json``.
 
-    python -m gem_trainer.bench_mixing --out benchmarks/results/mixing.json [--sections time_split domains
-        synthetic reader_cost] [--seeds 0 1 2] [--data ../shared/data] [--work /tmp/bench-mixing]
+    python -m gem_trainer.bench_mixing --out benchmarks/results/mixing.json [--sections time_split_validation
+        time_split domains synthetic reader_cost] [--seeds 0 1 2] [--data ../shared/data] [--work /tmp/bench-mixing]
 
 Every run goes through the trainer from a committed config plus overrides (``gem_trainer.bench_runs``), so the
 numbers are what ``gem-trainer train`` / ``eval`` give.
 
-- ``time_split`` (``configs/mixing-ml100k-time.toml``, MovieLens-100K): offline-only, offline then online
-  (sequential fine-tuning: the online share switches from 0 to 1 at ``switch``) and the ramp (the share grows
-  linearly over the last two thirds of the run), same steps, the two online schedules reading the same online
-  examples (the stream once, in time order); next-period and offline-period (forgetting) HR@10 / NDCG@10 and the
-  loss spike at the switch (per-step training loss: highest 5-step mean of the 20 steps after the switch minus
-  the mean of the 20 before).
+- ``time_split_validation`` and ``time_split`` (``configs/mixing-ml100k-time.toml``, MovieLens-100K): the mixed
+  schedules of the online share (ramps and a constant share, each reading the online stream once) and sequential
+  fine-tuning (the share switches from 0 to 1 at ``switch``) on the validation fold (``VALIDATION_FOLD``: the test
+  split moved back in time), which picks the mixed schedule with the best next-period NDCG@10; then offline-only,
+  sequential fine-tuning and the chosen schedule on the test split, same steps, the online schedules reading the
+  same number of online examples (the stream once, in time order). Next-period and offline-period (forgetting)
+  HR@10 / NDCG@10, per-seed differences against sequential fine-tuning, and the loss spike at the switch
+  (per-step training loss: highest 5-step mean of the 20 steps after the switch minus the mean of the 20 before).
 - ``domains`` (``configs/mixing-domains.toml``, Beauty + MovieLens-100K) and ``synthetic``
   (``configs/mixing-synthetic.toml``, the generator's three surfaces): one shared model, domain experts and one
   model per domain at the same compute (see the configs); per-domain metrics.
@@ -127,7 +129,22 @@ def time_split_runs(schedules: dict[str, list[str]], seeds: list[int], data: Pat
             for period in ("next_period", "offline_period") for metric in ("hr@10", "ndcg@10")
         }
         summary[name]["switch/spike"] = mean_std([r["switch"] for r in mine], "spike")
+        if name != "sequential" and "sequential" in schedules:
+            summary[name]["minus_sequential"] = paired_differences(rows, name, "sequential")
     return rows, summary
+
+
+def paired_differences(rows: list[dict], schedule: str, base: str) -> dict[str, dict[str, float]]:
+    """``schedule`` minus ``base`` run by run (same seed), per period metric: the mean and spread of the differences
+    (the seeds' shared part of the noise, the data and the evaluation, cancels)."""
+    reference = {r["seed"]: r for r in rows if r["schedule"] == base}
+    differences = {}
+    for period in ("next_period", "offline_period"):
+        for metric in ("hr@10", "ndcg@10"):
+            values = [r[period][metric] - reference[r["seed"]][period][metric] for r in rows if r["schedule"] == schedule]
+            differences[f"{period}/{metric}"] = {"mean": statistics.fmean(values), "std": statistics.pstdev(values),
+                                                 "per_seed": [round(v, 5) for v in values]}
+    return differences
 
 
 def time_split_validation(seeds: list[int], data: Path, work: Path) -> dict:
