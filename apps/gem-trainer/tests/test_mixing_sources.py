@@ -75,6 +75,12 @@ def test_a_validation_fold_of_the_time_split_evaluates_before_the_test_period(tm
     events = offline.next_events
     assert ranking.num_users == events.numel() > 9_000 and bool((times[events] < test_from).all())
     assert bool((times[events] >= torch.quantile(times.double(), 0.8).item()).all())
+    # the leave-one-out targets are training targets of the periods: refused, in a mixture and alone
+    lone = [f"--data.path={ML}", "--data.source=atomic", "--data.sequential.time_split=[0.7, 0.9]"]
+    for extra in ([*TIME_SPLIT, "--data.sequential.eval_split=test"], [*lone, "--data.sequential.eval_split=valid"]):
+        with pytest.raises(ConfigError, match=r"^data\.sequential\.eval_split = \"(test|valid)\": (the evaluated source "
+                                              r"'offline'|the data) trains on periods of data\.sequential\.time_split"):
+            builders.build_data(config_for(tmp_path, *extra), init_distributed("cpu", "gloo"))
     for bad in ("[0.6, 0.9, 0.9]", "[0.6, 0.8, 0.9, 1.0]", "[0.8]"):
         with pytest.raises(ConfigError, match=r"data\.sequential\.time_split must be event-time quantiles 0 < online_from < "
                                               r"next_from < 1, or 0 < online_from < next_from < next_until <= 1"):
@@ -120,7 +126,7 @@ def test_sources_without_event_times_and_a_time_split(tmp_path):
     beauty = f'{{name = "beauty", reader = "sequence_text", path = "{BEAUTY}", surface = 1}}'
     pointwise = ["--data.sequential.objective=pointwise", "--data.sequential.num_negatives=1", "--data.sequential.loss=binary"]
     mixed = [*TIME_SPLIT, *pointwise, "--model.name=kunlun", "--model.kunlun.size=tiny",
-             '--data.sequential.eval_split="test"',
+             '--data.sequential.eval_split="test"', "--data.mixture.eval_source=beauty",  # leave-one-out: not split
              f'--data.mixture.sources=[{{name = "offline", surface = 0}}, {{name = "online", online = true, surface = 0}}, '
              f'{beauty}]']
     data = builders.build_data(config_for(tmp_path, *mixed), env)

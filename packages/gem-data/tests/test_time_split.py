@@ -91,12 +91,35 @@ def test_next_period_ranks_every_later_event_from_the_history_before_it(corpus):
     users = torch.repeat_interleave(torch.arange(corpus.num_users), corpus.lengths())
     assert torch.equal(forgetting.users, users[data.held_out_events])
     assert forgetting.candidates.shape == (forgetting.num_users, corpus.num_items)
-    # full ranking leaves out each user's items before the ranked event
+    # full ranking leaves out each user's items before the ranked event, and the items nobody had rated by then
     row = int(forgetting.history_length.argmax())
     scores = forgetting.mask_seen(torch.zeros(1, corpus.num_items), torch.tensor([row]))
     start = int(corpus.offsets[forgetting.users[row]])
-    before = set(corpus.items[start : start + int(forgetting.history_length[row])].tolist()) - {int(forgetting.targets()[row])}
-    assert set(torch.isinf(scores[0]).nonzero().squeeze(1).tolist()) == before and before
+    target = int(forgetting.targets()[row])
+    before = set(corpus.items[start : start + int(forgetting.history_length[row])].tolist()) - {target}
+    event_time = corpus.timestamps[start + int(forgetting.history_length[row])]
+    unrated = set(range(corpus.num_items)) - set(corpus.items[corpus.timestamps < event_time].tolist()) - {target}
+    assert set(torch.isinf(scores[0]).nonzero().squeeze(1).tolist()) == before | unrated and before and unrated
+
+
+def test_time_split_rankings_draw_negatives_among_the_items_rated_before_the_event(corpus):
+    data = dataset(corpus, "offline")
+    first_rated = torch.full((corpus.num_items,), float("inf"), dtype=torch.float64)
+    first_rated.scatter_reduce_(0, corpus.items, corpus.timestamps.double(), reduce="amin")
+    for split in ("next_period", "offline_period"):
+        ranking = data.ranking_examples(split, "sampled", num_negatives=5, seed=2)
+        event_time = corpus.timestamps[corpus.offsets[ranking.users] + ranking.history_length].double()
+        negative = torch.arange(6)[None, :] != ranking.target_index[:, None]
+        assert bool((first_rated[ranking.candidates] < event_time[:, None])[negative].all())
+        negatives = ranking.candidates[negative].view(-1, 5)
+        assert not bool(data.sampler.is_owned(ranking.users[:, None], negatives).any())
+        assert all(len(set(row)) == 5 for row in negatives.tolist())
+    with pytest.raises(ValueError, match=r"^some user has fewer than 50 items outside their sequence to sample from$"):
+        data.ranking_examples("offline_period", "sampled", num_negatives=50)
+    for split in ("valid", "test"):
+        with pytest.raises(ValueError, match=rf"^a time split evaluates next_period or offline_period, not the leave-one-out "
+                                             rf"'{split}': its periods train on those targets$"):
+            data.ranking_examples(split)
 
 
 def test_a_validation_fold_ends_the_next_period_early_and_trains_as_its_split(corpus):

@@ -12,8 +12,10 @@ numbers are what ``gem-trainer train`` / ``eval`` give.
   split moved back in time), which picks the mixed schedule with the best next-period NDCG@10; then offline-only,
   sequential fine-tuning and the chosen schedule on the test split, same steps, the online schedules reading the
   same number of online examples (the stream once, in time order). Next-period and offline-period (forgetting)
-  HR@10 / NDCG@10, per-seed differences against sequential fine-tuning, and the loss spike at the switch
-  (per-step training loss: highest 5-step mean of the 20 steps after the switch minus the mean of the 20 before).
+  HR@10 / NDCG@10 (among the items rated before each ranked event), per-seed differences against sequential
+  fine-tuning, and the loss spike where the online stream enters (per-step training loss: the highest 5-step mean
+  from the first step with an online share until 20 steps after the share stops moving, minus the mean of the 20
+  steps before).
 - ``domains`` (``configs/mixing-domains.toml``, Beauty + MovieLens-100K) and ``synthetic``
   (``configs/mixing-synthetic.toml``, the generator's three surfaces): one shared model, domain experts and one
   model per domain at the same compute (see the configs); per-domain metrics.
@@ -56,13 +58,23 @@ def train_records(run_dir: Path) -> dict[int, dict]:
     return records
 
 
-def loss_spike(losses: dict[int, float], switch: int) -> dict[str, float]:
-    """How the training loss moves at ``switch``: the mean of the ``SPIKE_WINDOW`` steps before it, the highest
-    ``SPIKE_SMOOTH``-step mean of the ``SPIKE_WINDOW`` steps after it, and their difference."""
-    before = [losses[s] for s in range(switch - SPIKE_WINDOW + 1, switch + 1)]
-    after = [losses[s] for s in range(switch + 1, switch + SPIKE_WINDOW + 1)]
+def loss_spike(records: dict[int, dict], source: str = "online") -> dict[str, float] | None:
+    """How the training loss moves when ``source`` enters the batches (logged steps ``records``, each with the loss
+    and the step's scheduled share of the source): the mean of the ``SPIKE_WINDOW`` steps before its first step with
+    a share, the highest ``SPIKE_SMOOTH``-step mean from that step until ``SPIKE_WINDOW`` steps after the share
+    stops moving (a switch: the ``SPIKE_WINDOW`` steps after it; a ramp: the whole ramp), and their difference.
+    None where the source never enters, or enters before ``SPIKE_WINDOW`` steps (a constant share)."""
+    steps = sorted(records)
+    share = {step: records[step][f"share_{source}"] for step in steps}
+    onset = next((step for step in steps if share[step] > 0), None)
+    if onset is None or onset - SPIKE_WINDOW < steps[0]:
+        return None
+    settled = next((step for step in steps if step >= onset and share[step] == share[steps[-1]]), steps[-1])
+    before = [records[s]["loss"] for s in range(onset - SPIKE_WINDOW, onset)]
+    after = [records[s]["loss"] for s in range(onset, min(settled + SPIKE_WINDOW, steps[-1] + 1))]
     smoothed = [statistics.fmean(after[i : i + SPIKE_SMOOTH]) for i in range(len(after) - SPIKE_SMOOTH + 1)]
-    return {"before": statistics.fmean(before), "after_max": max(smoothed), "spike": max(smoothed) - statistics.fmean(before)}
+    return {"onset_step": onset, "before": statistics.fmean(before), "after_max": max(smoothed),
+            "spike": max(smoothed) - statistics.fmean(before)}
 
 
 def ranking_row(result: dict[str, float]) -> dict[str, float]:
@@ -113,14 +125,15 @@ def time_split_runs(schedules: dict[str, list[str]], seeds: list[int], data: Pat
             for period in ("next_period", "offline_period"):
                 row[period] = ranking_row(evaluate(config, [*overrides, f"--data.sequential.eval_split={period}"], run_dir))
             records = train_records(run_dir)
-            row["switch"] = loss_spike({step: r["loss"] for step, r in records.items()}, TIME_SPLIT_SWITCH)
+            row["switch"] = loss_spike(records)
             # examples read per source, as the log line counts them: at the switch and at the end
             row["examples_read"] = {f"step_{step}": {k.removeprefix("source_"): v for k, v in records[step].items()
                                                      if k.startswith("source_")} for step in (TIME_SPLIT_SWITCH, TIME_SPLIT_STEPS)}
             rows.append(row)
             print(f"{work.name} {name:<22} seed {seed}: next hr@10 {row['next_period']['hr@10']:.4f} ndcg@10 "
                   f"{row['next_period']['ndcg@10']:.4f} | offline hr@10 {row['offline_period']['hr@10']:.4f} ndcg@10 "
-                  f"{row['offline_period']['ndcg@10']:.4f} | spike {row['switch']['spike']:+.4f}", flush=True)
+                  f"{row['offline_period']['ndcg@10']:.4f} | spike "
+                  f"{'-' if row['switch'] is None else format(row['switch']['spike'], '+.4f')}", flush=True)
     summary = {}
     for name in schedules:
         mine = [r for r in rows if r["schedule"] == name]
@@ -128,7 +141,8 @@ def time_split_runs(schedules: dict[str, list[str]], seeds: list[int], data: Pat
             f"{period}/{metric}": mean_std([r[period] for r in mine], metric)
             for period in ("next_period", "offline_period") for metric in ("hr@10", "ndcg@10")
         }
-        summary[name]["switch/spike"] = mean_std([r["switch"] for r in mine], "spike")
+        spikes = [r["switch"] for r in mine if r["switch"] is not None]
+        summary[name]["switch/spike"] = mean_std(spikes, "spike") if len(spikes) == len(mine) else None
         if name != "sequential" and "sequential" in schedules:
             summary[name]["minus_sequential"] = paired_differences(rows, name, "sequential")
     return rows, summary

@@ -121,6 +121,7 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         eval_fn = lambda: eval_batches(generator, d.batch_size, d.eval_batches, env.rank, env.world_size)  # noqa: E731
     elif d.source in ("sequence_text", "atomic"):
         ranking = build_next_item_dataset(config)
+        _check_time_split_eval(config, ranking, "the data")
         train = TableStream(ranking.training_table(), batch_size, rank, world, shuffle=True, seed=config.seed,
                             read_rows=d.read_rows)
         rows_per_epoch = train.rows_per_epoch
@@ -297,6 +298,8 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
         raise ConfigError(f"data.sequential.eval_split = \"{split}\" evaluates a period of the time split, and the evaluated "
                           f"source {name!r} has no event times (it is not split): evaluate \"valid\" or \"test\"")
     if name in datasets:
+        _check_time_split_eval(config, datasets[name], f"the evaluated source {name!r}")
+    if name in datasets:
         ranking = AlignedRanking(datasets[name], alignment, name)
     elif name in tables:
         evaluated = next(s for s in m.sources if s.name == name)
@@ -308,6 +311,16 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
         eval_fn = lambda: (alignment.align(name, b) for b in  # noqa: E731
                            eval_batches(generator, d.batch_size, d.eval_batches, env.rank, env.world_size))
     return mixer, ranking, eval_fn, held_out
+
+
+def _check_time_split_eval(config: TrainerConfig, dataset: NextItemDataset, what: str) -> None:
+    """Refuse the leave-one-out evaluation of a time split's periods: their training targets include it."""
+    from gem_trainer.config import ConfigError
+
+    split = config.data.sequential.eval_split
+    if isinstance(dataset, TimeSplitDataset) and split in ("valid", "test"):
+        raise ConfigError(f"data.sequential.eval_split = \"{split}\": {what} trains on periods of data.sequential.time_split, "
+                          f"which hold the leave-one-out targets; evaluate \"next_period\" or \"offline_period\"")
 
 
 def check_mixture_reads(config: TrainerConfig, data: DataSetup) -> None:

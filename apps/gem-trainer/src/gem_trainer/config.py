@@ -223,13 +223,16 @@ class SequentialDataConfig(Section):
     # read the offline period (shuffled) or, declared online, the online period in time order. A third quantile,
     # next_until, ends the next period early: a validation fold, e.g. [0.6, 0.8, 0.9] to tune what [0.7, 0.9] tests
     time_split: tuple[float, ...] | None = None
-    # leave-one-out "valid" / "test"; with a time split also "next_period" (every event after next_from) and
-    # "offline_period" (each user's held-out last offline event: forgetting)
+    # leave-one-out "valid" / "test"; a time split's "next_period" (every event from next_from, before next_until)
+    # and "offline_period" (each user's held-out last offline event: forgetting), ranked among the items rated
+    # before the event
     eval_split: Literal["valid", "test", "next_period", "offline_period"] = "test"
     eval_protocols: tuple[Literal["sampled", "full"], ...] = ("sampled",)
     eval_negatives: int = Field(99, ge=1)
     eval_seeds: tuple[int, ...] = Field((0,), min_length=1)
-    eval_users: int | None = Field(None, ge=1)  # a fixed random subset of users (None: all)
+    # a fixed random subset of the evaluation's queries (None: all): one per user, or a time split's next-period
+    # events (several per user)
+    eval_users: int | None = Field(None, ge=1)
     eval_chunk: int = Field(8192, ge=1)
 
     @model_validator(mode="after")

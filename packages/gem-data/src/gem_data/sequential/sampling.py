@@ -133,16 +133,34 @@ class NegativeSampler:
         owned = torch.bincount(self.owned_keys // self.num_items)
         return self.num_items - int(owned.max()) if owned.numel() else self.num_items
 
-    def draw_distinct(self, users: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
-        """``[U, count]`` distinct items per user, none in the user's sequence, uniform over the rest."""
-        owned_per_user = torch.bincount(self.owned_keys // self.num_items, minlength=int(users.max()) + 1 if users.numel() else 0)
-        if users.numel() and int((self.num_items - owned_per_user[users]).min()) < count:
+    def draw_distinct(self, users: torch.Tensor, count: int, generator: torch.Generator,
+                      among: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``[U, count]`` distinct items per user, none in the user's sequence, uniform over the rest: of all items, or
+        with ``among = (order, known)`` of row ``i``'s first ``known[i]`` items of ``order`` (a permutation of the
+        items: a time split's catalogue at each ranked event, ``order`` by first appearance)."""
+        if among is None:
+            owned_per_user = torch.bincount(self.owned_keys // self.num_items, minlength=int(users.max()) + 1 if users.numel() else 0)
+            free = self.num_items - owned_per_user[users]
+        else:
+            order, known = among
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(order.numel())
+            # the user's items among each row's first known[i]: owned (user, rank) keys counted below (user, known[i])
+            owned_user, owned_item = self.owned_keys // self.num_items, self.owned_keys % self.num_items
+            ranked = (owned_user * self.num_items + rank[owned_item]).sort().values
+            base = users * self.num_items
+            free = known - (torch.searchsorted(ranked, base + known) - torch.searchsorted(ranked, base))
+        if users.numel() and int(free.min()) < count:
             raise ValueError(f"some user has fewer than {count} items outside their sequence to sample from")
         result = torch.full((users.numel(), count), -1, dtype=torch.int64)
         pending = torch.arange(users.numel())
         draws = 2 * count + 8
         while pending.numel():
-            candidate = torch.randint(self.num_items, (pending.numel(), draws), generator=generator)
+            if among is None:
+                candidate = torch.randint(self.num_items, (pending.numel(), draws), generator=generator)
+            else:
+                position = (torch.rand(pending.numel(), draws, generator=generator, dtype=torch.float64) * known[pending, None]).long()
+                candidate = order[torch.minimum(position, known[pending, None] - 1)]
             usable = ~self.is_owned(users[pending, None], candidate)
             combined = torch.cat([result[pending], candidate], 1)
             keep = torch.cat([result[pending] >= 0, usable], 1)

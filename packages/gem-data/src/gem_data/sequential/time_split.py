@@ -12,10 +12,13 @@ A training example is an event with at least one earlier event of its user (hist
 before it, target = the event), assigned to the period of its target's time:
 
 - ``offline``: the offline log, read shuffled; each user's last offline event is held out of it;
-- ``online``: the near-real-time stream, read in time order (target time, then file order), as it arrived;
+- ``online``: the near-real-time stream, read in time order (target time, then corpus order: user, then file
+  order), as it arrived;
 - ``before_next``: both, shuffled (joint training on everything before the next period).
 
-Evaluation ranks the target among candidates, as ``NextItemDataset.ranking_examples`` does, on two splits:
+Evaluation ranks the target among candidates, as ``NextItemDataset.ranking_examples`` does, but only among the
+items rated before the event (the catalogue at its time: an item that did not exist yet is an easy negative for a
+model trained before it appeared, and not for one the online stream has shown it to), on two splits:
 ``next_period``, every event of the next period (what the model serves after training; a user may have
 several rows, each with the history before that event), and ``offline_period``, the held-out last offline
 event of each user (how much of the offline period is remembered: forgetting). Histories hold every earlier
@@ -28,12 +31,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from gem_kunlun import segment_ids
 
 from gem_data.sequential.corpus import SequenceCorpus
-from gem_data.sequential.examples import NextItemConfig, NextItemDataset, RankingExamples, seen_items
+from gem_data.sequential.examples import NextItemConfig, NextItemDataset, RankingExamples, jagged_index, seen_items
 from gem_data.sequential.sampling import NegativeSampler, salt_of
 
 Period = Literal["offline", "online", "before_next"]
@@ -55,8 +59,9 @@ class TimeSplit:
     def cutoffs(self, corpus: SequenceCorpus) -> tuple[float, float, float]:
         """The three cut-off times (seconds, as ``corpus.timestamps``): the next period holds the events at or after
         the second and before the third (``inf`` for ``next_until = 1``: every later event)."""
-        quantiles = torch.quantile(corpus.timestamps.double(), torch.tensor([self.online_from, self.next_from, self.next_until],
-                                                                            dtype=torch.float64))
+        # NOTE: NumPy's quantile (the same linear interpolation as torch's), which takes any number of events (torch's
+        # refuses more than 2**24)
+        quantiles = np.quantile(corpus.timestamps.double().numpy(), [self.online_from, self.next_from, self.next_until])
         return float(quantiles[0]), float(quantiles[1]), float(quantiles[2]) if self.next_until < 1.0 else math.inf
 
 
@@ -98,6 +103,11 @@ class TimeSplitDataset(NextItemDataset):
         self.held_out_events = held_out.nonzero().squeeze(1)
         self.next_events = ((times >= self.next_from_time) & (times < self.next_until_time) & (position >= 1)).nonzero().squeeze(1)
         self._users, self._position = users, position
+        # the catalogue at an event's time: the items rated before it (the first ``known`` of ``item_order``)
+        first_rated = torch.full((corpus.num_items,), math.inf, dtype=torch.float64)
+        first_rated.scatter_reduce_(0, corpus.items, times.double(), reduce="amin")
+        self.item_order = torch.argsort(first_rated, stable=True)
+        self._first_rated = first_rated[self.item_order]
         # popularity negatives follow what this period trains on
         self.train_counts = torch.bincount(corpus.items[events], minlength=corpus.num_items)
         if config.sampler == "popularity":
@@ -105,28 +115,43 @@ class TimeSplitDataset(NextItemDataset):
 
     def ranking_examples(self, split: str = "next_period", protocol: str = "sampled", num_negatives: int = 99,
                          seed: int = 0) -> RankingExamples:
-        """``next_period`` / ``offline_period`` ranking inputs (see the module docstring); ``valid`` / ``test``
-        are the leave-one-out splits of ``NextItemDataset``."""
+        """``next_period`` / ``offline_period`` ranking inputs (see the module docstring). The leave-one-out splits
+        ``valid`` / ``test`` are refused: their targets (each user's last two events) are training targets of a
+        time split's periods, or lie past its next period."""
         if split in ("valid", "test"):
-            return super().ranking_examples(split, protocol, num_negatives, seed)
+            raise ValueError(f"a time split evaluates {' or '.join(SPLITS)}, not the leave-one-out {split!r}: its periods "
+                             f"train on those targets")
         if split not in SPLITS or protocol not in ("sampled", "full"):
-            raise ValueError(f"split must be one of {SPLITS + ('valid', 'test')} and protocol 'sampled' or 'full', got {split!r}, {protocol!r}")
+            raise ValueError(f"split must be one of {SPLITS} and protocol 'sampled' or 'full', got {split!r}, {protocol!r}")
         events = self.next_events if split == "next_period" else self.held_out_events
         users, history_length = self._users[events], self._position[events]
         target = self.corpus.items[events]
+        known = self.known_items(self.corpus.timestamps[events])
         if protocol == "full":
             candidates = torch.arange(self.corpus.num_items).expand(users.numel(), -1)
-            seen = seen_items(self.corpus, users, history_length, target)
+            seen_rows, seen_columns = seen_items(self.corpus, users, history_length, target)
+            # items not yet rated at the event are left out of its ranking, as the items seen before are
+            unknown = self.corpus.num_items - known
+            rows = torch.repeat_interleave(torch.arange(users.numel()), unknown)
+            items = self.item_order[jagged_index(known, unknown)]
+            later = items != target[rows]
+            seen = torch.cat([seen_rows, rows[later]]), torch.cat([seen_columns, items[later]])
             return RankingExamples(split, protocol, users, self.history(users, history_length), history_length, candidates, target, *seen)
         # NOTE: the same construction as NextItemDataset.ranking_examples: distinct negatives outside the
-        # user's sequence, the target at a seeded random column so that ties cannot favour it
+        # user's sequence, the target at a seeded random column so that ties cannot favour it; and only items rated
+        # before the event (an item that does not exist yet is an easy negative for a model trained before it, and
+        # one the online stream has taught a model to rank: forgetting would be measured against the newer model)
         generator = torch.Generator().manual_seed(salt_of(seed, 2 if split == "next_period" else 3))
-        negatives = self.sampler.draw_distinct(users, num_negatives, generator)
+        negatives = self.sampler.draw_distinct(users, num_negatives, generator, among=(self.item_order, known))
         target_index = torch.randint(num_negatives + 1, (users.numel(),), generator=generator)
         columns = torch.arange(num_negatives + 1)[None, :]
         source = (columns - (columns > target_index[:, None]).long()).clamp(max=num_negatives - 1)
         candidates = torch.where(columns == target_index[:, None], target[:, None], negatives.gather(1, source.clamp(min=0)))
         return RankingExamples(split, protocol, users, self.history(users, history_length), history_length, candidates, target_index)
+
+    def known_items(self, times: torch.Tensor) -> torch.Tensor:
+        """How many items had been rated before each of ``times``: the first that many of ``item_order``."""
+        return torch.searchsorted(self._first_rated, times.double(), right=False)
 
     def describe(self) -> dict[str, float]:
         """Sizes of the split, for reports: cut-off times (days since the first event) and event counts."""
