@@ -16,6 +16,9 @@ before it, target = the event), assigned to the period of its target's time:
   order), as it arrived;
 - ``before_next``: both, shuffled (joint training on everything before the next period).
 
+Sampled training negatives avoid every item of the user's sequence, later ones included, as ``NextItemDataset``'s
+do (the published convention; a softmax over the whole catalogue, as the benchmark config trains, samples none).
+
 Evaluation ranks the target among candidates, as ``NextItemDataset.ranking_examples`` does, but only among the
 items rated before the event (the catalogue at its time: an item that did not exist yet is an easy negative for a
 model trained before it appeared, and not for one the online stream has shown it to), on two splits:
