@@ -47,8 +47,8 @@ def test_the_loss_spike_is_measured_where_the_online_stream_enters():
     # a switch at step 31: 20 steps before it at 1.0, then a bump to 3.0 for five steps, later steps back at 1.0
     switch = records([0.0] * 30 + [1.0] * 40, [1.0] * 30 + [3.0] * 5 + [1.0] * 35)
     assert bench_mixing.loss_spike(switch) == {"onset_step": 31, "before": 1.0, "after_max": 3.0, "spike": 2.0}
-    # a ramp from step 31 to 60: the whole ramp is searched, its bump at steps 51-55 found
-    ramp = records([0.0] * 30 + [i / 30 for i in range(1, 31)] + [1.0] * 10, [1.0] * 50 + [2.0] * 5 + [1.0] * 15)
+    # a ramp from step 31: its bump at steps 61-65 is found, as a switch's late one would be
+    ramp = records([0.0] * 30 + [i / 30 for i in range(1, 31)] + [1.0] * 10, [1.0] * 60 + [2.0] * 5 + [1.0] * 5)
     assert bench_mixing.loss_spike(ramp)["spike"] == 1.0
     # no online share, or one from the start: nothing to measure
     assert bench_mixing.loss_spike(records([0.0] * 40, [1.0] * 40)) is None

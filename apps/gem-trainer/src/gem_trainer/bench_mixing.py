@@ -13,9 +13,8 @@ numbers are what ``gem-trainer train`` / ``eval`` give.
   sequential fine-tuning and the chosen schedule on the test split, same steps, the online schedules reading the
   same number of online examples (the stream once, in time order). Next-period and offline-period (forgetting)
   HR@10 / NDCG@10 (among the items rated before each ranked event), per-seed differences against sequential
-  fine-tuning, and the loss spike where the online stream enters (per-step training loss: the highest 5-step mean
-  from the first step with an online share until 20 steps after the share stops moving, minus the mean of the 20
-  steps before).
+  fine-tuning, and the loss spike once the online stream enters (per-step training loss: the highest 5-step mean
+  from the first step with an online share to the end of training, minus the mean of the 20 steps before it).
 - ``domains`` (``configs/mixing-domains.toml``, Beauty + MovieLens-100K) and ``synthetic``
   (``configs/mixing-synthetic.toml``, the generator's three surfaces): one shared model, domain experts and one
   model per domain at the same compute (see the configs); per-domain metrics.
@@ -59,19 +58,17 @@ def train_records(run_dir: Path) -> dict[int, dict]:
 
 
 def loss_spike(records: dict[int, dict], source: str = "online") -> dict[str, float] | None:
-    """How the training loss moves when ``source`` enters the batches (logged steps ``records``, each with the loss
+    """How the training loss moves once ``source`` enters the batches (logged steps ``records``, each with the loss
     and the step's scheduled share of the source): the mean of the ``SPIKE_WINDOW`` steps before its first step with
-    a share, the highest ``SPIKE_SMOOTH``-step mean from that step until ``SPIKE_WINDOW`` steps after the share
-    stops moving (a switch: the ``SPIKE_WINDOW`` steps after it; a ramp: the whole ramp), and their difference.
-    None where the source never enters, or enters before ``SPIKE_WINDOW`` steps (a constant share)."""
+    a share, the highest ``SPIKE_SMOOTH``-step mean from that step to the end of training, and their difference.
+    The same window for every schedule: a time-ordered stream's hardest stretch may come late, for a switch as for a
+    ramp. None where the source never enters, or enters before ``SPIKE_WINDOW`` steps (a constant share)."""
     steps = sorted(records)
-    share = {step: records[step][f"share_{source}"] for step in steps}
-    onset = next((step for step in steps if share[step] > 0), None)
+    onset = next((step for step in steps if records[step][f"share_{source}"] > 0), None)
     if onset is None or onset - SPIKE_WINDOW < steps[0]:
         return None
-    settled = next((step for step in steps if step >= onset and share[step] == share[steps[-1]]), steps[-1])
     before = [records[s]["loss"] for s in range(onset - SPIKE_WINDOW, onset)]
-    after = [records[s]["loss"] for s in range(onset, min(settled + SPIKE_WINDOW, steps[-1] + 1))]
+    after = [records[s]["loss"] for s in range(onset, steps[-1] + 1)]
     smoothed = [statistics.fmean(after[i : i + SPIKE_SMOOTH]) for i in range(len(after) - SPIKE_SMOOTH + 1)]
     return {"onset_step": onset, "before": statistics.fmean(before), "after_max": max(smoothed),
             "spike": max(smoothed) - statistics.fmean(before)}
