@@ -114,7 +114,8 @@ def test_time_split_rankings_draw_negatives_among_the_items_rated_before_the_eve
         negatives = ranking.candidates[negative].view(-1, 5)
         assert not bool(data.sampler.is_owned(ranking.users[:, None], negatives).any())
         assert all(len(set(row)) == 5 for row in negatives.tolist())
-    with pytest.raises(ValueError, match=r"^some user has fewer than 50 items outside their sequence to sample from$"):
+    with pytest.raises(ValueError, match=r"^some user has fewer than 50 items outside their sequence among the items "
+                                         r"rated before the ranked event to sample from$"):
         data.ranking_examples("offline_period", "sampled", num_negatives=50)
     for split in ("valid", "test"):
         with pytest.raises(ValueError, match=rf"^a time split evaluates next_period or offline_period, not the leave-one-out "

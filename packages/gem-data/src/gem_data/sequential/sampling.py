@@ -151,7 +151,8 @@ class NegativeSampler:
             base = users * self.num_items
             free = known - (torch.searchsorted(ranked, base + known) - torch.searchsorted(ranked, base))
         if users.numel() and int(free.min()) < count:
-            raise ValueError(f"some user has fewer than {count} items outside their sequence to sample from")
+            where = "their sequence" if among is None else "their sequence among the items rated before the ranked event"
+            raise ValueError(f"some user has fewer than {count} items outside {where} to sample from")
         result = torch.full((users.numel(), count), -1, dtype=torch.int64)
         pending = torch.arange(users.numel())
         draws = 2 * count + 8
