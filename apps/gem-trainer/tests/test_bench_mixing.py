@@ -28,11 +28,10 @@ def test_every_online_schedule_of_the_time_split_reads_the_stream_once_on_both_s
     data = shared_data_dir(find_repo_root(Path(__file__))) / "ml-100k"
     if not (data / "ml-100k.inter").is_file():
         pytest.skip(f"shared real data not found at {data} (expected ../shared/data beside the repository)")
-    config_file = Path(bench_mixing.__file__).resolve().parents[2] / "configs" / "mixing-ml100k-time.toml"
     world = init_distributed("cpu", "gloo")
     for split in ([], [f"--data.sequential.time_split={bench_mixing.VALIDATION_FOLD}"]):
         for name, schedule in {"sequential": bench_mixing.SEQUENTIAL, **bench_mixing.RAMPS}.items():
-            config = load_config(config_file, [f"--data.path={data}", f"--run_dir={tmp_path}", "--device=cpu",
+            config = load_config(bench_mixing.TIME_SPLIT_CONFIG, [f"--data.path={data}", f"--run_dir={tmp_path}", "--device=cpu",
                                                f"--schedule.steps={bench_mixing.TIME_SPLIT_STEPS}", *split, *schedule])
             setup = builders.build_data(config, world)
             builders.check_mixture_reads(config, setup)

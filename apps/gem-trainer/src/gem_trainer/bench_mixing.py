@@ -84,6 +84,7 @@ def ranking_row(result: dict[str, float]) -> dict[str, float]:
 
 # NOTE: the online stream is read once (19,810 examples; 19,838 in the validation fold): each online schedule reads
 # 150 steps' worth of it (19,200 examples in expectation), the sequential one its last 150 steps of 128 in full
+TIME_SPLIT_CONFIG = CONFIGS / "mixing-ml100k-time.toml"
 TIME_SPLIT_STEPS, TIME_SPLIT_SWITCH = 900, 750
 VALIDATION_FOLD = "[0.6, 0.8, 0.9]"  # the test split [0.7, 0.9] moved back: its next period ends where the test's begins
 
@@ -108,8 +109,7 @@ RAMPS = {
 def time_split_runs(schedules: dict[str, list[str]], seeds: list[int], data: Path, work: Path,
                     split: list[str]) -> tuple[list[dict], dict]:
     """Train every schedule under every seed on the time split ``split`` (overrides); per run the next-period and
-    offline-period metrics, the loss around the switch step and the examples read; and their means per schedule."""
-    config = CONFIGS / "mixing-ml100k-time.toml"
+    offline-period metrics, the loss spike once the online stream enters and the examples read; and their means per schedule."""
     common = [f"--data.path={data / 'ml-100k'}", f"--schedule.steps={TIME_SPLIT_STEPS}", "--metrics.log_every=1",
               f"--checkpoint.every_steps={TIME_SPLIT_STEPS}", *split]
     rows = []
@@ -117,10 +117,10 @@ def time_split_runs(schedules: dict[str, list[str]], seeds: list[int], data: Pat
         for name, schedule in schedules.items():
             run_dir = work / f"{name.replace('/', '_')}-seed{seed}"
             overrides = [*common, *schedule, f"--seed={seed}"]
-            wall = train(config, overrides, run_dir)
+            wall = train(TIME_SPLIT_CONFIG, overrides, run_dir)
             row = {"schedule": name, "seed": seed, "train_s": round(wall, 1)}
             for period in ("next_period", "offline_period"):
-                row[period] = ranking_row(evaluate(config, [*overrides, f"--data.sequential.eval_split={period}"], run_dir))
+                row[period] = ranking_row(evaluate(TIME_SPLIT_CONFIG, [*overrides, f"--data.sequential.eval_split={period}"], run_dir))
             records = train_records(run_dir)
             row["switch"] = loss_spike(records)
             # examples read per source, as the log line counts them: at the switch and at the end
@@ -165,7 +165,7 @@ def time_split_validation(seeds: list[int], data: Path, work: Path) -> dict:
     rows, summary = time_split_runs(schedules, seeds, data, work / "time_split_validation", [f"--data.sequential.time_split={VALIDATION_FOLD}"])
     chosen = max(RAMPS, key=lambda name: summary[name]["next_period/ndcg@10"]["mean"])
     print(f"time_split_validation: chose {chosen}", flush=True)
-    return {"config": str((CONFIGS / "mixing-ml100k-time.toml").relative_to(ROOT)), "time_split": VALIDATION_FOLD,
+    return {"config": str(TIME_SPLIT_CONFIG.relative_to(ROOT)), "time_split": VALIDATION_FOLD,
             "steps": TIME_SPLIT_STEPS, "switch_step": TIME_SPLIT_SWITCH,
             "split": describe_split([f"--data.path={data / 'ml-100k'}", f"--data.sequential.time_split={VALIDATION_FOLD}"]),
             "schedules": schedules, "rows": rows, "summary": summary,
@@ -188,7 +188,7 @@ def time_split(seeds: list[int], data: Path, work: Path, out: Path) -> dict:
         "ramp_forgets_less_than_sequential": all(
             ramp[f"offline_period/{m}"]["mean"] > sequential[f"offline_period/{m}"]["mean"] for m in ("hr@10", "ndcg@10")),
     }
-    return {"config": str((CONFIGS / "mixing-ml100k-time.toml").relative_to(ROOT)), "steps": TIME_SPLIT_STEPS,
+    return {"config": str(TIME_SPLIT_CONFIG.relative_to(ROOT)), "steps": TIME_SPLIT_STEPS,
             "switch_step": TIME_SPLIT_SWITCH, "split": describe_split([f"--data.path={data / 'ml-100k'}"]),
             "ramp_chosen_on_validation": chosen, "schedules": schedules, "rows": rows, "summary": summary, "targets": targets}
 
@@ -197,7 +197,7 @@ def describe_split(overrides: list[str]) -> dict[str, float]:
     """The time split's cut-offs and sizes (``TimeSplitDataset.describe``) under the benchmark's config + ``overrides``."""
     from gem_data import NextItemConfig, TimeSplit, TimeSplitDataset, read_atomic
 
-    config = load_config(CONFIGS / "mixing-ml100k-time.toml", overrides)
+    config = load_config(TIME_SPLIT_CONFIG, overrides)
     split = TimeSplit(*config.data.sequential.time_split)
     corpus = read_atomic(config.data.path)
     sizes = {period: TimeSplitDataset(corpus, NextItemConfig(), split, period).describe() for period in ("offline", "online")}

@@ -121,7 +121,7 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         eval_fn = lambda: eval_batches(generator, d.batch_size, d.eval_batches, env.rank, env.world_size)  # noqa: E731
     elif d.source in ("sequence_text", "atomic"):
         ranking = build_next_item_dataset(config)
-        _check_time_split_eval(config, ranking, "the data")
+        _check_eval_split(config, ranking, "the data")
         train = TableStream(ranking.training_table(), batch_size, rank, world, shuffle=True, seed=config.seed,
                             read_rows=d.read_rows)
         rows_per_epoch = train.rows_per_epoch
@@ -293,13 +293,8 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
     mixer = MixedStream(streams, mixing, rank, world, alignment)
     name = m.eval_source or m.sources[0].name
     ranking = eval_fn = held_out = None
-    split = d.sequential.eval_split
-    if name in datasets and split in ("next_period", "offline_period") and not isinstance(datasets[name], TimeSplitDataset):
-        raise ConfigError(f"data.sequential.eval_split = \"{split}\" evaluates a period of the time split, and the evaluated "
-                          f"source {name!r} has no event times (it is not split): evaluate \"valid\" or \"test\"")
     if name in datasets:
-        _check_time_split_eval(config, datasets[name], f"the evaluated source {name!r}")
-    if name in datasets:
+        _check_eval_split(config, datasets[name], f"the evaluated source {name!r}")
         ranking = AlignedRanking(datasets[name], alignment, name)
     elif name in tables:
         evaluated = next(s for s in m.sources if s.name == name)
@@ -313,12 +308,17 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
     return mixer, ranking, eval_fn, held_out
 
 
-def _check_time_split_eval(config: TrainerConfig, dataset: NextItemDataset, what: str) -> None:
-    """Refuse the leave-one-out evaluation of a time split's periods: their training targets include it."""
+def _check_eval_split(config: TrainerConfig, dataset: NextItemDataset, what: str) -> None:
+    """Refuse an evaluation split that ``dataset`` (``what`` it is, for the message) cannot give: a period of the time
+    split from data without event times (not split), or the leave-one-out targets of a time split's periods (their
+    training targets include them)."""
     from gem_trainer.config import ConfigError
 
-    split = config.data.sequential.eval_split
-    if isinstance(dataset, TimeSplitDataset) and split in ("valid", "test"):
+    split, split_data = config.data.sequential.eval_split, isinstance(dataset, TimeSplitDataset)
+    if split in ("next_period", "offline_period") and not split_data:
+        raise ConfigError(f"data.sequential.eval_split = \"{split}\" evaluates a period of the time split, and {what} has "
+                          f"no event times (it is not split): evaluate \"valid\" or \"test\"")
+    if split in ("valid", "test") and split_data:
         raise ConfigError(f"data.sequential.eval_split = \"{split}\": {what} trains on periods of data.sequential.time_split, "
                           f"which hold the leave-one-out targets; evaluate \"next_period\" or \"offline_period\"")
 
