@@ -162,9 +162,8 @@ def _short_kv_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[d
                              (64, 16, 4, 3), (64, 8, 4, 2)]:
         bm = spec.block_size or min(bm, q_cap)
         q_bytes = bm * head_dim * itemsize
-        # diagonal blocks stream K / V with the queries; otherwise they are loaded once. One output tile is staged
-        # for its descriptor store.
-        st = _fit_stages(st, q_bytes + (0 if diagonal else kv_bytes), q_bytes + (kv_bytes if diagonal else 0))
+        # diagonal blocks stream K / V with the queries; otherwise they are loaded once
+        st = _fit_stages(st, 0 if diagonal else kv_bytes, q_bytes + (kv_bytes if diagonal else 0))
         cfg = dict(BLOCK_M=bm, Q_TILES=tiles, num_warps=w, num_stages=st)
         if cfg not in out:
             out.append(cfg)
@@ -313,14 +312,13 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
                kv_offsets if kv_index is None else kv_index)
     key = ("fwd", spec, q.get_device(), TMA_LOADS, _layout(q), _layout(k), _layout(v), _index_layout(q_offsets),
            _index_layout(kv_offsets), _index_layout(kv_index))
-    for planned in plan(key, lambda: _forward_plan(q, k, v, o, q_offsets, kv_offsets, kv_index, spec)):
+    for planned in plan(key, lambda: _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec)):
         planned(tensors)
     return o, lse
 
 
-def _forward_plan(q, k, v, o, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> list[PlannedLaunch]:
-    """The forward's launches for the layouts of these tensors (``o``: the new output, whose layout ``q``'s
-    decides): one per activation's heads."""
+def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> list[PlannedLaunch]:
+    """The forward's launches for the layouts of these tensors: one per activation's heads."""
     B = q_offsets.shape[0] - 1 if spec.nq is None else kv_offsets.shape[0] - 1
     H, D = q.shape[1], q.shape[2]
     # NOTE: the plan outlives the call: what its functions read of the tensors is taken here, so that they do not
@@ -332,7 +330,7 @@ def _forward_plan(q, k, v, o, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -
     for act, head_ids in _head_groups(spec, q.device):
         code = ACT_CODES[act]
         # o [T_out, H, D] and lse [T_out, H] are new, contiguous
-        args = (F.Q, F.K, F.V, F.O, F.LSE, F.Q_OFF, F.KV_OFF, F.KV_IDX, head_ids, F.K, F.V, F.O,
+        args = (F.Q, F.K, F.V, F.O, F.LSE, F.Q_OFF, F.KV_OFF, F.KV_IDX, head_ids, F.K, F.V,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), H * D, D, H,
                 spec.nq or 0, spec.sm_scale * _LOG2E, spec.pw_scale, wl, wr, bs, kb)
         consts = dict(ACT=code, MASK_KIND=mask_kind, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
@@ -345,17 +343,16 @@ def _forward_plan(q, k, v, o, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -
         if diagonal or _short_kv(spec):
             # no window / block arguments: each query sees its one key tile whole
             block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
-            # descriptors for the streamed tiles: query and output tiles, and the diagonal's key tiles
-            short_args, tma = _tiles(args[:9] + (F.Q, F.O, F.K, F.V) + args[12:-4], 9,
-                                     [(q, F.Q, "BLOCK_M"), (o, F.O, "BLOCK_M")]
-                                     + ([(k, F.K, block_n), (v, F.V, block_n)] if diagonal else []))
+            # descriptors for the streamed tiles: query tiles, and the diagonal's key tiles
+            short_args, tma = _tiles(args[:9] + (F.Q, F.K, F.V) + args[11:-4], 9,
+                                     [(q, F.Q, "BLOCK_M")] + ([(k, F.K, block_n), (v, F.V, block_n)] if diagonal else []))
             launches.append(PlannedLaunch(
                 attn_fwd_short_kv_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh),
                 short_args, dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
                                  DIAGONAL=diagonal, PREC=_prec(q.dtype), TMA=tma, BLOCK_D=D, BLOCK_N=block_n),
                 ("fwd_short",) + key[1:], lambda: _short_kv_candidates(spec, D, itemsize)))
             continue
-        args, consts["TMA"] = _tiles(args, 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N"), (o, F.O, "BLOCK_M")])
+        args, consts["TMA"] = _tiles(args, 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])
         launches.append(PlannedLaunch(attn_fwd_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
                                       consts, key, lambda: _candidates("fwd", spec, D)))
     return launches

@@ -168,23 +168,6 @@ def _store_rows(base, rows, stride_t, offs_d, x, mask):
 
 
 @triton.jit
-def _store_out(O_base, O_desc, o_row, m0, q_len, stride_ot, offs_d, desc_col, x, TMA: tl.constexpr,
-               BLOCK_M: tl.constexpr):
-    """Query tile ``m0`` of one head's output, rows past ``q_len`` dropped (``O_base``: the head's row 0 of the
-    sequence, ``o_row``: that row's index in O). ``TMA``: a tile that lies whole inside the sequence leaves through
-    the tensor descriptor ``O_desc`` (an asynchronous copy out of shared memory; pointer stores move it through
-    registers), the sequence's last, partial tile through pointers (a whole tile would write the next one's rows)."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    if TMA:
-        if m0 + BLOCK_M <= q_len:
-            O_desc.store([(o_row + m0).to(tl.int32), desc_col], x)
-        else:
-            _store_rows(O_base, offs_m, stride_ot, offs_d, x, offs_m < q_len)
-    else:
-        _store_rows(O_base, offs_m, stride_ot, offs_d, x, offs_m < q_len)
-
-
-@triton.jit
 def _load_softmax_stats(LSE_base, DELTA_base, rows, stride_lt, mask, MASKED: tl.constexpr):
     """A softmax head's log-sum-exp and ``delta = rowsum(dO * O)`` for ``rows``; rows outside the sequence get
     an LSE so large that ``exp2(s - lse)`` is 0 for them."""
@@ -296,15 +279,14 @@ def _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED: tl.constexpr, HAS_KV_IDX
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, K_desc, V_desc, O_desc,
+    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     NQ, qk_scale, out_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
     PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``TMA``: K and V tiles through tensor descriptors of ``[Tk, H * D]`` views (``K_desc`` / ``V_desc``, blocks of
-    ``[BLOCK_N, BLOCK_D]``): whole-tile copies the pointer loads' address arithmetic does not pay for; the output's
-    whole tiles through ``O_desc`` (``_store_out``)."""
+    ``[BLOCK_N, BLOCK_D]``): whole-tile copies the pointer loads' address arithmetic does not pay for."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -338,13 +320,12 @@ def attn_fwd_kernel(
             tl.store(LSE + (o_start + offs_m) * stride_lt + h, lse, mask=qmask)
         else:
             out = acc * out_scale
-        _store_out(O + h * stride_oh + o_start * stride_ot, O_desc, o_start, m0, q_len, stride_ot, offs_d, h * BLOCK_D,
-                   out.to(O.dtype.element_ty), TMA, BLOCK_M)
+        _store_rows(O + h * stride_oh, o_start + offs_m, stride_ot, offs_d, out.to(O.dtype.element_ty), qmask)
 
 
 @triton.jit
 def attn_fwd_short_kv_kernel(
-    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, Q_desc, O_desc, K_desc, V_desc,
+    Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, Q_desc, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     NQ, qk_scale, out_scale,
     ACT: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr, DIAGONAL: tl.constexpr,
@@ -360,8 +341,8 @@ def attn_fwd_short_kv_kernel(
 
     Streaming several tiles per program lets their loads pipeline behind the previous tile's work. One key tile
     makes the softmax exact in one step (no running max), with the same results as ``attn_fwd_kernel``. ``TMA``: the
-    streamed tiles (query tiles, and the diagonal's key tiles) through tensor descriptors, and the output's whole
-    tiles (``_store_out``); rows past a sequence give outputs that are never stored, or meet masked scores."""
+    streamed tiles (query tiles, and the diagonal's key tiles) through tensor descriptors; rows past a sequence
+    give outputs that are never stored, or meet masked scores."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.load(HEAD_IDS + tl.program_id(2))
@@ -405,8 +386,7 @@ def attn_fwd_short_kv_kernel(
             else:
                 p = tl.where(kmask[None, :], _act(s, ACT), 0.0)
                 out = tl.dot(p.to(v.dtype), v, input_precision=PREC) * out_scale
-            _store_out(O + h * stride_oh + o_start * stride_ot, O_desc, o_start, m0, q_len, stride_ot, offs_d,
-                       h * BLOCK_D, out.to(O.dtype.element_ty), TMA, BLOCK_M)
+            _store_rows(O + h * stride_oh, o_start + offs_m, stride_ot, offs_d, out.to(O.dtype.element_ty), qmask)
 
 
 @triton.jit
