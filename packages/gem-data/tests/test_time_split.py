@@ -123,6 +123,21 @@ def test_time_split_rankings_draw_negatives_among_the_items_rated_before_the_eve
             data.ranking_examples(split)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_distinct_negatives_among_a_catalogue_take_as_many_rounds_of_draws_as_they_need(seed):
+    """A user owning a third of a small catalogue: the first round's draws rarely give 18 distinct unowned items,
+    and the later rounds still draw from each row's catalogue (the first ``known[i]`` items of the order)."""
+    from gem_data.sequential.sampling import NegativeSampler
+
+    sampler = NegativeSampler(40, torch.arange(10))  # user 0 owns items 0-9
+    g = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.arange(10), 10 + torch.randperm(30, generator=g)])
+    known = torch.tensor([30, 28, 30, 29])
+    negatives = sampler.draw_distinct(torch.zeros(4, dtype=torch.int64), 18, g, among=(order, known))
+    for row, k in zip(negatives.tolist(), known.tolist()):
+        assert len(set(row)) == 18 and set(row) <= set(order[:k].tolist()) - set(range(10))
+
+
 def test_a_validation_fold_ends_the_next_period_early_and_trains_as_its_split(corpus):
     fold = TimeSplit(SPLIT.online_from, SPLIT.next_from, 0.95)
     whole, early = (TimeSplitDataset(corpus, NextItemConfig(num_negatives=0), split, "online") for split in (SPLIT, fold))

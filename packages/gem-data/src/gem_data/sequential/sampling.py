@@ -142,9 +142,9 @@ class NegativeSampler:
             owned_per_user = torch.bincount(self.owned_keys // self.num_items, minlength=int(users.max()) + 1 if users.numel() else 0)
             free = self.num_items - owned_per_user[users]
         else:
-            order, known = among
-            rank = torch.empty_like(order)
-            rank[order] = torch.arange(order.numel())
+            item_order, known = among
+            rank = torch.empty_like(item_order)
+            rank[item_order] = torch.arange(item_order.numel())
             # the user's items among each row's first known[i]: owned (user, rank) keys counted below (user, known[i])
             owned_user, owned_item = self.owned_keys // self.num_items, self.owned_keys % self.num_items
             ranked = (owned_user * self.num_items + rank[owned_item]).sort().values
@@ -161,14 +161,14 @@ class NegativeSampler:
                 candidate = torch.randint(self.num_items, (pending.numel(), draws), generator=generator)
             else:
                 position = (torch.rand(pending.numel(), draws, generator=generator, dtype=torch.float64) * known[pending, None]).long()
-                candidate = order[torch.minimum(position, known[pending, None] - 1)]
+                candidate = item_order[torch.minimum(position, known[pending, None] - 1)]
             usable = ~self.is_owned(users[pending, None], candidate)
             combined = torch.cat([result[pending], candidate], 1)
             keep = torch.cat([result[pending] >= 0, usable], 1)
             # drop repeats: a stable sort puts the first occurrence of a value before its repeats
-            values, order = combined.sort(dim=1, stable=True)
+            values, sorted_at = combined.sort(dim=1, stable=True)
             repeat = torch.zeros_like(keep)
-            repeat.scatter_(1, order[:, 1:], values[:, 1:] == values[:, :-1])
+            repeat.scatter_(1, sorted_at[:, 1:], values[:, 1:] == values[:, :-1])
             keep &= ~repeat
             first = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :count]
             picked = combined.gather(1, first)
