@@ -313,3 +313,17 @@ def test_mixture_config_errors_name_the_field():
     constant = load_config(None, ['--data.mixture.sources=[{name = "a"}, {name = "b", online = true, seed = 1}]',
                                   "--data.mixture.online_share_start=0.25"])
     assert constant.data.mixture.online_share_end is None
+    # settings that cannot apply are refused, not dropped
+    with pytest.raises(ConfigError, match=r"data\.mixture\.online_share_start schedules a mixture, which has no sources"):
+        load_config(None, ["--data.mixture.online_share_start=0.5", "--data.mixture.online_share_end=1.0",
+                           "--data.mixture.ramp_steps=10"])
+    with pytest.raises(ConfigError, match=r"data\.mixture\.granularity schedules a mixture, which has no sources"):
+        load_config(None, ["--data.mixture.granularity=batch"])
+    with pytest.raises(ConfigError, match="data.sequential.time_split cuts a next-item source's events by time: no "
+                                          "source reads atomic"):
+        load_config(None, ["--data.sequential.time_split=[0.7, 0.9]"])
+    with pytest.raises(ConfigError, match=r"data\.sequential\.eval_split = \"next_period\" ranks a next-item source's "
+                                          r"events: the evaluated source reads synthetic data"):
+        load_config(None, ["--data.source=atomic", "--data.path=x", "--data.sequential.time_split=[0.7, 0.9]",
+                           "--data.sequential.eval_split=next_period",
+                           '--data.mixture.sources=[{name = "s", reader = "synthetic"}, {name = "m"}]'])

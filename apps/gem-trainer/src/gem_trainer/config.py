@@ -286,6 +286,12 @@ class MixtureConfig(Section):
 
     @model_validator(mode="after")
     def _schedule_needs_both_groups(self) -> "MixtureConfig":
+        if not self.sources:
+            given = [f for f in ("online_share_start", "online_share_end", "ramp_start", "ramp_steps", "granularity")
+                     if getattr(self, f) != type(self).model_fields[f].default]
+            if given:
+                raise ValueError(f"data.mixture.{given[0]} schedules a mixture, which has no sources "
+                                 f"([[data.mixture.sources]])")
         if self.online_share_end is not None and self.online_share_start is None:
             raise ValueError("data.mixture.online_share_end needs online_share_start")
         if self.online_share_end is None and (self.ramp_start or self.ramp_steps):
@@ -348,6 +354,14 @@ class DataConfig(Section):
             if reader == "parquet" and name == evaluated and eval_path is None and self.eval_path is None:
                 raise ValueError("data.eval_path (held-out parquet) is required for data.source = \"parquet\"" if name is None
                                  else f"{where}: the evaluated parquet source needs an eval_path (or data.eval_path)")
+        next_item = ("sequence_text", "atomic")
+        if self.sequential.time_split is not None and not any(reader in next_item for reader, *_ in readers):
+            raise ValueError("data.sequential.time_split cuts a next-item source's events by time: no source reads "
+                             "atomic (or sequence_text) data")
+        evaluated_reader = next((reader for reader, _, _, name in readers if name == evaluated), readers[0][0])
+        if self.sequential.eval_split in ("next_period", "offline_period") and evaluated_reader not in next_item:
+            raise ValueError(f"data.sequential.eval_split = \"{self.sequential.eval_split}\" ranks a next-item source's "
+                             f"events: the evaluated source reads {evaluated_reader} data")
         for s in sources:
             if s.online and (s.reader or self.source) == "sequence_text":
                 raise ValueError(f"data.mixture.sources.{s.name}: an online source is read in time order, and a sequence "
@@ -466,10 +480,10 @@ class ParallelismConfig(Section):
 
 class PrecisionConfig(Section):
     autocast: Literal["auto", "bf16", "off"] = "auto"
-    # GEMMs in low precision: "fp8" runs FP8 tensor cores with rowwise scales (Hopper; gem_kernels.fp8_linear; a
-    # LayerNorm feeding a converted Linear-GELU-Linear runs as one block whose norm and GELU write the GEMMs' FP8
-    # operands, gem_kernels.fp8_mlp), "mxfp8_emulated" the numerics of MX tensor cores on any device (quality
-    # studies; gem_kernels.mx_linear)
+    # GEMMs in low precision: "fp8" runs FP8 tensor cores with the scales of fp8_scaling (Hopper;
+    # gem_kernels.fp8_linear; with rowwise scales a LayerNorm feeding a converted Linear-GELU-Linear runs as one block
+    # whose norm and GELU write the GEMMs' FP8 operands, gem_kernels.fp8_mlp), "mxfp8_emulated" the numerics of MX
+    # tensor cores on any device (quality studies; gem_kernels.mx_linear)
     low_precision: Literal["off", "fp8", "mxfp8_emulated"] = "off"
     # fp8: the weight-gradient GEMM in the input's precision ("high") or FP8 too
     fp8_weight_gradient: Literal["high", "fp8"] = "high"
