@@ -80,6 +80,28 @@ def test_quantisation_rejects_what_it_cannot_take():
     for kernel in ("pytorch", "triton"):
         with pytest.raises(ValueError, match="dim must be 0 or 1"):
             fp8_rowwise_quantize(torch.zeros(2, 3), dim=2, kernel=kernel)
+        with pytest.raises(ValueError, match=r"^fp8 rowwise quantisation: rows_to and cols_to must be >= 1, got 0 and 1$"):
+            fp8_rowwise_quantize(torch.zeros(2, 3), rows_to=0, kernel=kernel)
+        # a map narrower than the input would drop columns (and the kernels would write past their buffers)
+        with pytest.raises(ValueError, match=r"^fp8 rowwise quantisation: placed \(128 columns\) must place each of the "
+                                             r"256 input columns along dim 0$"):
+            fp8_rowwise_quantize(torch.zeros(256, 8), 0, placed=torch.arange(128), kernel=kernel)
+    q, s = fp8_rowwise_quantize(torch.randn(8, 8), -1)
+    with pytest.raises(ValueError, match=r"^fp8_dequantize: scale must be \[rows, 1\] = \[8, 1\] \(one per row\), "
+                                         r"got shape \(8,\)$"):
+        fp8_dequantize(q, s.flatten())  # would scale columns
+
+
+@pytest.mark.parametrize("weight_gradient", ["high", "fp8"])
+def test_fp8_linear_takes_a_call_without_tokens(weight_gradient):
+    """An expert given no rows still runs: no tokens give an empty output and zero weight and bias gradients."""
+    linear = torch.nn.Linear(64, 32)
+    layer = Fp8Linear.from_linear(linear, Fp8Recipe(weight_gradient=weight_gradient, min_features=0, min_tokens=0))
+    x = torch.zeros(2, 0, 64, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (2, 0, 32) and x.grad.shape == x.shape
+    assert not linear.weight.grad.any() and not linear.bias.grad.any()
 
 
 @pytest.mark.parametrize("weight_gradient", ["high", "fp8"])
@@ -113,6 +135,8 @@ def test_fp8_linear_rejects_unaligned_features():
         fp8_linear(torch.randn(4, 32), torch.randn(32, 48))
     with pytest.raises(ValueError, match="weight_gradient"):
         Fp8Recipe(weight_gradient="e5m2")
+    with pytest.raises(ValueError, match=r"^Fp8Recipe\.kernel must be 'auto', 'triton' or 'pytorch', got 'tritonn'$"):
+        Fp8Recipe(kernel="tritonn")
 
 
 def test_swap_converts_wide_aligned_layers_only_and_short_calls_run_plain():

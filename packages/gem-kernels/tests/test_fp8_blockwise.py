@@ -96,6 +96,13 @@ def test_blockwise_quantisation_rejects_what_it_cannot_take():
             fp8_blockwise_quantize(torch.zeros(2, 3, 128), (1, 128), kernel=kernel)
         with pytest.raises(ValueError, match="rows_to must be >= 1"):
             fp8_blockwise_quantize(torch.zeros(4, 128), (1, 128), rows_to=0, kernel=kernel)
+    # scales of other blocks would dequantise to a tensor of the right shape and wrong values
+    elements, scales = fp8_blockwise_quantize(torch.randn(256, 256), (1, 128))
+    with pytest.raises(ValueError, match=r"^fp8_blockwise_dequantize: 256 x 256 elements in 128 x 128 blocks take 2 x 2 "
+                                         r"scales, got scales of shape \(256, 2\)$"):
+        fp8_blockwise_dequantize(elements, scales, (128, 128))
+    with pytest.raises(ValueError, match="fp8_blockwise_dequantize: block must be one of"):
+        fp8_blockwise_dequantize(elements, scales, (1, 64))
 
 
 @requires_triton

@@ -25,8 +25,8 @@ Padding: the kept dimension can be padded to a multiple of ``rows_to`` (zero row
 within their blocks) and the reduced one
 to a multiple of ``cols_to`` (zeros), because the scaled GEMM needs sizes divisible by 16; padded rows and
 columns contribute nothing to a product. Or the output's reduced dimension can be ``placed``: a map giving each
-output column the input column it holds (-1: a zero column), e.g. attention's V^T with every sequence starting at
-an aligned column (``sequence_aligned_layout``).
+output column the input column it holds (-1: a zero column), every input column once, e.g. attention's V^T with
+every sequence starting at an aligned column (``sequence_aligned_layout``).
 """
 
 from __future__ import annotations
@@ -50,28 +50,34 @@ def scale_exponent_field(amax: torch.Tensor) -> torch.Tensor:
     return exponent.clamp(min=1)
 
 
-def _check_input(x: torch.Tensor, dim: int, cols_to: int, placed) -> None:
+def _check_input(x: torch.Tensor, dim: int, rows_to: int, cols_to: int, placed) -> None:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"fp8 rowwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
     if dim not in (0, 1, -1, -2):
         raise ValueError(f"fp8 rowwise quantisation: dim must be 0 or 1 (or -1, -2), got {dim}")
+    if rows_to < 1 or cols_to < 1:
+        raise ValueError(f"fp8 rowwise quantisation: rows_to and cols_to must be >= 1, got {rows_to} and {cols_to}")
     if placed is not None:
         if cols_to != 1:
             raise ValueError("fp8 rowwise quantisation: placed gives the output's columns; cols_to must stay 1")
         if placed.dim() != 1 or placed.dtype != torch.int64:
             raise ValueError(f"fp8 rowwise quantisation: placed must be a 1-D int64 map (each output column's input "
                              f"column, -1 for none), got {placed.dtype} of shape {tuple(placed.shape)}")
+        if placed.shape[0] < x.shape[dim]:
+            raise ValueError(f"fp8 rowwise quantisation: placed ({placed.shape[0]} columns) must place each of the "
+                             f"{x.shape[dim]} input columns along dim {dim}")
 
 
 def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_to: int = 1,
                                    placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (2-D, floating point) as E4M3 rows along ``dim`` and their scales: ``([kept, reduced], [kept, 1])``,
     each padded (or the reduced dimension placed) as the module docstring says."""
-    _check_input(x, dim, cols_to, placed)
+    _check_input(x, dim, rows_to, cols_to, placed)
     rows = (x if dim % 2 == 1 else x.t()).float()  # [kept, reduced]
     if placed is not None:
         rows = torch.where(placed >= 0, rows[:, placed.clamp(min=0)], 0.0)
-    amax = rows.abs().amax(1)
+    # a row of no values (no tokens: an expert given no rows) has amax 0
+    amax = rows.abs().amax(1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
     finite = torch.isfinite(rows).all(1)
     field = scale_exponent_field(torch.where(finite, amax, torch.zeros_like(amax)))
     scale = (field << 23).view(torch.float32)
@@ -97,7 +103,7 @@ def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_
 
     if kernel not in ("auto", "triton", "pytorch"):
         raise ValueError(f"kernel must be 'auto', 'triton' or 'pytorch', got {kernel!r}")
-    _check_input(x, dim, cols_to, placed)
+    _check_input(x, dim, rows_to, cols_to, placed)
     if V.use_triton(kernel, x.device) and x.numel():
         V.check_triton_device("x", x)
         from gem_kernels.ops.triton.triton_fp8 import triton_fp8_rowwise_quantize
@@ -181,7 +187,13 @@ def fp8_blockwise_quantize(x: torch.Tensor, block: tuple[int, int], rows_to: int
 
 def fp8_blockwise_dequantize(elements: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """The float32 values E4M3 ``elements`` with one scale per ``block`` stand for."""
+    if tuple(block) not in BLOCKS:
+        raise ValueError(f"fp8_blockwise_dequantize: block must be one of {BLOCKS}, got {tuple(block)}")
     rows, cols = elements.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scales.shape) != grid:
+        raise ValueError(f"fp8_blockwise_dequantize: {rows} x {cols} elements in {block[0]} x {block[1]} blocks take "
+                         f"{grid[0]} x {grid[1]} scales, got scales of shape {tuple(scales.shape)}")
     expanded = scales.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return elements.float() * expanded
 
@@ -248,4 +260,7 @@ def fp8_attention_dequantize(operands, shape: tuple[int, int, int], dtype: torch
 
 def fp8_dequantize(elements: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 values rows of E4M3 ``elements`` with per-row ``scale`` ``[rows, 1]`` stand for."""
+    if tuple(scale.shape) != (elements.shape[0], 1):
+        raise ValueError(f"fp8_dequantize: scale must be [rows, 1] = [{elements.shape[0]}, 1] (one per row), got "
+                         f"shape {tuple(scale.shape)}")
     return elements.float() * scale

@@ -14,9 +14,9 @@ All operands are E4M3: rowwise scales already give each row its range, so the gr
 
 ``Fp8Recipe.scaling = "blockwise"``: one scale per block instead of per row (``gem_kernels.fp8.fp8_blockwise_quantize``):
 activations and output gradients in 1 x 128 blocks along the dimension their GEMM contracts, the weight in 128 x 128
-blocks (quantised once in the forward; the input gradient reads the same blocks transposed), and an FP8 weight
-gradient from 1 x 128 blocks of ``g^T`` and ``x^T`` along the tokens (each 128 tokens' scales local to them: no
-amax over all of them). A block's scale follows its own range (an outlier token or channel no longer coarsens its
+blocks (quantised once in the forward; the input gradient reads the same blocks transposed), and, with
+``weight_gradient="fp8"``, a weight gradient from 1 x 128 blocks of ``g^T`` and ``x^T`` along the tokens (each 128
+tokens' scales local to them: no amax over all of them). A block's scale follows its own range (an outlier token or channel no longer coarsens its
 whole row). Layers need in and out features that are multiples of 128; the products run on
 ``torch.nn.functional.scaled_mm``'s block-scaled GEMM on CUDA, and as the dequantised blocks' product (the same
 numerics) where a device has none (the CPU); the bias is added to the bfloat16 product.
@@ -52,8 +52,8 @@ _BLOCK = 128  # the blockwise recipe's block side: its layers' features are mult
 class Fp8Recipe:
     weight_gradient: Literal["high", "fp8"] = "high"
     # the crossover on an H200 (benchmarks/results/fp8-h200.json, forward+backward, quantisation included; rowwise
-    # scales, the blockwise ones not yet measured):
-    # K = N = 2048 pays from 64k tokens on (1.09-1.13x), 1024 never (at most 0.97x); at 16k tokens only 4096 (1.21x)
+    # and blockwise scales alike): K = N = 2048 pays from 64k tokens on (rowwise 1.12-1.16x), 1024 not reliably
+    # (0.64-1.07x); at 16k tokens only 4096 (1.17x)
     min_features: int = 2048  # layers with in or out features below it stay in high precision
     min_tokens: int = 65536  # calls with fewer rows run in high precision
     kernel: str = "auto"  # the quantisation kernel: "auto" (Triton on CUDA), "triton", "pytorch"
@@ -64,6 +64,8 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe.weight_gradient must be 'high' or 'fp8', got {self.weight_gradient!r}")
         if self.scaling not in ("rowwise", "blockwise"):
             raise ValueError(f"Fp8Recipe.scaling must be 'rowwise' or 'blockwise', got {self.scaling!r}")
+        if self.kernel not in ("auto", "triton", "pytorch"):
+            raise ValueError(f"Fp8Recipe.kernel must be 'auto', 'triton' or 'pytorch', got {self.kernel!r}")
         if self.min_features < 0 or self.min_tokens < 0:
             raise ValueError(f"Fp8Recipe.min_features / min_tokens must be >= 0, got {self.min_features} / {self.min_tokens}")
 
