@@ -333,3 +333,16 @@ def test_two_ranks_of_domain_experts_with_a_domain_missing_from_a_rank_equal_one
     assert len(ours) == len(theirs) == steps
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=2e-5, atol=2e-6)
     assert_close_states(final_state(tmp_path / "two", steps), final_state(tmp_path / "one", steps))
+
+
+@pytest.mark.parametrize("experts", ["exact", "padded"])
+def test_contrastive_views_train_on_two_ranks(tmp_path, experts):
+    """A contrastive weight runs the trunk on two views of every example: each MoE receives twice a rank's examples,
+    and the capacity's global bound and padded expert parallelism's messages count those rows. (Each rank contrasts
+    its own examples and draws its own dropout masks, so two ranks are not one process here.)"""
+    overrides = ["--model.kunlun.contrastive_weight=0.1", "--model.kunlun.dropout=0.1", "--schedule.steps=3",
+                 "--data.synthetic.max_events=8"]
+    if experts == "padded":
+        overrides += ["--parallelism.expert=2", "--parallelism.expert_padded=true"]
+    train(tmp_path, 2, *overrides)
+    assert len(ours := losses(tmp_path)) == 3 and all(torch.isfinite(torch.tensor(ours)))

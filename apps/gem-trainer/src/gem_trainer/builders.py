@@ -192,6 +192,12 @@ def global_batch_bound(config: TrainerConfig, env: DistributedEnv) -> int:
     return rank_batch_bound(config) * env.world_size
 
 
+def moe_rows_per_example(config: TrainerConfig) -> int:
+    """The rows an example gives each MoE of the trunk in a training step: two with a contrastive weight (the trunk
+    runs on two views of every example), else one."""
+    return 2 if config.model.name == "kunlun" and config.model.kunlun.build().contrastive_weight > 0 else 1
+
+
 def _joined(join, eval_batches: Callable[[], Iterator[Batch]] | None) -> Callable[[], Iterator[Batch]] | None:
     """The held-out batches with ``join``'s feature attached, as the training stream has it."""
     return None if eval_batches is None else lambda: (join.attach(b) for b in eval_batches())
@@ -679,7 +685,9 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
         return parallelize_kunlun(
             model, dims, meshes, env.device, seed=config.seed, dense=dense, sparse_sharding=p.sparse_sharding,
             sparse_optimizer=sparse_optimizer, sparse_optimizer_kwargs=sparse_kwargs, expert_padded=p.expert_padded,
-            global_batch_bound=global_batch_bound(config, env), rank_batch_bound=rank_batch_bound(config),
+            # the MoEs' bounds count the rows they receive
+            global_batch_bound=global_batch_bound(config, env) * moe_rows_per_example(config),
+            rank_batch_bound=rank_batch_bound(config) * moe_rows_per_example(config),
             sparse_index_dedup=p.sparse_index_dedup,
             sparse_sequence_dtype=sequence_lookup_dtype(config, env.device),
         )

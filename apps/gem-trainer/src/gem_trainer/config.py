@@ -440,8 +440,8 @@ class ParallelismConfig(Section):
     cuda_graph_history_bucket: int = Field(0, ge=0)
     # expert parallelism of the MoE: experts split over groups of this many ranks (inside a dense shard group)
     expert: int = Field(1, ge=1)
-    # equal-split all-to-all (fixed shapes, capacity per rank), its messages sized for the most examples a rank can
-    # hold: data.batch_size (x data.balance_window with data.balance)
+    # equal-split all-to-all (fixed shapes, capacity per rank), its messages sized for the most rows a rank can pass
+    # a MoE: data.batch_size (x data.balance_window with data.balance; x 2 with a contrastive weight: two views)
     expert_padded: bool = False
     # sparse (TorchRec): tables sharded over groups of sparse_group ranks, replicated across groups
     sparse_group: int = Field(-1, ge=-1)
