@@ -169,6 +169,17 @@ def test_2d_sparse_replicas_averaged_every_few_steps_resume_exactly(tmp_path):
     assert_close_states(final_state(resumed), final_state(full))
 
 
+def test_evaluation_reads_the_average_of_2d_sparse_replicas_with_or_without_a_final_checkpoint(tmp_path):
+    """Four steps with replicas averaged every 3: they differ at the end. A final checkpoint averages them before it
+    is written; without one, the evaluation must read the same average (not each rank's own replica)."""
+    replicas = [*SGD, "--parallelism.sparse_group=1", "--parallelism.sparse_sync_every=3", "--schedule.steps=4"]
+    train(tmp_path / "saved", 2, *replicas)
+    train(tmp_path / "unsaved", 2, *replicas, "--checkpoint.enable=false")
+    saved, unsaved = (json.loads((tmp_path / run / "eval.json").read_text()) for run in ("saved", "unsaved"))
+    for key in ("click/all/auc", "click/all/ne", "conversion/all/auc"):
+        assert unsaved[key] == pytest.approx(saved[key], rel=1e-6), key
+
+
 def test_resume_with_another_global_batch_stops_with_one_line(tmp_path, two_ranks):
     run = tmp_path / "other-batch"
     (run / "checkpoints").mkdir(parents=True)

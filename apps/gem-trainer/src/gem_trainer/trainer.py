@@ -367,6 +367,7 @@ class Trainer:
         self._stopping(agree=True)
         self.finishing = True
         self.check_divergence()
+        self.sparse_replicas.sync()  # the trained model is the replicas' average, checkpointed or not
         self.checkpoints.wait()
         # NOTE: not the newest folder's step: a damaged newest checkpoint, skipped by the resume, must be written anew
         if cfg.checkpoint.enable and self._saved_step != self.step:
@@ -460,6 +461,9 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics, identical on every rank: NE, AUC and calibration per task and surface, or, for
         next-item data, HR@K / NDCG@K / MRR for each configured protocol and seed."""
+        # NOTE: 2-D sparse replicas drift apart between averages: the evaluated model is their average, as a
+        # checkpoint's (every rank evaluates together)
+        self.sparse_replicas.sync()
         self.model.eval()
         # NOTE: the dense parameters stay gathered for the whole evaluation: ranking calls model methods
         # other than forward, which FSDP2 does not hook
