@@ -155,6 +155,18 @@ def test_resume_on_the_same_and_on_another_number_of_ranks_continues_exactly(tmp
         assert_close_states(final_state(run), final_state(expected))
 
 
+def test_ranks_resumed_from_fewer_ranks_draw_their_own_random_numbers(tmp_path, reference):
+    """The one-process run's step-10 checkpoint holds one random state: resumed on 2 ranks, the rank it has none of
+    must not take rank 0's (their dropout masks would be the same)."""
+    run = tmp_path / "resumed-on-2"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step-10", run / "checkpoints" / "step-10")
+    assert "written by 1 ranks, resharded to 2" in train(run, 2).stdout
+    states = [torch.load(run / "checkpoints" / f"step-{STEPS}" / f"local-rank{r}.pt", weights_only=True)["rng"]["torch"]
+              for r in range(2)]
+    assert not torch.equal(*states)
+
+
 def test_2d_sparse_replicas_averaged_every_few_steps_resume_exactly(tmp_path):
     """Table replicas averaged every 3 steps drift apart in between, and a checkpoint holds one copy of each shard:
     the step-10 checkpoint (between two averages) is written from averaged replicas, and a run resumed from it

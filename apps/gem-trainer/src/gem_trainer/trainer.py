@@ -247,6 +247,10 @@ class Trainer:
             raise ConfigError(f"checkpoint.resume: {self.checkpoints.path(step)}: {error}, or start a new run_dir") from None
         saved_world = local.get("world_size", self.env.world_size)
         resharded = f" (written by {saved_world} ranks, resharded to {self.env.world_size})" if saved_world != self.env.world_size else ""
+        if resharded and self.env.world_size > 1:
+            # NOTE: ranks the checkpoint has no random state of load rank 0's; each draws its own numbers again (as at
+            # a start), from the seed, its rank and the step, or ranks would share their dropout masks
+            torch.manual_seed(self.config.seed * 1_000_003 + self.step * 1_009 + self.env.rank)
         if training:
             self.logger.drop_after(self.step)
         self._saved_step = self.step
