@@ -252,6 +252,23 @@ def test_padded_expert_messages_without_expert_parallelism_are_refused_in_one_li
     assert load_config(None, ["--parallelism.expert_padded=true", "--parallelism.expert=2"])
 
 
+@pytest.mark.parametrize("world_size,sparse_group", [(1, -1), (4, -1), (4, 4)])
+def test_replica_averaging_without_table_replicas_is_refused_in_one_line(world_size, sparse_group):
+    import torch
+
+    from gem_trainer.builders import build_parallel_dims
+    from gem_trainer.distributed import DistributedEnv
+
+    config = load_config(None, ["--parallelism.sparse_sync_every=4", f"--parallelism.sparse_group={sparse_group}"])
+    env = DistributedEnv(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), local_world_size=world_size)
+    with pytest.raises(ConfigError, match=rf"^parallelism\.sparse_sync_every averages the table replicas of 2-D sparse "
+                                          rf"parallelism, which this run has none of: it needs a sparse_group below the "
+                                          rf"{world_size} ranks$"):
+        build_parallel_dims(config, env)
+    replicated = load_config(None, ["--parallelism.sparse_sync_every=4", "--parallelism.sparse_group=2"])
+    assert build_parallel_dims(replicated, DistributedEnv(0, 4, 0, torch.device("cpu"), 4)).sparse_2d
+
+
 def test_a_history_bucket_without_cuda_graphs_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="cuda_graph_history_bucket pads the history for a CUDA graph of the trunk"):
         load_config(None, ["--parallelism.cuda_graph_history_bucket=256"])

@@ -620,10 +620,14 @@ def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelD
 
     p = config.parallelism
     try:
-        return ParallelDims(world_size=env.world_size, local_world_size=env.local_world_size, dense_replicate=p.dense_replicate,
+        dims = ParallelDims(world_size=env.world_size, local_world_size=env.local_world_size, dense_replicate=p.dense_replicate,
                             dense_shard=p.dense_shard, expert=p.expert, sparse_group=p.sparse_group)
     except LayoutError as error:
         raise ConfigError(f"parallelism.{error}") from None
+    if p.sparse_sync_every != 1 and not dims.sparse_2d:
+        raise ConfigError(f"parallelism.sparse_sync_every averages the table replicas of 2-D sparse parallelism, which this "
+                          f"run has none of: it needs a sparse_group below the {env.world_size} ranks")
+    return dims
 
 
 def cuda_graphs(config: TrainerConfig, device: torch.device, world_size: int) -> bool:
