@@ -502,8 +502,12 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
         raise ConfigError(f"distillation.teacher_run_dir: the teacher at {folder} was trained on other features than this run")
     checkpoints = CheckpointManager(Path(folder) / "checkpoints", keep_latest=1)
     unsharded = build_model(teacher_config, spec, device=torch.device("meta"))
-    # the teacher only runs forward: tables sharded, the dense part replicated on every rank, then loaded
-    teacher = shard_embeddings(unsharded, env.device, sharding_type=teacher_config.parallelism.sparse_sharding)
+    # the teacher only runs forward: tables sharded as this run shards its own (the teacher's layout may need other
+    # devices; the checkpoint loads into any), the dense part replicated on every rank, then loaded
+    try:
+        teacher = shard_embeddings(unsharded, env.device, sharding_type=config.parallelism.sparse_sharding)
+    except LayoutError as error:
+        raise ConfigError(f"distillation.teacher_run_dir: the teacher's tables: parallelism.{error}") from None
     init_dense_parameters(unsharded, teacher_config.seed, env.device)
     state = {"model": teacher.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoints.path(step)))
