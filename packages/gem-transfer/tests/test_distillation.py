@@ -20,6 +20,22 @@ def test_soft_label_loss_is_zero_at_the_teacher_and_positive_elsewhere():
         soft_label_loss(teacher[:, :1], teacher)
 
 
+def test_soft_label_loss_is_the_cross_entropy_against_the_teachers_probabilities_without_the_probability_form(monkeypatch):
+    """BCE(sigmoid(s / T), p) - H(p) for p = sigmoid(t / T), x T^2; computed from logits only: CUDA autocast refuses
+    F.binary_cross_entropy (the trainer runs the student's loss under it)."""
+    import torch.nn.functional as F
+
+    student, teacher = torch.randn(64, 2) * 3, torch.randn(64, 2) * 3
+    p, q = torch.sigmoid(teacher.double() / 2), torch.sigmoid(student.double() / 2)
+    expected = (-(p * q.log() + (1 - p) * (1 - q).log()) + (p * p.log() + (1 - p) * (1 - p).log())).mean() * 4
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("binary_cross_entropy is unsafe to autocast")
+
+    monkeypatch.setattr(F, "binary_cross_entropy", refused)
+    assert soft_label_loss(student, teacher, temperature=2.0).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
 def test_student_adapter_starts_as_identity_and_learns_to_correct_a_stale_teacher():
     torch.manual_seed(0)
     adapter = StudentAdapter(num_tasks=1, num_surfaces=2)

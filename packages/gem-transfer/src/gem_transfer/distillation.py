@@ -53,8 +53,9 @@ def soft_label_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     _check_pair(student_logits, teacher_logits, temperature)
     targets = torch.sigmoid(teacher_logits.float() / temperature)
     loss = F.binary_cross_entropy_with_logits(student_logits.float() / temperature, targets)
-    # subtract the targets' own entropy so that a perfect match scores 0
-    entropy = F.binary_cross_entropy(targets, targets)
+    # subtract the targets' own entropy so that a perfect match scores 0. NOTE: from the logits: CUDA autocast refuses
+    # F.binary_cross_entropy outright, and the trainer runs the student's loss under it
+    entropy = F.binary_cross_entropy_with_logits(teacher_logits.float() / temperature, targets)
     return (loss - entropy) * temperature**2
 
 
