@@ -90,6 +90,12 @@ def test_an_online_student_keeps_its_teacher_checkpoint_when_resumed(teacher, tm
     with pytest.raises(ConfigError, match=r"^distillation\.teacher_step: no complete checkpoint 25 under .* \(complete: \[20, 30\]\)$"):
         Trainer(student_config(tmp_path / "x", f"--distillation.teacher_run_dir={copy}", "--distillation.teacher_step=25"),
                 init_distributed("cpu", "gloo"))
+    # a pass over a pinned, older checkpoint records that checkpoint (its store's provenance), not the newest
+    labels = tmp_path / "labels-20"
+    written = posttrain(student_config(tmp_path / "pass", f"--distillation.teacher_run_dir={copy}",
+                                       "--distillation.teacher_step=20", f"--distillation.soft_labels={labels}"),
+                        init_distributed("cpu", "gloo"))
+    assert written["teacher_step"] == 20 and json.loads((labels / "meta.json").read_text())["teacher"]["step"] == 20
 
 
 def test_a_store_that_does_not_fit_the_run_is_refused_in_one_line(teacher, tmp_path):

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from gem_trainer import builders
-from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.metrics import progress
@@ -71,7 +70,7 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
     except RepresentationError as error:
         raise ConfigError(f"loopfm.key_only: {error}") from None
     teacher, _ = builders.build_teacher(config, spec, env)
-    teacher_step = CheckpointManager(Path(d.teacher_run_dir) / "checkpoints", keep_latest=1).latest_step()
+    teacher_step = builders.teacher_step(config)  # the checkpoint build_teacher loaded
     global_batch = config.data.batch_size * env.world_size
     meta = {"teacher": {"run_dir": str(d.teacher_run_dir), "step": teacher_step}, "spec": spec_record(spec),
             "global_batch_size": global_batch, "seed": config.seed,

@@ -41,7 +41,6 @@ import torch
 
 from gem_kunlun import Batch, FeatureSpec
 from gem_trainer import builders
-from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.metrics import progress
@@ -108,7 +107,7 @@ def build_scorer(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) 
         raise ConfigError("solaris: needs a teacher: solaris.teacher_run_dir or distillation.teacher_run_dir (a finished run)")
     as_teacher = config.model_copy(update={"distillation": config.distillation.model_copy(update={"teacher_run_dir": folder})})
     teacher, unsharded = builders.build_teacher(as_teacher, spec, env)
-    step = CheckpointManager(Path(folder) / "checkpoints", keep_latest=1).latest_step()
+    step = builders.teacher_step(as_teacher)  # the checkpoint build_teacher loaded
     precision = autocast_dtype(config.precision.autocast, env.device)
 
     def score(batch: Batch) -> torch.Tensor:
