@@ -34,9 +34,10 @@ stream). The LoopFM arms read each prefix's earlier vectors, in training and in 
 the student's own candidates sampled (``data.sequential.num_negatives >= 1``), so every arm trains the student
 against ``BEAUTY_NEGATIVES`` uniform negatives; one more arm trains it alone against the whole catalogue, as the
 teacher's config does. HR@10 and NDCG@10 on the test split, sampled-99 (mean of three draws) and full ranking,
-each run evaluated once; no knob was chosen on the test split (k and the negatives were fixed before any run;
-the teacher's weight and temperature, ``BEAUTY_WEIGHT`` and ``BEAUTY_TEMPERATURE``, on the validation split; LoopFM's
-width and memory are the config's defaults). With ``--jobs N`` the seeds' passes, then all their arms, run N at a
+each run evaluated once; no knob's value was chosen on the test split (k and the negatives were fixed before any
+run; the teacher's weight and temperature, ``BEAUTY_WEIGHT`` and ``BEAUTY_TEMPERATURE``, on the validation split, with
+the teacher and student configs of that time; LoopFM's width and memory are the config's defaults), though a test
+run prompted the tail (``BEAUTY_TAIL``, its size chosen on the validation split). With ``--jobs N`` the seeds' passes, then all their arms, run N at a
 time in separate processes (on one GPU, the small students leave it mostly idle one at a time). A finished pass
 or arm of the same overrides at the same clean commit is kept (``pass.json``, ``<arm>.row.json`` in the work
 folder): a section cut short by a time limit continues where it stopped when run again.
@@ -93,7 +94,9 @@ BEAUTY_NEGATIVES, BEAUTY_TOP_K = 256, 100
 # validation split (section beauty_tail: the tail lifts sampled and full ranking, the top k alone only full)
 BEAUTY_TAIL = 100
 # the teacher's weight and temperature in the distillation arms, chosen on the validation split (seed 0's store,
-# the student alone and a grid of weight x temperature: transfer.json's beauty_validation_sweep); 1 / 1 before
+# the student alone and a grid of weight x temperature: transfer.json's beauty_validation_sweep, run before the
+# teacher and student configs took their final form and before full ranking left out each user's history); 1 / 1
+# before
 BEAUTY_WEIGHT, BEAUTY_TEMPERATURE = 4.0, 3.0
 BEAUTY_ARMS = ARMS  # the same three arms as on the synthetic data
 # LoopFM: the user id travels with the data for the store's key only; the teacher's pass writes the store
@@ -278,7 +281,8 @@ def beauty(seeds: list[int], work: Path, student_steps: int = BEAUTY_STUDENT_STE
                          "loopfm": "the same pass's query vector of every training prefix (loopfm defaults: projected to 16 "
                                    "values, the newest 32 earlier ones read), keyed by user id, which no model reads",
                          "weight": BEAUTY_WEIGHT, "temperature": BEAUTY_TEMPERATURE,
-                         "chosen_on": "the validation split (beauty_validation_sweep); k and the negatives fixed before any run"},
+                         "chosen_on": "the validation split (beauty_validation_sweep, with the teacher and student configs "
+                                      "of that time); k and the negatives fixed before any run"},
             "arms": {arm: more + ([stored] if arm in distilled else [])
                      + ([*BEAUTY_LOOPFM, "--loopfm.store=<the seed's LoopFM store>"] if arm in BEAUTY_LOOPFM_ARMS else [])
                      for arm, more in arms.items()},
