@@ -310,3 +310,15 @@ def test_values_that_pass_a_bound_but_mean_nothing_are_refused_in_one_line(overr
     with pytest.raises(ConfigError, match=f"override {override[:20]}.*{message}") as error:
         load_config(None, [override])
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("overrides,field", [(["--distillation.weight=4"], "distillation.weight"),
+                                             (["--distillation.temperature=3"], "distillation.temperature"),
+                                             (["--distillation.teacher_step=5"], "distillation.teacher_step"),
+                                             (["--loopfm.key_only=true"], "loopfm.key_only")])
+def test_transfer_settings_without_a_teacher_or_store_are_refused_in_one_line(overrides, field):
+    """A student trained without its teacher (or store) would be reported as distilled."""
+    with pytest.raises(ConfigError, match=rf"{field} (applies to|picks)"):
+        load_config(None, overrides)
+    assert load_config(None, [*overrides, "--distillation.soft_labels=labels", "--loopfm.store=memory",
+                              "--distillation.teacher_run_dir=teacher"])

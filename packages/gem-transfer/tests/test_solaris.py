@@ -315,6 +315,23 @@ def test_stats_are_recorded_from_many_threads():
     assert summary["staleness_s"]["p50"] == 1.0
 
 
+def test_overall_percentiles_weigh_each_level_by_its_lookups_beyond_its_sample():
+    """9,000 fast exact lookups and 1,000 slow default ones, 1,000 kept per level: the overall median is a fast
+    lookup's (pooling the two samples unweighted would make it a slow one's)."""
+    stats = LookupStats(sample_size=1000)
+    for i in range(9000):
+        stats.record("exact", 1.0, 0.001 + i * 1e-9)
+    for i in range(1000):
+        stats.record("default", None, 0.5 + i * 1e-6)
+    latency = stats.summary()["latency_ms"]
+    assert latency["p50"] == pytest.approx(1.0, abs=0.01) and latency["p99"] > 500
+    small = LookupStats(sample_size=1000)  # nothing past a cap: the plain percentiles of every value
+    for i in range(10):
+        small.record("exact", float(i), 1e-3)
+        small.record("user_group", float(10 + i), 1e-3)
+    assert small.summary()["staleness_s"]["p50"] == pytest.approx(9.5)
+
+
 def test_the_join_gives_every_example_its_pair_embedding_and_level_as_one_vector():
     from gem_kunlun.testing import SPEC
     from gem_transfer.solaris import LEVELS, SolarisJoin, fresh_embeddings, served_embeddings

@@ -551,6 +551,8 @@ class DistillationConfig(Section):
     soft_labels: str | None = None
     top_k: int | None = Field(None, ge=1)
     tail_samples: int = Field(0, ge=0)
+    # the distillation term's weight: the term is a mean over the auxiliary head's tasks (every task, whatever
+    # model.task_weights says) where the label loss sums its tasks' terms
     weight: float = Field(1.0, ge=0)
     temperature: float = Field(1.0, gt=0)
     adapter: bool = True
@@ -658,7 +660,24 @@ class TrainerConfig(Section):
                              "server connection inside the data stream, which a forked reading process must not")
         self._check_retrieval()
         self._check_loopfm()
+        self._check_unused_transfer_settings()
         return self
+
+    def _check_unused_transfer_settings(self) -> None:
+        """Distillation and LoopFM settings with nothing to apply them to are refused, not dropped (a student trained
+        without its teacher would be reported as distilled)."""
+        d, loop = self.distillation, self.loopfm
+        if d.teacher_run_dir is None and d.soft_labels is None:
+            changed = [f for f in ("weight", "temperature", "adapter") if getattr(d, f) != DistillationConfig.model_fields[f].default]
+            if changed:
+                raise ValueError(f"distillation.{changed[0]} applies to a student of a teacher: set distillation.teacher_run_dir "
+                                 f"or distillation.soft_labels")
+            if d.teacher_step is not None and self.solaris.teacher_run_dir is None:
+                raise ValueError("distillation.teacher_step picks the teacher's checkpoint: set distillation.teacher_run_dir")
+        if loop.store is None:
+            changed = [f for f in LoopFMConfig.model_fields if f != "store" and getattr(loop, f) != LoopFMConfig.model_fields[f].default]
+            if changed:
+                raise ValueError(f"loopfm.{changed[0]} applies to a LoopFM store: set loopfm.store")
 
     def _check_loopfm(self) -> None:
         """The LoopFM input reaches the models that read representation features; on next-item data each stored

@@ -39,6 +39,24 @@ def _percentiles(values: list[float], scale: float) -> dict[str, float | None]:
     return {"p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99)), "max": float(array.max())}
 
 
+def _pooled_percentiles(reservoirs: list[_Reservoir], scale: float) -> dict[str, float | None]:
+    """Percentiles over every level's lookups from their samples: where a level saw more values than its sample
+    holds, each of its sampled values stands for ``seen / kept`` of them (pooled unweighted, a level past its cap
+    would count for less than its share)."""
+    kept = [r for r in reservoirs if r.values]
+    if all(r.seen == len(r.values) for r in kept):
+        return _percentiles([v for r in kept for v in r.values], scale)
+    values = np.concatenate([np.asarray(r.values) for r in kept]) * scale
+    weights = np.concatenate([np.full(len(r.values), r.seen / len(r.values)) for r in kept])
+    order = np.argsort(values, kind="stable")
+    values, cumulative = values[order], np.cumsum(weights[order])
+
+    def at(q: float) -> float:  # the smallest value with at least q of the weight at or below it
+        return float(values[min(np.searchsorted(cumulative, q * cumulative[-1]), values.size - 1)])
+
+    return {"p50": at(0.5), "p99": at(0.99), "max": float(values[-1])}
+
+
 class LookupStats:
     """Counts, staleness and latency of lookups per level; see the module docstring."""
 
@@ -67,10 +85,10 @@ class LookupStats:
             levels = {level: {"count": self.counts[level],
                               "staleness_s": _percentiles(self._ages[level].values, 1.0),
                               "latency_ms": _percentiles(self._latencies[level].values, 1e3)} for level in LEVELS}
-            ages = [a for level in LEVELS for a in self._ages[level].values]
-            latencies = [x for level in LEVELS for x in self._latencies[level].values]
+            staleness = _pooled_percentiles([self._ages[level] for level in LEVELS], 1.0)
+            latency = _pooled_percentiles([self._latencies[level] for level in LEVELS], 1e3)
         return {"lookups": total, "hit_rate": {level: self.counts[level] / total if total else 0.0 for level in LEVELS},
-                "staleness_s": _percentiles(ages, 1.0), "latency_ms": _percentiles(latencies, 1e3), "levels": levels}
+                "staleness_s": staleness, "latency_ms": latency, "levels": levels}
 
 
 def format_summary(summary: dict, title: str) -> str:

@@ -2,7 +2,8 @@
 
 The earlier stage hands over candidate pairs as batches of model input (one row per (user, candidate) pair)
 with their keys (``PairKeys``). ``submit`` keeps the rows whose pair it has not seen before (each pair is
-scored and written once; a batch with no new pair is not scored at all) and queues the batch; the worker
+written once; a batch holding a new pair is scored whole, its repeats too, and one with no new pair is not scored at
+all) and queues the batch; the worker
 thread runs ``score`` (the teacher: batch -> ``[B, R]`` embeddings) on it, stamps the new rows with the time
 and each example's own time (``example_times``),
 writes them to the cache in one call, adds their users' behaviour to the ``UserIndex`` and their embeddings
