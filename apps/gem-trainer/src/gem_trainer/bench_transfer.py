@@ -37,9 +37,9 @@ teacher's config does. HR@10 and NDCG@10 on the test split, sampled-99 (mean of 
 each run evaluated once; no knob's value was chosen on the test split (k and the negatives were fixed before any
 run; the teacher's weight and temperature, ``BEAUTY_WEIGHT`` and ``BEAUTY_TEMPERATURE``, on the validation split, with
 the teacher and student configs of that time; LoopFM's width and memory are the config's defaults), though a test
-run prompted the tail (``BEAUTY_TAIL``, its size chosen on the validation split). With ``--jobs N`` the seeds' passes, then all their arms, run N at a
-time in separate processes (on one GPU, the small students leave it mostly idle one at a time). A finished pass
-or arm of the same overrides at the same clean commit is kept (``pass.json``, ``<arm>.row.json`` in the work
+run prompted the tail (``BEAUTY_TAIL``, its size chosen on the validation split). With ``--jobs N`` the seeds'
+passes, then all their arms, run N at a time in separate processes (on one GPU, the small students leave it mostly
+idle one at a time). A finished pass or arm of the same overrides at the same clean commit is kept (``pass.json``, ``<arm>.row.json`` in the work
 folder): a section cut short by a time limit continues where it stopped when run again.
 
 ``beauty_tail``: on the validation split, the Beauty section's teacher (reused from the work folder) and students,
