@@ -336,6 +336,13 @@ def test_two_ranks_equal_one_process_with_uneven_shares_and_an_interformer(tmp_p
     assert len(ours) == len(theirs) == steps
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=2e-5, atol=2e-6)
     assert_close_states(final_state(tmp_path / "two", steps), final_state(tmp_path / "one", steps))
+    # the logged throughput counts every rank's examples (the ranks' slices differ by one example)
+    assert logged(tmp_path / "two", "examples") == logged(tmp_path / "one", "examples")
+
+
+def logged(run_dir: Path, key: str) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if r["phase"] == "train"]
 
 
 def test_two_ranks_of_domain_experts_with_a_domain_missing_from_a_rank_equal_one_process(tmp_path):

@@ -339,13 +339,18 @@ class Trainer:
             metrics = self.train_step()
             if self.step == self.first_step + 1:
                 self._report_first_step(window_start)
-            window_examples += metrics.pop("examples") * self.env.world_size
-            window_flops += metrics.pop("flops") * self.env.world_size
+            window_examples += metrics.pop("examples")
+            window_flops += metrics.pop("flops")
             if self.step % cfg.metrics.log_every == 0 or self.step == cfg.schedule.steps:
+                if self.env.world_size > 1:  # every rank's: their slices may differ (a surface filter, balancing)
+                    totals = torch.tensor([window_examples, window_flops], dtype=torch.float64, device=self.env.device)
+                    dist.all_reduce(totals)
+                    window_examples, window_flops = totals.tolist()
                 elapsed = time.perf_counter() - window_start
                 tflops = window_flops / elapsed / 1e12
                 line = {
                     **{k: float(v) for k, v in metrics.items()},
+                    "examples": window_examples,  # trained on since the last logged step, by every rank
                     "examples_per_s": window_examples / elapsed,
                     "tflops": tflops,
                     "memory_gib": memory_gib(self.env.device),
