@@ -115,6 +115,9 @@ def test_every_stream_runs_on_one_clock_before_the_held_out_split():
     assert newest < min(float(s.timestamps.min()) for s in held_out.sequences.values())
     with pytest.raises(ValueError, match=r"stream must lie in \[0, 128\)"):
         population.batch(0, 4, stream=128)
+    # stream 0's batch 2**24 would draw what stream 1's batch 0 draws
+    with pytest.raises(ValueError, match=r"^a synthetic stream holds 16,777,216 batches: index 16777216 is past its end$"):
+        population.batch(1 << 24, 4)
 
 
 def test_user_propensity_gives_each_user_a_lasting_click_offset():

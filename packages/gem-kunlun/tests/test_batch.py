@@ -35,6 +35,26 @@ def test_bad_fields_are_named(field, value, message):
         batch.validate(SPEC)
 
 
+@pytest.mark.parametrize("field, where, value, message", [
+    ("dense", (1, 0), float("inf"), "batch.dense holds a non-finite value"),
+    ("labels", (2, 1), float("nan"), r"batch.labels must be probabilities in \[0, 1\]"),
+    ("labels", (0, 0), 3.0, r"batch.labels must be probabilities in \[0, 1\]"),
+])
+def test_bad_values_are_named(field, where, value, message):
+    """A label outside [0, 1] or a non-finite feature would make the loss NaN without a word."""
+    batch = random_batch(6)
+    getattr(batch, field)[where] = value
+    with pytest.raises(ValueError, match=message):
+        batch.validate(SPEC)
+
+
+def test_the_multitask_loss_takes_one_weight_per_task():
+    from gem_kunlun import multitask_loss
+
+    with pytest.raises(ValueError, match=r"^task_weights has shape \(1,\): one weight per task, 2 tasks$"):
+        multitask_loss(torch.zeros(4, 2), torch.zeros(4, 2), torch.ones(1))
+
+
 def test_out_of_range_ids_are_named():
     batch = random_batch(4)
     bad = KeyedJaggedTensor.from_lengths_sync(

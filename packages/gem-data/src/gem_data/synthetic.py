@@ -114,6 +114,8 @@ class SyntheticGenerator:
             raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
         if not 0 <= stream < MAX_STREAMS:
             raise ValueError(f"stream must lie in [0, {MAX_STREAMS}), got {stream}")
+        if not 0 <= index < BATCHES_PER_STREAM:  # past it, another stream's (or split's) draws would repeat
+            raise ValueError(f"a synthetic stream holds {BATCHES_PER_STREAM:,} batches: index {index} is past its end")
         c = self.config
         drawn = stream * BATCHES_PER_STREAM + index  # the streams' draws are disjoint, their clock is one
         g = torch.Generator().manual_seed(((c.seed * 1_000_003 + SPLITS[split]) * 2_147_483_647 + drawn) % (2**63))

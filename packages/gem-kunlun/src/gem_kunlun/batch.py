@@ -252,6 +252,10 @@ class Batch:
             raise ValueError(f"batch.labels has shape {tuple(self.labels.shape)}, expected ({b}, {len(spec.tasks)})")
         if self.surface.shape != (b,):
             raise ValueError(f"batch.surface has shape {tuple(self.surface.shape)}, expected ({b},)")
+        if b and not bool(torch.isfinite(self.dense).all()):
+            raise ValueError("batch.dense holds a non-finite value")
+        if b and not bool(((self.labels >= 0) & (self.labels <= 1)).all()):  # NaN fails too
+            raise ValueError("batch.labels must be probabilities in [0, 1] (click / conversion labels: 0 or 1)")
         if b and (int(self.surface.min()) < 0 or int(self.surface.max()) >= spec.num_surfaces):
             raise ValueError(f"batch.surface has values outside [0, {spec.num_surfaces})")
         _check_kjt("batch.sparse", self.sparse, spec.sparse, b)

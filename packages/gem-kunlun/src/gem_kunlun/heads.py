@@ -47,5 +47,8 @@ class MultiTaskHeads(nn.Module):
 
 def multitask_loss(logits: torch.Tensor, labels: torch.Tensor, task_weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over tasks of the mean binary cross-entropy; computed in float32 for calibration."""
+    if task_weights.shape != logits.shape[-1:]:
+        raise ValueError(f"task_weights has shape {tuple(task_weights.shape)}: one weight per task, "
+                         f"{logits.shape[-1]} tasks")
     per_task = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(0)
     return (per_task * task_weights.to(per_task.device)).sum()
