@@ -115,6 +115,8 @@ def test_sampled_ranking_holds_the_target_and_99_distinct_unseen_items(corpus):
     assert torch.equal(again.candidates, ranking.candidates)
     assert not torch.equal(dataset.ranking_examples("test", "sampled", num_negatives=20, seed=4).candidates, ranking.candidates)
     assert len(set(ranking.target_index.tolist())) > 1  # the target is not always in the same column
+    with pytest.raises(ValueError, match=r"^a sampled ranking needs num_negatives >= 1, got 0$"):
+        dataset.ranking_examples("test", "sampled", num_negatives=0)
 
 
 def test_validation_history_stops_before_the_second_to_last_item(corpus):

@@ -249,6 +249,8 @@ class NextItemDataset:
         """Ranking inputs for every user with at least 3 items (see ``RankingExamples``); one fixed draw per seed."""
         if split not in ("valid", "test") or protocol not in ("sampled", "full"):
             raise ValueError(f"split must be 'valid' or 'test' and protocol 'sampled' or 'full', got {split!r}, {protocol!r}")
+        if protocol == "sampled" and num_negatives < 1:
+            raise ValueError(f"a sampled ranking needs num_negatives >= 1, got {num_negatives}")
         lengths = self.corpus.lengths()
         users = (lengths >= 3).nonzero().squeeze(1)
         history_length = lengths[users] - (2 if split == "valid" else 1)
