@@ -33,6 +33,12 @@ class Section(BaseModel):
     # NOTE: no field takes NaN or infinity (a NaN popularity power or mixture weight would pass every bound check)
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+    def changed(self, *names: str) -> list[str]:
+        """Those of ``names`` (default: every field) whose value is not their default: settings that must have
+        something to apply to."""
+        fields = type(self).model_fields
+        return [name for name in names or fields if getattr(self, name) != fields[name].default]
+
     @model_validator(mode="before")
     @classmethod
     def _none_spelled_out(cls, data: Any) -> Any:
@@ -287,8 +293,7 @@ class MixtureConfig(Section):
     @model_validator(mode="after")
     def _schedule_needs_both_groups(self) -> "MixtureConfig":
         if not self.sources:
-            given = [f for f in ("online_share_start", "online_share_end", "ramp_start", "ramp_steps", "granularity")
-                     if getattr(self, f) != type(self).model_fields[f].default]
+            given = self.changed("online_share_start", "online_share_end", "ramp_start", "ramp_steps", "granularity")
             if given:
                 raise ValueError(f"data.mixture.{given[0]} schedules a mixture, which has no sources "
                                  f"([[data.mixture.sources]])")
@@ -668,14 +673,14 @@ class TrainerConfig(Section):
         without its teacher would be reported as distilled)."""
         d, loop = self.distillation, self.loopfm
         if d.teacher_run_dir is None and d.soft_labels is None:
-            changed = [f for f in ("weight", "temperature", "adapter") if getattr(d, f) != DistillationConfig.model_fields[f].default]
+            changed = d.changed("weight", "temperature", "adapter")
             if changed:
                 raise ValueError(f"distillation.{changed[0]} applies to a student of a teacher: set distillation.teacher_run_dir "
                                  f"or distillation.soft_labels")
             if d.teacher_step is not None and self.solaris.teacher_run_dir is None:
                 raise ValueError("distillation.teacher_step picks the teacher's checkpoint: set distillation.teacher_run_dir")
         if loop.store is None:
-            changed = [f for f in LoopFMConfig.model_fields if f != "store" and getattr(loop, f) != LoopFMConfig.model_fields[f].default]
+            changed = loop.changed()  # the store is None: every other field
             if changed:
                 raise ValueError(f"loopfm.{changed[0]} applies to a LoopFM store: set loopfm.store")
 

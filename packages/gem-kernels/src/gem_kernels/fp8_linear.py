@@ -16,9 +16,9 @@ All operands are E4M3: rowwise scales already give each row its range, so the gr
 activations and output gradients in 1 x 128 blocks along the dimension their GEMM contracts, the weight in 128 x 128
 blocks (quantised once in the forward; the input gradient reads the same blocks transposed), and, with
 ``weight_gradient="fp8"``, a weight gradient from 1 x 128 blocks of ``g^T`` and ``x^T`` along the tokens (each 128
-tokens' scales local to them: no amax over all of them). A block's scale follows its own range (an outlier token or channel no longer coarsens its
-whole row). Layers need in and out features that are multiples of 128; the products run on
-``torch.nn.functional.scaled_mm``'s block-scaled GEMM on CUDA, and as the dequantised blocks' product (the same
+tokens' scales local to them: no amax over all of them). A block's scale follows its own range (an outlier token or
+channel no longer coarsens its whole row). Layers need in and out features that are multiples of 128; the products
+run on ``torch.nn.functional.scaled_mm``'s block-scaled GEMM on CUDA, and as the dequantised blocks' product (the same
 numerics) where a device has none (the CPU); the bias is added to the bfloat16 product.
 
 Where FP8 does not pay: a GEMM costs ``2MKN`` while quantising its operands costs memory passes over ``MK`` and

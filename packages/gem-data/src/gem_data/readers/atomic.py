@@ -35,11 +35,11 @@ def read_atomic(
     """Read ``directory/<name>.{inter,user,item}`` (``name`` defaults to the folder name) into a corpus.
 
     Users and items are those of the ``.inter`` file; ``.user``/``.item`` rows of others are ignored and
-    entities without a row get empty bags and zero floats, as an empty float cell of a row reads (a missing value). ``time_field`` orders the events: by default
-    ``timestamp`` where the header has it, file order where not; a field named here must be there. Bad rows
-    (wrong column count, a float that is not a finite number, empty user, item or time) raise ``DataError``
-    naming file and line, or are counted with ``skip_bad_rows=True``; a bad header, a time field that is not
-    float and bytes that are not UTF-8 always raise.
+    entities without a row get empty bags and zero floats (an empty float cell of a row, a missing value, reads as
+    zero too). ``time_field`` orders the events: by default ``timestamp`` where the header has it, file order where
+    not; a field named here must be there. Bad rows (wrong column count, a float that is not a finite number, empty
+    user, item or time) raise ``DataError`` naming file and line, or are counted with ``skip_bad_rows=True``; a bad
+    header, a time field that is not float and bytes that are not UTF-8 always raise.
     """
     directory = Path(directory)
     name = name or directory.name
