@@ -207,21 +207,23 @@ def test_views_of_a_fused_projection_are_read_in_place():
 
 @pytest.mark.parametrize("act", ["softmax", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_short_kv_forward_equals_the_general_kernel(act, dtype, monkeypatch):
+@pytest.mark.parametrize("kv_lengths", [[9, 0, 16], [130, 0, 200]], ids=["kv16", "kv256"])
+def test_short_kv_forward_equals_the_general_kernel(act, dtype, kv_lengths, monkeypatch):
     """Full attention to kv sequences of at most one key tile runs attn_fwd_short_kv_kernel (query tiles streamed
     through K / V loaded once, several per program): its outputs and LSE equal the general forward's, with empty
-    kv sequences, empty and multi-tile query sequences and a shared kv sequence."""
+    kv sequences, empty and multi-tile query sequences and a shared kv sequence; up to SHORT_KV_MAX keys."""
     from gem_kernels.ops.triton import _tuning, triton_attention
     from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_forward
 
-    qo, ko = offsets_of([40, 0, 1, 35]), offsets_of([9, 0, 16])
+    qo, ko = offsets_of([40, 0, 1, 35]), offsets_of(kv_lengths)
     kv_index = torch.tensor([0, 2, 1, 0])
     q = rand(int(qo[-1]), 2, 16, dtype=dtype, scale=0.5)
     k, v = rand(int(ko[-1]), 2, 16, dtype=dtype, scale=0.5), rand(int(ko[-1]), 2, 16, dtype=dtype)
-    spec = AttnSpec(max_q=48, max_kv=16, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16)
-    assert triton_attention._short_kv(spec)
+    spec = AttnSpec(max_q=48, max_kv=max(kv_lengths), nq=None, activations=(act, act), sm_scale=0.25,
+                    pw_scale=1 / 16)
+    assert triton_attention._short_kv(spec, 16, q.element_size())
     short = attention_forward(q, k, v, qo, ko, kv_index, spec)
-    monkeypatch.setattr(triton_attention, "_short_kv", lambda spec: False)
+    monkeypatch.setattr(triton_attention, "_short_kv", lambda *args: False)
     monkeypatch.setattr(_tuning, "_TUNED", {})
     monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the kernels picked before
     general = attention_forward(q, k, v, qo, ko, kv_index, spec)
@@ -372,6 +374,22 @@ def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkey
     for got, want, name in zip(fused, general, ("dq", "dk", "dv")):
         assert got.dtype == dtype
         assert_close(got, want, TOL[dtype], name)
+
+
+def test_the_short_kv_forward_takes_only_the_tiles_it_holds():
+    """Up to SHORT_KV_MAX keys of full attention, where one K and one V tile fit SHORT_KV_BYTES: 256 keys in 16 bits
+    at head dim 128, not in float32 nor at head dim 256; no blocks or windows."""
+    from gem_kernels.ops.triton.triton_attention import AttnSpec, _short_kv
+
+    def spec(**kw):
+        return AttnSpec(**{**dict(max_q=4096, max_kv=256, nq=None, activations=("softmax",), sm_scale=1.0,
+                                  pw_scale=1.0), **kw})
+
+    assert _short_kv(spec(), 128, 2) and _short_kv(spec(max_kv=200), 128, 2) and _short_kv(spec(max_kv=16), 256, 4)
+    assert not _short_kv(spec(), 128, 4) and not _short_kv(spec(), 256, 2)
+    assert not _short_kv(spec(max_kv=257), 64, 2)
+    assert not _short_kv(spec(window_left=3), 128, 2)
+    assert not _short_kv(spec(max_kv=8192, block_size=64, window_blocks=1), 128, 2)
 
 
 def test_the_one_launch_backward_takes_only_the_shapes_it_holds():

@@ -89,6 +89,9 @@ class _Fp8LinearGelu(torch.autograd.Function):
         ctx.recipe, ctx.emulate, ctx.triton, ctx.dtype = recipe, emulate, triton, dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.mark_non_differentiable(elements, scales)
+        # NOTE: no zero gradients made for the E4M3 outputs (autograd would fill an [M, N] tensor for each); ``a``'s
+        # always arrives, as only it can carry one
+        ctx.set_materialize_grads(False)
         return a, elements, scales
 
     @staticmethod

@@ -11,8 +11,10 @@ copy). The summary gives each FP8 variant's speed-up over bfloat16 and the cross
 (the narrowest layer where FP8 pays), from which ``Fp8Recipe``'s defaults come. Part ``mlp``: the block
 LayerNorm -> Linear -> GELU -> Linear (hidden = K) forward and forward+backward, bfloat16 (our LayerNorm, ``F.linear``,
 ``F.gelu``) against ``fp8_norm_mlp`` (activations quantised by their producers), FP8 throughout, and the same block
-with FP8 linears that quantise in passes of their own (the blockwise variants' block); checks: the producers' E4M3
-bits on the GPU and the block's error. Writes JSON with provenance.
+with FP8 linears that quantise in passes of their own (the blockwise variants' block); each forward+backward row also
+carries its kernels' GPU time by kind (``KERNEL_KINDS``: the GEMMs in FP8 and bf16, quantisation, norm, GELU, the bias
+gradients' reductions, fills and copies), where the time beside the GEMMs goes. Checks: the producers' E4M3 bits on
+the GPU and the block's error. Writes JSON with provenance.
 
     PYTHONPATH=packages/gem-kernels/src python -m gem_kernels.ops.benchmarks.bench_fp8 --out fp8.json
 """
@@ -213,6 +215,43 @@ def run_mlp_checks(rec: Recorder) -> None:
     print(f"  fp8_norm_mlp: vs twin {twin}, vs bf16 {bf16}", flush=True)
 
 
+def _is_gemm(name: str) -> bool:
+    return name.startswith("nvjet") or any(w in name.lower() for w in ("gemm", "cutlass", "xmma"))
+
+
+# a kernel's kind for the block's breakdown, by its name (cuBLAS's FP8 kernels: "_qq" types): the first that matches
+KERNEL_KINDS = (
+    ("gemm_fp8", lambda n: _is_gemm(n) and ("_qq" in n or "e4m3" in n.lower())),
+    ("gemm_bf16", _is_gemm),
+    ("quantize", lambda n: n.startswith("fp8_")),
+    ("norm", lambda n: "norm" in n.lower() or n.startswith("sum_rows")),
+    ("gelu", lambda n: "gelu" in n.lower()),
+    ("reduce (bias gradients)", lambda n: "reduce_kernel" in n),
+    ("fill / copy", lambda n: any(w in n for w in ("Fill", "copy", "elementwise_kernel"))),
+)
+
+
+def kernel_breakdown(run, calls: int = 5) -> dict:
+    """GPU milliseconds of one ``run()`` per kernel kind (``KERNEL_KINDS``, else "other") and in all, from the
+    profiler: where the FP8 block's time goes beside its GEMMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us:
+            kind = next((k for k, test in KERNEL_KINDS if test(e.key)), "other")
+            kinds[kind] = kinds.get(kind, 0.0) + us / calls / 1e3
+    return {"kernel_ms": round(sum(kinds.values()), 4),
+            "kernel_kinds_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}}
+
+
 def bench_mlp(rec: Recorder, m: int, width: int) -> None:
     case = f"mlp M={m} K=N={width}"
     params = _mlp_params(width)
@@ -224,8 +263,8 @@ def bench_mlp(rec: Recorder, m: int, width: int) -> None:
         if name not in VARIANTS or VARIANTS[name].weight_gradient != "fp8":  # an FP8 weight gradient: the same forward
             with torch.no_grad():
                 rec.add("mlp", case, name, "fwd", bench_ms(lambda fn=fn: fn(x)), flops, **extra)
-        rec.add("mlp", case, name, "fwd+bwd", bench_ms(lambda fn=fn: torch.autograd.grad(fn(x), [x, *params], g)),
-                3 * flops, **extra)
+        run = lambda fn=fn: torch.autograd.grad(fn(x), [x, *params], g)  # noqa: E731
+        rec.add("mlp", case, name, "fwd+bwd", bench_ms(run), 3 * flops, **extra, **kernel_breakdown(run))
 
 
 def fp8_kernel_alone(q, k, v, off, longest: int, mask: dict):

@@ -48,6 +48,15 @@ def _scale_fields(amax, bad):
 
 
 @triton.jit
+def _amax(x, axis: tl.constexpr):
+    """The largest magnitude along ``axis``, infinite where a value is not finite: NaN counts as infinity (it
+    compares false), so that one reduction finds both the amax and a non-finite row (a reduction across warps is a
+    round trip through shared memory)."""
+    ax = tl.abs(x)
+    return tl.max(tl.where(ax < float("inf"), ax, float("inf")), axis)
+
+
+@triton.jit
 def _round_to_e4m3(q):
     """``q`` (float32, within +-448) rounded to E4M3's precision, ties to even, so that the cast after it is exact.
 
@@ -78,9 +87,8 @@ def store_fp8_rows(Q, S, y, rows, cols, R, C, R_out, C_out, MAX: tl.constexpr, E
     ``[C, C_out)`` are padding (zeros; scale 1); ``y`` should hold the values as stored (a producer's: rounded to its
     output dtype). ``EXACT_CAST``: round to E4M3 before the cast (the interpreter's; the GPU's cast rounds right)."""
     y = tl.where((rows < R)[:, None] & (cols < C)[None, :], y, 0.0)
-    ay = tl.abs(y)
-    amax = tl.max(ay, 1)
-    bad = tl.max(tl.where(ay < float("inf"), 0, 1), 1)  # NaN compares false: counted
+    amax = _amax(y, 1)
+    bad = (amax == float("inf")).to(tl.int32)
     fields = _scale_fields(amax, bad)
     _store_scales(S, rows, fields, bad, R, R_out)
     inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
@@ -103,24 +111,22 @@ def fp8_rows_kernel(X, Q, S, R, C, R_out, C_out, stride_r, MAX: tl.constexpr, EX
 
 
 @triton.jit
-def fp8_chunk_amax_kernel(X, AMAX, BAD, R, C, stride_r, stride_c, ROWS: tl.constexpr, COLS: tl.constexpr):
+def fp8_chunk_amax_kernel(X, AMAX, R, C, stride_r, stride_c, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Each row's amax over the chunk of columns, infinite where the chunk holds a non-finite value (``_amax``)."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
     x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    out = tl.program_id(1) * R + rows
-    tl.store(AMAX + out, tl.max(ax, 1), mask=rows < R)
-    tl.store(BAD + out, tl.max(tl.where(ax < float("inf"), 0, 1), 1), mask=rows < R)
+    tl.store(AMAX + tl.program_id(1) * R + rows, _amax(x, 1), mask=rows < R)
 
 
 @triton.jit
-def fp8_chunk_cast_kernel(X, AMAX, BAD, Q, S, SOURCE, R, C, R_out, C_out, stride_r, stride_c, MAX: tl.constexpr,
+def fp8_chunk_cast_kernel(X, AMAX, Q, S, SOURCE, R, C, R_out, C_out, stride_r, stride_c, MAX: tl.constexpr,
                           EXACT_CAST: tl.constexpr, PLACED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
     amax = tl.load(AMAX + rows, mask=rows < R, other=0.0)
-    bad = tl.load(BAD + rows, mask=rows < R, other=0)
+    bad = (amax == float("inf")).to(tl.int32)
     fields = _scale_fields(amax, bad)
     if tl.program_id(1) == 0:
         _store_scales(S, rows, fields, bad, R, R_out)
@@ -152,14 +158,13 @@ def fp8_blocks_kernel(X, Q, S, R, C, R_out, stride_xr, stride_xc, stride_qr, str
     cols = (pid_c * TC + tl.arange(0, TC)).to(tl.int64)
     x = tl.load(X + rows[:, None] * stride_xr + cols[None, :] * stride_xc,
                 mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    nonfinite = tl.where(ax < float("inf"), 0, 1)  # NaN compares false: counted
     if BR == 1:  # a block per row of the tile
-        amax, bad = tl.max(ax, 1)[:, None], tl.max(nonfinite, 1)[:, None]
+        amax = _amax(x, 1)[:, None]
     elif BC == 1:  # a block per column
-        amax, bad = tl.max(ax, 0)[None, :], tl.max(nonfinite, 0)[None, :]
+        amax = _amax(x, 0)[None, :]
     else:  # the tile is one block
-        amax, bad = tl.max(tl.max(ax, 1), 0), tl.max(tl.max(nonfinite, 1), 0)
+        amax = tl.max(_amax(x, 1), 0)
+    bad = (amax == float("inf")).to(tl.int32)
     fields = _scale_fields(amax, bad)
     inverse = ((254 - fields) << 23).to(tl.float32, bitcast=True)
     q = tl.where(bad == 0, x * inverse, 0.0)
@@ -305,12 +310,11 @@ def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to
     chunks = cdiv(C_out, _CHUNK_COLS)
     grid = (cdiv(R_out, _CHUNK_ROWS), chunks)
     amax = torch.empty(chunks, R, dtype=torch.float32, device=x.device)
-    bad = torch.empty(chunks, R, dtype=torch.int32, device=x.device)
-    fp8_chunk_amax_kernel[(grid[0], cdiv(C, _CHUNK_COLS))](x, amax, bad, R, C, stride_r, stride_c,
-                                                                 ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
+    fp8_chunk_amax_kernel[(grid[0], cdiv(C, _CHUNK_COLS))](x, amax, R, C, stride_r, stride_c,
+                                                           ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     used = cdiv(C, _CHUNK_COLS)  # chunks wholly in the padding hold nothing
-    amax, bad = amax[:used].amax(0), bad[:used].amax(0)
-    fp8_chunk_cast_kernel[grid](x, amax, bad, q, s, q if placed is None else placed, R, C, R_out, C_out, stride_r,
+    amax = amax[:used].amax(0)  # infinite: the row holds a non-finite value
+    fp8_chunk_cast_kernel[grid](x, amax, q, s, q if placed is None else placed, R, C, R_out, C_out, stride_r,
                                 stride_c, MAX=E4M3_MAX, EXACT_CAST=interpreting(), PLACED=placed is not None,
                                 ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     return q, s[:, None]

@@ -237,6 +237,9 @@ class _TritonNorm(torch.autograd.Function):
         ctx.residual_dtype = None if res2 is None or res2.dtype == x.dtype else res2.dtype
         if fp8_rows_to:
             ctx.mark_non_differentiable(q, s)
+            # NOTE: no zero gradients made for the E4M3 outputs (autograd would fill an [M, N] tensor for each)
+            ctx.set_materialize_grads(False)
+            ctx.y_dtype = y.dtype
             return (y.view(shape), *((h.view(shape),) if ctx.has_dh else ()), q, s[:, None])
         ys = (y.view(shape), y2.view(shape)) if two else (y.view(shape),)
         if not ctx.has_dh:
@@ -248,6 +251,8 @@ class _TritonNorm(torch.autograd.Function):
         dy2, others = (others[0], others[1:]) if ctx.two else (None, others)
         dh = others[0] if ctx.has_dh else None  # the rest: the E4M3 outputs' (constants)
         h, weight, bias, mean, rstd, weight2, bias2 = ctx.saved_tensors
+        if dy is None:  # gradients not materialised (E4M3 outputs) and y reached no loss, only the skip path did
+            dy = torch.zeros(ctx.shape, dtype=ctx.y_dtype, device=h.device)
         if ctx.two and (dy is None or dy2 is None):  # one of the two outputs reached no loss
             given = dy if dy is not None else dy2
             dy, dy2 = (torch.zeros_like(given) if g is None else g for g in (dy, dy2))
