@@ -56,12 +56,6 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
-def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device (sizes persistent grids)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 

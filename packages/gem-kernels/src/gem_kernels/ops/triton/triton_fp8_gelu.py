@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.fp8 import E4M3_MAX, padded
-from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2, sm_count
+from gem_kernels.ops.triton._tuning import cdiv, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_fp8 import store_fp8_rows
 
 MAX_WIDTH = 8192  # widest row a program holds in registers
@@ -23,77 +23,39 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit
-def _load_tile(X, t, R, C, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Row tile ``t`` of ``[R, C]`` X as stored (zeros past the last row)."""
-    rows = (t * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_C)
-    return tl.load(X + rows[:, None] * C + cols[None, :], mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0)
-
-
-@triton.jit
 def gelu_fp8_fwd_kernel(H, A, Q, S, R, C, R_out, MAX: tl.constexpr, EXACT_CAST: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr, PER_SM: tl.constexpr):
-    # persistent: each program takes every nprog-th row tile (PER_SM only sizes the grid, programs per SM)
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
+                        BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
-    if PREFETCH:
-        h_next = _load_tile(H, pid, R, C, ROWS, BLOCK_C)
-    for t in range(pid, tl.cdiv(R_out, ROWS), nprog):
-        if PREFETCH:  # the next tile's loads are issued before this tile's arithmetic, so they overlap it
-            h_raw = h_next
-            h_next = _load_tile(H, t + nprog, R, C, ROWS, BLOCK_C)
-        else:
-            h_raw = _load_tile(H, t, R, C, ROWS, BLOCK_C)
-        rows = (t * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        x = h_raw.to(tl.float32)
-        a = (0.5 * x * (1.0 + tl.math.erf(x * _SQRT1_2))).to(A.dtype.element_ty)
-        tl.store(A + rows[:, None] * C + cols[None, :], a, mask=(rows < R)[:, None] & (cols < C)[None, :])
-        store_fp8_rows(Q, S, a.to(tl.float32), rows, cols, R, C, R_out, C, MAX, EXACT_CAST)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(H + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = (0.5 * x * (1.0 + tl.math.erf(x * _SQRT1_2))).to(A.dtype.element_ty)
+    tl.store(A + rows[:, None] * C + cols[None, :], a, mask=mask)
+    store_fp8_rows(Q, S, a.to(tl.float32), rows, cols, R, C, R_out, C, MAX, EXACT_CAST)
 
 
 @triton.jit
 def gelu_fp8_bwd_kernel(DA, H, DH, Q, S, R, C, R_out, MAX: tl.constexpr, EXACT_CAST: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr, PER_SM: tl.constexpr):
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
+                        BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
-    if PREFETCH:
-        da_next = _load_tile(DA, pid, R, C, ROWS, BLOCK_C)
-        h_next = _load_tile(H, pid, R, C, ROWS, BLOCK_C)
-    for t in range(pid, tl.cdiv(R_out, ROWS), nprog):
-        if PREFETCH:
-            da_raw, h_raw = da_next, h_next
-            da_next = _load_tile(DA, t + nprog, R, C, ROWS, BLOCK_C)
-            h_next = _load_tile(H, t + nprog, R, C, ROWS, BLOCK_C)
-        else:
-            da_raw = _load_tile(DA, t, R, C, ROWS, BLOCK_C)
-            h_raw = _load_tile(H, t, R, C, ROWS, BLOCK_C)
-        rows = (t * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        da, x = da_raw.to(tl.float32), h_raw.to(tl.float32)
-        cdf = 0.5 * (1.0 + tl.math.erf(x * _SQRT1_2))
-        pdf = tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
-        dh = (da * (cdf + x * pdf)).to(DH.dtype.element_ty)
-        tl.store(DH + rows[:, None] * C + cols[None, :], dh, mask=(rows < R)[:, None] & (cols < C)[None, :])
-        store_fp8_rows(Q, S, dh.to(tl.float32), rows, cols, R, C, R_out, C, MAX, EXACT_CAST)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    da = tl.load(DA + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(H + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    cdf = 0.5 * (1.0 + tl.math.erf(x * _SQRT1_2))
+    pdf = tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
+    dh = (da * (cdf + x * pdf)).to(DH.dtype.element_ty)
+    tl.store(DH + rows[:, None] * C + cols[None, :], dh, mask=mask)
+    store_fp8_rows(Q, S, dh.to(tl.float32), rows, cols, R, C, R_out, C, MAX, EXACT_CAST)
 
 
 def _configs(block_c: int) -> list[dict]:
-    """(ROWS, num_warps, PREFETCH, PER_SM): rows per tile, warps, the next tile loaded during this one's work,
-    programs per SM. The default first (one tile of ``_ELEMENTS``), then the alternatives GEM_KERNELS_AUTOTUNE=1 times."""
-    default = dict(ROWS=max(1, min(64, _ELEMENTS // block_c)), num_warps=8 if block_c >= 2048 else 4, PREFETCH=True,
-                   PER_SM=4)
+    default = dict(ROWS=max(1, min(64, _ELEMENTS // block_c)), num_warps=8 if block_c >= 2048 else 4)
     if interpreting():
         return [default]
-    others = [dict(ROWS=rows, num_warps=warps, PREFETCH=prefetch, PER_SM=per_sm) for rows in (1, 2, 4, 8, 16)
-              for warps in (4, 8, 16) for prefetch in (True, False) for per_sm in (2, 4, 8)
-              if 1024 <= rows * block_c <= 16384]
+    others = [dict(ROWS=rows, num_warps=warps) for rows in (1, 2, 4, 8, 16) for warps in (4, 8, 16)
+              if 1024 <= rows * block_c <= 32768]
     return [default] + [c for c in others if c != default]
-
-
-def _programs(R_out: int, cfg: dict, device) -> int:
-    tiles = cdiv(R_out, cfg["ROWS"])
-    if interpreting():
-        return max(1, min(4, tiles))  # several tiles per program: the loop and its prefetch run on CPU too
-    return max(1, min(cfg["PER_SM"] * sm_count(device), tiles))
 
 
 def _outputs(R: int, C: int, rows_to: int, device) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -108,7 +70,7 @@ def triton_gelu_fp8(h: torch.Tensor, rows_to: int):
     block_c = next_power_of_2(C)
     a = torch.empty_like(h)
     R_out, q, s = _outputs(R, C, rows_to, h.device)
-    launch(gelu_fp8_fwd_kernel, lambda c: (_programs(R_out, c, h.device),), (h, a, q, s, R, C, R_out),
+    launch(gelu_fp8_fwd_kernel, lambda c: (cdiv(R_out, c["ROWS"]),), (h, a, q, s, R, C, R_out),
            dict(MAX=E4M3_MAX, EXACT_CAST=interpreting(), BLOCK_C=block_c), ("gelu_fp8_fwd", block_c, h.dtype),
            lambda: _configs(block_c))
     return a, q, s[:, None]
@@ -121,7 +83,7 @@ def triton_gelu_fp8_backward(da: torch.Tensor, h: torch.Tensor, rows_to: int):
     da = da.contiguous()
     dh = torch.empty_like(h)
     R_out, q, s = _outputs(R, C, rows_to, h.device)
-    launch(gelu_fp8_bwd_kernel, lambda c: (_programs(R_out, c, h.device),), (da, h, dh, q, s, R, C, R_out),
+    launch(gelu_fp8_bwd_kernel, lambda c: (cdiv(R_out, c["ROWS"]),), (da, h, dh, q, s, R, C, R_out),
            dict(MAX=E4M3_MAX, EXACT_CAST=interpreting(), BLOCK_C=block_c), ("gelu_fp8_bwd", block_c, h.dtype, da.dtype),
            lambda: _configs(block_c))
     return dh, q, s[:, None]

@@ -10,13 +10,14 @@ deterministic (no atomics).
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from gem_kernels.fp8 import E4M3_MAX, padded
-from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, interpreting, launch, next_power_of_2, sm_count
+from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_fp8 import store_fp8_rows
 from gem_kernels.ops.triton.triton_sum_rows import sum_rows
 
@@ -184,11 +185,16 @@ def _bwd_cands(block_n: int) -> list[dict]:
     return cands
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _num_bwd_programs(m: int, cfg: dict, device: torch.device) -> int:
     tiles = cdiv(m, cfg["ROWS"])
     if interpreting() or device.type != "cuda":
         return max(1, min(4, tiles))
-    return max(1, min(cfg["PER_SM"] * sm_count(device), tiles))
+    return max(1, min(cfg["PER_SM"] * _sm_count(device), tiles))
 
 
 class _TritonNorm(torch.autograd.Function):
