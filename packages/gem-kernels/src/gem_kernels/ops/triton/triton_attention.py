@@ -124,9 +124,9 @@ def _candidates(kind: str, spec: AttnSpec, head_dim: int, itemsize: int = 2) -> 
 
 
 # kv sequences up to this long are one key tile of attn_fwd_short_kv_kernel, where that tile's K and V fit in
-# SHORT_KV_BYTES: 256 keys in 16 bits at head dim 128 (the tile pair alone allows one CTA per SM) took 6% less time
-# than the general forward on the H200 (cross_kv256: 0.333 against 0.353 ms, each tuned); wider tiles would not
-# leave room for a query tile
+# SHORT_KV_BYTES: 256 keys in 16 bits at head dim 128 (the pair alone fills half an SM's shared memory) still ran
+# faster loaded once than streamed per query tile by the general forward (cross_kv256, tuned either way); a wider
+# pair would leave no room for the pipelined query tiles
 SHORT_KV_MAX = 256
 SHORT_KV_BYTES = 128 * 1024
 # blocks up to this size are one query and one key tile of it (a block's scores are a square tile)
