@@ -100,6 +100,45 @@ def test_a_damaged_final_checkpoint_is_written_anew_when_the_restart_reaches_its
     assert manager.damage(5) is None and manager.newest_intact()[0] == 5
 
 
+def test_a_damaged_newer_checkpoint_never_prunes_the_one_just_written(tmp_path):
+    """keep_latest counts the steps up to the one written: a complete but damaged step above it (the resume passed
+    over it) would otherwise have each new checkpoint deleted at once in its favour, and every crash start over."""
+    first = trainer_at(tmp_path, 6, "--checkpoint.keep_latest=1")
+    first.train()
+    first.close()
+    manager = CheckpointManager(tmp_path / "checkpoints", keep_latest=1)
+    assert manager.complete_steps() == [6]
+    shard = next(p for p in sorted((tmp_path / "checkpoints" / "step-6").iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    restarted = trainer_at(tmp_path, 10, "--checkpoint.keep_latest=1")
+    assert not restarted.resume()  # step 6 is damaged: it starts over
+    for _ in range(2):
+        restarted.train_step()
+    restarted.save_checkpoint()
+    restarted.checkpoints.wait()
+    restarted.close()
+    assert manager.complete_steps() == [2, 6] and manager.newest_intact()[0] == 2
+
+
+def test_a_changed_learning_rate_applies_from_the_resumed_step(tmp_path):
+    """The scheduler's saved state holds the base rate it was built with: a resume with another optimizer.lr sets
+    the new one (times the schedule's factor), as the resume note tells."""
+    first = trainer_at(tmp_path, 2, "--schedule.decay=constant", "--optimizer.lr=0.002")
+    first.train()
+    first.close()
+    resumed = trainer_at(tmp_path, 4, "--schedule.decay=constant", "--optimizer.lr=0.5")
+    assert resumed.resume() and resumed.step == 2
+    assert [g["lr"] for g in resumed.dense_optimizer.param_groups] == [0.5] * len(resumed.dense_optimizer.param_groups)
+    resumed.train_step()
+    assert resumed.scheduler.get_last_lr() == [0.5] * len(resumed.dense_optimizer.param_groups)
+    resumed.close()
+    same = trainer_at(tmp_path, 4, "--schedule.decay=constant", "--optimizer.lr=0.002")
+    assert same.resume() and same.scheduler.get_last_lr()[0] == pytest.approx(0.002)
+    same.close()
+
+
 def test_a_restart_without_a_checkpoint_starts_the_log_over(tmp_path):
     first = trainer_at(tmp_path, 3, "--checkpoint.enable=false")
     first.train()

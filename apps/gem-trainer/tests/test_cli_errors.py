@@ -53,6 +53,41 @@ def test_another_model_in_the_same_run_dir_stops_before_touching_it(finished_run
     assert (finished_run / "config.toml").read_text() == before
 
 
+@pytest.mark.parametrize("override", ["--optimizer.sparse_lr=0.1", "--optimizer.sparse_eps=1e-6",
+                                      "--model.task_weights={click = 2.0}", "--model.sasrec.num_blocks=3"])
+def test_settings_that_shape_no_checkpointed_tensor_resume(finished_run, override):
+    """The sparse optimizer's rates, the loss's task weights and an unselected model's section hold no tensor of
+    the checkpoint: a resume with them changed goes on (its fields were refused by name prefix)."""
+    from gem_trainer.run_folder import check_same_model
+
+    check_same_model(load_config(None, [f"--run_dir={finished_run}", *TINY, override]))
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["--distillation.teacher_run_dir=/nowhere"], "distillation (a teacher"),
+    (["--loopfm.store=/nowhere"], "loopfm.store"),
+    (["--model.name=baseline"], "model.name"),
+])
+def test_settings_that_add_tensors_to_the_model_are_refused_by_name(finished_run, overrides, named):
+    """A teacher (its adapter and auxiliary head), a LoopFM input, another model: the checkpoint holds none of their
+    tensors; the refusal names the setting (a teacher went through and failed inside the checkpoint's load)."""
+    from gem_trainer.run_folder import check_same_model
+
+    with pytest.raises(ConfigError, match="holds checkpoints of another model") as error:
+        check_same_model(load_config(None, [f"--run_dir={finished_run}", *TINY, *overrides]))
+    assert f"({named}" in str(error.value)
+
+
+def test_a_resume_that_fails_leaves_the_run_record_as_it_was(finished_run):
+    """The record (config.toml) is written once the resume succeeded: a mixture the checkpoint's data state does
+    not hold stops in one line with the record of the run its checkpoints belong to."""
+    before = (finished_run / "config.toml").read_text()
+    line = one_line(cli("train", f"--run_dir={finished_run}", *TINY, "--schedule.steps=6",
+                        '--data.mixture.sources=[{name = "a", weight = 1.0}, {name = "b", weight = 1.0, seed = 1}]'), 2)
+    assert "checkpoint.resume" in line or "mixture" in line
+    assert (finished_run / "config.toml").read_text() == before
+
+
 def test_a_finished_run_says_it_had_nothing_to_train(finished_run):
     done = cli("train", f"--run_dir={finished_run}", *TINY)
     assert done.returncode == 0 and "already trained to step 4 (nothing left to train)" in done.stdout

@@ -322,3 +322,32 @@ def test_transfer_settings_without_a_teacher_or_store_are_refused_in_one_line(ov
         load_config(None, overrides)
     assert load_config(None, [*overrides, "--distillation.soft_labels=labels", "--loopfm.store=memory",
                               "--distillation.teacher_run_dir=teacher"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--run_dir=", "run_dir: String should match pattern"),
+    ("--run_dir=  ", "run_dir: String should match pattern"),
+    ("--seed=1733420000", "seed: Input should be less than 16777216"),
+    ("--optimizer.betas=[1.5, 0.9]", "optimizer.betas.0: Input should be less than 1"),
+    ("--model.task_weights={click = -1.0}", "model.task_weights.click: Input should be greater than or equal to 0"),
+])
+def test_values_that_would_fail_later_or_mislead_are_refused_in_one_line(override, message):
+    """A blank run_dir (checkpoints at the filesystem's root), a seed past what the streams fold into 64-bit seeds,
+    betas outside [0, 1), a negative task weight (the loss of that task maximised)."""
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")) as error:
+        load_config(None, [override])
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("weights, message", [
+    ("{nosuch = 1.0}", r"model.task_weights names unknown tasks \['nosuch'\]"),
+    ("{click = 0.0, conversion = 0.0}", "gives every task .* weight 0"),
+])
+def test_task_weights_the_data_cannot_take_are_config_errors(weights, message):
+    from gem_trainer.distributed import init_distributed
+    from gem_trainer.trainer import Trainer
+
+    config = load_config(None, ["--device=cpu", "--metrics.tensorboard=false", "--data.batch_size=16",
+                                "--data.synthetic.max_events=8", f"--model.task_weights={weights}"])
+    with pytest.raises(ConfigError, match=message):
+        Trainer(config, init_distributed("cpu", "gloo"))

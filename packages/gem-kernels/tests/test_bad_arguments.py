@@ -105,3 +105,94 @@ def test_norm_eps_zero_allowed(kernel):
     assert torch.isfinite(y).all()
     y = layer_norm(x, w, None, eps=0, kernel=kernel)
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.5", True, torch.tensor([0.5, 0.25])])
+def test_attention_scale_must_be_a_finite_number(scale):
+    q, k, v = _qkv(7)
+    off = offsets_of([3, 4])
+    for call in (lambda: jagged_flash_attention(q, k, v, off, 4, scale=scale, kernel="pytorch"),
+                 lambda: gdpa(q, k, v, off, activation="relu", scale=scale, kernel="pytorch"),
+                 lambda: block_attention(q, k, v, off, block_size=2, scale=scale, kernel="pytorch")):
+        with pytest.raises(ValueError, match="scale must be None or a finite real number") as err:
+            call()
+        _one_line(err)
+
+
+@pytest.mark.parametrize("base", [float("inf"), float("nan"), True, 1.0])
+def test_rotary_base_must_be_finite_and_above_one(base):
+    q, k, _ = _qkv(4)
+    with pytest.raises(ValueError, match="base must be a finite number > 1") as err:
+        rotary(q, k, torch.rand(4), base=base, kernel="pytorch")
+    _one_line(err)
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", "triton"])
+def test_strided_index_tensors_read_as_their_values(kernel):
+    """Offsets and kv_index that are views with another stride (they pass every check on their values) give what
+    their contiguous copies give: the kernels read index tensors with unit stride."""
+    q, k, v = _qkv(7)
+    offsets, strided = torch.tensor([0, 3, 7]), torch.tensor([0, 99, 3, 99, 7])[::2]
+    assert strided.stride(0) == 2 and torch.equal(strided, offsets)
+    ref = jagged_flash_attention(q, k, v, offsets, 4, kernel="pytorch")
+    assert torch.allclose(jagged_flash_attention(q, k, v, strided, 4, kernel=kernel), ref, atol=1e-5)
+    assert torch.allclose(block_attention(q, k, v, strided, block_size=2, kernel=kernel),
+                          block_attention(q, k, v, offsets, block_size=2, kernel="pytorch"), atol=1e-5)
+    qo, ko = torch.tensor([0, 2, 7]), torch.tensor([0, 3, 5])
+    kv_index = torch.tensor([1, 7, 0, 7])[::2]  # [1, 0]
+    cross = gdpa(q, k[:5], v[:5], qo, ko, kv_index=kv_index.contiguous(), kernel="pytorch")
+    assert torch.allclose(gdpa(q, k[:5], v[:5], torch.tensor([0, 9, 2, 9, 7])[::2], ko, kv_index=kv_index,
+                               kernel=kernel), cross, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", "builtin", "triton"])
+def test_a_non_finite_row_stays_in_its_own_sequence(kernel):
+    """The references pad each sequence with other sequences' rows: a NaN there must not reach the shorter
+    sequence's outputs (a product with the zero mask keeps NaN)."""
+    q, k, v = _qkv(7)
+    off = offsets_of([3, 4])
+    v[3] = float("nan")  # the first row of sequence 1
+    if kernel != "builtin":
+        out = jagged_flash_attention(q, k, v, off, 4, kernel=kernel)
+        assert out[:3].isfinite().all() and out[3:].isnan().any()
+    qo, ko = offsets_of([3, 4]), offsets_of([2, 3])
+    cross = gdpa(q, k[:5], v[:5].clone().index_fill_(0, torch.tensor([2]), float("nan")), qo, ko, activation="relu",
+                 kernel=kernel)
+    assert cross[:3].isfinite().all() and cross[3:].isnan().any()
+
+
+def test_norms_read_strided_affine_parameters_as_their_values():
+    x = rand(4, 16, grad=False)
+    w, b = rand(32, grad=False)[::2], rand(32, grad=False)[::2]
+    assert torch.allclose(layer_norm(x, w, b, kernel="triton"), layer_norm(x, w, b, kernel="pytorch"), atol=1e-5)
+    assert torch.allclose(rms_norm(x, w, kernel="triton"), rms_norm(x, w, kernel="pytorch"), atol=1e-5)
+    pair = layer_norm_pair(x, (w, b), (w.contiguous(), b), kernel="triton")
+    assert torch.allclose(pair[0], layer_norm_pair(x, (w, b), (w.contiguous(), b), kernel="pytorch")[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", "builtin", "triton"])
+def test_rms_norm_returns_x_dtype_with_a_wider_weight(kernel):
+    x = rand(4, 16, grad=False).half()
+    assert rms_norm(x, torch.randn(16), kernel=kernel).dtype == torch.float16
+
+
+def test_fp8_attention_auto_falls_back_for_head_dims_the_kernel_does_not_take(monkeypatch):
+    """As without fp8: "auto" runs the reference twin where the Triton kernels do not cover the shape."""
+    from gem_kernels.ops import _validation as V
+
+    q, k, v = _qkv(7, D=24)
+    off = offsets_of([3, 4])
+    ref = jagged_flash_attention(q, k, v, off, 4, kernel="pytorch", fp8=True)
+    monkeypatch.setattr(V, "use_triton", lambda kernel, device: kernel in ("auto", "triton"))  # as on CUDA
+    assert torch.equal(jagged_flash_attention(q, k, v, off, 4, kernel="auto", fp8=True), ref)
+    with pytest.raises(ValueError, match="head dim 24 is unsupported"):
+        jagged_flash_attention(q, k, v, off, 4, kernel="triton", fp8=True)
+
+
+def test_qkv_rotary_reference_returns_v_as_its_own_tensor():
+    from gem_kernels.ops import qkv_rotary
+
+    qkv = rand(7, 3, 2, 16, grad=False)
+    out = qkv_rotary(qkv, torch.rand(7), kernel="pytorch")
+    assert all(t.is_contiguous() for t in out) and out[2].data_ptr() != qkv[:, 2].data_ptr()
+    assert torch.equal(out[2], qkv[:, 2])

@@ -55,7 +55,7 @@ from gem_parallel import (
     parallelize_kunlun,
     shard_embeddings,
 )
-from gem_trainer.config import TrainerConfig
+from gem_trainer.config import ConfigError, TrainerConfig
 from gem_transfer import (
     DistilledStudent,
     RepresentationError,
@@ -614,8 +614,11 @@ def build_soft_labels(config: TrainerConfig, spec: FeatureSpec, env: Distributed
 def task_weights(config: TrainerConfig, spec: FeatureSpec) -> torch.Tensor:
     unknown = sorted(set(config.model.task_weights) - set(spec.tasks))
     if unknown:
-        raise ValueError(f"model.task_weights names unknown tasks {unknown}; the data has {list(spec.tasks)}")
-    return torch.tensor([config.model.task_weights.get(t, 1.0) for t in spec.tasks])
+        raise ConfigError(f"model.task_weights names unknown tasks {unknown}; the data has {list(spec.tasks)}")
+    weights = [config.model.task_weights.get(t, 1.0) for t in spec.tasks]
+    if not any(weights):
+        raise ConfigError(f"model.task_weights gives every task ({list(spec.tasks)}) weight 0: the loss would be zero")
+    return torch.tensor(weights)
 
 
 def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelDims:

@@ -226,7 +226,9 @@ def finish_checkpoint(folder: Path, keep_latest: int, step: int, failure: BaseEx
     if rank == 0:
         manifest = {name: _fingerprint(path / name) for name in sorted(os.listdir(path))}
         _write_text_synced(path / MARKER, json.dumps({"step": step, "files": manifest}, indent=1))
-        for old in complete_steps(folder)[: -keep_latest]:
+        # NOTE: pruned among the steps up to this one: a complete step above it is one the resume passed over as
+        # damaged, and counting it would delete this checkpoint, just written and verified, in its favour
+        for old in [s for s in complete_steps(folder) if s <= step][: -keep_latest]:
             shutil.rmtree(step_path(folder, old), ignore_errors=True)
 
 

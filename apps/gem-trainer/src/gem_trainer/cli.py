@@ -143,14 +143,17 @@ def _train(config: TrainerConfig, args, overrides) -> int:
     try:
         trainer = Trainer(config, env)
         handlers = _stop_on_signals(trainer)
-        latest = trainer.checkpoints.latest_step() if config.checkpoint.enable else None
-        if env.rank == 0 and (latest is None or trainer.config.schedule.steps > latest):
-            # NOTE: a finished run asked for fewer steps than it has trained keeps its record (nothing trains)
-            for note in resume_changes(trainer.config) if latest is not None else ():
-                print(note, flush=True)
-            write_run_record(trainer.config, trainer.spec)  # schedule.steps as resolved from schedule.epochs
+
+        def record_run() -> None:  # once resumed: a resume that fails leaves the run's record as it was
+            latest = trainer.checkpoints.latest_step() if config.checkpoint.enable else None
+            if env.rank == 0 and (latest is None or trainer.config.schedule.steps > latest):
+                # NOTE: a finished run asked for fewer steps than it has trained keeps its record (nothing trains)
+                for note in resume_changes(trainer.config) if latest is not None else ():
+                    print(note, flush=True)
+                write_run_record(trainer.config, trainer.spec)  # schedule.steps as resolved from schedule.epochs
+
         started = time.perf_counter()
-        trainer.train()
+        trainer.train(on_start=record_run)
         trained = time.perf_counter()
         if trainer.stop_signal is not None:
             if env.rank == 0:

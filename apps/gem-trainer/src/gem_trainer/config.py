@@ -13,7 +13,7 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -190,7 +190,8 @@ class DomainExpertsSection(Section):
 
 class ModelConfig(Section):
     name: Literal["kunlun", "baseline", "domain_experts", "sasrec", "interformer"] = "kunlun"
-    task_weights: dict[str, float] = {}
+    # each task's weight in the loss (1 where unnamed); a negative one would maximise that task's loss
+    task_weights: dict[str, Annotated[float, Field(ge=0)]] = {}
     kunlun: KunlunSection = KunlunSection()
     baseline: BaselineSection = BaselineSection()
     sasrec: SasrecSection = SasrecSection()
@@ -392,7 +393,7 @@ class DataConfig(Section):
 class OptimizerConfig(Section):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0)
     # fused into the embedding backward: row-wise Adagrad, or plain SGD (linear in the gradient: averaged
     # 2-D sparse replicas then equal one process exactly)
@@ -626,8 +627,9 @@ class SolarisConfig(Section):
 
 
 class TrainerConfig(Section):
-    run_dir: str = "runs/default"
-    seed: int = 0
+    run_dir: str = Field("runs/default", pattern=r"\S")  # not blank: checkpoints would go to the filesystem's root
+    # the data streams fold it with epoch and block counters into 64-bit generator seeds
+    seed: int = Field(0, ge=0, lt=2**24)
     deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     model: ModelConfig = ModelConfig()

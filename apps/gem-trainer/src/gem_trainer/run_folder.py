@@ -15,9 +15,34 @@ from gem_kunlun import FeatureSpec
 from gem_trainer.checkpoint import CheckpointManager
 from gem_trainer.config import ConfigError, TrainerConfig, load_config
 
-# What decides the shapes and kinds of the checkpointed tensors (data fields: through the feature spec).
-STATE_FIELDS = ("model", "optimizer.sparse", "data.source", "data.path", "data.synthetic", "data.sequential.attributes_file",
-                "data.sequential.attribute_slots", "data.sequential.with_user_id")
+# What decides the shapes and kinds of the checkpointed tensors beside the model's own section (data fields: through
+# the feature spec); each a field or a whole section
+STATE_FIELDS = ("model.name", "optimizer.sparse", "data.source", "data.path", "data.synthetic",
+                "data.sequential.attributes_file", "data.sequential.attribute_slots", "data.sequential.with_user_id")
+# the sections each model is built from (domain experts share Kunlun's layers)
+MODEL_SECTIONS = {"domain_experts": ("model.domain_experts", "model.kunlun")}
+# what a teacher adds to the model, named as a refusal says it (before the settings of what it adds)
+TEACHER = "distillation (a teacher: the student's adapter and auxiliary head)"
+LOOPFM_INPUT = "loopfm.store (the loopfm input)"
+
+
+def state_settings(config: TrainerConfig) -> dict[str, Any]:
+    """The settings that decide the checkpointed tensors, name -> value: ``STATE_FIELDS``, the selected model's
+    sections (not another model's, nor the loss's task weights), and what a teacher adds to the model: the
+    distillation adapter and auxiliary head, LoopFM's and Solaris's input features."""
+    flat = _flatten(config.model_dump(mode="json"))
+    name = config.model.name
+    fields = STATE_FIELDS + MODEL_SECTIONS.get(name, (f"model.{name}",))
+    settings = {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in fields)}
+    d, loopfm = config.distillation, config.loopfm
+    taught = d.teacher_run_dir is not None or d.soft_labels is not None
+    settings[TEACHER] = taught
+    settings["distillation.adapter"] = d.adapter if taught else None
+    settings[LOOPFM_INPUT] = loopfm.store is not None
+    for key in ("dim", "key_only", "user_feature"):
+        settings[f"loopfm.{key}"] = getattr(loopfm, key) if loopfm.store is not None else None
+    settings["solaris.student_input"] = config.solaris.student_input
+    return settings
 
 
 def check_same_run(config: TrainerConfig) -> None:
@@ -55,9 +80,9 @@ def check_same_model(config: TrainerConfig, evaluating: bool = False) -> None:
         if evaluating:  # nothing to compare against: the checkpoint's own load decides
             return
         raise ConfigError(f"run_dir: {run_dir} holds a run whose config no longer loads ({error}); use a new run_dir") from None
-    before, after = _flatten(previous.model_dump(mode="json")), _flatten(config.model_dump(mode="json"))
-    changed = [key for key in sorted(set(before) | set(after))
-               if key.startswith(STATE_FIELDS) and before.get(key) != after.get(key)]
+    before, after = state_settings(previous), state_settings(config)
+    changed = sorted((key for key in set(before) | set(after) if before.get(key) != after.get(key)),
+                     key=lambda key: (key not in ("model.name", TEACHER, LOOPFM_INPUT), key))  # said first
     if changed:
         shown = "; ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed[:4])
         more = f" (+{len(changed) - 4} more)" if len(changed) > 4 else ""

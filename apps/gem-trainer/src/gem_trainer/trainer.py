@@ -7,7 +7,9 @@ import random
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,7 +152,7 @@ class Trainer:
         self.stop_signal: int | None = None  # the run stops early, asked by this signal (request_stop; agreed by the ranks)
         self._asked: int | None = None  # the signal this rank was asked to stop by
         self.finishing = False  # past the last decision to stop early: the run ends as it would have
-        self.checkpoints = CheckpointManager(f"{config.run_dir}/checkpoints", config.checkpoint.keep_latest)
+        self.checkpoints = CheckpointManager(Path(config.run_dir) / "checkpoints", config.checkpoint.keep_latest)
         if config.checkpoint.enable and config.checkpoint.asynchronous and env.device.type == "cuda":
             # NOTE: its start (seconds of imports) then overlaps the first steps instead of delaying the first save;
             # on a CPU, where short runs and evaluations build trainers that may never save, the first save starts it
@@ -202,8 +204,14 @@ class Trainer:
         self.step = state["step"]
         self.input.load_state_dict(state["data"])
         self._batches = iter(self.input)
+        # the scheduler's state holds the base learning rates it was built with: this config's take their place (a
+        # changed optimizer.lr applies from the resumed step on, as the resume note says), and the rate it sets is
+        # its factor at the resumed step times them (the state does not carry the rate last set on the optimizer)
+        base_lrs = list(self.scheduler.base_lrs)
         self.scheduler.load_state_dict(state["scheduler"])
-        # the scheduler's state does not carry the learning rate it last set on the optimizer
+        self.scheduler.base_lrs = base_lrs
+        last = self.scheduler.last_epoch
+        self.scheduler._last_lr = [base * factor(last) for base, factor in zip(base_lrs, self.scheduler.lr_lambdas)]
         for group, lr in zip(self.dense_optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         torch.set_rng_state(state["rng"]["torch"])
@@ -327,11 +335,16 @@ class Trainer:
         return clip_grad_norm_(self.dense_params, max_norm, self.expert_params, self.expert_group,
                                optimizer=self._dense_adamw)
 
-    def train(self) -> dict[str, float]:
+    def train(self, on_start: Callable[[], None] | None = None) -> dict[str, float]:
+        """Train to ``schedule.steps`` from the newest intact checkpoint (or from the start); ``on_start``: called
+        once resumed (or started over), before the first step (the CLI records the run there: a resume that fails
+        leaves the record as it was)."""
         cfg = self.config
         builders.check_mixture_reads(cfg, self.data)  # (training only: evaluating a run reads no training stream)
         if not (cfg.checkpoint.enable and cfg.checkpoint.resume and self.resume()):
             self.logger.drop_after(self.step)  # nothing resumed: the run starts over, an earlier attempt's lines go
+        if on_start is not None:
+            on_start()
         self.first_step = self.step  # where this process started (a resumed run counts from there)
         window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
         metrics: dict[str, float] = {}

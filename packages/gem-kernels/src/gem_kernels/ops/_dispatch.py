@@ -73,6 +73,8 @@ def run_attention(
             window_left=window_left, window_right=window_right, block_size=block_size,
             window_blocks=window_blocks,
         )
+        # the kernels read the index tensors with unit stride (a view with another stride passes every check)
+        q_offsets, kv_offsets, kv_index = (None if t is None else t.contiguous() for t in (q_offsets, kv_offsets, kv_index))
         if kv is not None:
             return triton_packed_kv_attention(q, kv, q_offsets, kv_offsets, kv_index, spec)
         return triton_attention(q, k, v, q_offsets, kv_offsets, kv_index, spec)
@@ -101,12 +103,18 @@ def _run_fp8(q, k, v, offsets, max_len, sm_scale, kernel, window_left, window_ri
     if kernel == "builtin":
         raise ValueError("fp8=True runs kernel 'auto', 'triton' or 'pytorch', not 'builtin'")
     spec = fp8_attention_spec(max_len, q.shape[1], sm_scale, window_left, window_right, block_size, window_blocks)
-    if V.use_triton(kernel, q.device) and q.shape[0]:
+    use_triton = V.use_triton(kernel, q.device)
+    if use_triton and kernel == "auto":
+        try:
+            V.check_triton_head_dim("q", q.shape[2])
+        except ValueError:
+            use_triton = False  # as run_attention: auto falls back to the reference for shapes the kernel does not cover
+    if use_triton and q.shape[0]:
         V.check_triton_head_dim("q", q.shape[2])
         V.check_triton_device("q", q)
         from gem_kernels.ops.triton.triton_fp8_attention import triton_fp8_attention
 
-        return triton_fp8_attention(q.contiguous(), k.contiguous(), v.contiguous(), offsets, max_len, spec)
+        return triton_fp8_attention(q.contiguous(), k.contiguous(), v.contiguous(), offsets.contiguous(), max_len, spec)
     from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands
 
     with torch.no_grad():

@@ -96,6 +96,12 @@ def check_eps(eps: float) -> None:
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
+def check_scale(scale: float | None) -> None:
+    """An attention scale: None (the op's default) or a finite real number (both paths take it as a Python float)."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be None or a finite real number, got {scale!r}")
+
+
 def check_positive_int(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -33,6 +33,7 @@ def block_attention(
     V.check_offsets_meta("offsets", offsets, q.device)
     V.check_positive_int("block_size", block_size)
     V.check_positive_int("window_blocks", window_blocks)
+    V.check_scale(scale)
     if max_seq_len is not None:
         V.check_max_len("max_seq_len", max_seq_len)
     acts = resolve_activations(activation, q.shape[1])

@@ -53,6 +53,7 @@ def gdpa(
     if q.shape[1:] != k.shape[1:]:
         raise ValueError(f"q and k must agree on [H, D], got {tuple(q.shape[1:])} and {tuple(k.shape[1:])}")
     V.check_window(window)
+    V.check_scale(scale)
     acts = resolve_activations(activation, q.shape[1])
 
     if q_offsets is None:  # PMA

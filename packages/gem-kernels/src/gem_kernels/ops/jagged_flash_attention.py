@@ -36,6 +36,7 @@ def jagged_flash_attention(
     V.check_offsets_meta("offsets", offsets, q.device)
     V.check_max_len("max_seq_len", max_seq_len)
     V.check_window(window)
+    V.check_scale(scale)
     if validate:
         V.check_offsets_values("offsets", offsets, q.shape[0], max_seq_len, "max_seq_len")
     return run_attention(

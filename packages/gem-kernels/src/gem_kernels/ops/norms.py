@@ -140,8 +140,9 @@ def rms_norm(
 
 
 def _finish(x, y, skip: bool, out_dtype: torch.dtype | None):
-    """The unfused paths' result: y (first of ``(y, h)``) in ``out_dtype`` (the builtin norms cast here, the
-    references already wrote it), and x beside it with ``skip``."""
-    if out_dtype is not None:
-        y = (y[0].to(out_dtype), y[1]) if isinstance(y, tuple) else y.to(out_dtype)
+    """The unfused paths' result: y (first of ``(y, h)``) in ``out_dtype``, else x's (the builtin norms cast here:
+    the RMS norm's product with a wider weight promotes; the references already wrote it), and x beside it with
+    ``skip``."""
+    dtype = out_dtype or x.dtype
+    y = (y[0].to(dtype), y[1]) if isinstance(y, tuple) else y.to(dtype)
     return (y, x) if skip else y

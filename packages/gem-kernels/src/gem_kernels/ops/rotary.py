@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gem_kernels.ops import _validation as V
@@ -17,8 +19,8 @@ def _check_positions(positions, q: torch.Tensor, base) -> None:
         raise ValueError(f"positions must be a floating tensor on {q.device}, got {positions.dtype} on {positions.device}")
     if positions.requires_grad:
         raise ValueError("positions require grad, but the rotary embedding treats them as data (detach them)")
-    if not (isinstance(base, (int, float)) and base > 1):
-        raise ValueError(f"base must be a number > 1, got {base!r}")
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
+        raise ValueError(f"base must be a finite number > 1, got {base!r}")
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, base: float = 10.0,
@@ -64,4 +66,4 @@ def qkv_rotary(qkv: torch.Tensor, positions: torch.Tensor, base: float = 10.0,
 
         return triton_qkv_rotary(qkv, positions, float(base))
     q, k, v = qkv.unbind(1)
-    return (*rotary(q, k, positions, base, kernel), v)
+    return (*rotary(q, k, positions, base, kernel), v.contiguous())  # not a view of qkv: as the Triton path's

@@ -67,7 +67,7 @@ def qkv_rotary_attention(
     spec = AttnSpec(max_q=max_seq_len, max_kv=max_seq_len, nq=None, activations=("softmax",) * heads,
                     sm_scale=default_sm_scale(head_dim), pw_scale=1.0, window_left=window, window_right=window,
                     block_size=block_size, window_blocks=window_blocks if block_size is not None else None)
-    return triton_qkv_rotary_attention(qkv, positions, offsets, spec, float(base))
+    return triton_qkv_rotary_attention(qkv, positions, offsets.contiguous(), spec, float(base))  # read with unit stride
 
 
 def _triton_head_dim(head_dim: int, kernel: str) -> bool:

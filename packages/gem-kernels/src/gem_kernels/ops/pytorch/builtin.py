@@ -137,9 +137,10 @@ def padded_pointwise_cross(q, k, v, q_offsets, kv_offsets, max_q, max_kv, activa
 
     def pad(x, starts, lengths, m):  # [T, H, D] -> [B, H, m, D] in x's dtype, zeros past each length
         pos = torch.arange(m, device=x.device)
-        valid = (pos[None, :] < lengths[:, None]).to(x.dtype)
+        valid = pos[None, :] < lengths[:, None]
         rows = (starts[:, None] + pos[None, :]).clamp(0, max(x.shape[0] - 1, 0))
-        return (x[rows] * valid[:, :, None, None]).permute(0, 2, 1, 3)
+        # where, not a product with the mask: the padding gathers other sequences' rows, and NaN * 0 is NaN
+        return torch.where(valid[:, :, None, None], x[rows], 0.0).permute(0, 2, 1, 3)
 
     qp = pad(q, q_offsets[:-1], q_len, max_q)
     kp, vp = pad(k, k_start, k_len, max_kv), pad(v, k_start, k_len, max_kv)

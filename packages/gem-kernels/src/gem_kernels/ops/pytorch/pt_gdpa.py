@@ -25,7 +25,8 @@ def _to_padded(values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
     pos = torch.arange(max_len, device=values.device)
     valid = pos[None, :] < lengths[:, None]
     idx = (starts[:, None] + pos[None, :]).clamp(0, values.shape[0] - 1)
-    return values[idx].float() * valid[:, :, None, None]
+    # NOTE: where, not a product with the mask: the padding gathers other sequences' rows, and NaN * 0 is NaN
+    return torch.where(valid[:, :, None, None], values[idx].float(), 0.0)
 
 
 def _from_padded(padded: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:

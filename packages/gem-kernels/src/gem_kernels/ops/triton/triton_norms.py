@@ -209,6 +209,8 @@ class _TritonNorm(torch.autograd.Function):
         shape = x.shape
         N = shape[-1]
         x2 = x.reshape(-1, N).contiguous()
+        # the kernels read the affine parameters with unit stride (a parameter already has it: no copy)
+        weight, bias, weight2, bias2 = (None if t is None else t.contiguous() for t in (weight, bias, weight2, bias2))
         M = x2.shape[0]
         res2 = None if residual is None else residual.reshape(-1, N).contiguous()
         y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
