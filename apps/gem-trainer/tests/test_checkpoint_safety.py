@@ -122,6 +122,33 @@ def test_a_damaged_newer_checkpoint_never_prunes_the_one_just_written(tmp_path):
     assert manager.complete_steps() == [2, 6] and manager.newest_intact()[0] == 2
 
 
+def test_the_marker_reaches_the_disk_with_its_folder_before_older_checkpoints_go(tmp_path, monkeypatch):
+    """The marker's rename is synced through its folder before pruning: a crash must not keep the deletions of the
+    older checkpoints and lose the marker of the newer one."""
+    import shutil
+    import stat
+
+    from gem_trainer import checkpoint
+
+    events, fsync, rmtree = [], os.fsync, shutil.rmtree
+
+    def record_fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            events.append(("synced folder", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return fsync(fd)
+
+    def record_rmtree(path, *args, **kwargs):
+        events.append(("removed", os.path.basename(str(path))))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", record_fsync)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", record_rmtree)
+    trainer = trainer_at(tmp_path, 4, "--checkpoint.keep_latest=1", "--checkpoint.asynchronous=false")
+    trainer.train()
+    trainer.close()
+    assert events.index(("synced folder", "step-4")) < events.index(("removed", "step-2"))
+
+
 def test_a_changed_learning_rate_applies_from_the_resumed_step(tmp_path):
     """The scheduler's saved state holds the base rate it was built with: a resume with another optimizer.lr sets
     the new one (times the schedule's factor), as the resume note tells."""

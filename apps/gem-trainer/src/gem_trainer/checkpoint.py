@@ -263,6 +263,13 @@ def _write_text_synced(file: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     temporary.replace(file)
+    # the rename reaches the disk with the folder's entry: synced before anything else (the pruning of older
+    # checkpoints) may reach it first, a crash could otherwise leave the deletions and not the marker
+    folder = os.open(file.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def first_line(error: BaseException) -> str:

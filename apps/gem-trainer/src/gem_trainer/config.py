@@ -329,7 +329,7 @@ class DataConfig(Section):
     # restores it): how long the training thread may wait for the interpreter lock while the reader holds it. A small
     # model's step waits on the host, and at Python's 5 ms default the reader can hold up a whole step's launches
     # (compare: gem_trainer.bench_paired --variant A --variant "B: data.read_ahead_switch_ms=0"); 0: Python's setting
-    read_ahead_switch_ms: float = Field(0.2, ge=0)
+    read_ahead_switch_ms: float = Field(0.2, ge=0, le=1000)
     # with read_ahead, read in a forked process instead of a thread (gem_data.process_read_ahead): the reader's
     # Python then no longer shares the training process's interpreter, and a batch arrives as one buffer to copy.
     # Not with num_workers (its own processes) or a Solaris input (a teacher or a server connection in the stream)

@@ -26,7 +26,8 @@ def jagged_flash_attention(
     upper bound on the lengths (sizes the kernel grid). causal keeps keys j <= i; window=W keeps |i - j| <= W
     (with causal: i - W <= j <= i). scale defaults to 1/sqrt(D). kernel: "triton", "pytorch" (the exact fp32
     reference) or "auto" (Triton on CUDA, the reference elsewhere). validate=False skips the offset value checks,
-    which cost one device sync. fp8=True: Q, K and V in E4M3 with per-token (Q, K) and per-channel (V) power-of-two
+    which cost one device sync: offsets that would fail them are then undefined behaviour (the kernels may read out
+    of bounds or leave rows unwritten). fp8=True: Q, K and V in E4M3 with per-token (Q, K) and per-channel (V) power-of-two
     scales, the forward on FP8 tensor cores; the backward is the exact gradient at the quantised operands (kept in
     FP8 between the passes, the quantiser passing gradients through unchanged; see
     gem_kernels.ops.triton.triton_fp8_attention); its "pytorch" twin runs the reference on the dequantised
