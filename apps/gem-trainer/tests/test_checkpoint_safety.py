@@ -149,6 +149,17 @@ def test_the_marker_reaches_the_disk_with_its_folder_before_older_checkpoints_go
     assert events.index(("synced folder", "step-4")) < events.index(("removed", "step-2"))
 
 
+def test_a_deterministic_trainer_leaves_the_process_as_it_found_it_when_closed(tmp_path):
+    """deterministic = true switches deterministic algorithms on for the run; closed, the trainer restores the
+    process's settings (other work in it, another trainer or a test, ran under them)."""
+    assert not torch.are_deterministic_algorithms_enabled()
+    trainer = trainer_at(tmp_path, 2, "--deterministic=true")
+    assert torch.are_deterministic_algorithms_enabled()
+    trainer.train()
+    trainer.close()
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_a_changed_learning_rate_applies_from_the_resumed_step(tmp_path):
     """The scheduler's saved state holds the base rate it was built with: a resume with another optimizer.lr sets
     the new one (times the schedule's factor), as the resume note tells."""

@@ -54,15 +54,29 @@ class ReadReport:
     flops: float  # model FLOPs of the batch's training step (forward and backward; the teacher's forward)
 
 
-def set_determinism(seed: int, deterministic: bool) -> None:
+def set_determinism(seed: int, deterministic: bool) -> tuple[bool, bool, bool] | None:
+    """Seed the generators; ``deterministic``: deterministic algorithms on, returning the process's settings before
+    (deterministic, warn only, cuDNN benchmark) for ``restore_determinism`` (the trainer restores them at close:
+    other work of the process, another trainer or a test, would otherwise run under them)."""
     random.seed(seed)
     torch.manual_seed(seed)
-    if deterministic:
-        import os
+    if not deterministic:
+        return None
+    import os
 
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    return before
+
+
+def restore_determinism(before: tuple[bool, bool, bool] | None) -> None:
+    if before is not None:
+        enabled, warn_only, benchmark = before
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.backends.cudnn.benchmark = benchmark
 
 
 class Trainer:
@@ -79,7 +93,7 @@ class Trainer:
         ``training`` false: a trainer that only evaluates, without the teacher or soft labels of distillation."""
         created = time.perf_counter()
         self.config, self.env = config, env
-        set_determinism(config.seed, config.deterministic)
+        self._determinism_before = set_determinism(config.seed, config.deterministic)
         if config.parallelism.compile_cache_dir is not None:  # before anything compiles
             try:
                 share_compiled_code(config.parallelism.compile_cache_dir)
@@ -523,6 +537,8 @@ class Trainer:
             if self._switch_interval_before is not None:
                 sys.setswitchinterval(self._switch_interval_before)
                 self._switch_interval_before = None
+            restore_determinism(self._determinism_before)
+            self._determinism_before = None
 
     def _autocast(self):
         return autocast(self.env.device, self.autocast_dtype, cache=not self.cuda_graphs)
