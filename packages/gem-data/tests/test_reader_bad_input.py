@@ -184,3 +184,59 @@ def test_parquet_rejects_dense_values_that_are_not_finite(tmp_path):
         ParquetTable(path)
     table = ParquetTable(path, skip_bad_rows=True)
     assert table.bad_rows == 2 and table.num_rows == 1
+
+
+@pytest.mark.parametrize("cell", ["2_000", "\u0661\u0665", "1e3x", "0x10"])
+def test_atomic_numbers_are_ascii_decimals(tmp_path, cell):
+    """float() also reads "2_000" and other scripts' digits: a mangled cell became another number silently."""
+    folder = atomic(tmp_path / "toy", HEADER + f"1\t10\t3\t100\n1\t11\t4\t{cell}\n")
+    with pytest.raises(DataError, match=r"toy.inter:3: .* in float field 'timestamp' is not a finite number"):
+        read_atomic(folder)
+
+
+def test_atomic_feature_rows_without_a_key_or_beyond_float32_are_named(tmp_path):
+    folder = atomic(tmp_path / "toy", HEADER + "1\t10\t3\t100\n1\t11\t4\t200\n",
+                    item="item_id:token\tprice:float\n\t5\n11\t2\n")
+    with pytest.raises(DataError, match=r"toy.item:2: empty item_id"):
+        read_atomic(folder)
+    (folder / "toy.item").write_text("item_id:token\tprice:float\n10\t1e39\n11\t2\n")
+    with pytest.raises(DataError, match=r"toy.item:2: '1e39' in float field 'price' is out of float32 range"):
+        read_atomic(folder)
+    corpus = read_atomic(folder, skip_bad_rows=True)
+    assert corpus.bad_rows == 1
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[]", "expected an object mapping item ids to lists of attribute ids"),
+    ('{"10": {}, "11": [1]}', r"item 10: attributes must be a list of non-negative integers"),
+])
+def test_attribute_files_tell_objects_from_arrays(tmp_path, text, message):
+    """An array (another tool's file) read as no attributes at all, an object value as an empty list."""
+    (tmp_path / "s.txt").write_text("1 10 11 12\n2 11 12 13\n")
+    (tmp_path / "a.json").write_text(text)
+    with pytest.raises(DataError, match=message):
+        read_sequence_text(tmp_path / "s.txt", tmp_path / "a.json")
+
+
+def test_parquet_corrupt_row_groups_and_directories_are_named(tmp_path):
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"sparse.x": pa.array(range(1000), pa.int64()),
+                             "label.click": pa.array([i % 2 for i in range(1000)], pa.int64())}),
+                   path, compression="snappy", row_group_size=500)
+    data = path.read_bytes()
+    path.write_bytes(data[:20] + bytes(b ^ 0xFF for b in data[20:2000]) + data[2000:])  # pages; the footer whole
+    with pytest.raises(DataError, match=r"c.parquet:row group 0: cannot be decoded"):
+        ParquetTable(path)
+    with pytest.raises(DataError, match=r"is a directory, not a file"):
+        ParquetTable(tmp_path)
+
+
+def test_parquet_columns_meeting_under_one_feature_name_are_named(tmp_path):
+    table = pa.table({"sparse.history_item": pa.array([1], pa.int64()),
+                      "event.history.item": pa.array([[1]], pa.list_(pa.int64())),
+                      "event.history.timestamp": pa.array([[1.0]], pa.list_(pa.float64())),
+                      "label.click": pa.array([1], pa.int64())})
+    pq.write_table(table, tmp_path / "n.parquet")
+    with pytest.raises(DataError, match=r"n.parquet: columns sparse.history_item and event.history.item both become "
+                                        r"feature 'history_item'"):
+        ParquetTable(tmp_path / "n.parquet")

@@ -32,3 +32,11 @@ def test_resumes_from_the_inner_position():
     got = next(iter(resumed))
     assert equal_batches(got, expected) and set(got.surface.tolist()) <= {0, 2}
     assert torch.isin(got.surface, torch.tensor([0, 2])).all()
+
+
+def test_a_rank_outside_the_world_is_refused_at_construction():
+    import pytest
+
+    generator = SyntheticGenerator(SyntheticConfig(seed=0))
+    with pytest.raises(ValueError, match=r"rank 2 is outside \[0, world_size = 2\)"):
+        SurfaceFilterStream(SyntheticStream(generator, 64), (1,), rank=2, world_size=2)

@@ -99,3 +99,46 @@ def test_sparse_counts_are_taken_on_the_host_and_travel_with_the_batch():
     assert moved._length_per_key == expected
     assert moved._offset_per_key == [0, *torch.tensor(expected).cumsum(0).tolist()]
     assert torch.equal(moved.values(), bare.values()) and torch.equal(moved.lengths(), bare.lengths())
+
+
+def _with_times(batch, event, times):
+    seq = batch.sequences[event]
+    return dataclasses.replace(batch, sequences={**batch.sequences, event: dataclasses.replace(seq, timestamps=times)})
+
+
+@pytest.mark.parametrize("change, message", [
+    ("nan", "has NaN or infinite entries"),
+    ("integer", "must be float seconds"),
+    ("unordered", "must be in time order within each example"),
+])
+def test_bad_timestamps_are_named(change, message):
+    """A NaN time made its example's prediction NaN; events out of order had truncation keep the wrong ones."""
+    batch = random_batch(4, seed=1, max_events=5)
+    event = next(name for name, seq in batch.sequences.items() if int(seq.lengths().max()) >= 2)
+    times, lengths = batch.sequences[event].timestamps.clone(), batch.sequences[event].lengths()
+    first = int(torch.nonzero(lengths >= 2)[0])  # an example with two events
+    start = int(lengths[:first].sum())
+    if change == "nan":
+        times[start] = float("nan")
+    elif change == "integer":
+        times = times.long()
+    else:
+        times[start], times[start + 1] = float(times[start + 1]) + 1, float(times[start])
+    with pytest.raises(ValueError, match=rf"batch.sequences\['{event}'\].timestamps {message}"):
+        _with_times(batch, event, times).validate(SPEC)
+    # a new example may start earlier than the last event of the one before (as here): only within one is it refused
+    ends = batch.sequences[event].lengths().cumsum(0)
+    assert any(times_[int(e)] < times_[int(e) - 1] for e, times_ in ((e, batch.sequences[event].timestamps)
+                                                                      for e in ends[:-1] if 0 < int(e) < len(times)))
+    batch.validate(SPEC)
+
+
+def test_negative_lengths_are_named():
+    batch = random_batch(3)
+    sparse = batch.sparse
+    lengths = sparse.lengths().clone()
+    lengths[0], lengths[1] = lengths[0] + 1, lengths[1] - 1 - int(lengths[1])  # same total, one entry negative
+    lengths[0] += int(batch.sparse.lengths()[1])
+    bad = KeyedJaggedTensor.from_lengths_sync(keys=sparse.keys(), values=sparse.values(), lengths=lengths)
+    with pytest.raises(ValueError, match=r"batch.sparse has negative lengths"):
+        dataclasses.replace(batch, sparse=bad).validate(SPEC)

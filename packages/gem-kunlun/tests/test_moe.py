@@ -339,3 +339,18 @@ def test_every_kunlun_layer_calls_its_moe_as_a_module():
     model(random_batch(4, seed=0))
     assert calls == [layer.moe for layer in model.trunk.layers]
     assert all(layer.moe.last_stats is not None for layer in model.trunk.layers)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_task_loss_trains_the_gate_for_every_top_k(top_k):
+    """With one expert per example the weight is its gate probability (Switch's): renormalised it was 1 for every
+    example, and only the balance loss reached the gate. The dense reference weighs the same."""
+    from gem_kunlun.moe import dense_moe_reference
+
+    torch.manual_seed(0)
+    moe = MixtureOfExperts(num_tokens=4, dim=8, num_experts=4, top_k=top_k, capacity_factor=0)
+    x = torch.randn(16, 4, 8)
+    out = moe(x)
+    out.pow(2).sum().backward()
+    assert moe.gate.weight.grad.abs().max() > 1e-2
+    torch.testing.assert_close(out, dense_moe_reference(moe, x), rtol=1e-4, atol=1e-5)

@@ -107,6 +107,25 @@ def test_models_read_representations_per_example_and_learn_from_them(build):
     assert any("representations.loopfm" in k for k in model.flops(batch))
 
 
+@pytest.mark.parametrize("build", [
+    lambda spec: BaselineRanker(spec),
+    lambda spec: KunlunModel(spec, KunlunConfig(d_model=16, num_heads=2, num_layers=1, num_experts=2, top_k=2, capacity_factor=0,
+                                               hidden=(16,), num_seeds=2, num_summary_tokens=2, max_seq_len=16,
+                                               kernel="pytorch")),
+])
+def test_models_with_representations_run_under_autocast(build):
+    """The summary pools in float32: under bf16 autocast its projection's output met the float32 null entry in
+    index_add, which refused it (no model with representation features could train in bf16)."""
+    torch.manual_seed(0)
+    model = build(SPEC_WITH_REPRESENTATIONS)
+    batch = batch_with(seed=1, size=4)
+    exact = model.eval()(batch).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(batch).logits
+        model.train()(batch).logits.float().sum().backward()
+    assert torch.isfinite(low).all() and torch.allclose(low.float(), exact, atol=0.05, rtol=0.05)
+
+
 def test_sasrec_refuses_representation_features_in_one_line():
     spec = FeatureSpec(num_dense=0, sparse=(SparseFeature("item_id", 10),),
                        events=(EventType("history", (SparseFeature("history_item_id", 10),)),), tasks=("click",),

@@ -141,3 +141,15 @@ def test_flops_count_the_blocks_over_the_kept_lengths_and_the_scores():
     tokens, pairs, d = float(lengths.sum()), float((lengths * (lengths + 1) / 2).sum()), 16
     per_block = 2.0 * d * 3 * d * tokens + 4.0 * d * pairs + 2.0 * d * d * tokens + 4.0 * d * d * tokens
     assert m.flops(batch) == {"block0": per_block, "block1": per_block, "score": 2.0 * d * 7}
+
+
+def test_an_example_without_exactly_one_candidate_is_refused():
+    """The candidates are read one per example, in order: counts [0, 2, 1] (the same total) paired example 0 with
+    example 1's candidate without a word."""
+    batch = random_batch(3, seed=1, max_events=5, spec=SPEC)
+    ids, category = batch.sparse["item_id"].values(), batch.sparse["item_category"]
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=["item_id", "item_category"],
+                                                 values=torch.cat([ids, category.values()]),
+                                                 lengths=torch.cat([torch.tensor([0, 2, 1]), category.lengths()]))
+    with pytest.raises(ValueError, match=r"one candidate per example: batch.sparse\['item_id'\]"):
+        model()(Batch(batch.dense, sparse, batch.sequences, batch.labels, batch.surface))

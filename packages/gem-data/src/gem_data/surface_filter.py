@@ -30,6 +30,8 @@ class SurfaceFilterStream:
     """
 
     def __init__(self, global_source: BatchSource, surfaces: tuple[int, ...], rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"SurfaceFilterStream: rank {rank} is outside [0, world_size = {world_size})")
         if not surfaces:
             raise ValueError("SurfaceFilterStream needs at least one surface to keep")
         unknown = [s for s in surfaces if not 0 <= s < global_source.spec.num_surfaces]

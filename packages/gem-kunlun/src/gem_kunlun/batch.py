@@ -270,6 +270,7 @@ class Batch:
                 raise ValueError(f"batch.sequences[{event.name!r}]: every id feature must have one id per event")
             if seq.timestamps.shape != (int(lengths[0].sum()),):
                 raise ValueError(f"batch.sequences[{event.name!r}].timestamps must have one entry per event")
+            _check_timestamps(f"batch.sequences[{event.name!r}].timestamps", seq.timestamps, lengths[0])
         _check_representations(self.representations, spec, b)
 
 
@@ -292,12 +293,29 @@ def _check_representations(representations: dict[str, JaggedFloats], spec: Featu
             raise ValueError(f"{where}.values has NaN or infinite entries")
 
 
+def _check_timestamps(where: str, times: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Float seconds, finite, in time order within each example (its events as ``EventSequence`` holds them): a NaN
+    made the example's prediction NaN, events out of order had truncation keep the wrong ones."""
+    if not times.is_floating_point():
+        raise ValueError(f"{where} must be float seconds, got {times.dtype}")
+    if times.numel() and not bool(torch.isfinite(times).all()):
+        raise ValueError(f"{where} has NaN or infinite entries")
+    if times.numel() > 1:
+        earlier = times[1:] < times[:-1]  # event i + 1 before event i
+        starts = torch.cumsum(lengths, 0)[:-1] - 1  # each example's last event but the last example's
+        earlier[starts[(starts >= 0) & (starts < earlier.numel())]] = False  # the next example may start earlier
+        if bool(earlier.any()):
+            raise ValueError(f"{where} must be in time order within each example")
+
+
 def _check_kjt(where: str, kjt: KeyedJaggedTensor, features: tuple, batch_size: int) -> None:
     keys = [f.name for f in features]
     if list(kjt.keys()) != keys:
         raise ValueError(f"{where} has keys {kjt.keys()}, expected {keys}")
     if keys and kjt.stride() != batch_size:
         raise ValueError(f"{where} has stride {kjt.stride()}, expected batch size {batch_size}")
+    if kjt.lengths().numel() and int(kjt.lengths().min()) < 0:
+        raise ValueError(f"{where} has negative lengths")
     for feature, jt in zip(features, kjt.to_dict().values()):
         values = jt.values()
         if values.numel() and (int(values.min()) < 0 or int(values.max()) >= feature.num_embeddings):

@@ -75,7 +75,8 @@ class RoutingStats:
 class Routing:
     """The gate's decisions for one local batch, as ``A = k * B`` assignments in slot-major order (every
     example's first choice, then every second choice, ...): ``example [A]`` and ``expert [A]`` (int64),
-    ``weight [A]`` (float32, renormalised over the example's top-k) and ``keep [A]`` (bool, within capacity).
+    ``weight [A]`` (float32, renormalised over the example's top-k; top-1: the gate probability) and ``keep
+    [A]`` (bool, within capacity).
     ``slots``: a bound, known on the host, of the kept assignments of any one expert here (None: none known)."""
 
     example: torch.Tensor
@@ -218,6 +219,13 @@ def _batched_wukong(blocks: list[WukongBlock], x: torch.Tensor) -> torch.Tensor:
     return torch.cat([fm, lc], 2)
 
 
+def _combine_weights(top: torch.Tensor) -> torch.Tensor:
+    """The weights of an example's chosen experts' outputs from their gate probabilities ``top [B, k]``: renormalised
+    to sum to 1 over several, the probability itself for one (Switch's): renormalised, a single weight is 1 for
+    every example and the task loss would not reach the gate (only the balance loss would train it)."""
+    return top if top.shape[-1] == 1 else top / top.sum(-1, keepdim=True)
+
+
 class MixtureOfExperts(nn.Module):
     """Top-k gated experts over ``[B, n, D]`` token sets; returns the gate-weighted sum of expert outputs.
 
@@ -298,7 +306,7 @@ class MixtureOfExperts(nn.Module):
         b, e, k = x.shape[0], self.num_experts, self.top_k
         probs = torch.softmax(self.gate(x.flatten(1)).float(), dim=-1)  # [B, E]
         weights, chosen = probs.topk(k, dim=-1)  # [B, k]
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights = _combine_weights(weights)
         expert = chosen.t().reshape(-1)  # [k*B], slot-major
         slot = torch.arange(k, device=x.device).repeat_interleave(b)
         cell = slot * e + expert  # (slot, expert) of every assignment
@@ -392,11 +400,11 @@ def stand_in_rows(module: nn.Module) -> Iterator[None]:
 
 
 def dense_moe_reference(moe: MixtureOfExperts, x: torch.Tensor) -> torch.Tensor:
-    """Every expert on every example, weighted by the renormalised top-k gate (zero elsewhere): what the
-    routed forward computes when no expert is over capacity."""
+    """Every expert on every example, weighted by its top-k gate weight (``_combine_weights``; zero elsewhere): what
+    the routed forward computes when no expert is over capacity."""
     probs = torch.softmax(moe.gate(x.flatten(1)).float(), dim=-1)
     weights, chosen = probs.topk(moe.top_k, dim=-1)
-    dense = torch.zeros_like(probs).scatter(1, chosen, weights / weights.sum(-1, keepdim=True))
+    dense = torch.zeros_like(probs).scatter(1, chosen, _combine_weights(weights))
     outputs = torch.stack([moe.experts[str(i)](x) for i in range(moe.num_experts)], 1)  # [B, E, n, D]
     return (outputs * dense.to(x.dtype)[:, :, None, None]).sum(1)
 

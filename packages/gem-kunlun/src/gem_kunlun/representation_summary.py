@@ -44,7 +44,9 @@ class RepresentationSummary(nn.Module):
     def _pool(self, index: int, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Attention of feature ``index``'s query over ``values [T, d]`` (jagged by ``lengths [B]``): ``[B, dim]``."""
         b, scale = lengths.numel(), 1.0 / math.sqrt(self.dim)
-        key, value = self.key_value[index](values.to(self.query.dtype)).chunk(2, -1)
+        # in float32: under autocast the projection gives bf16 / fp16, which the pooling's float32 null entry and
+        # index_add would refuse (and a sum over many vectors keeps its precision)
+        key, value = self.key_value[index](values.to(self.query.dtype)).float().chunk(2, -1)
         query, (null_key, null_value) = self.query[index], self.null_key_value[index]
         owner = segment_ids(lengths, values.shape[0])
         scores = (key @ query) * scale  # [T]

@@ -266,7 +266,16 @@ class SasrecModel(nn.Module):
         history = batch.sequences[c.history]
         targets = batch.next_items
         if targets is None:
-            history_vectors, candidate_vectors = self._lookup(history.ids, batch.sparse[c.candidate_item].values())
+            candidates = batch.sparse[c.candidate_item]
+            # one candidate per example, read in order: another count would pair users with others' candidates
+            # (on a GPU asserted on the device: a host check would wait for it every step)
+            one_each = (candidates.lengths() == 1).all()
+            if one_each.device.type == "cuda":
+                torch._assert_async(one_each, f"SASRec: batch.sparse[{c.candidate_item!r}] must hold one id per example")
+            elif not bool(one_each):
+                raise ValueError(f"SASRec scores one candidate per example: batch.sparse[{c.candidate_item!r}] must "
+                                 f"hold exactly one id per example")
+            history_vectors, candidate_vectors = self._lookup(history.ids, candidates.values())
             user = self.user_representation(history_vectors, history.lengths())
             logits = (user * candidate_vectors).sum(-1, keepdim=True)
             return ModelOutput(logits=logits, aux_loss=logits.new_zeros((), dtype=torch.float32), representation=user)

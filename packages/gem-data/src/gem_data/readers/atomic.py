@@ -11,6 +11,7 @@ have no place in the batch schema and are listed in ``ignored_fields``.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -148,11 +149,14 @@ def _read_table(path: Path, bad: BadRows) -> tuple[dict[str, str], list[tuple[in
     return header, rows
 
 
+# a float cell in ASCII decimal notation: float() also takes "1_000" and other scripts' digits, which a mangled cell
+# would be read as silently (the text reader refuses non-ASCII digits too)
+_NUMBER = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _finite(cell: str) -> bool:
-    try:
-        return math.isfinite(float(cell))
-    except ValueError:
-        return False
+    return _NUMBER.fullmatch(cell) is not None and math.isfinite(float(cell))
 
 
 def _read_features(path: Path, key: str, index: dict[str, int], bad: BadRows):
@@ -162,10 +166,19 @@ def _read_features(path: Path, key: str, index: dict[str, int], bad: BadRows):
     columns = list(header)
     k = columns.index(key)
     by_entity: dict[int, list[str]] = {}
+    floats = [c for c, kind in enumerate(header.values()) if kind == "float"]
     for number, row in rows:
+        if not row[k]:
+            bad.report(path, number, f"empty {key}")
+            continue
         entity = index.get(row[k])
         if entity is None:
             continue  # an entity without interactions has no place in the corpus
+        # the features are float32 (the times of .inter float64)
+        large = next((c for c in floats if row[c] and abs(float(row[c])) > _FLOAT32_MAX), None)
+        if large is not None:
+            bad.report(path, number, f"{row[large]!r} in float field {columns[large]!r} is out of float32 range")
+            continue
         if entity in by_entity:
             bad.report(path, number, f"{key} {row[k]} appears on an earlier line too")
             continue

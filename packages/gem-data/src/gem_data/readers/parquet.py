@@ -70,7 +70,7 @@ class ParquetTable:
             # row's would make one bad first row blame every other); rows of another width are bad rows
             widths = Counter()
             if first_file.num_row_groups:
-                first = first_file.read_row_group(0, columns=["dense"]).column("dense")
+                first = _row_group(first_file, self.paths[0], 0, ["dense"]).column("dense")
                 widths.update(pc.list_value_length(first).drop_null().to_pylist())
             self.layout.num_dense = widths.most_common(1)[0][0] if widths else 0
         bad = BadRows(skip=skip_bad_rows)
@@ -85,7 +85,7 @@ class ParquetTable:
                 raise DataError(path, None, f"columns differ from {self.paths[0]}")
             first_row = 0
             for g in range(handle.num_row_groups):
-                decoded = self.layout.decode(handle.read_row_group(g), path, first_row)
+                decoded = self.layout.decode(_row_group(handle, path, g), path, first_row)
                 for row, reason in decoded.problems:
                     bad.report(path, f"row {first_row + row}", reason)
                 first_row += decoded.num_rows
@@ -149,7 +149,7 @@ class ParquetTable:
     def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
         if block not in self._cache:
             f, g = self._groups[block]
-            table = pq.ParquetFile(self.paths[f]).read_row_group(g)
+            table = _row_group(_open(self.paths[f]), self.paths[f], g)
             decoded = self.layout.decode(table, self.paths[f], 0, self.time_base)
             self._cache[block] = select_examples(decoded.batch, self._valid_rows[block])
             while len(self._cache) > self._cache_size:
@@ -222,7 +222,15 @@ class _Layout:
                 raise DataError(path, None, f"event type {event!r} has no id feature column")
         if not labels:
             raise DataError(path, None, "no label.<task> column")
-        events = {e: tuple(f"{e}_{f}" for f in fs) for e, fs in events.items()}  # feature names unique across types
+        renamed = {e: tuple(f"{e}_{f}" for f in fs) for e, fs in events.items()}  # feature names unique across types
+        # a sparse column and an event's feature, or two events' features, may still meet under one name
+        columns = {s: f"sparse.{s}" for s in sparse}
+        for e, fs in events.items():
+            for f, name in zip(fs, renamed[e]):
+                if name in columns:
+                    raise DataError(path, None, f"columns {columns[name]} and event.{e}.{f} both become feature {name!r}")
+                columns[name] = f"event.{e}.{f}"
+        events = renamed
         return _Layout(tuple(sparse), events, tuple(labels), has_dense, has_surface, num_dense)
 
     def decode(self, table: pa.Table, path: Path, first_row: int, time_base: float = 0.0) -> _Decoded:
@@ -319,10 +327,23 @@ class _Layout:
 
 
 def _open(path: Path) -> pq.ParquetFile:
+    if not Path(path).is_file():
+        raise DataError(path, None, "is a directory, not a file" if Path(path).is_dir() else "no such file")
     try:
         return pq.ParquetFile(path)
     except pa.ArrowInvalid as error:  # pyarrow's message does not name the file
         raise DataError(path, None, f"not a Parquet file ({str(error).splitlines()[0]})") from None
+    except OSError as error:  # a damaged footer
+        raise DataError(path, None, f"cannot be read ({str(error).splitlines()[0]})") from None
+
+
+def _row_group(handle: pq.ParquetFile, path: Path, group: int, columns: list[str] | None = None) -> pa.Table:
+    """Row group ``group`` of the file, a corrupt one a ``DataError`` naming the file and the group (pyarrow's
+    OSError names neither)."""
+    try:
+        return handle.read_row_group(group, columns=columns)
+    except (OSError, pa.ArrowException) as error:
+        raise DataError(path, f"row group {group}", f"cannot be decoded ({str(error).splitlines()[0]})") from None
 
 
 def _nulls(column: pa.ChunkedArray) -> torch.Tensor:

@@ -97,20 +97,25 @@ def text_lines(path: Path) -> list[str]:
     return lines
 
 
+class _JsonObject(list):
+    """A JSON object's (key, value) pairs in file order, told apart from a JSON array (both would be lists)."""
+
+
 def _read_attributes(path: Path, item_index: dict[str, int], bad: BadRows) -> Bags:
     try:
         # JSON counts lines at "\n" alone, so its line numbers stay those of the file
         # every (key, value) pair in file order: a key written twice would otherwise keep its last value silently
-        pairs = json.loads("\n".join(text_lines(path)), object_pairs_hook=lambda items: items)
+        pairs = json.loads("\n".join(text_lines(path)), object_pairs_hook=_JsonObject)
     except json.JSONDecodeError as error:
         raise DataError(path, error.lineno, f"invalid JSON: {error.msg}") from None
-    if not isinstance(pairs, list) or any(not isinstance(item, tuple) for item in pairs):
+    if not isinstance(pairs, _JsonObject):
         raise DataError(path, None, "expected an object mapping item ids to lists of attribute ids")
     per_item: list[list[str]] = [[] for _ in item_index]
     given: set[str] = set()
     for key, values in pairs:
         # NOTE: JSON's true and false are Python ints too: no attribute id
-        if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        if (not isinstance(values, list) or isinstance(values, _JsonObject)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)):
             bad.report(path, f"item {key}", f"attributes must be a list of non-negative integers, got {values!r}")
             continue
         item = _canonical(key) if key.isascii() and key.isdecimal() else key
