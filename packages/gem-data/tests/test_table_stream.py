@@ -133,3 +133,13 @@ def test_next_item_tables_read_several_batches_at_once_give_the_same_batches(tmp
             assert equal_batches(a, b)
             if b.next_items is not None:
                 assert torch.equal(a.next_items.positives, b.next_items.positives)
+
+
+def test_a_ranks_empty_share_of_a_short_last_batch_validates():
+    """The last global batch of a finite stream may hold fewer rows than ranks: a rank's empty share is a 0-row
+    batch, which validates (its key split failed inside torchrec)."""
+    stream = TableStream(BatchTable(random_batch(13), SPEC), 4, rank=2, world_size=3, num_epochs=1)
+    batches = list(stream)
+    assert batches[-1].batch_size == 0
+    for batch in batches:
+        batch.validate(SPEC)

@@ -314,6 +314,10 @@ def _check_kjt(where: str, kjt: KeyedJaggedTensor, features: tuple, batch_size: 
         raise ValueError(f"{where} has keys {kjt.keys()}, expected {keys}")
     if keys and kjt.stride() != batch_size:
         raise ValueError(f"{where} has stride {kjt.stride()}, expected batch size {batch_size}")
+    if batch_size == 0:  # (a rank's empty share of a short last batch; torchrec cannot split it by key)
+        if kjt.values().numel():
+            raise ValueError(f"{where} holds ids for no examples")
+        return
     if kjt.lengths().numel() and int(kjt.lengths().min()) < 0:
         raise ValueError(f"{where} has negative lengths")
     for feature, jt in zip(features, kjt.to_dict().values()):
