@@ -145,6 +145,10 @@ def test_a_store_that_does_not_fit_is_one_line(teacher, store, tmp_path):
         (["--loopfm.store=" + str(tmp_path / "nowhere")], r"loopfm.store: .*nowhere: no representation store there"),
         ([f"--loopfm.store={store}", "--data.synthetic.num_dense=3"], r"loopfm.store: .* written over data with other features"),
         ([f"--loopfm.store={store}", "--loopfm.user_feature=device"], r"keyed by user feature 'user_id', loopfm.user_feature is 'device'"),
+        # a student trained past the teacher's pass: its later examples' histories would stop at the store's end
+        ([f"--loopfm.store={store}", f"--schedule.steps={STEPS + 1}"],
+         rf"loopfm.store: .* holds the teacher's pass over {STEPS * 32} examples \({STEPS} steps\), this run trains on "
+         rf"{(STEPS + 1) * 32}"),
     ]
     for extra, message in cases:
         with pytest.raises(ConfigError, match=message) as error:

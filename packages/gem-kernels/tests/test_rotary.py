@@ -120,7 +120,7 @@ def test_builtin_is_the_reference_on_cpu():
     (dict(positions=torch.rand(3)), r"positions must be a tensor of shape \[4\]"),
     (dict(positions=torch.arange(4)), "floating tensor"),
     (dict(positions=torch.rand(4, requires_grad=True)), "positions require grad"),
-    (dict(base=1.0), "base must be a number > 1"),
+    (dict(base=1.0), "base must be a finite number > 1"),
     (dict(kernel="cuda"), "kernel must be one of"),
     (dict(q=torch.randn(4, 8)), r"q must have rank 3"),
 ])

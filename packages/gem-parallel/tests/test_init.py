@@ -49,3 +49,26 @@ def test_table_rows_are_the_same_whichever_shard_draws_them():
     other = torch.empty(rows, cols)
     init_table_rows(other, 0, 0, cols, init, seed=1, table="u")
     assert not torch.equal(whole, other)
+
+
+class _Adapter(nn.Module):
+    """A parent whose reset sets a child's values (as the distillation adapter zeroes its output layer)."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(3, device=device))
+        self.out = nn.Linear(4, 1, device=device)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.ones_(self.scale)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+
+def test_a_parents_reset_of_its_children_holds_after_meta_initialisation():
+    """Children are reset before their parents, as eager construction runs them: the parent's values for its child
+    (written into meta tensors, then overwritten by the child's own reset) held only when built eagerly."""
+    model = _Adapter(device="meta")
+    init_dense_parameters(model, seed=0, device=torch.device("cpu"))
+    assert torch.equal(model.out.weight, torch.zeros(1, 4)) and torch.equal(model.scale, torch.ones(3))

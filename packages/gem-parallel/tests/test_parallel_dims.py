@@ -29,3 +29,11 @@ def test_bad_layouts_are_one_line_errors_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message) as error:
         ParallelDims(world_size=4, **fields)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("local", [-2, 4])
+def test_a_host_size_that_does_not_divide_the_world_is_refused(local):
+    from gem_parallel.parallel_dims import LayoutError
+
+    with pytest.raises(LayoutError, match=r"local_world_size \(.*\) must be >= 1 and divide the world size \(6\)"):
+        ParallelDims(world_size=6, local_world_size=local)

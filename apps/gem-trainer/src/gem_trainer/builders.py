@@ -153,7 +153,7 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         eval_fn = _joined(train, eval_fn)
     if representations and config.loopfm.store is not None:
         # joined last, on this rank's own rows: the join depends on (user, time) only, so nothing before it changes
-        train = build_representation_join(config, train)
+        train = build_representation_join(config, train, config.data.batch_size * env.world_size)
         eval_fn = _joined(train, eval_fn)
         ranking = None if ranking is None else JoinedRanking(ranking, train.spec, train.attach)
     return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer, rows_per_epoch, held_out)
@@ -221,9 +221,11 @@ def user_feature_missing(name: str, spec: FeatureSpec) -> str:
             f"has user ids with data.synthetic.num_users, next-item data with data.sequential.with_user_id = true)")
 
 
-def build_representation_join(config: TrainerConfig, source: BatchSource) -> RepresentationJoin:
+def build_representation_join(config: TrainerConfig, source: BatchSource, global_batch: int) -> RepresentationJoin:
     """``source`` with LoopFM's histories from ``loopfm.store``, checked against the data: the store must have
-    been written over data with the same features (its user ids are this data's)."""
+    been written over data with the same features (its user ids are this data's), and over at least the examples
+    this run trains on (``schedule.steps`` global batches of ``global_batch``): past what the teacher's pass
+    covered, the histories would stop at its last example without a word (as soft labels, refused)."""
     from gem_trainer.config import ConfigError
     from gem_trainer.run_folder import spec_record
 
@@ -240,6 +242,11 @@ def build_representation_join(config: TrainerConfig, source: BatchSource) -> Rep
         if store.meta.get("user_feature") != loop.user_feature:
             raise RepresentationError(f"{loop.store} is keyed by user feature {store.meta.get('user_feature')!r}, "
                                       f"loopfm.user_feature is {loop.user_feature!r}")
+        covered, trained = store.steps * int(store.meta.get("global_batch_size", 0)), config.schedule.steps * global_batch
+        if covered < trained:
+            raise RepresentationError(f"{loop.store} holds the teacher's pass over {covered} examples ({store.steps} steps), "
+                                      f"this run trains on {trained} (schedule.steps x data.batch_size x ranks): run "
+                                      f"posttrain with this config")
         return RepresentationJoin(source, store, loop.user_feature, loop.max_events, key_only=loop.key_only)
     except RepresentationError as error:
         raise ConfigError(f"loopfm.store: {error}") from None

@@ -35,7 +35,10 @@ def init_dense_parameters(model: nn.Module, seed: int, device: torch.device) -> 
     Buffers are zero-filled; a module holding meta parameters without a ``reset_parameters`` is an error
     (it would otherwise train from uninitialised memory).
     """
-    for name, module in model.named_modules():
+    # NOTE: children before their parents, as a module built eagerly runs them (its children's constructors run
+    # their resets before its own): a parent whose reset sets a child's values (an adapter's zeroed output layer)
+    # would otherwise write into the child's meta tensors, and the child's own reset would follow
+    for name, module in reversed(list(model.named_modules())):
         params = {k: p for k, p in module._parameters.items() if p is not None and p.is_meta}
         buffers = {k: b for k, b in module._buffers.items() if b is not None and b.is_meta}
         for key, buffer in buffers.items():

@@ -58,6 +58,9 @@ class ParallelDims:
         if w < 1:
             raise LayoutError(f"world size must be >= 1, got {w}")
         local = self.local_world_size or w
+        if local < 1 or w % local:
+            raise LayoutError(f"local_world_size ({self.local_world_size}) must be >= 1 and divide the world size ({w}): "
+                              f"the ranks of one host")
         for name in ("dense_replicate", "dense_shard", "sparse_group"):
             value = getattr(self, name)
             if value == 0 or value < -1:
