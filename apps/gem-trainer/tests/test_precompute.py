@@ -103,6 +103,11 @@ def test_precompute_into_a_redis_server(teacher, tmp_path):
             assert lookup.lookup(keys.users[3], keys.items[3], keys.groups[3], keys.behaviour[3]).level == "exact"
         finally:
             lookup.cache.close()
+        # a second pass into the same keys would be served (and counted) the first one's entries as its own
+        again = load_config(None, arguments(teacher, tmp_path, "--solaris.backend=redis", f"--solaris.redis_url={server.url}",
+                                            f"--solaris.output={tmp_path / 'out2'}"))
+        with pytest.raises(ConfigError, match=r"solaris.key_prefix: the Redis server at .* already holds keys under 'solaris'"):
+            precompute(again, init_distributed("cpu", "gloo"))
 
 
 def test_bad_inputs_are_one_line(teacher, tmp_path, capsys):
@@ -197,7 +202,7 @@ def test_fresh_pair_embeddings_need_one_process(teacher, tmp_path):
 
 
 def test_a_precompute_that_wrote_nothing_is_one_line_for_a_student(teacher, tmp_path):
-    from gem_trainer.precompute import build_solaris_join
+    from gem_trainer.precompute import build_solaris_join, pair_key_settings
     from gem_transfer.solaris import DefaultEmbedding, UserIndex, save_entries
 
     out = tmp_path / "out"
@@ -206,9 +211,22 @@ def test_a_precompute_that_wrote_nothing_is_one_line_for_a_student(teacher, tmp_
     UserIndex(config.solaris.behaviour_dim).save(out / "users.npz")
     DefaultEmbedding().save(out / "default.npz")
     save_entries([], out / "cache.npz")
-    (out / "report.json").write_text(json.dumps({"finished_at": 0.0}))
+    (out / "report.json").write_text(json.dumps({"finished_at": 0.0, "keys": pair_key_settings(config)}))
     env = init_distributed("cpu", "gloo")
     source = builders.build_data(config, env, representations=False).train
     with pytest.raises(ConfigError, match=r"solaris.output: the precompute at .* wrote no embeddings") as error:
         build_solaris_join(config, env, source)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("changed", [["--solaris.item_feature=advertiser_id", "--solaris.group_feature=ad_id"],
+                                     ["--solaris.behaviour_dim=32"]])
+def test_a_lookup_keyed_otherwise_than_its_precompute_is_one_line(teacher, tmp_path, changed):
+    """The report records the pair keys: a served student keyed otherwise missed every entry (the default served
+    to every row), or compared behaviour vectors of another width deep in numpy."""
+    config = load_config(None, arguments(teacher, tmp_path))
+    precompute(config, init_distributed("cpu", "gloo"))
+    other = load_config(None, arguments(teacher, tmp_path, "--solaris.student_input=served", *changed))
+    with pytest.raises(ConfigError, match=r"solaris.output: the precompute at .* keyed its pairs otherwise \(solaris\.") as error:
+        solaris_lookup(other)
     assert "\n" not in str(error.value)

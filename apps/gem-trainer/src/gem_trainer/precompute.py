@@ -139,6 +139,15 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
     check_features(config, data.spec)
     score, _, teacher_step = build_scorer(config, data.spec, env)
     cache = build_cache(config)
+    if s.backend == "redis":
+        try:
+            earlier = cache.holds_entries()
+        except CacheError as error:
+            raise ConfigError(f"solaris.redis_url: {error}") from None
+        if earlier:  # they would be served, and counted, as this pass's
+            cache.close()
+            raise ConfigError(f"solaris.key_prefix: the Redis server at {s.redis_url} already holds keys under "
+                              f"{s.key_prefix!r} (an earlier precompute's): use another key_prefix, or delete them")
     index, default = UserIndex(s.behaviour_dim), DefaultEmbedding()
     worker = PrecomputeWorker(score, cache, index, default, queue_size=s.queue_batches)
     started = time.perf_counter()
@@ -177,6 +186,7 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
         finished_at = time.time()  # every entry is written: the fixed clock of served student inputs
         lookup = FallbackLookup(cache, index, default, s.ttl_s, s.neighbours)
         report = {"teacher": {"run_dir": str(teacher_run_dir(config)), "step": teacher_step}, "backend": s.backend,
+                  "keys": pair_key_settings(config),
                   "train_share": s.train_share, "eval_share": s.eval_share, "finished_at": finished_at,
                   "worker": {**counts, "users": len(index), "pass_s": round(pass_s, 2),
                              "pairs_per_s": round(counts["written_pairs"] / max(pass_s, 1e-9), 1)},
@@ -231,10 +241,25 @@ def _publish(output: Path, report: dict, cache, index: UserIndex, default: Defau
     staging.rename(output)
 
 
+def pair_key_settings(config: TrainerConfig) -> dict:
+    """The settings that key a precompute's entries and user index: a lookup with others would miss every entry
+    (or compare behaviour vectors of another width) and serve the default without a word."""
+    s = config.solaris
+    return {"item_feature": s.item_feature, "group_feature": s.group_feature, "user_feature": s.user_feature,
+            "behaviour_dim": s.behaviour_dim, "key_prefix": s.key_prefix}
+
+
 def solaris_lookup(config: TrainerConfig, clock=None) -> FallbackLookup:
     """The lookup over a finished precompute (``solaris.output``) with ``solaris.backend``: what serving uses."""
     s = config.solaris
     output = _finished_output(config)
+    recorded = json.loads((output / "report.json").read_text()).get("keys")
+    if recorded is None:
+        raise ConfigError(f"solaris.output: {output} records no pair keys (an older precompute): run it again")
+    differing = [f"solaris.{k}: {recorded.get(k)!r} there, {v!r} here" for k, v in pair_key_settings(config).items()
+                 if recorded.get(k) != v and (k != "key_prefix" or s.backend == "redis")]
+    if differing:
+        raise ConfigError(f"solaris.output: the precompute at {output} keyed its pairs otherwise ({'; '.join(differing)})")
     try:
         index = UserIndex.load(output / "users.npz")
         default = DefaultEmbedding.load(output / "default.npz")

@@ -166,6 +166,14 @@ class RedisCache:
 
     # -- encoding ---------------------------------------------------------------------------------------------
 
+    def holds_entries(self) -> bool:
+        """Whether the server holds any key under this cache's prefix (an earlier pass's entries, which a new pass
+        would be served as its own)."""
+        try:
+            return next(iter(self.client.scan_iter(match=f"{self.prefix}:*", count=100)), None) is not None
+        except redis.RedisError as error:
+            raise CacheError(f"Redis at {self.url}: {error}") from None
+
     def _entry_key(self, user: int, item: int) -> str:
         return f"{self.prefix}:e:{user}:{item}"
 
