@@ -148,3 +148,22 @@ def test_a_write_racing_the_servers_return_is_not_left_behind(server):
     assert cache.flush() == 0 and cache.unflushed() == []
     assert float(cache.get([(1, 10)])[0].embedding[0]) == 1.0
     cache.close()
+
+
+def test_a_rewritten_pair_counts_once_in_its_group_as_in_the_in_process_cache(server):
+    """A rewritten pair's older value left its group's list (which then held it twice and, trimmed to `recent`,
+    fewer items than the in-process cache: the user-group fallback averaged other entries)."""
+    from gem_transfer.solaris import MemoryCache
+
+    now = time.time()
+    redis_cache = RedisCache(server.url, ttl_s=100, recent=2, prefix="t9")
+    memory = MemoryCache(ttl_s=100, recent=2, clock=lambda: now)
+    writes = [[entry(1, 10, 7, now - 3, 1.0), entry(1, 11, 7, now - 2, 2.0)], [entry(1, 11, 7, now - 1, 5.0)],
+              [entry(1, 12, 7, now - 1, 6.0), entry(1, 10, 7, now, 7.0), entry(1, 12, 7, now, 8.0)]]
+    for batch in writes:
+        redis_cache.put(batch)
+        memory.put(batch)
+        assert ([(e.item, float(e.embedding[0])) for e in redis_cache.recent([(1, 7)])[0]]
+                == [(e.item, float(e.embedding[0])) for e in memory.recent([(1, 7)])[0]])
+    assert [e.item for e in memory.recent([(1, 7)])[0]] == [12, 10]
+    redis_cache.close()

@@ -182,12 +182,20 @@ class RedisCache:
 
     def _write(self, entries: list[CacheEntry]) -> None:
         now = self.clock()
+        # a pair written twice in one call: its last entry stands, as after two puts in the in-process cache
+        last = {(e.user, e.item): e for e in entries}
+        entries = [e for e in entries if last[(e.user, e.item)] is e]
+        live = [(e, int((e.timestamp + self.ttl_s - now) * 1000)) for e in entries]
+        live = [(e, left_ms) for e, left_ms in live if left_ms > 0]  # past their time to live: the server drops them
+        # NOTE: a rewritten pair's older value leaves its group's list first (the in-process cache replaces it too):
+        # left there, it counted twice against `recent` and the list kept fewer items than the in-process one
+        older = self.client.mget([self._entry_key(e.user, e.item) for e, _ in live]) if live else []
         pipe = self.client.pipeline(transaction=False)
         touched: dict[str, int] = {}
-        for e in entries:
-            left_ms = int((e.timestamp + self.ttl_s - now) * 1000)
-            if left_ms <= 0:
-                continue  # already past its time to live: the server would have dropped it
+        for (e, left_ms), old in zip(live, older):
+            if old is not None:
+                timestamp, event_time, group = _HEAD.unpack_from(old)
+                pipe.lrem(self._group_key(e.user, group), 0, _HEAD.pack(timestamp, event_time, e.item) + old[_HEAD.size:])
             vector = np.ascontiguousarray(e.embedding, dtype=np.float32).tobytes()
             pipe.set(self._entry_key(e.user, e.item), _HEAD.pack(e.timestamp, e.event_time, e.group) + vector, px=left_ms)
             key = self._group_key(e.user, e.group)
