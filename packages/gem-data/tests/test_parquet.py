@@ -34,6 +34,9 @@ def test_vocabularies_come_from_the_data_without_metadata(generator, tmp_path):
     assert ParquetTable(tmp_path / "plain.parquet", vocab_sizes={"ad_id": 5000}).spec.sparse[0].num_embeddings == 5000
     with pytest.raises(DataError, match=rf"plain\.parquet: ad_id: id {int(ads.max())} is past the vocabulary's 1 ids"):
         ParquetTable(tmp_path / "plain.parquet", vocab_sizes={"ad_id": 1})
+    # a misspelt name left its feature sized by the file's own ids
+    with pytest.raises(DataError, match=r"vocab_sizes names features the files do not hold: \['ad'\]"):
+        ParquetTable(tmp_path / "plain.parquet", vocab_sizes={"ad": 5000})
     with pytest.raises(DataError, match=r"plain\.parquet: surface \d is past the 1 surfaces given"):
         ParquetTable(tmp_path / "plain.parquet", num_surfaces=1)
 

@@ -115,6 +115,25 @@ def test_a_store_of_another_pass_or_a_complete_one_is_not_appended_to(tmp_path):
         RepresentationWriter(tmp_path / "other", META)
 
 
+def test_a_pass_stopped_before_its_first_progress_starts_over_in_its_folder(tmp_path, monkeypatch):
+    """Stopped between writing meta.json and its first progress.json, the folder held this pass's meta alone: the
+    rerun refused it as "not a representation store"; another pass's meta still is."""
+    from gem_transfer import representation_store
+
+    def stopped(self, complete):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(representation_store.RepresentationWriter, "_publish", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        RepresentationWriter(tmp_path / "store", META)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["meta.json"]
+    with pytest.raises(RepresentationError, match=r"exists and is not a representation store"):
+        RepresentationWriter(tmp_path / "store", {**META, "dim": 4})
+    writer = RepresentationWriter(tmp_path / "store", META)
+    assert writer.next_step == 0 and not writer.resumed
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda f: None, r"no representation store there"),
     (lambda f: (f / "progress.json").unlink(), r"not a representation store \(no meta.json or progress.json\)"),

@@ -150,7 +150,12 @@ class RepresentationWriter:
                     stray.unlink()
             self.resumed = True
         else:
-            if self.folder.exists() and any(self.folder.iterdir()):
+            found = {p.name for p in self.folder.iterdir()} if self.folder.exists() else set()
+            # a pass stopped after writing meta.json, before its first progress.json, left this pass's meta (and
+            # perhaps a staged file) alone: it starts over there
+            started = found and found <= {META, META + ".tmp", PROGRESS + ".tmp"} and (self.folder / META).is_file() \
+                and not _differing(_read_json(self.folder / META), meta)
+            if found and not started:
                 raise RepresentationError(f"{self.folder} exists and is not a representation store: remove it or choose another folder")
             self.folder.mkdir(parents=True, exist_ok=True)
             _write_json(self.folder / META, meta)

@@ -104,6 +104,11 @@ class ParquetTable:
         self.bad_rows, self.bad_row_examples = bad.count, bad.examples
         # files written by write_parquet carry their spec's vocabulary sizes; explicit arguments win
         metadata = first_file.schema_arrow.metadata or {}
+        features = {*self.layout.sparse, *(n for fs in self.layout.events.values() for n in fs)}
+        unknown = sorted(set(vocab_sizes or {}) - features)
+        if unknown:  # a misspelt name would leave its feature sized by the file's own ids
+            raise DataError(self.paths[0], None, f"vocab_sizes names features the files do not hold: {unknown} (they hold "
+                                                 f"{sorted(features)})")
         vocab_sizes = {**json.loads(metadata.get(b"gem.vocab_sizes", b"{}")), **(vocab_sizes or {})}
         # one base for every file and row group: times of different examples stay comparable
         if time_base is None:
