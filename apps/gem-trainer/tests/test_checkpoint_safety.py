@@ -467,3 +467,12 @@ def test_a_second_signal_stops_at_once_with_its_own_exit_code(tmp_path):
     _, err = run.communicate(timeout=300)
     assert run.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert err.strip().splitlines()[-1] == "gem-trainer: interrupted by SIGTERM"
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
+    """It was read after the scheduler stepped: each line showed the next step's rate."""
+    trainer = trainer_at(tmp_path, 4, "--schedule.warmup_steps=3", "--checkpoint.enable=false")
+    for _ in range(3):
+        used = trainer.dense_optimizer.param_groups[0]["lr"]
+        assert trainer.train_step()["lr"] == used
+    trainer.close()

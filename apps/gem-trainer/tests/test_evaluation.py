@@ -32,10 +32,21 @@ def test_binary_metrics_per_task_and_surface():
     probs = torch.tensor([[0.9, 0.4], [0.1, 0.3], [0.8, 0.6], [0.3, 0.1]])
     labels = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
     surface = torch.tensor([0, 0, 1, 1])
-    result = binary_metrics(probs, labels, surface, ("click", "conversion"), 2)
+    result = binary_metrics(torch.logit(probs), labels, surface, ("click", "conversion"), 2)
     assert result["click/all/auc"] == 1.0
     assert result["click/surface_1/count"] == 2.0
     assert result["conversion/all/auc"] == 0.75
+    assert math.isclose(result["click/all/calibration"], 2.1 / 2, rel_tol=1e-6)
+
+
+def test_confident_logits_keep_their_order_and_their_loss():
+    """Metrics take logits: as float32 probabilities every logit past ~16.6 was 1.0 (AUC 0.5 here, not 1.0), and a
+    confident wrong prediction lost its cross-entropy."""
+    logits = torch.tensor([[17.0], [30.0], [20.0], [25.0]])
+    labels = torch.tensor([[0.0], [1.0], [0.0], [1.0]])
+    result = binary_metrics(logits, labels, torch.zeros(4, dtype=torch.long), ("click",), 1)
+    assert result["click/all/auc"] == 1.0
+    assert result["click/all/ne"] > 10  # two confident mistakes cost their full cross-entropy
 
 
 def test_ranking_metrics_on_a_hand_made_example():
@@ -75,6 +86,6 @@ def test_ne_of_a_group_with_one_class_is_nan_like_its_auc_and_calibration():
     probs, labels = torch.rand(100, 1, generator=g), (torch.rand(100, 1, generator=g) < 0.3).float()
     surface = torch.zeros(100, dtype=torch.long)
     surface[:10], labels[:10] = 1, 0.0  # surface 1: no positive
-    metrics = binary_metrics(probs, labels, surface, ("click",), 2)
+    metrics = binary_metrics(torch.logit(probs), labels, surface, ("click",), 2)
     assert all(math.isnan(metrics[f"click/surface_1/{m}"]) for m in ("ne", "auc", "calibration"))
     assert math.isfinite(metrics["click/all/ne"])

@@ -49,9 +49,13 @@ def calibration(probs: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def binary_metrics(
-    probs: torch.Tensor, labels: torch.Tensor, surface: torch.Tensor, tasks: tuple[str, ...], num_surfaces: int
+    logits: torch.Tensor, labels: torch.Tensor, surface: torch.Tensor, tasks: tuple[str, ...], num_surfaces: int
 ) -> dict[str, float]:
-    """``{task}/{all|surface_k}/{ne,auc,calibration,count}`` for ``probs, labels [N, num_tasks]``."""
+    """``{task}/{all|surface_k}/{ne,auc,calibration,count}`` for ``logits, labels [N, num_tasks]``.
+
+    NOTE: AUC ranks the logits and NE / calibration read float64 probabilities: in float32 every logit past ~16.6
+    rounds to probability 1.0, and confident examples would tie (AUC) or lose their cross-entropy."""
+    probs = torch.sigmoid(logits.double())
     result: dict[str, float] = {}
     groups = [("all", torch.ones_like(surface, dtype=torch.bool))]
     groups += [(f"surface_{s}", surface == s) for s in range(num_surfaces)] if num_surfaces > 1 else []
@@ -63,7 +67,7 @@ def binary_metrics(
             if p.numel() == 0:
                 continue
             result[f"{prefix}/ne"] = normalized_entropy(p, y)
-            result[f"{prefix}/auc"] = auc(p, y)
+            result[f"{prefix}/auc"] = auc(logits[mask, t], y)
             result[f"{prefix}/calibration"] = calibration(p, y)
     return result
 

@@ -57,18 +57,18 @@ class Evaluator:
 
     def binary(self, batches: Iterable, spec: FeatureSpec, total: int | None = None) -> dict[str, float]:
         """NE, AUC and calibration per task and surface over this rank's evaluation ``batches`` and the others'."""
-        probs, labels, surfaces = [], [], []
+        scores, labels, surfaces = [], [], []
         for batch, real in progress(self.in_lockstep(batches), total, "eval", self.show_progress):
             batch = batch.to(self.env.device)
             with self.autocast():
                 logits = self.model(batch).logits
             if not real:
                 continue
-            probs.append(torch.sigmoid(logits.float()).cpu())
+            scores.append(logits.float().cpu())
             labels.append(batch.labels.cpu())
             surfaces.append(batch.surface.cpu())
-        p, y, s = (torch.cat(g) for g in zip(*self.gather((torch.cat(probs), torch.cat(labels), torch.cat(surfaces)))))
-        return binary_metrics(p, y, s, spec.tasks, spec.num_surfaces)
+        z, y, s = (torch.cat(g) for g in zip(*self.gather((torch.cat(scores), torch.cat(labels), torch.cat(surfaces)))))
+        return binary_metrics(z, y, s, spec.tasks, spec.num_surfaces)
 
     def ranking(self, dataset, settings, seed: int) -> dict[str, float]:
         """HR@K / NDCG@K / MRR of each protocol of ``settings`` (``data.sequential``), per seed of the negative

@@ -317,6 +317,7 @@ class Trainer:
         grad_norm = self.clip_gradients(clip if clip is not None else math.inf)
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step used (stepping the scheduler sets the next one's)
         self.scheduler.step()
         self.step += 1
         self.sparse_replicas.maybe_sync(self.step)
@@ -324,7 +325,7 @@ class Trainer:
         return {
             "loss": global_loss,
             "grad_norm": grad_norm.detach(),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
             "examples": batch.batch_size,
             "flops": report.flops,
         }

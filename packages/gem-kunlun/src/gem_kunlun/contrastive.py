@@ -27,7 +27,8 @@ def view_contrastive_loss(first: torch.Tensor, second: torch.Tensor, temperature
     ``temperature``. Mean over the ``2B`` vectors, in float32."""
     b = first.shape[0]
     z = F.normalize(torch.cat([first, second]).float(), dim=1)
-    similarity = z @ z.t() / temperature
+    with torch.autocast(z.device.type, enabled=False):  # autocast would run the product in bf16 / fp16
+        similarity = z @ z.t() / temperature
     # a vector is never its own candidate
     similarity = similarity.masked_fill(torch.eye(2 * b, dtype=torch.bool, device=z.device), float("-inf"))
     other_view = torch.cat([torch.arange(b, 2 * b), torch.arange(b)]).to(z.device)
