@@ -67,6 +67,7 @@ def test_settings_that_shape_no_checkpointed_tensor_resume(finished_run, overrid
     (["--distillation.teacher_run_dir=/nowhere"], "distillation (a teacher"),
     (["--loopfm.store=/nowhere"], "loopfm.store"),
     (["--model.name=baseline"], "model.name"),
+    (["--solaris.student_input=served"], "solaris.student_input"),
 ])
 def test_settings_that_add_tensors_to_the_model_are_refused_by_name(finished_run, overrides, named):
     """A teacher (its adapter and auxiliary head), a LoopFM input, another model: the checkpoint holds none of their
@@ -291,3 +292,13 @@ def test_a_compile_cache_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
     taken.write_text("not a folder")
     line = one_line(cli("train", f"--run_dir={tmp_path / 'run'}", *TINY, f"--parallelism.compile_cache_dir={taken}"), 2)
     assert line.startswith("gem-trainer:") and "parallelism.compile_cache_dir" in line and "a_file" in line
+
+
+def test_a_solaris_input_fresh_or_served_is_the_same_model():
+    """Fresh or served, the student reads one input feature: a student trained on fresh embeddings is evaluated on
+    served ones (the README's use), which the compatibility check must let through."""
+    from gem_trainer.run_folder import state_settings
+
+    fresh = load_config(None, ["--solaris.student_input=fresh", "--solaris.teacher_run_dir=t"])
+    served = load_config(None, ["--solaris.student_input=served", "--solaris.teacher_run_dir=t", "--solaris.output=o"])
+    assert state_settings(fresh) == state_settings(served) != state_settings(load_config(None, []))

@@ -24,6 +24,7 @@ MODEL_SECTIONS = {"domain_experts": ("model.domain_experts", "model.kunlun")}
 # what a teacher adds to the model, named as a refusal says it (before the settings of what it adds)
 TEACHER = "distillation (a teacher: the student's adapter and auxiliary head)"
 LOOPFM_INPUT = "loopfm.store (the loopfm input)"
+SOLARIS_INPUT = "solaris.student_input (the solaris input)"
 
 
 def state_settings(config: TrainerConfig) -> dict[str, Any]:
@@ -41,7 +42,8 @@ def state_settings(config: TrainerConfig) -> dict[str, Any]:
     settings[LOOPFM_INPUT] = loopfm.store is not None
     for key in ("dim", "key_only", "user_feature"):
         settings[f"loopfm.{key}"] = getattr(loopfm, key) if loopfm.store is not None else None
-    settings["solaris.student_input"] = config.solaris.student_input
+    # fresh or served, the same input feature: a student trained on one is evaluated on the other
+    settings[SOLARIS_INPUT] = config.solaris.student_input != "none"
     return settings
 
 
@@ -81,8 +83,9 @@ def check_same_model(config: TrainerConfig, evaluating: bool = False) -> None:
             return
         raise ConfigError(f"run_dir: {run_dir} holds a run whose config no longer loads ({error}); use a new run_dir") from None
     before, after = state_settings(previous), state_settings(config)
+    headline = ("model.name", TEACHER, LOOPFM_INPUT, SOLARIS_INPUT)  # said first
     changed = sorted((key for key in set(before) | set(after) if before.get(key) != after.get(key)),
-                     key=lambda key: (key not in ("model.name", TEACHER, LOOPFM_INPUT), key))  # said first
+                     key=lambda key: (key not in headline, key))
     if changed:
         shown = "; ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed[:4])
         more = f" (+{len(changed) - 4} more)" if len(changed) > 4 else ""
