@@ -105,7 +105,6 @@ class DataSetup:
 def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool = True) -> DataSetup:
     """This rank's training stream and held-out data; with ``loopfm.store`` (and ``representations``) every
     batch, held-out ones too, carries its examples' LoopFM histories (the teacher's pass reads the data without)."""
-    from gem_trainer.config import ConfigError
 
     d = config.data
     # with balancing or a surface filter every rank reads the same global batches and keeps its share of them
@@ -163,7 +162,7 @@ def resolve_schedule(config: TrainerConfig, data: DataSetup, env: DistributedEnv
     """``config`` with ``schedule.steps`` decided by ``schedule.epochs`` (unchanged without it): enough global
     batches of ``data.batch_size x ranks`` examples to pass ``epochs`` times over ``data``'s training rows, the
     last batch possibly straddling into the next pass."""
-    from gem_trainer.config import ConfigError, with_schedule_steps
+    from gem_trainer.config import with_schedule_steps
 
     s = config.schedule
     if s.epochs is None:
@@ -226,7 +225,6 @@ def build_representation_join(config: TrainerConfig, source: BatchSource, global
     been written over data with the same features (its user ids are this data's), and over at least the examples
     this run trains on (``schedule.steps`` global batches of ``global_batch``): past what the teacher's pass
     covered, the histories would stop at its last example without a word (as soft labels, refused)."""
-    from gem_trainer.config import ConfigError
     from gem_trainer.run_folder import spec_record
 
     loop = config.loopfm
@@ -256,7 +254,6 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
     """The mixed training stream of ``[data.mixture]`` (every source read in place, aligned into one union
     spec), and the held-out data of its evaluation source: ``(mixer, ranking data set, eval batches, held-out Parquet
     table)``."""
-    from gem_trainer.config import ConfigError
 
     d, m = config.data, config.data.mixture
     corpora: dict[tuple[str, str], SequenceCorpus] = {}
@@ -325,7 +322,6 @@ def _check_eval_split(config: TrainerConfig, dataset: NextItemDataset, what: str
     """Refuse an evaluation split that ``dataset`` (``what`` it is, for the message) cannot give: a period of the time
     split from data without event times (not split), or the leave-one-out targets of a time split's periods (their
     training targets include them)."""
-    from gem_trainer.config import ConfigError
 
     split, split_data = config.data.sequential.eval_split, isinstance(dataset, TimeSplitDataset)
     if split in ("next_period", "offline_period") and not split_data:
@@ -340,7 +336,6 @@ def check_mixture_reads(config: TrainerConfig, data: DataSetup) -> None:
     """Refuse a schedule that reads a mixture's online source past its end: the stream is read once, in time order,
     and the draws of every step are known before training (replaying it from its start would train on the online
     period again, out of time order)."""
-    from gem_trainer.config import ConfigError
 
     if data.mixer is None:
         return
@@ -525,7 +520,6 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
 def teacher_step(config: TrainerConfig) -> int:
     """The teacher's checkpoint step: ``distillation.teacher_step``, else its run's newest."""
     from gem_trainer.checkpoint import CheckpointManager
-    from gem_trainer.config import ConfigError
 
     d = config.distillation
     record = Path(d.teacher_run_dir) / "config.toml"
@@ -596,7 +590,6 @@ def apply_low_precision(config: TrainerConfig, model: nn.Module) -> list[str]:
 def build_soft_labels(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) -> SoftLabelStore | None:
     """The store of offline distillation (None unless ``distillation.soft_labels``), checked against this run:
     the same features, global batch size and at least ``schedule.steps`` steps."""
-    from gem_trainer.config import ConfigError
     from gem_trainer.run_folder import spec_record
 
     folder = config.distillation.soft_labels
@@ -630,7 +623,6 @@ def task_weights(config: TrainerConfig, spec: FeatureSpec) -> torch.Tensor:
 
 def build_parallel_dims(config: TrainerConfig, env: DistributedEnv) -> ParallelDims:
     """The layout of ``[parallelism]`` on this job's ranks; a bad degree is a one-line ``ConfigError``."""
-    from gem_trainer.config import ConfigError
 
     p = config.parallelism
     try:
@@ -687,7 +679,6 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
     from torchrec.distributed.planner.types import PlannerError
     from torchrec.optim import RowWiseAdagrad
 
-    from gem_trainer.config import ConfigError
 
     o = config.optimizer
     sparse_optimizer, sparse_kwargs = (RowWiseAdagrad, {"lr": o.sparse_lr, "eps": o.sparse_eps}) if o.sparse == "rowwise_adagrad" \

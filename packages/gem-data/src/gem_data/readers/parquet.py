@@ -154,7 +154,7 @@ class ParquetTable:
     def take(self, block: int, rows: torch.Tensor, epoch: int) -> Batch:
         if block not in self._cache:
             f, g = self._groups[block]
-            table = _row_group(_open(self.paths[f]), self.paths[f], g)
+            table = _row_group(pq.ParquetFile(self.paths[f]), self.paths[f], g)  # (opened and checked at construction)
             decoded = self.layout.decode(table, self.paths[f], 0, self.time_base)
             self._cache[block] = select_examples(decoded.batch, self._valid_rows[block])
             while len(self._cache) > self._cache_size:

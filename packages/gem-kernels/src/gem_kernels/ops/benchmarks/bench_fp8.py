@@ -35,8 +35,8 @@ from gem_kernels.fp8 import (fp8_attention_operands, fp8_blockwise_quantize, fp8
                              sequence_aligned_layout)
 from gem_kernels.fp8_linear import Fp8Recipe, fp8_linear
 from gem_kernels.ops.benchmarks.provenance import git_commit
-from gem_kernels.ops.benchmarks.run_all import (Recorder, bench_ms, fwd_bwd, guarded, lognormal_lengths, offsets,
-                                                pairs_self)
+from gem_kernels.ops.benchmarks.run_all import (Recorder, bench_ms, fwd_bwd, guarded, kernel_times, lognormal_lengths,
+                                                offsets, pairs_self)
 
 TOKENS = (16384, 65536, 262144, 1048576)
 MLP_TOKENS = (65536, 262144, 1048576)
@@ -234,20 +234,10 @@ KERNEL_KINDS = (
 def kernel_breakdown(run, calls: int = 5) -> dict:
     """GPU milliseconds of one ``run()`` per kernel kind (``KERNEL_KINDS``, else "other") and in all, from the
     profiler: where the FP8 block's time goes beside its GEMMs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        torch.cuda.synchronize()
     kinds: dict[str, float] = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if us:
-            kind = next((k for k, test in KERNEL_KINDS if test(e.key)), "other")
-            kinds[kind] = kinds.get(kind, 0.0) + us / calls / 1e3
+    for name, ms in kernel_times(run, calls).items():
+        kind = next((k for k, test in KERNEL_KINDS if test(name)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
     return {"kernel_ms": round(sum(kinds.values()), 4),
             "kernel_kinds_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}}
 

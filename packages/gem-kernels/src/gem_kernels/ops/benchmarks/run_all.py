@@ -49,21 +49,28 @@ def target(family: str, pas: str):
     return TARGETS.get((family, pas), TARGETS.get((family, "fwd")) if pas == "fwd+bwd" else None)
 
 
-def kernel_ms(fn, inputs, pas: str, calls: int = 10) -> float:
-    """GPU kernel time of one call (summed over its kernels, from the profiler): against the wall time of
-    ``timed``, what the host adds (launch overhead, Python) when the GPU waits for it."""
+def kernel_times(run, calls: int = 10) -> dict[str, float]:
+    """GPU milliseconds of one ``run()`` per kernel name, from the profiler (after one call outside it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    run = fn if pas == "fwd" else fwd_bwd(fn, inputs)
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             run()
         torch.cuda.synchronize()
-    us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-             for e in prof.key_averages())
-    return round(us / calls / 1e3, 4)
+    times = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us:
+            times[e.key] = times.get(e.key, 0.0) + us / calls / 1e3
+    return times
+
+
+def kernel_ms(fn, inputs, pas: str, calls: int = 10) -> float:
+    """GPU kernel time of one call (summed over its kernels, from the profiler): against the wall time of
+    ``timed``, what the host adds (launch overhead, Python) when the GPU waits for it."""
+    return round(sum(kernel_times(fn if pas == "fwd" else fwd_bwd(fn, inputs), calls).values()), 4)
 
 
 def timed(fn, inputs, pas: str) -> float:
