@@ -98,6 +98,28 @@ def test_an_online_student_keeps_its_teacher_checkpoint_when_resumed(teacher, tm
     assert written["teacher_step"] == 20 and json.loads((labels / "meta.json").read_text())["teacher"]["step"] == 20
 
 
+def test_a_pass_records_the_checkpoint_it_loaded_while_the_teacher_trains_on(teacher, tmp_path, monkeypatch):
+    """The teacher writes a newer checkpoint once the pass has loaded its newest: the store records the one loaded."""
+    import shutil
+
+    from gem_trainer import builders
+
+    copy = tmp_path / "teacher"
+    shutil.copytree(teacher, copy)
+    load = builders.build_teacher
+
+    def load_then_the_teacher_saves(*args):
+        loaded = load(*args)
+        shutil.copytree(copy / "checkpoints" / "step-20", copy / "checkpoints" / "step-30")
+        return loaded
+
+    monkeypatch.setattr(builders, "build_teacher", load_then_the_teacher_saves)
+    labels = tmp_path / "labels"
+    written = posttrain(student_config(tmp_path / "pass", f"--distillation.teacher_run_dir={copy}",
+                                       f"--distillation.soft_labels={labels}"), init_distributed("cpu", "gloo"))
+    assert written["teacher_step"] == 20 and json.loads((labels / "meta.json").read_text())["teacher"]["step"] == 20
+
+
 def test_a_store_that_does_not_fit_the_run_is_refused_in_one_line(teacher, tmp_path):
     labels = tmp_path / "labels"
     posttrain(student_config(tmp_path / "pass", f"--distillation.teacher_run_dir={teacher}", f"--distillation.soft_labels={labels}",

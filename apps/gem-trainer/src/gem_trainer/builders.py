@@ -483,8 +483,9 @@ def build_student(config: TrainerConfig, model: nn.Module) -> nn.Module:
 
 
 def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) -> tuple[nn.Module, nn.Module] | None:
-    """The teacher of distillation, sharded like a trained model and loaded from its checkpoint (``teacher_step``),
-    with its unsharded twin (which answers FLOP questions)."""
+    """The teacher of distillation, sharded like a trained model and loaded from its checkpoint (``teacher_step``:
+    pin it first with ``pin_teacher_step`` where the step is recorded), with its unsharded twin (which answers FLOP
+    questions)."""
     import torch.distributed.checkpoint as dcp
 
     from gem_trainer.checkpoint import CheckpointManager
@@ -553,10 +554,25 @@ def with_teacher_step(config: TrainerConfig) -> TrainerConfig:
         recorded = load_config(record).distillation
         if recorded.teacher_run_dir is not None and Path(recorded.teacher_run_dir).resolve() == Path(d.teacher_run_dir).resolve():
             step = recorded.teacher_step
-    def pinned(at: int | None) -> TrainerConfig:
-        return config.model_copy(update={"distillation": d.model_copy(update={"teacher_step": at})})
+    return pin_teacher_step(config.model_copy(update={"distillation": d.model_copy(update={"teacher_step": step})}))
 
-    return pinned(teacher_step(pinned(step)))
+
+def pin_teacher_step(config: TrainerConfig) -> TrainerConfig:
+    """``config`` with ``distillation.teacher_step`` set to the checkpoint ``teacher_step`` picks, the same on every
+    rank (rank 0's pick).
+
+    NOTE: a teacher still training writes new checkpoints: asking for its newest twice (to load it, then to record
+    it) or on each rank could give two steps, a store recording another teacher than the one that wrote it, or ranks
+    loading different teachers."""
+    import torch.distributed as dist
+
+    step = teacher_step(config)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = [step]
+        dist.broadcast_object_list(agreed, src=0)
+        step = agreed[0]
+    d = config.distillation
+    return config.model_copy(update={"distillation": d.model_copy(update={"teacher_step": step})})
 
 
 def apply_low_precision(config: TrainerConfig, model: nn.Module) -> list[str]:

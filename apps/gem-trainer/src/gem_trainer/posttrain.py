@@ -69,8 +69,9 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
         spec = builders.model_spec(config, data.spec)
     except RepresentationError as error:
         raise ConfigError(f"loopfm.key_only: {error}") from None
+    config = builders.pin_teacher_step(config)  # the checkpoint loaded is the one recorded
+    teacher_step = config.distillation.teacher_step
     teacher, _ = builders.build_teacher(config, spec, env)
-    teacher_step = builders.teacher_step(config)  # the checkpoint build_teacher loaded
     global_batch = config.data.batch_size * env.world_size
     meta = {"teacher": {"run_dir": str(d.teacher_run_dir), "step": teacher_step}, "spec": spec_record(spec),
             "global_batch_size": global_batch, "seed": config.seed,

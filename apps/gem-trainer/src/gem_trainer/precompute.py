@@ -106,8 +106,9 @@ def build_scorer(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv) 
     if folder is None:
         raise ConfigError("solaris: needs a teacher: solaris.teacher_run_dir or distillation.teacher_run_dir (a finished run)")
     as_teacher = config.model_copy(update={"distillation": config.distillation.model_copy(update={"teacher_run_dir": folder})})
+    as_teacher = builders.pin_teacher_step(as_teacher)  # the checkpoint loaded is the one recorded
+    step = as_teacher.distillation.teacher_step
     teacher, unsharded = builders.build_teacher(as_teacher, spec, env)
-    step = builders.teacher_step(as_teacher)  # the checkpoint build_teacher loaded
     precision = autocast_dtype(config.precision.autocast, env.device)
 
     def score(batch: Batch) -> torch.Tensor:
