@@ -395,7 +395,7 @@ def test_a_lookup_bounded_by_the_examples_time_uses_no_later_example():
     early = [CacheEntry(e.user, e.item, e.group, e.timestamp, e.embedding, t) for e, t in zip(early, (10.0, 5.0))]
     late = [CacheEntry(e.user, e.item, e.group, e.timestamp, e.embedding, 20.0) for e in late]
     cache.put(early + late)
-    index.add(np.array([1, 2]), np.array([[1.0, 0, 0], [0, 1.0, 0]]))
+    index.add(np.array([1, 2]), np.array([[1.0, 0, 0], [0, 1.0, 0]]), np.array([10.0, 5.0]))
     default.add(np.stack([e.embedding for e in early]), np.array([10.0, 5.0]))
     default.add(np.stack([e.embedding for e in late]), np.array([20.0]))
     lookup = FallbackLookup(cache, index, default, ttl_s=100, neighbours=1, clock=clock)
@@ -413,3 +413,49 @@ def test_a_lookup_bounded_by_the_examples_time_uses_no_later_example():
         assert (served.level, float(served.embedding[0])) == (level, value), (user, item, before)
     assert float(lookup.lookup(3, 12, 9, near_user_2).embedding[0]) == pytest.approx(8 / 3)  # unbounded: everything
     assert lookup.lookup(1, 11, 7, near_user_2).level == "exact"
+
+
+def test_a_bounded_lookup_chooses_neighbours_as_they_behaved_before_the_example():
+    """User 3 comes to behave like user 1 only later (time 20): a row at time 10 must not take user 3 as a
+    neighbour by that later behaviour, but user 2, the nearest then."""
+    clock = Clock()
+    cache = MemoryCache(ttl_s=100, clock=clock)
+    cache.put([CacheEntry(2, 30, 7, clock.now, np.full(4, 4.0, np.float32), 5.0),
+               CacheEntry(3, 30, 7, clock.now, np.full(4, 8.0, np.float32), 6.0)])
+    index = UserIndex(dim=3)
+    index.add(np.array([2, 3]), np.array([[0.0, 1, 0], [1.0, 0, 0]]), np.array([5.0, 6.0]))
+    index.add(np.array([3, 2]), np.array([[0.0, 1, 0], [1.0, 0, 0]]), np.array([20.0, 20.0]))
+    lookup = FallbackLookup(cache, index, DefaultEmbedding(4), ttl_s=100, neighbours=1, clock=clock)
+    like_user_1 = np.array([0.0, 1.0, 0.0])
+    bounded = lookup.lookup(1, 30, 9, like_user_1, before=10.0)
+    assert (bounded.level, float(bounded.embedding[0])) == ("neighbours", 4.0)
+    assert float(lookup.lookup(1, 30, 9, like_user_1).embedding[0]) == 8.0  # unbounded: as they behave now
+    assert index.query(like_user_1, 2, before=5.0) == []  # nothing strictly before the first time
+    assert index.query(like_user_1, 2, before=float("nan")) == []  # an example without a time: none
+
+
+def test_bounded_user_index_queries_equal_a_search_over_each_users_newest_vector_before_the_time(tmp_path):
+    rng = np.random.default_rng(1)
+    rows, dim = 700, 8
+    users = rng.integers(0, 60, rows) * 3
+    times = rng.integers(0, 200, rows).astype(np.float64)  # repeated times: the row added last wins
+    times[::17] = np.nan  # rows without a time answer only unbounded queries
+    vectors = rng.normal(size=(rows, dim))
+    index = UserIndex(dim)
+    for lo in range(0, rows, 64):  # added in batches, out of time order
+        index.add(users[lo : lo + 64], vectors[lo : lo + 64], times[lo : lo + 64])
+    loaded = UserIndex.load(index.save(tmp_path / "users.npz"))
+    for before in [0.0, 1.0, 57.5, 100.0, 150.0, 199.0, 250.0]:
+        query = rng.normal(size=dim)
+        newest = {}
+        for r in range(rows):  # each user's last-added row among those of the newest time before ``before``
+            if times[r] < before and (users[r] not in newest or times[r] >= times[newest[users[r]]]):
+                newest[users[r]] = r
+        unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+        scores = {int(u): float(unit[r] @ (query / np.linalg.norm(query))) for u, r in newest.items()}
+        expected = sorted(scores, key=lambda u: -scores[u])[:5]
+        assert index.query(query, 5, before=before) == expected, before
+        assert loaded.query(query, 5, before=before) == expected, before
+        excluded = expected[0] if expected else None
+        assert index.query(query, 5, exclude=excluded, before=before) == [u for u in sorted(scores, key=lambda u: -scores[u])
+                                                                           if u != excluded][:5]

@@ -4,8 +4,8 @@ Levels, in order (``gem_transfer.solaris.report.LEVELS``); an entry counts only 
 1. ``exact``: the cached entry of the pair;
 2. ``user_group``: the mean of the user's newest fresh entries for items of the same group;
 3. ``neighbours``: the mean of the fresh entries for this item of the ``neighbours`` users whose behaviour is
-   most like this user's (``UserIndex``), or, where none of them has this item, of their newest entries in the
-   same group;
+   most like this user's (``UserIndex``; bounded, as each user behaved before that time), or, where none of them
+   has this item, of their newest entries in the same group;
 4. ``default``: the mean of every embedding written so far (``DefaultEmbedding``).
 The age of a served answer is that of the oldest entry it used (the default has none). A backend that cannot
 reach its server answers nothing (``RedisCache``), so its levels miss and the next one answers.
@@ -150,7 +150,7 @@ class FallbackLookup:
         if fresh:
             return self._mean(fresh, "user_group", now)
         if self.index is not None and behaviour is not None and self.neighbours:
-            similar = self.index.query(behaviour, self.neighbours, exclude=user)
+            similar = self.index.query(behaviour, self.neighbours, exclude=user, before=before)
             if similar:
                 fresh = [e for e in self.cache.get([(u, item) for u in similar]) if e is not None and usable(e)]
                 if not fresh:

@@ -116,7 +116,7 @@ class PrecomputeWorker:
         times = example_times(batch).numpy()[rows]
         self.cache.put([CacheEntry(u, i, g, now, e, float(t)) for u, i, g, e, t in zip(users, items, groups, embeddings, times)])
         if self.index is not None:
-            self.index.add(keys.users[rows], keys.behaviour[rows])
+            self.index.add(keys.users[rows], keys.behaviour[rows], times)
         if self.default is not None:
             self.default.add(embeddings, times)
         self.seconds["write"] += time.perf_counter() - written
