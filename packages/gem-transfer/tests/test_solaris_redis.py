@@ -124,6 +124,15 @@ def test_entries_still_kept_at_close_are_handed_back(server):
     assert [(e.user, e.item) for e in cache.unflushed()] == [(1, 10)]
 
 
+def test_asking_whether_a_prefix_is_in_use_of_a_stopped_server_is_one_line(server):
+    cache = RedisCache(server.url, ttl_s=100, prefix="t6", retry_s=60.0, timeout_s=0.2)
+    assert not cache.holds_entries()
+    server.stop()
+    with pytest.raises(CacheError, match=r"^Redis at redis://"):
+        cache.holds_entries()
+    cache.close()
+
+
 def test_a_write_racing_the_servers_return_is_not_left_behind(server):
     """put() decides between writing and keeping under the lock: here another thread brings the server back and
     flushes the kept entries just after put() found it away; the entry must still reach the server."""

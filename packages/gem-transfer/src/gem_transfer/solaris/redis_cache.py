@@ -168,7 +168,9 @@ class RedisCache:
 
     def holds_entries(self) -> bool:
         """Whether the server holds any key under this cache's prefix (an earlier pass's entries, which a new pass
-        would be served as its own)."""
+        would be served as its own); a server it cannot ask is a ``CacheError``."""
+        import redis
+
         try:
             return next(iter(self.client.scan_iter(match=f"{self.prefix}:*", count=100)), None) is not None
         except redis.RedisError as error:
