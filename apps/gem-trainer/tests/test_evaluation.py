@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from gem_trainer.evaluation import auc, binary_metrics, calibration, normalized_entropy, ranking_metrics, target_ranks
@@ -23,8 +24,8 @@ def test_auc_matches_pairwise_definition_with_ties():
 
 def test_ne_is_one_for_the_base_rate_and_lower_for_better_predictions():
     labels = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    assert math.isclose(normalized_entropy(torch.full((4,), 0.25), labels), 1.0, rel_tol=1e-9)
-    assert normalized_entropy(torch.tensor([0.9, 0.1, 0.1, 0.1]), labels) < 0.5
+    assert math.isclose(normalized_entropy(torch.logit(torch.full((4,), 0.25)), labels), 1.0, rel_tol=1e-9)
+    assert normalized_entropy(torch.logit(torch.tensor([0.9, 0.1, 0.1, 0.1])), labels) < 0.5
     assert calibration(torch.full((4,), 0.25), labels) == 1.0
 
 
@@ -46,7 +47,9 @@ def test_confident_logits_keep_their_order_and_their_loss():
     labels = torch.tensor([[0.0], [1.0], [0.0], [1.0]])
     result = binary_metrics(logits, labels, torch.zeros(4, dtype=torch.long), ("click",), 1)
     assert result["click/all/auc"] == 1.0
-    assert result["click/all/ne"] > 10  # two confident mistakes cost their full cross-entropy
+    # two confident mistakes cost their full cross-entropy (17 and 20 nats: a clamped probability capped them at ~16)
+    exact = torch.nn.functional.binary_cross_entropy_with_logits(logits.double(), labels.double()).item() / math.log(2)
+    assert result["click/all/ne"] == pytest.approx(exact, rel=1e-12) and exact > 9
 
 
 def test_ranking_metrics_on_a_hand_made_example():
@@ -80,8 +83,8 @@ def test_nan_scores_never_flatter_a_model():
 
 
 def test_ne_of_a_group_with_one_class_is_nan_like_its_auc_and_calibration():
-    assert math.isnan(normalized_entropy(torch.full((50,), 0.02), torch.zeros(50)))
-    assert math.isnan(normalized_entropy(torch.full((50,), 0.9), torch.ones(50)))
+    assert math.isnan(normalized_entropy(torch.logit(torch.full((50,), 0.02)), torch.zeros(50)))
+    assert math.isnan(normalized_entropy(torch.logit(torch.full((50,), 0.9)), torch.ones(50)))
     g = torch.Generator().manual_seed(0)
     probs, labels = torch.rand(100, 1, generator=g), (torch.rand(100, 1, generator=g) < 0.3).float()
     surface = torch.zeros(100, dtype=torch.long)

@@ -5,18 +5,21 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
-def normalized_entropy(probs: torch.Tensor, labels: torch.Tensor, eps: float = 1e-7) -> float:
-    """Cross-entropy of ``probs`` divided by the entropy of always predicting the base rate (lower is better;
-    1.0 means no better than the base rate); NaN if one class is absent (the base rate's entropy is then zero: no
-    prediction can be compared with it, as AUC and calibration say NaN there)."""
-    p = probs.double().clamp(eps, 1 - eps)
+def normalized_entropy(logits: torch.Tensor, labels: torch.Tensor, eps: float = 1e-7) -> float:
+    """Cross-entropy of the predictions (``logits``) divided by the entropy of always predicting the base rate (lower
+    is better; 1.0 means no better than the base rate); NaN if one class is absent (the base rate's entropy is then
+    zero: no prediction can be compared with it, as AUC and calibration say NaN there).
+
+    NOTE: from the logits in float64: every example costs its full cross-entropy (a probability clamped away from 0
+    and 1 capped a confident mistake at -log(eps), ~16 nats where a logit of 30 costs 30)."""
     y = labels.double()
     positives = float(y.sum())
     if positives == 0 or positives == y.numel():
         return float("nan")
-    cross_entropy = -(y * p.log() + (1 - y) * (1 - p).log()).mean()
+    cross_entropy = F.binary_cross_entropy_with_logits(logits.double(), y)
     rate = float(y.mean().clamp(eps, 1 - eps))
     base = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
     return float(cross_entropy) / base
@@ -53,8 +56,9 @@ def binary_metrics(
 ) -> dict[str, float]:
     """``{task}/{all|surface_k}/{ne,auc,calibration,count}`` for ``logits, labels [N, num_tasks]``.
 
-    NOTE: AUC ranks the logits and NE / calibration read float64 probabilities: in float32 every logit past ~16.6
-    rounds to probability 1.0, and confident examples would tie (AUC) or lose their cross-entropy."""
+    NOTE: AUC ranks the logits, NE takes them through a float64 cross-entropy and calibration reads float64
+    probabilities: in float32 every logit past ~16.6 rounds to probability 1.0, and confident examples would tie
+    (AUC) or lose their cross-entropy."""
     probs = torch.sigmoid(logits.double())
     result: dict[str, float] = {}
     groups = [("all", torch.ones_like(surface, dtype=torch.bool))]
@@ -66,7 +70,7 @@ def binary_metrics(
             result[f"{prefix}/count"] = float(mask.sum())
             if p.numel() == 0:
                 continue
-            result[f"{prefix}/ne"] = normalized_entropy(p, y)
+            result[f"{prefix}/ne"] = normalized_entropy(logits[mask, t], y)
             result[f"{prefix}/auc"] = auc(logits[mask, t], y)
             result[f"{prefix}/calibration"] = calibration(p, y)
     return result
