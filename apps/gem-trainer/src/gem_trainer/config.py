@@ -320,7 +320,9 @@ class DataConfig(Section):
     path: str | None = None  # the data file (sequence_text, parquet) or folder (atomic)
     eval_path: str | None = None  # parquet: held-out file(s)
     batch_size: int = Field(256, ge=1)
-    eval_batches: int = Field(40, ge=1)  # synthetic held-out batches (a parquet eval_path is read whole)
+    # synthetic held-out global batches (of batch_size x ranks examples: runs of one global batch size evaluate
+    # the same examples); a parquet eval_path is read whole
+    eval_batches: int = Field(40, ge=1)
     num_workers: int = Field(0, ge=0)
     # batches read on a background thread one step ahead (true), or on the training thread when the step asks
     # (false: the same batches without a thread, the thread's reference; see gem_data.read_ahead)

@@ -57,7 +57,8 @@ class SyntheticStream(ShardedStream):
 
 def eval_batches(generator: SyntheticGenerator, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1):
     """The held-out split: ``num_batches`` global batches of ``world_size * batch_size`` examples, this rank's
-    slice of each (the held-out examples do not depend on the number of ranks)."""
+    slice of each. The examples are those of the global batch size: the same however it is split over ranks (the
+    generator draws a batch whole, so another global batch size draws other examples)."""
     rows = torch.arange(batch_size * world_size).tensor_split(world_size)[rank]
     for index in range(num_batches):
         batch = generator.batch(index, batch_size * world_size, split="eval")
