@@ -224,6 +224,21 @@ def test_too_few_items_for_the_sampled_ranking_is_found_before_training(tmp_path
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
+def test_too_few_items_rated_before_a_time_split_period_is_found_before_training(tmp_path):
+    """A time split ranks each event among the items rated before it: fewer than the catalogue's free items."""
+    folder = tmp_path / "toy"
+    folder.mkdir()
+    rows = [f"{u}\t{1 + (u * 5 + 3 * k) % 60}\t{1000 * k + 7 * u}" for u in range(1, 41) for k in range(2 + u % 9)]
+    (folder / "toy.inter").write_text("user_id:token\titem_id:token\ttimestamp:float\n" + "\n".join(rows) + "\n")
+    line = one_line(cli("train", f"--run_dir={tmp_path / 'r'}", "--config",
+                        str(Path(__file__).parents[1] / "configs" / "mixing-ml100k-time.toml"), f"--data.path={folder}",
+                        "--data.sequential.time_split=[0.6, 0.85]", "--data.sequential.eval_split=offline_period",
+                        "--data.sequential.eval_negatives=50", "--data.mixture.ramp_start=0", "--data.mixture.ramp_steps=4",
+                        *TINY), 2)
+    assert "data.sequential.eval_negatives (50) exceeds the" in line and "rated before the ranked event" in line
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path):
     line = one_line(cli("train", "--device=cuda", f"--run_dir={tmp_path / 'r'}"), 2)

@@ -123,6 +123,18 @@ def test_time_split_rankings_draw_negatives_among_the_items_rated_before_the_eve
             data.ranking_examples(split)
 
 
+def test_the_fewest_free_items_of_a_period_is_the_most_negatives_its_ranking_can_draw(corpus):
+    """Counted among the items rated before each ranked event, not over the whole catalogue (which the trainer's
+    check before training read, to fail only at evaluation)."""
+    data = dataset(corpus, "offline")
+    assert data.fewest_free_items("offline_period") < data.sampler.fewest_free_items()
+    for split in ("next_period", "offline_period"):
+        fewest = data.fewest_free_items(split)
+        data.ranking_examples(split, "sampled", num_negatives=fewest)
+        with pytest.raises(ValueError, match="among the items rated before the ranked event"):
+            data.ranking_examples(split, "sampled", num_negatives=fewest + 1)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_distinct_negatives_among_a_catalogue_take_as_many_rounds_of_draws_as_they_need(seed):
     """A user owning a third of a small catalogue: the first round's draws rarely give 18 distinct unowned items,

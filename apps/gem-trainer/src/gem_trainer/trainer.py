@@ -194,10 +194,12 @@ class Trainer:
         s, ranking = self.config.data.sequential, self.data.ranking
         if ranking is None or "sampled" not in s.eval_protocols:
             return
-        fewest = ranking.sampler.fewest_free_items()
+        fewest = ranking.fewest_free_items(s.eval_split)
         if fewest < s.eval_negatives:
+            before = " among the items rated before the ranked event" if s.eval_split in ("next_period", "offline_period") else ""
             raise ConfigError(f"data.sequential.eval_negatives ({s.eval_negatives}) exceeds the {fewest} items some user of "
-                              f"{self.config.data.path} has not interacted with: set it to at most {fewest}")
+                              f"{self.config.data.path} has not interacted with{before} ({s.eval_split} split): set it to "
+                              f"at most {fewest}")
 
     # -- state -----------------------------------------------------------------------------------------------
     def distributed_state(self) -> dict[str, Any]:

@@ -49,6 +49,9 @@ class AlignedRanking:
             raise AlignmentError(f"source {self.name!r}: a catalogue spans one id space; the mixture has {list(self.alignment.spaces)}")
         return self.dataset.catalogue()
 
+    def fewest_free_items(self, split: str = "test") -> int:
+        return self.dataset.fewest_free_items(split)
+
     def ranking_examples(self, split: str = "test", protocol: str = "sampled", num_negatives: int = 99, seed: int = 0) -> RankingExamples:
         """The source's ranking inputs with candidates in union ids (``target_index`` is unchanged)."""
         ranking = self.dataset.ranking_examples(split, protocol, num_negatives, seed)

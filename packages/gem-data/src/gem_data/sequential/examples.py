@@ -243,6 +243,11 @@ class NextItemDataset:
         )
 
     # -- evaluation ---------------------------------------------------------------------------------------------
+    def fewest_free_items(self, split: str = "test") -> int:
+        """The most distinct sampled negatives every query of ``split`` can get: the fewest items a user has not
+        interacted with."""
+        return self.sampler.fewest_free_items()
+
     def ranking_examples(
         self, split: Literal["valid", "test"] = "test", protocol: Literal["sampled", "full"] = "sampled", num_negatives: int = 99, seed: int = 0
     ) -> RankingExamples:

@@ -133,26 +133,30 @@ class NegativeSampler:
         owned = torch.bincount(self.owned_keys // self.num_items)
         return self.num_items - int(owned.max()) if owned.numel() else self.num_items
 
+    def free_items(self, users: torch.Tensor, among: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``[U]``: how many items outside each user's sequence ``draw_distinct`` can draw from (``among`` as there)."""
+        if among is None:
+            owned_per_user = torch.bincount(self.owned_keys // self.num_items, minlength=int(users.max()) + 1 if users.numel() else 0)
+            return self.num_items - owned_per_user[users]
+        item_order, known = among
+        rank = torch.empty_like(item_order)
+        rank[item_order] = torch.arange(item_order.numel())
+        # the user's items among each row's first known[i]: owned (user, rank) keys counted below (user, known[i])
+        owned_user, owned_item = self.owned_keys // self.num_items, self.owned_keys % self.num_items
+        ranked = (owned_user * self.num_items + rank[owned_item]).sort().values
+        base = users * self.num_items
+        return known - (torch.searchsorted(ranked, base + known) - torch.searchsorted(ranked, base))
+
     def draw_distinct(self, users: torch.Tensor, count: int, generator: torch.Generator,
                       among: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``[U, count]`` distinct items per user, none in the user's sequence, uniform over the rest: of all items, or
         with ``among = (order, known)`` of row ``i``'s first ``known[i]`` items of ``order`` (a permutation of the
         items: a time split's catalogue at each ranked event, ``order`` by first appearance)."""
-        if among is None:
-            owned_per_user = torch.bincount(self.owned_keys // self.num_items, minlength=int(users.max()) + 1 if users.numel() else 0)
-            free = self.num_items - owned_per_user[users]
-        else:
-            item_order, known = among
-            rank = torch.empty_like(item_order)
-            rank[item_order] = torch.arange(item_order.numel())
-            # the user's items among each row's first known[i]: owned (user, rank) keys counted below (user, known[i])
-            owned_user, owned_item = self.owned_keys // self.num_items, self.owned_keys % self.num_items
-            ranked = (owned_user * self.num_items + rank[owned_item]).sort().values
-            base = users * self.num_items
-            free = known - (torch.searchsorted(ranked, base + known) - torch.searchsorted(ranked, base))
+        free = self.free_items(users, among)
         if users.numel() and int(free.min()) < count:
             where = "their sequence" if among is None else "their sequence among the items rated before the ranked event"
             raise ValueError(f"some user has fewer than {count} items outside {where} to sample from")
+        item_order, known = among if among is not None else (None, None)
         result = torch.full((users.numel(), count), -1, dtype=torch.int64)
         pending = torch.arange(users.numel())
         draws = 2 * count + 8

@@ -152,6 +152,17 @@ class TimeSplitDataset(NextItemDataset):
         candidates = torch.where(columns == target_index[:, None], target[:, None], negatives.gather(1, source.clamp(min=0)))
         return RankingExamples(split, protocol, users, self.history(users, history_length), history_length, candidates, target_index)
 
+    def fewest_free_items(self, split: str = "next_period") -> int:
+        """The most distinct sampled negatives every query of ``split`` (a period) can get: the fewest items its user
+        has not interacted with among those rated before the ranked event."""
+        if split not in SPLITS:
+            return super().fewest_free_items(split)
+        events = self.next_events if split == "next_period" else self.held_out_events
+        if not events.numel():
+            return self.corpus.num_items
+        known = self.known_items(self.corpus.timestamps[events])
+        return int(self.sampler.free_items(self._users[events], (self.item_order, known)).min())
+
     def known_items(self, times: torch.Tensor) -> torch.Tensor:
         """How many items had been rated before each of ``times``: the first that many of ``item_order``."""
         return torch.searchsorted(self._first_rated, times.double(), right=False)
