@@ -312,6 +312,15 @@ def test_values_that_pass_a_bound_but_mean_nothing_are_refused_in_one_line(overr
     assert "\n" not in str(error.value)
 
 
+def test_two_synthetic_sources_reading_one_stream_are_refused_in_one_line():
+    """Both would read the same examples (the generator's stream is the source's seed)."""
+    sources = '--data.mixture.sources=[{name = "offline"}, {name = "online", online = true}]'
+    with pytest.raises(ConfigError, match=r"data\.mixture\.sources\.online\.seed: 0, as source 'offline': both would read "
+                                          r"the generator's stream 0, the same examples \(give each its own seed\)$"):
+        load_config(None, [sources])
+    load_config(None, ['--data.mixture.sources=[{name = "offline"}, {name = "online", online = true, seed = 1}]'])
+
+
 @pytest.mark.parametrize("overrides,field", [(["--distillation.weight=4"], "distillation.weight"),
                                              (["--distillation.temperature=3"], "distillation.temperature"),
                                              (["--distillation.teacher_step=5"], "distillation.teacher_step"),

@@ -275,7 +275,8 @@ class MixtureSourceConfig(Section):
     # sources naming one id space share ids (and must declare the same features); sources reading the same
     # data (reader and path) share one by default; any other source has its own, disjoint, namespace
     id_space: str | None = None
-    seed: int = Field(0, ge=0, lt=128)  # synthetic: which of the generator's disjoint streams (same ground truth)
+    # synthetic: which of the generator's disjoint streams (same ground truth); two synthetic sources need two
+    seed: int = Field(0, ge=0, lt=128)
 
 
 class MixtureConfig(Section):
@@ -377,6 +378,13 @@ class DataConfig(Section):
             if s.online and (s.reader or self.source) == "atomic" and self.sequential.time_split is None:
                 raise ValueError(f"data.mixture.sources.{s.name}: an online next-item source is the online period of a time "
                                  f"split, read in time order: set data.sequential.time_split")
+        streams: dict[int, str] = {}
+        for s in sources:
+            if (s.reader or self.source) == "synthetic":
+                if s.seed in streams:
+                    raise ValueError(f"data.mixture.sources.{s.name}.seed: {s.seed}, as source {streams[s.seed]!r}: both would "
+                                     f"read the generator's stream {s.seed}, the same examples (give each its own seed)")
+                streams[s.seed] = s.name
         if self.train_surfaces is not None and self.balance:
             raise ValueError("data.train_surfaces gives batches of varying size, which data.balance cannot split evenly")
         if self.read_ahead_process and not self.read_ahead:
