@@ -169,6 +169,18 @@ def test_source_batches_whose_fields_cannot_be_joined_as_they_are_are_gathered_s
         assert _same_batch(fast, reference)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_steps_sources_are_kept_where_only_some_source_batches_carry_them(seed):
+    steps, alignment = _random_steps(seed)
+    views = list({id(p.view): p.view for step in steps for p in step}.values())
+    for i, view in enumerate(views[:-1]):  # the last source batch carries none
+        view.batch = dataclasses.replace(view.batch, source=torch.full((view.rows,), i % 3, dtype=torch.int64))
+    one_by_one = [gathering.gather_pieces(step, alignment.spec) for step in steps]
+    assert any(batch.source is not None for batch in one_by_one)
+    for fast, reference in zip(gathering.gather_steps(steps, alignment.spec), one_by_one):
+        assert _same_batch(fast, reference)
+
+
 def test_steps_of_different_sizes_are_gathered_one_by_one():
     steps, alignment = _random_steps(3)
     steps[-1] = steps[-1][:1]  # a shorter last step

@@ -119,8 +119,9 @@ class JoinedBatches:
 
     @staticmethod
     def join(batches: list[Batch], events: list[str]) -> "JoinedBatches | None":
-        """None where the fields' types differ between batches (joining them would convert them), or a key set's ids
-        are not exactly those its lengths count (or an event type's timestamps one per event)."""
+        """None where the fields' types differ between batches (joining them would convert them), some batches carry
+        their examples' sources and others not, or a key set's ids are not exactly those its lengths count (or an
+        event type's timestamps one per event)."""
         values, lengths, times, dense, labels, surface, source, rows = [], [], [], [], [], [], [], []
         for batch in batches:
             sequences = batch.sequences
@@ -134,6 +135,8 @@ class JoinedBatches:
             source.append(batch.source)
             rows.append(batch.batch_size)
         has_source = all(t is not None for t in source)
+        if not has_source and any(t is not None for t in source):
+            return None  # NOTE: a step keeps its pieces' sources where all of them have one (gather_pieces): step by step
         if any(len({t.dtype for t in field}) > 1 for field in (values + lengths, times, dense, labels, surface,
                                                                   source if has_source else ())):
             return None
