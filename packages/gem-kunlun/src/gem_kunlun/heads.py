@@ -29,7 +29,11 @@ pytree.register_dataclass(ModelOutput)
 
 
 class MultiTaskHeads(nn.Module):
-    """Maps a ``[B, in_dim]`` representation to ``[B, num_tasks]`` logits with a separate head per surface."""
+    """Maps a ``[B, in_dim]`` representation to ``[B, num_tasks]`` logits with a separate head per surface.
+
+    NOTE: in float32 under autocast too: bfloat16 logits keep 8 bits, so the scores of a ranking tie and swap
+    (candidates within ~0.4% of each other tie, and a tie counts against the target) and AUC loses its order; the
+    head is one small GEMM, whose float32 costs nothing beside the model."""
 
     def __init__(self, in_dim: int, num_tasks: int, num_surfaces: int, device: torch.device | None = None) -> None:
         super().__init__()
@@ -38,7 +42,9 @@ class MultiTaskHeads(nn.Module):
         self.proj = nn.Linear(in_dim, num_tasks * num_surfaces, device=device)
 
     def forward(self, x: torch.Tensor, surface: torch.Tensor) -> torch.Tensor:
-        logits = self.proj(x).view(-1, self.num_surfaces, self.num_tasks)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float())
+        logits = logits.view(-1, self.num_surfaces, self.num_tasks)
         return logits.gather(1, surface.view(-1, 1, 1).expand(-1, 1, self.num_tasks)).squeeze(1)
 
     def flops_per_example(self) -> float:
