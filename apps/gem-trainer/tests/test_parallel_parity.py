@@ -192,6 +192,19 @@ def test_evaluation_reads_the_average_of_2d_sparse_replicas_with_or_without_a_fi
         assert unsaved[key] == pytest.approx(saved[key], rel=1e-6), key
 
 
+def test_a_run_trained_on_two_ranks_is_evaluated_in_one_process_on_its_own_held_out_examples(tmp_path, two_ranks):
+    """`launch` records its processes, and `eval` in one process keeps the run's global batch (the synthetic held-out
+    set is drawn in global batches): its metrics are the run's own evaluation's."""
+    assert load_config(two_ranks / "config.toml").parallelism.nproc_per_node == 2
+    out = tmp_path / "eval.json"
+    done = subprocess.run([sys.executable, "-m", "gem_trainer.cli", "eval", f"--run_dir={two_ranks}", f"--out={out}"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    evaluated, wanted = json.loads(out.read_text()), json.loads((two_ranks / "eval.json").read_text())
+    for key in ("click/all/auc", "click/all/ne", "conversion/all/auc", "click/all/count"):
+        assert evaluated[key] == pytest.approx(wanted[key], rel=1e-5), key
+
+
 def test_resume_with_another_global_batch_stops_with_one_line(tmp_path, two_ranks):
     run = tmp_path / "other-batch"
     (run / "checkpoints").mkdir(parents=True)

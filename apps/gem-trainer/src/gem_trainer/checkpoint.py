@@ -170,6 +170,15 @@ class CheckpointManager:
         if problem is not None:
             raise CheckpointError(f"checkpoint {self.path(step)} is damaged ({problem})")
 
+    def local_state(self, step: int) -> dict[str, Any]:
+        """Rank 0's local state of checkpoint ``step`` (step, data position, schedule, RNG, number of ranks), read
+        without loading the checkpoint."""
+        local = self.path(step) / "local-rank0.pt"
+        try:
+            return torch.load(local, weights_only=True)
+        except (OSError, pickle.UnpicklingError, RuntimeError) as error:
+            raise CheckpointError(f"{local} cannot be read ({first_line(error)})") from None
+
     def load(self, step: int, distributed_state: dict[str, Any]) -> dict[str, Any]:
         """Load checkpoint ``step`` (verified by ``newest_intact`` or ``require``) in place into
         ``distributed_state`` (DCP fills the given tensors); return this rank's local state."""

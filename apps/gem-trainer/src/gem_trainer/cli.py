@@ -267,6 +267,8 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
     env = init_distributed(config.device, config.parallelism.collectives)
     trainer = None
     try:
+        if args.config is None and not any(item.startswith("--data.batch_size=") for item in overrides):
+            config = _with_the_runs_global_batch(config, checkpoints, args.step, env.world_size)
         trainer = Trainer(config, env, training=False)
         if not trainer.resume(args.step, training=False):
             raise ConfigError(f"run_dir: no intact checkpoint under {checkpoints.folder}")
@@ -280,6 +282,20 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
             trainer.close()
         shutdown_distributed()
     return 0
+
+
+def _with_the_runs_global_batch(config: TrainerConfig, checkpoints, step: int | None, world_size: int) -> TrainerConfig:
+    """``config`` (the run's record) with the per-rank batch that keeps the global batch the run trained with on
+    ``world_size`` ranks: a synthetic held-out set is drawn in global batches, so the evaluation of a run trained
+    on other ranks would otherwise read other examples than its own evaluations did."""
+    step = checkpoints.complete_steps()[-1] if step is None else step
+    trained_on = checkpoints.local_state(step).get("world_size", world_size)
+    global_batch = config.data.batch_size * trained_on
+    if global_batch % world_size:
+        raise ConfigError(f"data.batch_size: the run trained on global batches of {global_batch} examples ({trained_on} "
+                          f"ranks), which {world_size} ranks cannot split evenly: evaluate on a number of ranks dividing "
+                          f"it, or pass --data.batch_size (a synthetic held-out set is then drawn in other batches)")
+    return config.model_copy(update={"data": config.data.model_copy(update={"batch_size": global_batch // world_size})})
 
 
 def _print_eval(result: dict[str, float], step: int, split: str, out: Path) -> None:
@@ -351,7 +367,8 @@ def _launch(config: TrainerConfig, args, overrides) -> int:
         command += ["--config", args.config]
     if args.debug:
         command.append("--debug")
-    command += overrides
+    # the run's record says how many processes per node trained it (evaluation keeps its global batch from it)
+    command += [*overrides, f"--parallelism.nproc_per_node={nproc}"]
     print("launching:", " ".join(command), flush=True)
     os.execv(sys.executable, command)
     return 0  # not reached

@@ -216,10 +216,13 @@ class Trainer:
                     **({"cuda": torch.cuda.get_rng_state(self.env.device)} if self.env.device.type == "cuda" else {})},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], training: bool = True) -> None:
+        """``training``: the run goes on, so its data stream continues at the saved position (an evaluation reads no
+        training data: a global batch of another size, as another number of ranks gives, is no obstacle)."""
         self.step = state["step"]
-        self.input.load_state_dict(state["data"])
-        self._batches = iter(self.input)
+        if training:
+            self.input.load_state_dict(state["data"])
+            self._batches = iter(self.input)
         # the scheduler's state holds the base learning rates it was built with: this config's take their place (a
         # changed optimizer.lr applies from the resumed step on, as the resume note says), and the rate it sets is
         # its factor at the resumed step times them (the state does not carry the rate last set on the optimizer)
@@ -266,7 +269,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         try:
-            self.load_state_dict(local)
+            self.load_state_dict(local, training)
         except ValueError as error:
             raise ConfigError(f"checkpoint.resume: {self.checkpoints.path(step)}: {error}, or start a new run_dir") from None
         saved_world = local.get("world_size", self.env.world_size)
