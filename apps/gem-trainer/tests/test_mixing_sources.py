@@ -118,6 +118,16 @@ def test_the_online_stream_is_read_once_and_a_schedule_reading_past_its_end_is_r
     assert data.mixer.positions(step - 1)[online] <= 19_810 < data.mixer.positions(step)[online]
 
 
+def test_a_ramp_the_run_ends_before_is_refused(tmp_path):
+    """The config's ramp starts at step 600: a run of 20 steps would keep the online share at its start throughout."""
+    needs(ML)
+    short = config_for(tmp_path, f"--config={CONFIGS / 'mixing-ml100k-time.toml'}", f"--data.path={ML}",
+                       "--schedule.steps=20")
+    with pytest.raises(ConfigError, match=r"^data\.mixture\.ramp_start \(600\) is at or past schedule\.steps \(20\): the "
+                                          r"online share stays 0\.0 for the whole run and never moves to 1\.0"):
+        builders.check_mixture_reads(short, builders.build_data(short, init_distributed("cpu", "gloo")))
+
+
 def test_sources_without_event_times_and_a_time_split(tmp_path):
     """A sequence file has no event times: as an offline source of a time-split mixture all its examples train (it is
     not split); as an online source, or evaluated on a period of the split, it is refused in one line."""

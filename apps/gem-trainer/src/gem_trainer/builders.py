@@ -339,6 +339,12 @@ def check_mixture_reads(config: TrainerConfig, data: DataSetup) -> None:
 
     if data.mixer is None:
         return
+    m, steps = config.data.mixture, config.schedule.steps
+    if m.online_share_end is not None and m.ramp_start >= steps:
+        # the schedule's ramp would silently not happen: the run ends before it starts
+        raise ConfigError(f"data.mixture.ramp_start ({m.ramp_start:,}) is at or past schedule.steps ({steps:,}): the online "
+                          f"share stays {m.online_share_start} for the whole run and never moves to {m.online_share_end}: "
+                          f"start the ramp earlier, train longer, or drop online_share_end for a constant share")
     short = data.mixer.short_sources(config.schedule.steps)
     if short:
         name, read, held, step = short[0]

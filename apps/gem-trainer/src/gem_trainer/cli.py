@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                          "TOML config file (default: the embedded default)")
         sub.add_argument("--debug", action="store_true", help="show the full traceback of an error")
         if name == "eval":
-            sub.add_argument("--step", type=int, default=None,
+            sub.add_argument("--step", type=_step_number, default=None,
                              help="checkpoint step (default: the newest intact one); writes eval-step-N.json")
             sub.add_argument("--out", default=None, help="write the metrics to this file instead of run_dir/eval.json "
                                                          "(or eval-step-N.json): evaluations of other splits or mixture "
@@ -97,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gem-trainer: {kind}: {error}", file=sys.stderr)
         return code
+
+
+def _step_number(text: str) -> int:
+    """``--step``: a checkpoint's step, a non-negative integer (argparse reports anything else in one line)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"a checkpoint step is a non-negative integer, got {text!r}")
+    return int(text)
 
 
 def _eval_config(overrides: list[str]) -> TrainerConfig | None:
