@@ -62,7 +62,8 @@ class SequenceCorpus:
 
     - ``items [E]`` item indices, user after user, each user's events in time order; ``offsets [U+1]``.
     - ``timestamps [E]`` float64 seconds since the data set's first event (positions ``0, 1, ...`` when the
-      file has no times: then ``timed`` is False), so float32 batches keep second-level resolution.
+      file has no times: then ``timed`` is False), so float32 batches resolve a second over the first 2^24 s
+      (~194 days), and 2^k s over 2^(24 + k) s (~32 s over Beauty's 14 years): epoch seconds would resolve ~128 s.
     - ``item_fields`` / ``user_fields``: name -> ``Bags`` of token ids (one id for a ``token`` field).
     - ``item_dense [V, Di]`` / ``user_dense [U, Du]``: float fields.
     - ``bad_rows`` / ``bad_row_examples``: what ``skip_bad_rows=True`` skipped (0 and [] otherwise);
