@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gem_data import ReadAhead
+from gem_trainer import builders
 from gem_trainer.bench import CycledBatches
 from gem_trainer.config import load_config
 from gem_trainer.distributed import init_distributed
@@ -262,6 +263,18 @@ def test_mxfp8_emulation_reaches_the_flop_heavy_layers_and_keeps_the_rest_in_hig
                                      "--checkpoint.enable=false"), trainer.env)
     exact = [float(reference.train_step()["loss"]) for _ in range(4)]
     assert losses != exact and losses == pytest.approx(exact, rel=0.05)
+
+
+def test_a_two_towers_score_stays_in_high_precision_on_both_sides():
+    """The query map and the item tower feed the retrieval score (their product) as the heads feed a ranking's."""
+    from gem_kunlun import EventType, FeatureSpec, KunlunConfig, KunlunModel, SparseFeature
+
+    spec = FeatureSpec(num_dense=0, sparse=(SparseFeature("item_id", 30), SparseFeature("item_attributes", 7)),
+                       events=(EventType("history", (SparseFeature("history_item_id", 30),)),), tasks=("next_item",),
+                       candidate=("item_id", "item_attributes"))
+    model = KunlunModel(spec, KunlunConfig(two_tower=True, num_layers=1, max_seq_len=8, block_size=4, window=4))
+    converted = builders.apply_low_precision(load_config(None, ["--precision.low_precision=mxfp8_emulated"]), model)
+    assert converted and not any(part in ("query", "item_tower") for n in converted for part in n.split("."))
 
 
 def test_fp8_attention_reaches_the_sequence_attention_and_trains_near_float32(tmp_path):

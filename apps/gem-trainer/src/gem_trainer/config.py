@@ -518,8 +518,9 @@ class PrecisionConfig(Section):
     mx_grad_elem: Literal["e4m3", "e5m2"] = "e5m2"  # output gradients
     mx_rounding: Literal["floor", "rceil"] = "floor"  # shared-scale rule
     # modules whose dotted name has one of these parts stay in high precision: the embeddings, the heads and
-    # what feeds the loss, the MoE gate (routing flips on small logit changes)
-    high_precision: list[str] = ["embedding", "heads", "gate", "item_tower", "auxiliary_head", "adapter"]
+    # what feeds the loss (a two-tower's query map and item tower, whose product is the score), the MoE gate
+    # (routing flips on small logit changes)
+    high_precision: list[str] = ["embedding", "heads", "gate", "query", "item_tower", "auxiliary_head", "adapter"]
 
 
 class CheckpointConfig(Section):
