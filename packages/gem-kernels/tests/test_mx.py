@@ -74,6 +74,17 @@ def test_floor_saturates_the_top_binade_and_rceil_never_saturates():
     assert mx_quantize(x, rounding="rceil").scales.item() == 127 - 7
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_value_rounded_past_its_dtypes_largest_saturates_there(dtype):
+    """rceil rounds 64000 (fp16) up to 65536, past fp16's 65504: the dequantised value is the largest, not inf."""
+    largest = torch.finfo(dtype).max
+    x = torch.full((1, 32), 1.0, dtype=dtype)
+    x[0, 0] = 64000.0 if dtype == torch.float16 else largest
+    back = mx_fake_quantize(x, rounding="rceil")
+    assert back.dtype == dtype and torch.isfinite(back).all() and back[0, 0].item() == largest
+    assert back[0, 1:].eq(mx_fake_quantize(x.float(), rounding="rceil")[0, 1:].to(dtype)).all()
+
+
 def test_non_finite_blocks_become_nan_and_leave_other_blocks_alone():
     x = torch.randn(2, 64)
     x[0, 5] = float("nan")

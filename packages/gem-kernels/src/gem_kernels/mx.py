@@ -120,6 +120,11 @@ def mx_dequantize(t: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     scale = torch.exp2(codes.float() - E8M0_BIAS)
     scale = torch.where(codes == E8M0_NAN, torch.full_like(scale, float("nan")), scale)
     values = (elements * scale.unsqueeze(-1)).flatten(-2)[..., : t.size]
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(values.dtype).max:
+        # NOTE: an element rounded up to the next power of two can pass a 16-bit dtype's largest value (fp16 64000 ->
+        # 65536): saturate it there rather than turn a finite value into inf
+        largest = torch.finfo(dtype).max
+        values = values.clamp(-largest, largest)
     return values.movedim(-1, t.dim).to(dtype)
 
 
