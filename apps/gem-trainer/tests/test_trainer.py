@@ -105,6 +105,51 @@ def test_a_diverged_run_stops_before_writing_its_next_checkpoint(tmp_path):
     assert trainer.checkpoints.latest_step() is None
 
 
+@pytest.mark.parametrize("decay", ["linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_the_learning_rate_peaks_once_and_reaches_its_floor_at_the_last_step(decay, warmup):
+    config = load_config(None, ["--schedule.steps=12", f"--schedule.warmup_steps={warmup}", f"--schedule.decay={decay}",
+                                "--schedule.min_lr_ratio=0.1", "--optimizer.lr=1.0"])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = builders.build_lr_scheduler(config, optimizer)
+    rates = []
+    for _ in range(12):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    peak = max(warmup - 1, 0)
+    assert rates[:warmup] == pytest.approx([(k + 1) / warmup for k in range(warmup)])
+    assert rates[peak] == 1.0 and rates.count(1.0) == 1  # the peak, once
+    assert all(a > b for a, b in zip(rates[peak:], rates[peak + 1:]))
+    assert rates[-1] == pytest.approx(0.1, abs=1e-12)
+
+
+def test_the_logged_training_rate_leaves_out_evaluations_and_checkpoints(tmp_path, monkeypatch):
+    """On a clock that only training steps (0.01 s each), evaluations and saves (100 s each) move, every logged
+    window trained log_every steps in 0.01 s each."""
+    import time
+
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    trainer = Trainer(small_config(tmp_path, "--schedule.steps=8", "--schedule.warmup_steps=1", "--metrics.log_every=2",
+                                   "--eval.every_steps=3", "--checkpoint.every_steps=4"), init_distributed("cpu", "gloo"))
+    step, evaluate, save = trainer.train_step, trainer.evaluate, trainer.save_checkpoint
+
+    def moved(seconds, call):
+        def run(*args, **kwargs):
+            result = call(*args, **kwargs)
+            now[0] += seconds
+            return result
+        return run
+
+    trainer.train_step, trainer.evaluate, trainer.save_checkpoint = moved(0.01, step), moved(100.0, evaluate), moved(100.0, save)
+    trainer.train()
+    trainer.close()
+    rates = [r["examples_per_s"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if r["phase"] == "train"]
+    assert len(rates) == 4 and rates == pytest.approx([2 * 64 / 0.02] * 4)
+
+
 def test_state_dict_round_trip_restores_step_data_position_and_schedule(tmp_path):
     config = small_config(tmp_path, "--schedule.steps=30", "--schedule.warmup_steps=5")
     trainer = Trainer(config, init_distributed("cpu", "gloo"))

@@ -761,15 +761,17 @@ def build_optimizers(config: TrainerConfig, model: nn.Module):
 
 
 def build_lr_scheduler(config: TrainerConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup, then cosine / linear decay to ``min_lr_ratio`` (or constant) over the remaining steps."""
+    """Linear warmup to the peak at the last warmup step (the first step without warmup), then cosine / linear decay
+    that reaches ``min_lr_ratio`` at the last step (or constant)."""
     s = config.schedule
+    peak = max(s.warmup_steps - 1, 0)
 
     def factor(step: int) -> float:
         if step < s.warmup_steps:
             return (step + 1) / s.warmup_steps
         if s.decay == "constant":
             return 1.0
-        progress = min(1.0, (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps))
+        progress = min(1.0, (step - peak) / max(1, s.steps - 1 - peak))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if s.decay == "cosine" else 1 - progress
         return s.min_lr_ratio + (1 - s.min_lr_ratio) * shape
 

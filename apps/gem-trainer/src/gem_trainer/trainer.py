@@ -398,10 +398,13 @@ class Trainer:
                 line.update(self._data_metrics())
                 self.logger.log(self.step, line)
                 window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
+            paused = time.perf_counter()
             if cfg.checkpoint.enable and self.step % cfg.checkpoint.every_steps == 0:
                 self.save_checkpoint()
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and self.step < cfg.schedule.steps:
                 self.evaluate()
+            # a save or an evaluation is not training: the window's rate (examples/s, TFLOP/s, MFU) leaves it out
+            window_start += time.perf_counter() - paused
             if self._stopping():
                 break
         # NOTE: the last decision, taken by every rank (a request that came after the last logged step counts too);
