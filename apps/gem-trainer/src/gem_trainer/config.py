@@ -402,13 +402,15 @@ class DataConfig(Section):
 
 class OptimizerConfig(Section):
     lr: float = Field(1e-3, gt=0)
+    # AdamW's decoupled decay of every dense parameter (biases and norms included; the tables have their own,
+    # fused optimizer and none)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0)
     # fused into the embedding backward: row-wise Adagrad, or plain SGD (linear in the gradient: averaged
     # 2-D sparse replicas then equal one process exactly)
     sparse: Literal["rowwise_adagrad", "sgd"] = "rowwise_adagrad"
-    sparse_lr: float = Field(0.05, gt=0)
+    sparse_lr: float = Field(0.05, gt=0)  # constant: schedule.warmup_steps and decay shape the dense rate only
     sparse_eps: float = Field(1e-8, gt=0)
 
 
