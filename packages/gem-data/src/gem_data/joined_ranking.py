@@ -44,6 +44,9 @@ class JoinedRanking:
         """Every item's candidate features: items have no user, so nothing is joined to them."""
         return self.dataset.catalogue()
 
+    def fewest_free_items(self, split: str = "test") -> int:
+        return self.dataset.fewest_free_items(split)
+
     def ranking_examples(self, split: str = "test", protocol: str = "sampled", num_negatives: int = 99, seed: int = 0) -> RankingExamples:
         return self.dataset.ranking_examples(split, protocol, num_negatives, seed)
 
