@@ -14,6 +14,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+
 from gem_trainer.config import load_config
 from gem_trainer.provenance import git_commit
 
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m gem_trainer.report " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()} {platform.system()}",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
