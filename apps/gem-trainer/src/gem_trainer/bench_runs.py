@@ -77,13 +77,21 @@ def paired_gains(rows: list[dict], arms: list[str], metrics: tuple[str, ...], ba
                       for r in rows if r["arm"] == arm] for m in metrics} for arm in arms}
 
 
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def provenance(program: str, argv: list[str]) -> dict:
     """Where and from what a benchmark section was produced."""
     return {
         "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
         "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "torch": torch.__version__, "python": platform.python_version(), "commit": git_commit(ROOT),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": _triton_version(), "python": platform.python_version(),
+        "commit": git_commit(ROOT), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": f"python -m {program} " + " ".join(argv),
     }
 
