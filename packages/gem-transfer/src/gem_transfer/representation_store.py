@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,8 @@ import pyarrow.parquet as pq
 import torch
 
 from gem_kunlun import Batch, JaggedFloats
+
+from gem_transfer.durable import replace_synced, write_json
 
 FORMAT = 1
 META, PROGRESS = "meta.json", "progress.json"
@@ -80,16 +81,6 @@ def example_users(batch: Batch, user_feature: str) -> torch.Tensor:
         bad = int((lengths != 1).nonzero()[0])
         raise RepresentationError(f"user feature {user_feature!r} must hold one id per example; example {bad} has {int(lengths[bad])}")
     return jagged.values().cpu().long()
-
-
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    """Replace ``path`` atomically: a reader (or a restarted pass) sees the old file or the new one, never half."""
-    staged = path.with_name(path.name + ".tmp")
-    with open(staged, "w") as f:
-        f.write(json.dumps(value, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(staged, path)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -158,7 +149,7 @@ class RepresentationWriter:
             if found and not started:
                 raise RepresentationError(f"{self.folder} exists and is not a representation store: remove it or choose another folder")
             self.folder.mkdir(parents=True, exist_ok=True)
-            _write_json(self.folder / META, meta)
+            write_json(self.folder / META, meta)
             self.parts, self.next_step, self.resumed = [], 0, False
             self._publish(complete=False)
         self._pending: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -191,7 +182,7 @@ class RepresentationWriter:
         name = f"part-{len(self.parts):05d}.parquet"
         staged = self.folder / f"{name}.tmp"
         pq.write_table(table, staged)
-        os.replace(staged, self.folder / name)
+        replace_synced(staged, self.folder / name)  # on disk before progress.json lists it
         self.parts.append({"file": name, "first_step": self._pending[0][0], "last_step": self._pending[-1][0], "rows": int(kept.sum())})
         self.next_step = self._pending[-1][0] + 1
         self._pending = []
@@ -204,7 +195,7 @@ class RepresentationWriter:
         return self.folder
 
     def _publish(self, complete: bool) -> None:
-        _write_json(self.folder / PROGRESS, {"parts": self.parts, "next_step": self.next_step, "complete": complete,
+        write_json(self.folder / PROGRESS, {"parts": self.parts, "next_step": self.next_step, "complete": complete,
                                              "rows": sum(p["rows"] for p in self.parts)})
 
 

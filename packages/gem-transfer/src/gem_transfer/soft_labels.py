@@ -51,6 +51,8 @@ from torchrec import KeyedJaggedTensor
 
 from gem_kunlun import Batch, segment_ids
 
+from gem_transfer.durable import sync_file, sync_folder, write_json
+
 # 2 added top-k stores (``items``, ``meta["top_k"]``), 3 their tails (``meta["log_weights"]``); older formats read
 # as before (a reader of format 2 would take a tail for top items, so it refuses format 3)
 FORMAT = 3
@@ -278,6 +280,7 @@ class SoftLabelWriter:
             columns["items"] = _lists(np.concatenate([i.reshape(-1) for *_, i in self._pending]), queries * self.top_k, pa.int32())
         name = f"part-{len(self.parts):05d}.parquet"
         pq.write_table(pa.table(columns), self.staging / name)
+        sync_file(self.staging / name)
         self.parts.append({"file": name, "first_step": self._pending[0][0], "last_step": self._pending[-1][0],
                            "rows": len(steps)})
         self._pending = []
@@ -288,8 +291,11 @@ class SoftLabelWriter:
         meta = {"format": FORMAT, "width": self.width, "top_k": self.top_k, "log_weights": self.log_weights,
                 "steps": self._last_step + 1,
                 "rows": sum(p["rows"] for p in self.parts), "parts": self.parts, **self.meta}
-        (self.staging / META).write_text(json.dumps(meta, indent=1) + "\n")
+        write_json(self.staging / META, meta)
+        # the parts and meta.json are on disk before the store's name is, and the name before the pass returns
+        sync_folder(self.staging)
         self.staging.rename(self.folder)
+        sync_folder(self.folder.parent)
         return self.folder
 
     def abort(self) -> None:
