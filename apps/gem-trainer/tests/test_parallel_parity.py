@@ -229,6 +229,22 @@ def test_bf16_blocks_stay_within_bf16_rounding_of_float32(tmp_path, reference):
     assert torch.isfinite(ours).all() and abs(ours[-5:].mean() / theirs[-5:].mean() - 1) < 0.1
 
 
+def test_two_ranks_keeping_parameters_gathered_after_forward_equal_one_process(tmp_path, reference):
+    """reshard_after_forward = false: the blocks' parameters stay gathered between forward and backward."""
+    train(tmp_path, 2, "--parallelism.reshard_after_forward=false")
+    assert_same_run(tmp_path, reference)
+
+
+def test_bf16_gradient_reduction_stays_near_float32(tmp_path, reference):
+    """FSDP2's gradients reduced in bf16 (float32 parameters and compute): the first step's loss is float32's
+    exactly (nothing reduced yet), later ones stay within bf16 rounding of it, and the run does not diverge."""
+    train(tmp_path, 2, "--parallelism.reduce_dtype=bfloat16")
+    ours, theirs = torch.tensor(losses(tmp_path)), torch.tensor(losses(reference))
+    torch.testing.assert_close(ours[0], theirs[0], rtol=2e-5, atol=2e-6)
+    assert not torch.equal(ours, theirs)  # the policy is applied
+    assert torch.isfinite(ours).all() and abs(ours[-5:].mean() / theirs[-5:].mean() - 1) < 0.1
+
+
 def test_compiled_blocks_equal_eager_blocks(tmp_path):
     """``parallelism.compile`` (torch.compile of each Kunlun layer, inductor on the CPU) on a small model."""
     small = ["--schedule.steps=2", "--schedule.warmup_steps=1", "--eval.at_end=false", "--checkpoint.enable=false",
