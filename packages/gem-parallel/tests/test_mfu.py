@@ -10,6 +10,17 @@ def test_configured_peak_wins_and_cpu_has_none():
     assert PEAK_TFLOPS["H200"] == 989.0
 
 
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200 NVL", 835.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla T4", None),
+])
+def test_a_device_gets_the_peak_of_its_own_model(name, peak):
+    """The PCIe and NVL cards are not the SXM parts their names contain."""
+    from gem_parallel.mfu import peak_of_device_name
+
+    assert peak_of_device_name(name) == peak
+
+
 def test_e2e_mfu_is_local_mfu_times_scaling_ratio():
     single = 300.0  # TFLOP/s on one device
     eight = 2100.0  # TFLOP/s summed over eight devices

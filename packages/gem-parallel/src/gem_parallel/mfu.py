@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import torch
 
-# Dense bf16 peak TFLOP/s per device (datasheet numbers), matched by substring of the CUDA device name.
+# Dense bf16 peak TFLOP/s per device (datasheet numbers, half the sparse figures), matched by substring of the CUDA
+# device name, the longest matching key first: the PCIe and NVL cards run at lower clocks than the SXM parts
+# whose names ("NVIDIA H100 80GB HBM3") carry no form factor
 PEAK_TFLOPS = {
+    "H200 NVL": 835.0,
     "H200": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
     "H100": 989.0,
     "B200": 2250.0,
     "A100": 312.0,
@@ -18,15 +23,18 @@ PEAK_TFLOPS = {
 }
 
 
+def peak_of_device_name(name: str) -> float | None:
+    """The table's peak for CUDA device ``name`` (None: not in the table)."""
+    matches = [key for key in PEAK_TFLOPS if key in name]
+    return PEAK_TFLOPS[max(matches, key=len)] if matches else None
+
+
 def peak_tflops(device: torch.device, configured: float | None = None) -> float | None:
     """The configured peak, else the table entry for the CUDA device, else None (unknown, e.g. a CPU)."""
     if configured is not None:
         return configured
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in PEAK_TFLOPS.items():
-            if key in name:
-                return value
+        return peak_of_device_name(torch.cuda.get_device_name(device))
     return None
 
 
