@@ -43,7 +43,7 @@ class MultiTaskHeads(nn.Module):
 
     def forward(self, x: torch.Tensor, surface: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float())
+            logits = self.proj(x.float())  # (a module the precision settings convert still runs as converted)
         logits = logits.view(-1, self.num_surfaces, self.num_tasks)
         return logits.gather(1, surface.view(-1, 1, 1).expand(-1, 1, self.num_tasks)).squeeze(1)
 
