@@ -66,13 +66,14 @@ def _recorded_wall(eval_result: dict[str, float]) -> float | None:
     """Training plus evaluation seconds as the run recorded them (``gem-trainer train`` writes both)."""
     if "train_s" not in eval_result:
         return None
-    return eval_result["train_s"] + eval_result["eval_s"]
+    return eval_result["train_s"] + eval_result.get("eval_s", 0.0)
 
 
 def build_table(runs: dict[str, Path], wall: dict[str, float], commands: list[str]) -> dict[str, Any]:
-    rows, summary, configs = [], [], {}
+    rows, summary, configs, splits = [], [], {}, set()
     for model, folder in runs.items():
         result = json.loads((folder / "eval.json").read_text())
+        splits.add(result.get("split", "test split"))
         rows += rows_of_run(model, result)
         summary += summary_of_run(model, result, wall.get(model))
         config_path = folder / "config.toml"
@@ -83,7 +84,7 @@ def build_table(runs: dict[str, Path], wall: dict[str, float], commands: list[st
             "commit": git_commit(Path(__file__).resolve().parent),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commands": commands,
-            "data": "Amazon Beauty 5-core (../shared/data/beauty), leave-one-out, test split",
+            "data": f"Amazon Beauty 5-core (../shared/data/beauty), leave-one-out, {' / '.join(sorted(splits))}",
             "published": PUBLISHED_BEAUTY,
             "configs": configs,
         },
