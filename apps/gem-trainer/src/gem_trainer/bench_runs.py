@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.metadata
 import io
 import json
 import os
@@ -78,11 +79,11 @@ def paired_gains(rows: list[dict], arms: list[str], metrics: tuple[str, ...], ba
 
 
 def _triton_version() -> str | None:
+    """The installed Triton's version (read from its metadata: the trainer does not import Triton itself)."""
     try:
-        import triton
-    except ImportError:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return triton.__version__
 
 
 def provenance(program: str, argv: list[str]) -> dict:
