@@ -62,7 +62,11 @@ def loss_spike(records: dict[int, dict], source: str = "online") -> dict[str, fl
     and the step's scheduled share of the source): the mean of the ``SPIKE_WINDOW`` steps before its first step with
     a share, the highest ``SPIKE_SMOOTH``-step mean from that step to the end of training, and their difference.
     The same window for every schedule: a time-ordered stream's hardest stretch may come late, for a switch as for a
-    ramp. None where the source never enters, or enters before ``SPIKE_WINDOW`` steps (a constant share)."""
+    ramp. None where the source never enters, or enters before ``SPIKE_WINDOW`` steps (a constant share).
+
+    NOTE: the loss is the whole batch's: a schedule that reads the stream's hardest stretch diluted by offline rows
+    (a ramp early on) scores a lower peak for that reason alone, so the spike compares schedules only where they
+    read that stretch at similar shares (see the notes of mixing.json)."""
     steps = sorted(records)
     onset = next((step for step in steps if records[step][f"share_{source}"] > 0), None)
     if onset is None or onset - SPIKE_WINDOW < steps[0]:
