@@ -49,6 +49,13 @@ def test_train_runs_the_steps_of_its_epochs_and_records_them(data, tmp_path, cap
     assert (recorded.epochs, recorded.steps) == (2, steps)
 
 
+def test_config_says_that_epochs_decide_the_steps(data, capsys):
+    assert main(["config", *data, "--schedule.epochs=2"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[-1].startswith("# schedule.steps = 600 stands in: schedule.epochs = 2.0 decides the steps")
+    assert main(["config", *data]) == 0 and "stands in" not in capsys.readouterr().out
+
+
 def test_a_batch_twice_as_large_runs_half_the_steps(data, tmp_path):
     rows = rows_per_epoch(data)
     config = load_config(None, [f"--run_dir={tmp_path}", *data, "--schedule.epochs=2", "--data.batch_size=32",

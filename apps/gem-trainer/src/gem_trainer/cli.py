@@ -338,6 +338,10 @@ def _print_eval(result: dict[str, float], step: int, split: str, out: Path) -> N
 
 def _config(config: TrainerConfig, args, overrides) -> int:
     print(dump_config(config), end="")
+    if config.schedule.epochs is not None:
+        # (a comment: the printed config still loads)
+        print(f"# schedule.steps = {config.schedule.steps} stands in: schedule.epochs = {config.schedule.epochs} decides the "
+              f"steps once the data is read (the run's config.toml records them)")
     return 0
 
 
