@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.metadata
 import json
 import os
 import statistics
@@ -93,17 +92,13 @@ def run_group(group_file: Path, data: Path, out: Path, device: str = "cuda") -> 
 
 
 def provenance(group_file: Path) -> dict:
-    """``bench_runs.provenance`` (machine, torch, commit, date, command) and the device and Triton it ran with."""
+    """``bench_runs.provenance`` (machine, torch, Triton, commit, date, command) and the device it ran on."""
     import torch
 
     from gem_trainer.bench_runs import provenance as run_provenance
 
-    try:
-        triton_version = importlib.metadata.version("triton")  # the kernels' compiler (no import: the trainer needs none)
-    except importlib.metadata.PackageNotFoundError:
-        triton_version = None
     return {**run_provenance("gem_trainer.bench_quality", ["run", str(group_file), "--data", "<Beauty folder>", "--out", "DIR"]),
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "triton": triton_version}
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
 
 
 def _write(results: dict, runs: Path, out: Path) -> None:
