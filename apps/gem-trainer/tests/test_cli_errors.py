@@ -3,6 +3,7 @@ traceback), nothing is dropped silently, and a run folder is never damaged by a 
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -252,8 +253,6 @@ def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path):
      r"data error: .*/nowhere/x.parquet"),
 ])
 def test_runtime_failures_are_one_line(tmp_path, args, code, expected):
-    import re
-
     line = one_line(cli(*args, f"--run_dir={tmp_path / 'r'}"), code)
     assert re.search(expected, line), line
 
@@ -300,6 +299,14 @@ def test_a_rank_failing_alone_stops_the_job_instead_of_hanging(tmp_path):
 def test_a_sharding_that_torchrec_cannot_apply_to_sequence_tables_is_one_line(tmp_path):
     line = one_line(cli("train", f"--run_dir={tmp_path}", *TINY, "--parallelism.sparse_sharding=table_column_wise"), 2)
     assert "sparse_sharding = 'table_column_wise' cannot shard the model's sequence tables" in line
+
+
+def test_embedding_tables_too_narrow_for_torchrecs_sharded_lookups_are_one_line(tmp_path):
+    line = one_line(cli("train", f"--run_dir={tmp_path}", *TINY, "--model.kunlun.d_model=6", "--model.kunlun.num_heads=3",
+                        "--model.kunlun.rote=false"), 2)
+    assert re.search(r"^gem-trainer: config error: model: embedding table 't_\w+' is 6 wide \(and \d+ more\); "
+                     r"TorchRec's sharded lookups need widths that are a multiple of 4: make model\.kunlun\.d_model \(or "
+                     r"an event type's own width\) a multiple of 4$", line), line
 
 
 def test_a_compile_cache_dir_that_cannot_be_a_folder_is_one_line(tmp_path):

@@ -37,6 +37,19 @@ def test_index_dedup_is_refused_without_a_gpu_in_one_line():
         shard_embeddings(nn.Linear(2, 2), torch.device("cpu"), index_dedup=True)
 
 
+def test_tables_too_narrow_for_torchrecs_sharded_lookups_are_refused_in_one_line():
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    from gem_parallel.sparse import TableWidthError, shard_embeddings
+
+    tables = [EmbeddingBagConfig(name=f"t_{n}", embedding_dim=dim, num_embeddings=10, feature_names=[n])
+              for n, dim in (("a", 8), ("b", 6), ("c", 3))]
+    model = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    with pytest.raises(TableWidthError, match=r"^embedding table 't_b' is 6 wide \(and 1 more\); TorchRec's sharded "
+                                              r"lookups need widths that are a multiple of 4$"):
+        shard_embeddings(model, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_sequence_lookups_in_another_dtype_are_refused_on_the_cpu_or_unknown_in_one_line(dtype):
     from torch import nn

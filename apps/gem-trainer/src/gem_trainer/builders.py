@@ -50,6 +50,7 @@ from gem_parallel import (
     LayoutError,
     ParallelDims,
     ParallelMeshes,
+    TableWidthError,
     dense_parameters,
     init_dense_parameters,
     parallelize_kunlun,
@@ -724,6 +725,10 @@ def parallelize_model(config: TrainerConfig, model: nn.Module, dims: ParallelDim
         )
     except LayoutError as error:
         raise ConfigError(f"parallelism.{error}") from None
+    except TableWidthError as error:
+        name = config.model.name
+        width = {"baseline": "baseline.dim", "sasrec": "sasrec.dim", "interformer": "interformer.d_model"}.get(name, "kunlun.d_model")
+        raise ConfigError(f"model: {error}: make model.{width} (or an event type's own width) a multiple of 4") from None
     except PlannerError as error:  # TorchRec's dozens of lines; the tables' sizes say what to change
         tables = sorted(((t.num_embeddings * t.embedding_dim, t.name, t.num_embeddings) for module in model.modules()
                          for t in [*getattr(module, "embedding_bag_configs", list)(), *getattr(module, "embedding_configs", list)()]),

@@ -17,7 +17,14 @@ from gem_parallel.init import init_dense_parameters
 from gem_parallel.mfu import PEAK_TFLOPS, mfu, peak_tflops, scaling_ratio
 from gem_parallel.parallel_dims import LayoutError, ParallelDims, ParallelMeshes
 from gem_parallel.parallelize import parallelize_kunlun
-from gem_parallel.sparse import SparseReplicas, dense_parameters, shard_embeddings, table_names, table_placement
+from gem_parallel.sparse import (
+    SparseReplicas,
+    TableWidthError,
+    dense_parameters,
+    shard_embeddings,
+    table_names,
+    table_placement,
+)
 
 __all__ = [
     "COLLECTIVES",
@@ -29,6 +36,7 @@ __all__ = [
     "ParallelDims",
     "ParallelMeshes",
     "SparseReplicas",
+    "TableWidthError",
     "apply_copy_engine_all_gather",
     "apply_expert_parallel",
     "clip_grad_norm_",

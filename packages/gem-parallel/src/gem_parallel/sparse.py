@@ -42,6 +42,14 @@ def embedding_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
 
 
+# NOTE: TorchRec's sharded kernels (FBGEMM's, on the CPU too) take tables whose (local) width is a multiple of 4
+TABLE_WIDTH_MULTIPLE = 4
+
+
+class TableWidthError(ValueError):
+    """Embedding tables TorchRec cannot shard for their width; ``str(error)`` names them and their widths."""
+
+
 def table_configs(model: nn.Module) -> dict[str, Any]:
     """TorchRec table configs of every (unsharded) embedding module, by table name."""
     configs = {}
@@ -119,6 +127,11 @@ def shard_embeddings(
         raise LayoutError(f"sequence lookups in {sequence_dtype} need GPUs (fbgemm's CPU lookup without pooling "
                           "writes float32 only)")
     configs = table_configs(model)
+    narrow = [(name, c.embedding_dim) for name, c in configs.items() if c.embedding_dim % TABLE_WIDTH_MULTIPLE]
+    if narrow:
+        more = f" (and {len(narrow) - 1} more)" if len(narrow) > 1 else ""
+        raise TableWidthError(f"embedding table {narrow[0][0]!r} is {narrow[0][1]} wide{more}; TorchRec's sharded lookups "
+                              f"need widths that are a multiple of {TABLE_WIDTH_MULTIPLE}")
     apply_optimizer_in_backward(
         sparse_optimizer or RowWiseAdagrad,
         [p for module in embedding_modules(model) for p in module.parameters()],
