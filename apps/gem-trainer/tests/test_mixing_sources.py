@@ -233,6 +233,24 @@ def test_parquet_sources_of_a_mixture_share_one_clock_with_their_held_out_files(
     assert newest(once(live_table)) < 1e6 + 402 * 3600  # not counted from the live file's own first event
 
 
+def test_the_start_names_each_sources_surfaces_and_warns_when_two_data_sets_share_one(tmp_path, capsys):
+    def start(name, *stamps):
+        sources = ", ".join(f'{{name = "{n}", reader = "synthetic", seed = {i}, id_space = "{n}"{stamp}}}'
+                            for i, (n, stamp) in enumerate(zip(("a", "b"), stamps)))
+        trainer = trainer_for(tmp_path / name, f"--data.mixture.sources=[{sources}]")
+        trainer.close()
+        return trainer.spec, capsys.readouterr().out
+
+    spec, out = start("own", "", "")  # each keeps the generator's own surfaces 0-2
+    assert spec.num_surfaces == 3
+    assert "data.mixture: surfaces (domains) of the sources: a 0-2, b 0-2" in out
+    assert ("warning: data.mixture.sources 'a' and 'b' lie in different id spaces but share surface(s) [0, 1, 2]; give "
+            "them distinct data.mixture.sources[].surface values to keep their domains apart") in out
+    spec, out = start("stamped", ", surface = 0", ", surface = 1")
+    assert spec.num_surfaces == 2
+    assert "data.mixture: surfaces (domains) of the sources: a 0, b 1" in out and "warning" not in out
+
+
 def test_the_log_shows_each_sources_share_along_the_ramp(tmp_path, capsys):
     needs(ML)
     trainer = trainer_for(tmp_path, *TIME_SPLIT)

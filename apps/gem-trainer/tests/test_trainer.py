@@ -425,3 +425,15 @@ def test_the_thread_switch_interval_is_the_configs_while_a_reading_trainer_lives
     finally:
         trainer.close()
     assert sys.getswitchinterval() == pytest.approx(before, abs=2e-6)  # kept in whole microseconds
+
+
+@pytest.mark.parametrize("shift", [3, -4])
+def test_a_batch_with_surface_ids_outside_the_spec_is_refused_in_one_line(tmp_path, shift):
+    trainer = Trainer(small_config(tmp_path, "--checkpoint.enable=false"), init_distributed("cpu", "gloo"))
+    first = next(iter(trainer.stream))
+    assert trainer.spec.num_surfaces == 3
+    feed(trainer, [dataclasses.replace(first, surface=first.surface + shift)])
+    with pytest.raises(ValueError, match=r"^data: a training batch has surface \(domain\) ids in \[-?\d+, -?\d+\], "
+                                         r"outside the data spec's \[0, 3\)$"):
+        trainer.train_step()
+    trainer.close()

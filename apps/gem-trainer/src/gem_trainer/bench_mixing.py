@@ -211,7 +211,10 @@ def describe_split(overrides: list[str]) -> dict[str, float]:
 
 SAME_COMPUTE = ("every arm runs two Kunlun-tiny trunks per example over the same steps and stream: shared = two shared "
                 "experts; domain_experts = one shared + the example's domain's own; per_domain = one two-expert model per "
-                "domain trained on exactly its domain's examples of that stream (together the shared model's examples)")
+                "domain trained on exactly its domain's examples of that stream (together the shared model's examples). "
+                "Equal in FLOPs, not in updates: each per-domain model takes every optimizer step on its domain's part of "
+                "the global batch, where the shared and domain-expert models take them on the whole mixed batch, and the "
+                "arms' dense parameters differ (per_domain has one model per domain)")
 
 
 def domain_arms(num_domains: int) -> dict[str, list[list[str]]]:

@@ -176,6 +176,8 @@ class Trainer:
         if skipped:
             self._print(f"data: skipped {skipped} bad rows (data.skip_bad_rows = true), e.g. {examples[0]}")
             self.logger.log(0, {"bad_rows": float(skipped)}, phase="data", echo=False)
+        if self.data.mixer is not None:
+            self._note_surfaces(self.data.mixer.alignment)
         self.peak = peak_tflops(env.device, config.metrics.peak_tflops)
         self.autocast_dtype = autocast_dtype(config.precision.autocast, env.device)
         self.cuda_graphs = builders.cuda_graphs(config, env.device, env.world_size)
@@ -480,6 +482,15 @@ class Trainer:
         """What is noted of ``batch`` (a host batch) where it is read: on the reading thread, to which the readers
         belong, under ``ReadAhead``; in the reading process under ``ProcessReadAhead``, off this process's
         interpreter. Delivered with the batch as ``self.input.observed``."""
+        # NOTE: a surface (domain) id out of range would index past the heads' and gates' rows: on a GPU a device-side
+        # assert that names nothing. The readers and the mixture check theirs; this catches any other source, for a
+        # few microseconds a batch
+        surface = batch.surface
+        if surface.numel():
+            low, high = (int(v) for v in torch.aminmax(surface))
+            if low < 0 or high >= self.spec.num_surfaces:
+                raise ValueError(f"data: a training batch has surface (domain) ids in [{low}, {high}], outside the data "
+                                 f"spec's [0, {self.spec.num_surfaces})")
         data: dict[str, float] = {}
         if self.data.mixer is not None:
             mixer = self.data.mixer
@@ -493,6 +504,16 @@ class Trainer:
         if self.teacher_flop_model is not None:  # the teacher runs forward only
             flops += sum(self.teacher_flop_model.flops(batch).values())
         return ReadReport(data, flops)
+
+    def _note_surfaces(self, alignment) -> None:
+        """Which surfaces (domains) each mixed source's examples carry, in one line, and a warning for sources of
+        different data that share one (one head and one set of domain experts then serve both)."""
+        spans = {name: alignment.surfaces_of(name) for name in alignment.names}
+        described = ", ".join(f"{name} {r.start}" if len(r) == 1 else f"{name} {r.start}-{r.stop - 1}" for name, r in spans.items())
+        self._print(f"data.mixture: surfaces (domains) of the sources: {described}")
+        for a, b, common in alignment.shared_surfaces():
+            self._print(f"warning: data.mixture.sources {a!r} and {b!r} lie in different id spaces but share surface(s) "
+                        f"{common}; give them distinct data.mixture.sources[].surface values to keep their domains apart")
 
     def _data_metrics(self) -> dict[str, float]:
         """Examples read per mixed source, and sequence-token imbalance across ranks (max / mean)."""

@@ -157,6 +157,23 @@ class FeatureAlignment:
         plan = self._plans[name]
         return plan.identity and plan.surface is None
 
+    def surfaces_of(self, name: str) -> range:
+        """The surfaces (domain ids) source ``name``'s examples carry in the union: its stamp, or its reader's own."""
+        stamp = self._plans[name].surface
+        return range(stamp, stamp + 1) if stamp is not None else range(self.source_specs[name].num_surfaces)
+
+    def shared_surfaces(self) -> list[tuple[str, str, list[int]]]:
+        """``(source, source, surfaces)`` for every two sources of different id spaces whose examples can carry the
+        same surface: they then share its head and its domain experts. Intended for two periods or surfaces of one
+        log; for two data sets it usually means a stamp was left out."""
+        pairs = []
+        for i, a in enumerate(self.names):
+            for b in self.names[i + 1:]:
+                common = sorted(set(self.surfaces_of(a)) & set(self.surfaces_of(b)))
+                if common and self.space_of[a] != self.space_of[b]:
+                    pairs.append((a, b, common))
+        return pairs
+
     def check_source(self, name: str, spec: FeatureSpec) -> None:
         """Raise ``AlignmentError`` unless ``spec`` (a stream's) is what source ``name``'s ids were laid out for,
         surfaces aside: another vocabulary would shift its ids into another source's range."""

@@ -66,7 +66,8 @@ class DomainExpertModel(nn.Module):
             present = rows.numel() > 0
             # NOTE: a domain absent from this batch still runs, on a stand-in row (example 0) whose routing counts
             # nothing and whose result goes to the spare row b: every rank then runs the same modules through the
-            # same autograd graph, so that their collectives (FSDP's, the MoE's) come in the same order on each
+            # same autograd graph, so that their collectives (FSDP's, the MoE's) come in the same order on each.
+            # Its parameters then get zero gradients (not None), which an optimizer with momentum still steps
             taken, written = (rows, rows) if present else (domain.new_zeros(1), domain.new_full((1,), b))
             sub = _select_rows(x, seq, offsets, positions, taken)
             with nullcontext() if present else stand_in_rows(experts):
