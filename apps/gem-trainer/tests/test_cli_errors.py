@@ -309,6 +309,25 @@ def test_embedding_tables_too_narrow_for_torchrecs_sharded_lookups_are_one_line(
                      r"an event type's own width\) a multiple of 4$", line), line
 
 
+def test_output_paths_and_process_counts_are_checked_before_any_work(tmp_path):
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    cases = [
+        (["flops", f"--out={tmp_path}"], f"argument --out: {tmp_path} is a folder; name the file to write"),
+        (["eval", f"--out={tmp_path}", f"--run_dir={tmp_path / 'nowhere'}"], f"argument --out: {tmp_path} is a folder"),
+        (["flops", f"--out={taken / 'x.json'}"], f"argument --out: {taken} is a file, not a folder to write x.json in"),
+        (["plot", f"--out={taken}", f"--run_dir={tmp_path}"], f"argument --out: {taken} is a file; name a folder"),
+        (["launch", "--nproc-per-node=0"], "argument --nproc-per-node: a number of processes is a positive integer, got '0'"),
+        (["launch", "--nproc-per-node=-1"], "argument --nproc-per-node: a number of processes is a positive integer"),
+    ]
+    for args, expected in cases:
+        done = cli(*args)
+        assert done.returncode == 2 and expected in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+    assert not (tmp_path / "nowhere").exists()
+    done = cli("flops", "--device=cpu", f"--out={tmp_path / 'new' / 'flops.json'}")  # its folder is made
+    assert done.returncode == 0 and json.loads((tmp_path / "new" / "flops.json").read_text()), done.stderr[-2000:]
+
+
 def test_a_compile_cache_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
     taken = tmp_path / "a_file"
     taken.write_text("not a folder")

@@ -56,6 +56,16 @@ def test_a_switched_off_setting_reads_back_from_the_record(tmp_path):
     assert again == config and again.optimizer.grad_clip is None and again.data.sequential.max_history is None
 
 
+def test_a_record_of_sections_by_name_with_defaults_and_keys_toml_must_quote_reads_back(tmp_path):
+    """An event type's width defaults to none (the model's width), which TOML cannot write as it is; a task or event
+    type named by the data may hold characters a bare TOML key cannot."""
+    config = load_config(None, ["--model.kunlun.events={purchase = {num_layers = 1}}",
+                                '--model.task_weights={"click rate" = 1.0}'])
+    text = dump_config(config)
+    assert '"click rate" = 1.0' in text and "[model.kunlun.events.purchase]" in text
+    assert load_config(write(tmp_path / "record.toml", text)) == config
+
+
 @pytest.mark.parametrize("text, value", [(".5", 0.5), ("5.", 5.0), ("2e-3", 0.002)])
 def test_an_override_of_a_number_toml_cannot_read_is_the_number(text, value):
     assert load_config(None, [f"--optimizer.lr={text}"]).optimizer.lr == value
@@ -149,6 +159,44 @@ def test_retrieval_objective_needs_a_model_that_can_answer_it(tmp_path, override
     assert load_config(path).data.sequential.queries == "every"
     with pytest.raises(ConfigError, match=message):
         load_config(path, overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.kunlun.hidden=[0]"], r"model\.kunlun: hidden widths must be >= 1, got \[0\]"),  # a constant output
+    (["--model.baseline.hidden=[64, -3]"], r"model\.baseline: hidden widths must be >= 1, got \[64, -3\]"),
+    (["--model.interformer.hidden=[0]"], r"model\.interformer: hidden widths must be >= 1"),
+    (["--model.domain_experts.num_shared=0", "--model.domain_experts.num_specific=0"],
+     r"model\.domain_experts: at least one expert is needed: num_shared \+ num_specific >= 1"),
+    (["--data.read_ahead=1"], r"data: read_ahead takes true or false, got 1"),
+    (["--data.synthetic.seed=-1"], r"data\.synthetic\.seed: Input should be greater than or equal to 0"),
+    (["--data.balance_window=8"], r"data\.balance_window applies to data\.balance = true"),
+    (["--data.eval_path=/nowhere"], r"data\.eval_path names held-out parquet files, but no source reads parquet"),
+    (["--data.source=atomic", "--data.path=x", "--data.sequential.attributes_file=a.json"],
+     r"data\.sequential\.attributes_file applies to sequence_text data, which no source reads \(\['atomic'\]\)"),
+    (['--data.mixture.sources=[{name = "a", path = "/x"}]'], r"data\.mixture\.sources\.a\.path: a synthetic source reads no file"),
+    (["--data.source=atomic", "--data.path=x", '--data.mixture.sources=[{name = "a", eval_path = "/x"}]'],
+     r"data\.mixture\.sources\.a\.eval_path: held-out parquet files, but the source reads atomic data"),
+    (['--data.mixture.sources=[{name = ""}]'], r"data\.mixture\.sources\.0\.name: String should match pattern"),
+    (['--data.mixture.sources=[{name = "a", weight = 1e308}, {name = "b", weight = 1e308, seed = 1}]'],
+     r"data\.mixture\.sources: the weights' sum must be finite"),
+    (["--data.sequential.eval_protocols=[]"], r"data\.sequential\.eval_protocols: Tuple should have at least 1 item"),
+    (['--data.sequential.eval_protocols=["sampled", "sampled"]'], r"data\.sequential\.eval_protocols lists a value twice"),
+    (["--data.sequential.eval_seeds=[0, 1, 0]"], r"data\.sequential\.eval_seeds lists a value twice: \[0, 1, 0\]"),
+])
+def test_settings_that_would_crash_mislead_or_be_dropped_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        load_config(None, overrides)
+    assert "\n" not in str(error.value)
+
+
+def test_a_run_dir_that_is_a_file_and_a_config_file_that_is_not_text_are_one_line_errors(tmp_path):
+    taken = write(tmp_path / "taken", "")
+    with pytest.raises(ConfigError, match=rf"run_dir: {taken} is a file, not a folder$"):
+        load_config(None, [f"--run_dir={taken}"])
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe seed = 1\n")
+    with pytest.raises(ConfigError, match=rf"^{binary}: not a UTF-8 text file \(invalid start byte at byte 0\)$"):
+        load_config(binary)
 
 
 def test_errors_name_the_override_or_the_base_file_that_set_the_value(tmp_path):

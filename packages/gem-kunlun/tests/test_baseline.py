@@ -1,3 +1,4 @@
+import pytest
 import torch
 from gem_kunlun.testing import SPEC, overfit, random_batch, select_example
 
@@ -62,3 +63,12 @@ def test_a_small_batch_can_be_overfit():
     batch = random_batch(16, seed=9)
     first, last = overfit(model, batch, steps=150, lr=0.01)
     assert last < 0.1 * first
+
+
+@pytest.mark.parametrize("config_type", ["BaselineConfig", "KunlunConfig", "InterFormerConfig"])
+def test_a_hidden_layer_without_width_is_refused(config_type):
+    """A 0-wide layer passes nothing on: the model's output would be a constant, trained without complaint."""
+    import gem_kunlun
+
+    with pytest.raises(ValueError, match=r"^hidden widths must be >= 1, got \[64, 0\]$"):
+        getattr(gem_kunlun, config_type)(hidden=(64, 0))

@@ -426,7 +426,8 @@ def _read_corpus(config: TrainerConfig, reader: str, path: Path, field: str) -> 
     if reader == "sequence_text":
         text = path if path.is_file() else _single(path, "*.txt", field)
         if s.attributes_file and not Path(s.attributes_file).is_file():
-            raise FileNotFoundError(f"data.sequential.attributes_file: {s.attributes_file} does not exist")
+            what = "is a folder, not a file" if Path(s.attributes_file).is_dir() else "does not exist"
+            raise FileNotFoundError(f"data.sequential.attributes_file: {s.attributes_file} {what}")
         # without one given, the attributes file beside the sequences is read where it exists
         attributes = Path(s.attributes_file) if s.attributes_file else text.with_name(f"{text.stem}_item2attributes.json")
         return read_sequence_text(text, attributes if attributes.is_file() else None, skip_bad_rows=d.skip_bad_rows)

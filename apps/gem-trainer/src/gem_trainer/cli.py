@@ -57,15 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         if name == "eval":
             sub.add_argument("--step", type=_step_number, default=None,
                              help="checkpoint step (default: the newest intact one); writes eval-step-N.json")
-            sub.add_argument("--out", default=None, help="write the metrics to this file instead of run_dir/eval.json "
+            sub.add_argument("--out", type=_output_file, default=None,
+                             help="write the metrics to this file instead of run_dir/eval.json "
                                                          "(or eval-step-N.json): evaluations of other splits or mixture "
                                                          "sources side by side")
         if name == "flops":
-            sub.add_argument("--out", default=None, help="also write the table as JSON to this file")
+            sub.add_argument("--out", type=_output_file, default=None, help="also write the table as JSON to this file")
         if name == "plot":
-            sub.add_argument("--out", default=None, help="folder for the PNG files (default: run_dir)")
+            sub.add_argument("--out", type=_output_folder, default=None, help="folder for the PNG files (default: run_dir)")
         if name == "launch":
-            sub.add_argument("--nproc-per-node", type=int, default=None)
+            sub.add_argument("--nproc-per-node", type=_positive_number, default=None)
             sub.add_argument("--nnodes", default="1")
             sub.add_argument("--node-rank", type=int, default=None)
             sub.add_argument("--rdzv-endpoint", default=None, help="host:port of node 0 for multi-node runs")
@@ -97,6 +98,40 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gem-trainer: {kind}: {error}", file=sys.stderr)
         return code
+
+
+def _positive_number(text: str) -> int:
+    """``--nproc-per-node``: a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a number of processes is a positive integer, got {text!r}")
+    return int(text)
+
+
+def _output_file(text: str) -> str:
+    """``--out`` of a file (its folders made if missing): checked before the work whose result it receives."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; name the file to write")
+    _no_file_above(path)
+    return text
+
+
+def _output_folder(text: str) -> str:
+    """``--out`` of a folder (made if missing): not an existing file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; name a folder")
+    _no_file_above(path)
+    return text
+
+
+def _no_file_above(path: Path) -> None:
+    """``path``'s folders can be made: none of them is a file."""
+    for folder in path.absolute().parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise argparse.ArgumentTypeError(f"{folder} is a file, not a folder to write {path.name} in")
+            return
 
 
 def _step_number(text: str) -> int:
@@ -351,6 +386,7 @@ def _flops(config: TrainerConfig, args, overrides) -> int:
     report = flop_report(config)
     print(format_flop_report(report))
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
@@ -365,7 +401,7 @@ def _plot(config: TrainerConfig, args, overrides) -> int:
 
 
 def _launch(config: TrainerConfig, args, overrides) -> int:
-    nproc = args.nproc_per_node or config.parallelism.nproc_per_node
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else config.parallelism.nproc_per_node
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}"]
     if args.rdzv_endpoint:
         command += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]

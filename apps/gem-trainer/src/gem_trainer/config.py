@@ -9,6 +9,8 @@ Every error is one line naming the file and the dotted path of the bad field.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 import types
 import typing
@@ -64,7 +66,8 @@ class Section(BaseModel):
                 if isinstance(value, (list, tuple)) and _is_numbers(field.annotation) and any(
                         isinstance(v, bool) or (isinstance(v, str) and _numeric(v)) for v in value):
                     raise ValueError(f"{name} takes numbers, got {list(value)!r}")
-                if isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS and _is_switch(field.annotation):
+                if (isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS
+                        or isinstance(value, (int, float)) and not isinstance(value, bool)) and _is_switch(field.annotation):
                     raise ValueError(f"{name} takes true or false, got {value!r}")
         return data
 
@@ -187,6 +190,12 @@ class DomainExpertsSection(Section):
     num_shared: int = Field(2, ge=0)
     num_specific: int = Field(1, ge=0)
 
+    @model_validator(mode="after")
+    def _some_expert(self) -> "DomainExpertsSection":
+        if self.num_shared + self.num_specific == 0:
+            raise ValueError("at least one expert is needed: num_shared + num_specific >= 1")
+        return self
+
 
 class ModelConfig(Section):
     name: Literal["kunlun", "baseline", "domain_experts", "sasrec", "interformer"] = "kunlun"
@@ -210,7 +219,7 @@ class SyntheticDataConfig(Section):
     user_propensity: float = Field(0.0, ge=0)  # with num_users: std of each user's fixed click logit offset
     # the data's hidden truth and every draw from it; None: the run's seed. Fixed, runs of several seeds train on
     # the same data (as on a real data set) and their spread is the training's alone
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0)
 
 
 class SequentialDataConfig(Section):
@@ -234,7 +243,7 @@ class SequentialDataConfig(Section):
     # and "offline_period" (each user's held-out last offline event: forgetting), ranked among the items rated
     # before the event
     eval_split: Literal["valid", "test", "next_period", "offline_period"] = "test"
-    eval_protocols: tuple[Literal["sampled", "full"], ...] = ("sampled",)
+    eval_protocols: tuple[Literal["sampled", "full"], ...] = Field(("sampled",), min_length=1)
     eval_negatives: int = Field(99, ge=1)
     eval_seeds: tuple[int, ...] = Field((0,), min_length=1)
     # a fixed random subset of the evaluation's queries (None: all): one per user, or a time split's next-period
@@ -244,6 +253,10 @@ class SequentialDataConfig(Section):
 
     @model_validator(mode="after")
     def _negatives_fit_objective(self) -> "SequentialDataConfig":
+        for name in ("eval_protocols", "eval_seeds"):  # a repeat would be reported as agreeing draws
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"data.sequential.{name} lists a value twice: {list(values)}")
         if self.objective == "retrieval" and self.loss == "binary" and self.num_negatives < 1:
             raise ValueError("data.sequential.num_negatives must be >= 1 for loss = \"binary\" (0, every item, is softmax only)")
         if self.objective == "pointwise" and (self.queries != "last" or self.loss != "binary"):
@@ -262,7 +275,7 @@ class SequentialDataConfig(Section):
 class MixtureSourceConfig(Section):
     """One source of the mixture, read in place: any reader, a weight, a domain, an id space."""
 
-    name: str
+    name: str = Field(pattern=r"^\S+$")  # the log's source_<name> / share_<name> keys
     weight: float = Field(1.0, gt=0)
     # online: a near-real-time stream, read once in time order; a next-item source is then the online period of
     # data.sequential.time_split (offline next-item sources read the offline period, shuffled, or, without event
@@ -308,6 +321,8 @@ class MixtureConfig(Section):
             online = [s.online for s in self.sources]
             if all(online) or not any(online):
                 raise ValueError("data.mixture.online_share_start: an online share schedule needs online and offline sources")
+        if not math.isfinite(sum(s.weight for s in self.sources)):
+            raise ValueError("data.mixture.sources: the weights' sum must be finite (only their ratios matter)")
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"data.mixture.sources names must be unique, got {names}")
@@ -363,6 +378,23 @@ class DataConfig(Section):
             if reader == "parquet" and name == evaluated and eval_path is None and self.eval_path is None:
                 raise ValueError("data.eval_path (held-out parquet) is required for data.source = \"parquet\"" if name is None
                                  else f"{where}: the evaluated parquet source needs an eval_path (or data.eval_path)")
+        # settings with nothing to apply to are refused, not dropped (a held-out file never read looks evaluated)
+        read = {reader for reader, *_ in readers}
+        if self.eval_path is not None and "parquet" not in read:
+            raise ValueError(f"data.eval_path names held-out parquet files, but no source reads parquet ({sorted(read)})")
+        for s in sources:
+            reader = s.reader or self.source
+            unused = [field for field in ("path", "eval_path") if getattr(s, field) is not None
+                      and (reader == "synthetic" or (field == "eval_path" and reader != "parquet"))]
+            if unused:
+                why = "a synthetic source reads no file" if reader == "synthetic" else \
+                    f"held-out parquet files, but the source reads {reader} data"
+                raise ValueError(f"data.mixture.sources.{s.name}.{unused[0]}: {why}")
+        if self.sequential.attributes_file is not None and "sequence_text" not in read:
+            raise ValueError(f"data.sequential.attributes_file applies to sequence_text data, which no source reads "
+                             f"({sorted(read)})")
+        if self.balance_window != 1 and not self.balance:
+            raise ValueError("data.balance_window applies to data.balance = true")
         next_item = ("sequence_text", "atomic")
         if self.sequential.time_split is not None and not any(reader in next_item for reader, *_ in readers):
             raise ValueError("data.sequential.time_split cuts a next-item source's events by time: no source reads "
@@ -665,6 +697,8 @@ class TrainerConfig(Section):
             raise ValueError(
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be below schedule.steps ({self.schedule.steps})"
             )
+        if Path(self.run_dir).exists() and not Path(self.run_dir).is_dir():
+            raise ValueError(f"run_dir: {self.run_dir} is a file, not a folder")
         if self.schedule.epochs is not None and (self.data.mixture.sources or self.data.source == "synthetic"):
             source = "data.mixture" if self.data.mixture.sources else "data.source = \"synthetic\""
             raise ValueError(f"schedule.epochs needs a finite data set, but {source} is an endless stream: set schedule.steps")
@@ -816,9 +850,11 @@ def _read_with_bases(path: Path, chain: tuple[Path, ...], origins: dict[tuple[st
         where = f"{chain[-1]}: base: " if chain else ""
         raise ConfigError(f"{where}config file not found: {path}")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: invalid TOML: {error}") from None
+    except UnicodeDecodeError as error:  # TOML is UTF-8 text
+        raise ConfigError(f"{path}: not a UTF-8 text file ({error.reason} at byte {error.start})") from None
     base = data.pop("base", None)
     parent: dict[str, Any] = {}
     if base is not None:
@@ -896,9 +932,9 @@ def dump_config(config: TrainerConfig) -> str:
         if prefix:
             lines.append(f"\n[{prefix}]")
         for key, value in scalars.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
         for key, value in sections.items():
-            emit(value, f"{prefix}.{key}" if prefix else key)
+            emit(value, f"{prefix}.{_toml_key(key)}" if prefix else _toml_key(key))
 
     emit(data, "")
     return "\n".join(lines).lstrip() + "\n"
@@ -927,6 +963,9 @@ def _spell_out_none(model: BaseModel, data: dict[str, Any]) -> None:
         elif isinstance(value, tuple) and value and all(isinstance(v, BaseModel) for v in value):
             for item, dumped in zip(value, data[name]):
                 _spell_out_none(item, dumped)
+        elif isinstance(value, dict) and value and all(isinstance(v, BaseModel) for v in value.values()):
+            for key, item in value.items():  # sections by name (model.kunlun.events)
+                _spell_out_none(item, data[name][key])
         elif value is None:
             if field.default is None and field.default_factory is None:
                 del data[name]
@@ -949,5 +988,11 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
     raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    """``key`` as TOML spells it: bare where it may be (letters, digits, ``_``, ``-``), else quoted (a task or an event
+    type named by the data may hold anything)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gem_kunlun.batch import Batch
-from gem_kunlun.config_checks import check_at_least
+from gem_kunlun.config_checks import check_at_least, check_widths
 from gem_kunlun.embedding import FeatureEmbedding
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
@@ -34,6 +34,7 @@ class BaselineConfig:
 
     def __post_init__(self) -> None:
         check_at_least(self, {"dim": 1, "num_seeds": 1, "num_heads": 1, "max_seq_len": 1})
+        check_widths(self, "hidden")
         if self.dim % self.num_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if not self.hidden:

@@ -17,6 +17,14 @@ def check_at_least(config: Any, minimums: dict[str, float]) -> None:
             raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
+def check_widths(config: Any, name: str) -> None:
+    """``ValueError`` unless every width of the tuple field ``name`` is >= 1: a layer 0 wide passes nothing on, and the
+    model's output would be a constant."""
+    widths = getattr(config, name)
+    if any(width < 1 for width in widths):
+        raise ValueError(f"{name} widths must be >= 1, got {list(widths)}")
+
+
 def check_choice(config: Any, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(config, name)
     if value not in choices:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from gem_kunlun.batch import Batch
-from gem_kunlun.config_checks import check_activation_and_kernel, check_at_least
+from gem_kunlun.config_checks import check_activation_and_kernel, check_at_least, check_widths
 from gem_kunlun.features import FeatureSpec
 from gem_kunlun.heads import ModelOutput, MultiTaskHeads
 from gem_kunlun.kunlun import KunlunConfig, KunlunEncoder
@@ -45,6 +45,7 @@ class InterFormerConfig:
     def __post_init__(self) -> None:
         check_at_least(self, {"d_model": 2, "num_layers": 1, "num_heads": 1, "num_seeds": 1, "cross_layers": 1,
                               "max_seq_len": 1})
+        check_widths(self, "hidden")
         check_activation_and_kernel(self)
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")

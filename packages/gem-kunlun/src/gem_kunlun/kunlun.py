@@ -34,7 +34,7 @@ from torchrec import KeyedJaggedTensor
 from gem_kunlun.batch import Batch
 from gem_kunlun.candidates import CandidateInput
 from gem_kunlun.compskip import check_skip_schedule, skipped_components
-from gem_kunlun.config_checks import check_activation_and_kernel, check_at_least
+from gem_kunlun.config_checks import check_activation_and_kernel, check_at_least, check_widths
 from gem_kunlun.contrastive import two_views, view_contrastive_loss
 from gem_kunlun.cuda_graphs import GraphedForward
 from gem_kunlun.embedding import FeatureEmbedding, ItemTower
@@ -105,6 +105,7 @@ class KunlunConfig:
                               "balance_loss_weight": 0, "block_size": 1, "window_blocks": 1, "window": 0, "max_seq_len": 1,
                               "recent_tokens": 0, "contrastive_weight": 0})
         check_activation_and_kernel(self)
+        check_widths(self, "hidden")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
         if (self.d_model // self.num_heads) % 2 and self.rote:
