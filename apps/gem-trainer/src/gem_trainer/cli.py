@@ -58,9 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--step", type=_step_number, default=None,
                              help="checkpoint step (default: the newest intact one); writes eval-step-N.json")
             sub.add_argument("--out", type=_output_file, default=None,
-                             help="write the metrics to this file instead of run_dir/eval.json "
-                                                         "(or eval-step-N.json): evaluations of other splits or mixture "
-                                                         "sources side by side")
+                             help="write the metrics to this file instead of run_dir/eval.json (or eval-step-N.json): "
+                                  "evaluations of other splits or mixture sources side by side")
         if name == "flops":
             sub.add_argument("--out", type=_output_file, default=None, help="also write the table as JSON to this file")
         if name == "plot":
