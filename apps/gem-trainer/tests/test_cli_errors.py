@@ -64,6 +64,17 @@ def test_settings_that_shape_no_checkpointed_tensor_resume(finished_run, overrid
     check_same_model(load_config(None, [f"--run_dir={finished_run}", *TINY, override]))
 
 
+def test_another_seed_drawing_another_synthetic_data_set_is_refused_on_resume(finished_run):
+    """With data.synthetic.seed unset the run's seed draws the data: a resume with another one trains and evaluates
+    on another data set, as a changed data.synthetic.seed would (refused); on a data set read from files it reorders
+    the stream from the resumed step on (a note)."""
+    from gem_trainer.run_folder import check_same_model
+
+    with pytest.raises(ConfigError, match=r"holds checkpoints of another model \(data\.synthetic\.seed: 0 -> 5\)"):
+        check_same_model(load_config(None, [f"--run_dir={finished_run}", *TINY, "--seed=5"]))
+    check_same_model(load_config(None, [f"--run_dir={finished_run}", *TINY, "--seed=5", "--data.synthetic.seed=0"]))
+
+
 @pytest.mark.parametrize("overrides, named", [
     (["--distillation.teacher_run_dir=/nowhere"], "distillation (a teacher"),
     (["--loopfm.store=/nowhere"], "loopfm.store"),
@@ -152,6 +163,11 @@ def test_eval_reads_the_runs_own_config_and_refuses_another_model_in_one_line(fi
     (old / "config.toml").write_text((old / "config.toml").read_text() + "\nretired_field = 1\n")
     done = cli("eval", f"--run_dir={old}", *TINY, "--step=4")
     assert done.returncode == 0, done.stderr[-2000:]
+    assert f"note: {old / 'config.toml'} no longer loads" in done.stderr
+    # a damaged record and overrides of another model: the checkpoint does not fit the model, said in one line
+    (old / "config.toml").write_text("this is [not toml\n")
+    line = one_line(cli("eval", f"--run_dir={old}", "--step=4", "--model.kunlun.d_model=64"), 4)
+    assert re.search(r"^gem-trainer: checkpoint error: checkpoint .*step-4 does not fit this model \(", line), line
 
 
 def test_a_run_that_resumes_nothing_starts_its_log_over_and_a_finished_run_keeps_its_record(finished_run, tmp_path):
@@ -199,6 +215,26 @@ def test_metrics_after_a_resume_do_not_repeat_steps(tmp_path):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["phase"] == "train"]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_log_cut_short_resumes_without_its_torn_record_and_a_damaged_one_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    assert cli("train", f"--run_dir={run}", *TINY).returncode == 0
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    log = run / "metrics.jsonl"
+    whole = log.read_text()
+    log.write_text(whole[:-40])  # killed while writing its last record
+    again = cli("train", f"--run_dir={run}", *TINY)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"note: {log}:" in again.stdout and "dropped a record cut short" in again.stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]  # every line a record again
+    assert [r["step"] for r in records if r["phase"] == "train"] == [1, 2, 3, 4]
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0], "{torn", *lines[1:]]) + "\n")  # damage inside the log: refused, kept as it was
+    damaged = log.read_text()
+    line = one_line(cli("train", f"--run_dir={run}", *TINY), 5)
+    assert line.startswith(f"gem-trainer: data error: {log}:2: not a JSON record") and log.read_text() == damaged
 
 
 def test_bad_rows_are_one_line_errors_or_counted_and_reported(tmp_path):

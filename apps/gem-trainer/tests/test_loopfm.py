@@ -145,6 +145,12 @@ def test_a_store_that_does_not_fit_is_one_line(teacher, store, tmp_path):
         (["--loopfm.store=" + str(tmp_path / "nowhere")], r"loopfm.store: .*nowhere: no representation store there"),
         ([f"--loopfm.store={store}", "--data.synthetic.num_dense=3"], r"loopfm.store: .* written over data with other features"),
         ([f"--loopfm.store={store}", "--loopfm.user_feature=device"], r"keyed by user feature 'user_id', loopfm.user_feature is 'device'"),
+        # the vectors' settings the run would record, and another data set's users, whose ids the store's share
+        ([f"--loopfm.store={store}", "--loopfm.dim=8"], r"loopfm.store: .* holds vectors of dim 16, loopfm.dim is 8$"),
+        ([f"--loopfm.store={store}", "--loopfm.projection_seed=5"], r"holds vectors of projection_seed 0, loopfm.projection_seed is 5$"),
+        ([f"--loopfm.store={store}", "--seed=1"], r"loopfm.store: .* was written over other data than this run's \(seed: 0 -> 1\)"),
+        ([f"--loopfm.store={store}", "--data.synthetic.seed=7"],
+         r"written over other data than this run's \(data.synthetic.seed: None -> 7\): run posttrain with this config$"),
         # a student trained past the teacher's pass: its later examples' histories would stop at the store's end
         ([f"--loopfm.store={store}", f"--schedule.steps={STEPS + 1}"],
          rf"loopfm.store: .* holds the teacher's pass over {STEPS * 32} examples \({STEPS} steps\), this run trains on "

@@ -78,6 +78,9 @@ def test_memory_cache_forgets_expired_entries_and_survives_a_snapshot(tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"not a snapshot")
     with pytest.raises(CacheError, match=r"bad.npz: not a Solaris cache snapshot"):
         MemoryCache.load(tmp_path / "bad.npz", ttl_s=10)
+    (tmp_path / "cut.npz").write_bytes(path.read_bytes()[:100])  # a snapshot cut short: its zip directory is gone
+    with pytest.raises(CacheError, match=r"cut.npz: not a Solaris cache snapshot"):
+        MemoryCache.load(tmp_path / "cut.npz", ttl_s=10)
 
 
 def test_memory_cache_serves_readers_while_a_thread_writes():

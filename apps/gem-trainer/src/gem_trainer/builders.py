@@ -221,6 +221,29 @@ def user_feature_missing(name: str, spec: FeatureSpec) -> str:
             f"has user ids with data.synthetic.num_users, next-item data with data.sequential.with_user_id = true)")
 
 
+# data settings that choose neither the examples a pass over the data reads nor their order: how many a step reads,
+# how they are read, and the held-out data
+PASS_INDEPENDENT_DATA = ("batch_size", "eval_batches", "eval_path", "num_workers", "read_ahead", "read_ahead_switch_ms",
+                         "read_ahead_process", "read_rows", "sequential.eval_split", "sequential.eval_protocols",
+                         "sequential.eval_negatives", "sequential.eval_seeds", "sequential.eval_users",
+                         "sequential.eval_chunk", "mixture.eval_source")
+
+
+def pass_difference(config: TrainerConfig, meta: dict) -> str | None:
+    """How ``config``'s data differs from the data a teacher's pass recorded in ``meta`` (its ``data`` section and the
+    ``seed``, which draws synthetic data and orders every stream): ``"field: recorded -> this run's"`` for the first
+    setting that differs, None where the pass read this run's examples."""
+    from gem_trainer.run_folder import flatten
+
+    def settings(seed, data: dict) -> dict:
+        flat = {f"data.{name}": value for name, value in flatten(data).items()}
+        return {"seed": seed, **{k: v for k, v in flat.items() if k.removeprefix("data.") not in PASS_INDEPENDENT_DATA}}
+
+    before, after = settings(meta.get("seed"), meta.get("data") or {}), settings(config.seed, config.data.model_dump(mode="json"))
+    changed = sorted(key for key in set(before) | set(after) if before.get(key) != after.get(key))
+    return None if not changed else f"{changed[0]}: {before.get(changed[0])!r} -> {after.get(changed[0])!r}"
+
+
 def build_representation_join(config: TrainerConfig, source: BatchSource, global_batch: int) -> RepresentationJoin:
     """``source`` with LoopFM's histories from ``loopfm.store``, checked against the data: the store must have
     been written over data with the same features (its user ids are this data's), and over at least the examples
@@ -241,6 +264,16 @@ def build_representation_join(config: TrainerConfig, source: BatchSource, global
         if store.meta.get("user_feature") != loop.user_feature:
             raise RepresentationError(f"{loop.store} is keyed by user feature {store.meta.get('user_feature')!r}, "
                                       f"loopfm.user_feature is {loop.user_feature!r}")
+        # the vectors' settings: the run records loopfm's, and a resume is judged on them
+        for key in ("dim", "layer", "projection_seed"):
+            if store.meta.get(key) != getattr(loop, key):
+                raise RepresentationError(f"{loop.store} holds vectors of {key} {store.meta.get(key)!r}, loopfm.{key} is "
+                                          f"{getattr(loop, key)!r}")
+        # NOTE: a user's history is the teacher's pass over this run's data: another data set's users share the ids
+        difference = pass_difference(config, store.meta)
+        if difference is not None:
+            raise RepresentationError(f"{loop.store} was written over other data than this run's ({difference}): run "
+                                      f"posttrain with this config")
         covered, trained = store.steps * int(store.meta.get("global_batch_size", 0)), config.schedule.steps * global_batch
         if covered < trained:
             raise RepresentationError(f"{loop.store} holds the teacher's pass over {covered} examples ({store.steps} steps), "

@@ -184,7 +184,10 @@ class CheckpointManager:
         ``distributed_state`` (DCP fills the given tensors); return this rank's local state."""
         path = self.path(step)
         # NOTE: DCP reshards: the tensors load into whatever layout this run has, on any number of ranks
-        dcp.load(distributed_state, checkpoint_id=str(path))
+        try:
+            dcp.load(distributed_state, checkpoint_id=str(path))
+        except (RuntimeError, ValueError, CheckpointException) as error:  # a tensor missing or of another shape
+            raise CheckpointError(f"checkpoint {path} does not fit this model ({first_line(error)})") from None
         rank = dist.get_rank() if dist.is_initialized() else 0
         local = path / f"local-rank{rank}.pt"
         if not local.is_file():

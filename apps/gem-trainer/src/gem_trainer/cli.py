@@ -142,15 +142,18 @@ def _step_number(text: str) -> int:
 
 def _eval_config(overrides: list[str]) -> TrainerConfig | None:
     """``eval`` without ``--config``: the config the run trained with (``run_dir/config.toml``, as ``train`` recorded
-    it) under the overrides, which only it has to accept; None where there is no record or it no longer loads."""
+    it) under the overrides, which only it has to accept; None where there is no record or it no longer loads (said
+    in a note)."""
     run_dir = load_config(None, [item for item in overrides if item.startswith("--run_dir=")]).run_dir
     recorded = Path(run_dir) / "config.toml"
     if not recorded.is_file():
         return None
     try:
         load_config(recorded)
-    except ConfigError:
-        return None  # an older run's record: the embedded default stands in, as before records were read
+    except ConfigError as error:  # an older run's record (or a damaged one): the embedded default stands in
+        print(f"note: {recorded} no longer loads ({error}): evaluating with the embedded default config and the "
+              f"overrides given (--config FILE names the config the run trained with)", file=sys.stderr)
+        return None
     return load_config(recorded, overrides)
 
 

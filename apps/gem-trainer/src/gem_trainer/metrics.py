@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from gem_data import DataError
+
 
 def memory_gib(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
@@ -46,15 +50,32 @@ class MetricLogger:
         if echo:
             print(format_line(phase, step, values), flush=True)
 
-    def drop_after(self, step: int) -> None:
-        """Forget the records of steps after ``step`` (a run resumed from there will log them again)."""
+    def drop_after(self, step: int) -> str | None:
+        """Forget the records of steps after ``step`` (a run resumed from there will log them again). A last line cut
+        short (a run killed while writing it) goes too: the note saying so is returned (None: nothing torn). Any other
+        line that is not a record is a ``DataError`` naming it. The log is rewritten beside itself and then renamed
+        over it, so a crash while rewriting leaves the old log whole."""
         if self.rank != 0:
-            return
+            return None
         path = self.run_dir / "metrics.jsonl"
         self._jsonl.close()
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        path.write_text("".join(f"{line}\n" for line in kept))
+        lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+        kept, note = [], None
+        for i, (number, line) in enumerate(lines):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                if i < len(lines) - 1:
+                    raise DataError(path, number, f"not a JSON record ({error.msg})") from None
+                note = f"{path}:{number}: dropped a record cut short (a run stopped while writing it)"
+                continue
+            if record["step"] <= step:
+                kept.append(line)
+        staged = path.with_name(f"{path.name}.rewrite")
+        staged.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(staged, path)
         self._jsonl = open(path, "a")
+        return note
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -31,10 +31,12 @@ def state_settings(config: TrainerConfig) -> dict[str, Any]:
     """The settings that decide the checkpointed tensors, name -> value: ``STATE_FIELDS``, the selected model's
     sections (not another model's, nor the loss's task weights), and what a teacher adds to the model: the
     distillation adapter and auxiliary head, LoopFM's and Solaris's input features."""
-    flat = _flatten(config.model_dump(mode="json"))
+    flat = flatten(config.model_dump(mode="json"))
     name = config.model.name
     fields = STATE_FIELDS + MODEL_SECTIONS.get(name, (f"model.{name}",))
     settings = {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in fields)}
+    if reads_synthetic(config) and config.data.synthetic.seed is None:
+        settings["data.synthetic.seed"] = config.seed  # unset, the run's seed draws the synthetic data set
     d, loopfm = config.distillation, config.loopfm
     taught = d.teacher_run_dir is not None or d.soft_labels is not None
     settings[TEACHER] = taught
@@ -45,6 +47,12 @@ def state_settings(config: TrainerConfig) -> dict[str, Any]:
     # fresh or served, the same input feature: a student trained on one is evaluated on the other
     settings[SOLARIS_INPUT] = config.solaris.student_input != "none"
     return settings
+
+
+def reads_synthetic(config: TrainerConfig) -> bool:
+    """Whether some source of ``config``'s data is the synthetic generator."""
+    d = config.data
+    return any((s.reader or d.source) == "synthetic" for s in d.mixture.sources) if d.mixture.sources else d.source == "synthetic"
 
 
 def check_same_run(config: TrainerConfig) -> None:
@@ -123,15 +131,16 @@ def _settings(config: TrainerConfig) -> dict[str, Any]:
     """Every setting of ``config`` by dotted name, a mixture's sources by their names."""
     tree = config.model_dump(mode="json")
     tree["data"]["mixture"]["sources"] = {s["name"]: s for s in tree["data"]["mixture"]["sources"]}
-    return _flatten(tree)
+    return flatten(tree)
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``tree``'s leaves by dotted name (an empty mapping is a leaf)."""
     flat = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{name}."))
+            flat.update(flatten(value, f"{name}."))
         else:
             flat[name] = value
     return flat

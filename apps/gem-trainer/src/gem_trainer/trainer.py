@@ -281,7 +281,7 @@ class Trainer:
             # a start), from the seed, its rank and the step, or ranks would share their dropout masks
             torch.manual_seed(self.config.seed * 1_000_003 + self.step * 1_009 + self.env.rank)
         if training:
-            self.logger.drop_after(self.step)
+            self._drop_log_after(self.step)
         self._saved_step = self.step
         self._print(f"resumed from {self.checkpoints.path(step)} at step {self.step}{resharded}")
         return True
@@ -364,7 +364,7 @@ class Trainer:
         cfg = self.config
         builders.check_mixture_reads(cfg, self.data)  # (training only: evaluating a run reads no training stream)
         if not (cfg.checkpoint.enable and cfg.checkpoint.resume and self.resume()):
-            self.logger.drop_after(self.step)  # nothing resumed: the run starts over, an earlier attempt's lines go
+            self._drop_log_after(self.step)  # nothing resumed: the run starts over, an earlier attempt's lines go
         if on_start is not None:
             on_start()
         self.first_step = self.step  # where this process started (a resumed run counts from there)
@@ -504,6 +504,11 @@ class Trainer:
         if self.teacher_flop_model is not None:  # the teacher runs forward only
             flops += sum(self.teacher_flop_model.flops(batch).values())
         return ReadReport(data, flops)
+
+    def _drop_log_after(self, step: int) -> None:
+        note = self.logger.drop_after(step)
+        if note is not None:
+            self._print(f"note: {note}")
 
     def _note_surfaces(self, alignment) -> None:
         """Which surfaces (domains) each mixed source's examples carry, in one line, and a warning for sources of

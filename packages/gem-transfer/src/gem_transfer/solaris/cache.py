@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import zipfile
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,7 +156,7 @@ def read_arrays(path: str | Path, names: tuple[str, ...], what: str) -> list[np.
     try:
         with np.load(Path(path)) as data:
             return [data[name] for name in names]
-    except (OSError, KeyError, ValueError) as error:
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as error:  # BadZipFile: a file cut short
         raise CacheError(f"{path}: not a Solaris {what} ({error})") from None
 
 
