@@ -18,6 +18,7 @@ from gem_trainer.distributed import check_fbgemm_cuda
 TINY = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", "--data.batch_size=16",
         "--data.eval_batches=1", "--data.synthetic.max_events=8", "--schedule.steps=4", "--schedule.warmup_steps=1",
         "--checkpoint.every_steps=2", "--checkpoint.keep_latest=3", "--metrics.log_every=1"]
+TINY_NEXT_ITEM = [item for item in TINY if not item.startswith("--data.synthetic.")]  # (refused where no source is synthetic)
 
 
 def cli(*args, timeout=600) -> subprocess.CompletedProcess:
@@ -241,7 +242,7 @@ def test_bad_rows_are_one_line_errors_or_counted_and_reported(tmp_path):
     good = [f"{u} " + " ".join(str(i) for i in range(1 + u, 9 + u)) for u in range(12)]
     path = sequence_file(tmp_path / "bad", [*good[:5], "5 3 ²3 4", *good[6:]])
     common = ["--config", str(Path(__file__).parents[1] / "configs" / "beauty-sasrec.toml"), f"--data.path={path}",
-              *TINY, "--data.sequential.eval_negatives=3", "--data.sequential.eval_protocols=[\"sampled\"]",
+              *TINY_NEXT_ITEM, "--data.sequential.eval_negatives=3", "--data.sequential.eval_protocols=[\"sampled\"]",
               "--data.sequential.eval_seeds=[0]", "--parallelism.compile=off"]
     line = one_line(cli("train", f"--run_dir={tmp_path / 'r1'}", *common), 5)
     assert line == f"gem-trainer: data error: {path}:6: '²3' is not a non-negative integer id"
@@ -271,7 +272,7 @@ def test_too_few_items_rated_before_a_time_split_period_is_found_before_training
                         str(Path(__file__).parents[1] / "configs" / "mixing-ml100k-time.toml"), f"--data.path={folder}",
                         "--data.sequential.time_split=[0.6, 0.85]", "--data.sequential.eval_split=offline_period",
                         "--data.sequential.eval_negatives=50", "--data.mixture.ramp_start=0", "--data.mixture.ramp_steps=4",
-                        *TINY), 2)
+                        *TINY_NEXT_ITEM), 2)
     assert "data.sequential.eval_negatives (50) exceeds the" in line and "rated before the ranked event" in line
     assert not (tmp_path / "r" / "checkpoints").exists()
 

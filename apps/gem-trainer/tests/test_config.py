@@ -51,7 +51,8 @@ def test_soft_labels_and_the_loopfm_store_in_one_folder_are_refused(tmp_path):
 def test_a_switched_off_setting_reads_back_from_the_record(tmp_path):
     """TOML has no null: a None written as nothing read back as the field's default (grad_clip 1.0, max_history 50),
     so eval of a run with its recorded config used other settings, and every resume noted a change."""
-    config = load_config(None, ["--optimizer.grad_clip=none", "--data.sequential.max_history=none"])
+    config = load_config(None, ["--optimizer.grad_clip=none", "--data.source=atomic", "--data.path=x",
+                                "--data.sequential.max_history=none"])
     again = load_config(write(tmp_path / "record.toml", dump_config(config)))
     assert again == config and again.optimizer.grad_clip is None and again.data.sequential.max_history is None
 
@@ -147,7 +148,7 @@ def test_printed_config_loads_back_to_the_same_config(tmp_path):
         (["--model.name=kunlun", "--model.kunlun.two_tower=true"], r"queries = \"every\" needs a causal model"),
         (["--data.sequential.max_history=80"], r"max_history \(80\) must not exceed model.sasrec.max_seq_len \(50\)"),
         (["--data.sequential.num_negatives=0"], r"num_negatives must be >= 1 for loss = \"binary\""),
-        (["--data.source=synthetic"], r"needs? next-item data"),
+        (["--data.source=synthetic"], r"data\.sequential\.objective applies to next-item data"),
         (["--model.name=baseline", "--model.kunlun.two_tower=true"], r"two_tower applies to model.name = \"kunlun\""),
         (["--model.name=domain_experts", "--model.kunlun.dropout=0.1", "--model.kunlun.contrastive_weight=0.1"],
          r"contrastive_weight applies to model.name = \"kunlun\", not 'domain_experts'"),
@@ -170,6 +171,10 @@ def test_retrieval_objective_needs_a_model_that_can_answer_it(tmp_path, override
     (["--data.read_ahead=1"], r"data: read_ahead takes true or false, got 1"),
     (["--data.synthetic.seed=-1"], r"data\.synthetic\.seed: Input should be greater than or equal to 0"),
     (["--data.balance_window=8"], r"data\.balance_window applies to data\.balance = true"),
+    (["--data.sequential.with_user_id=true"], r"data\.sequential\.with_user_id applies to next-item data \(sequence_text, "
+                                              r"atomic\), which no source reads \(\['synthetic'\]\)"),
+    (["--data.source=atomic", "--data.path=x", "--data.synthetic.num_surfaces=7"],
+     r"data\.synthetic\.num_surfaces applies to synthetic data, which no source reads \(\['atomic'\]\)"),
     (["--data.eval_path=/nowhere"], r"data\.eval_path names held-out parquet files, but no source reads parquet"),
     (["--data.source=atomic", "--data.path=x", "--data.sequential.attributes_file=a.json"],
      r"data\.sequential\.attributes_file applies to sequence_text data, which no source reads \(\['atomic'\]\)"),

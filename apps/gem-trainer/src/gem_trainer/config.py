@@ -417,6 +417,13 @@ class DataConfig(Section):
                     raise ValueError(f"data.mixture.sources.{s.name}.seed: {s.seed}, as source {streams[s.seed]!r}: both would "
                                      f"read the generator's stream {s.seed}, the same examples (give each its own seed)")
                 streams[s.seed] = s.name
+        # the other readers' sections: a setting of one no source reads is refused, not dropped
+        unread = [("synthetic", self.synthetic, "synthetic data")] if "synthetic" not in read else []
+        unread += [("sequential", self.sequential, "next-item data (sequence_text, atomic)")] if not read & set(next_item) else []
+        for name, section, what in unread:
+            changed = section.changed()
+            if changed:
+                raise ValueError(f"data.{name}.{changed[0]} applies to {what}, which no source reads ({sorted(read)})")
         if self.train_surfaces is not None and self.balance:
             raise ValueError("data.train_surfaces gives batches of varying size, which data.balance cannot split evenly")
         if self.read_ahead_process and not self.read_ahead:
