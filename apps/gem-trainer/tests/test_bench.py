@@ -178,3 +178,13 @@ def test_backward_time_is_attributed_to_the_component_that_ran_forward():
         y.sum().backward()
     table = bench.attribute_device_time(prof.events(), 1, bench._cpu_time)
     assert table["first"]["bwd_ms"] > 0 and table["second"]["bwd_ms"] > 0
+
+
+def test_the_mfu_denominator_is_the_benchmarked_devices_peak(monkeypatch):
+    """A PCIe or NVL card runs at lower clocks than the SXM parts: its MFU is taken against its own peak."""
+    from gem_trainer.bench import device_peak
+
+    for name, peak in (("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert device_peak(torch.device("cuda")) == peak
+    assert device_peak(torch.device("cpu")) == 989.0  # no peak of its own: the SXM figure

@@ -150,6 +150,32 @@ def test_the_logged_training_rate_leaves_out_evaluations_and_checkpoints(tmp_pat
     assert len(rates) == 4 and rates == pytest.approx([2 * 64 / 0.02] * 4)
 
 
+def test_the_first_logged_rate_leaves_out_the_first_steps_warm_up(tmp_path, monkeypatch):
+    """The first step compiles and warms up (100 s on this clock, every later one 0.01 s): reported apart as
+    first_step_s, it is not in the first window's examples/s."""
+    import time
+
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    trainer = Trainer(small_config(tmp_path, "--schedule.steps=6", "--schedule.warmup_steps=1", "--metrics.log_every=3",
+                                   "--checkpoint.enable=false"), init_distributed("cpu", "gloo"))
+    step = trainer.train_step
+
+    def timed():
+        result = step()
+        now[0] += 100.0 if trainer.step == 1 else 0.01
+        return result
+
+    trainer.train_step = timed
+    trainer.train()
+    trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["first_step_s"] for r in rows if r["phase"] == "startup"] == [pytest.approx(100.0)]
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["examples"] for r in train] == [2 * 64, 3 * 64]  # steps 2-3, then 4-6
+    assert [r["examples_per_s"] for r in train] == pytest.approx([64 / 0.01] * 2)
+
+
 def test_state_dict_round_trip_restores_step_data_position_and_schedule(tmp_path):
     config = small_config(tmp_path, "--schedule.steps=30", "--schedule.warmup_steps=5")
     trainer = Trainer(config, init_distributed("cpu", "gloo"))

@@ -77,6 +77,9 @@ def test_the_flop_count_takes_the_trunk_twice_for_two_views():
     trunk = set(model.trunk.flops(model.encoder.merged_lengths(batch)))  # not the encoder, not the heads (one view)
     assert contrastive.keys() == plain.keys() and trunk and "heads" in plain
     assert all(contrastive[k] == (2 * plain[k] if k in trunk else plain[k]) for k in plain)
+    # in eval mode (a teacher's forward, an evaluation) the forward takes one view, and so does the count
+    evaluated = KunlunModel(SPEC, KunlunConfig(**{**CONFIG.__dict__, "contrastive_weight": 0.5})).eval().flops(batch)
+    assert evaluated == plain
 
 
 def test_the_view_loss_stays_float32_under_autocast():

@@ -56,17 +56,24 @@ from gem_kernels.ops.triton import _tuning
 from gem_kunlun import Batch, EventSequence, EventType, FeatureSpec, KunlunModel, SparseFeature
 from gem_kunlun.norm import LayerNorm
 from gem_parallel import PEAK_TFLOPS as PEAK_TABLE
+from gem_parallel import peak_tflops
 from gem_trainer.builders import DataSetup
 from gem_trainer.config import load_config
 from gem_trainer.provenance import git_commit
 from gem_trainer.step import autocast, autocast_dtype, training_loss
 
-PEAK_TFLOPS = PEAK_TABLE["H200"]  # the H100 / H200 dense bf16 datasheet peak: the MFU denominator
 VARIANTS = ("gem", "bare", "plain")
 KERNELS = {"gem": "auto", "plain": "builtin"}  # the model's kernel choice in each variant
 # examples/s the trainer must reach on these configs (their own data), and its overhead over a bare loop
 TRAINER_TARGETS = {"beauty-sasrec.toml": {"examples_per_s": 40_000, "trainer_overhead": 1.25},
                    "beauty-kunlun.toml": {"examples_per_s": 15_000}}
+
+
+def device_peak(device: torch.device) -> float:
+    """The MFU denominator: the device's dense bf16 datasheet peak (``gem_parallel``'s table: an H100 PCIe or NVL card
+    runs at lower clocks than the SXM parts); the H100 / H200 SXM figure where the table has none (a CPU run, whose
+    MFU means nothing)."""
+    return peak_tflops(device) or PEAK_TABLE["H200"]
 
 
 # --- data ---------------------------------------------------------------------------------------------------
@@ -565,7 +572,7 @@ def timed_back_to_back(name: str, step, result: dict, batch_size: int, steps: in
         "step_ms": round(step_s * 1e3, 2),
         "examples_per_s": round(batch_size / step_s, 1),
         "tflops": round(tflops, 1),
-        "mfu_local": round(tflops / PEAK_TFLOPS, 4),
+        "mfu_local": round(tflops / device_peak(device), 4),
         "final_loss": round(losses[-1], 5),
         "loss_finite": all(math.isfinite(x) for x in losses),
     })
@@ -774,7 +781,7 @@ def meta(device, argv, program: str = "gem_trainer.bench") -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         # small models are host-bound: their rates depend on the host's CPU as much as on the GPU
         "host_cpu": _host_cpu(),
-        "peak_tflops_bf16": PEAK_TFLOPS,
+        "peak_tflops_bf16": device_peak(device),
     }
     for pkg in ("triton", "torchrec", "fbgemm_gpu"):
         try:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from gem_trainer.bench import device_peak
+
 LAYOUTS = {  # name -> (trainer overrides, what the row reports)
     "fsdp": ([], {"dense": "fsdp", "expert": 1, "sparse": "table_wise", "collectives": "nccl"}),
     "hsdp": (["--parallelism.dense_replicate=-1", "--parallelism.dense_shard=1"],
@@ -167,7 +169,7 @@ def scaling(args) -> list[dict]:
     # (1,187 against 1,630 examples/s on the next run of the same command)
     launch(args, 1, common, args.steps, args.warmup)
     base = launch(args, 1, common, args.steps, args.warmup, profile=True)
-    peak = 989.0
+    peak = device_peak(torch.device("cuda"))
     rows = []
     if "error" in base:
         return [{"gpus": 1, "error": base["error"]}]

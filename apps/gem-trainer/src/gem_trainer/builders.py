@@ -556,7 +556,8 @@ def build_teacher(config: TrainerConfig, spec: FeatureSpec, env: DistributedEnv)
     state = {"model": teacher.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoints.path(step)))
     teacher.load_state_dict(state["model"])
-    return teacher.eval(), unsharded  # frozen: it only ever runs under no_grad
+    # frozen: it only ever runs under no_grad, in eval mode (one view of each example), as its FLOPs are counted
+    return teacher.eval(), unsharded.eval()
 
 
 def teacher_step(config: TrainerConfig) -> int:

@@ -372,11 +372,17 @@ class Trainer:
         metrics: dict[str, float] = {}
         while self.step < cfg.schedule.steps:
             metrics = self.train_step()
+            examples, flops = metrics.pop("examples"), metrics.pop("flops")
+            logged = self.step % cfg.metrics.log_every == 0 or self.step == cfg.schedule.steps
             if self.step == self.first_step + 1:
                 self._report_first_step(window_start)
-            window_examples += metrics.pop("examples")
-            window_flops += metrics.pop("flops")
-            if self.step % cfg.metrics.log_every == 0 or self.step == cfg.schedule.steps:
+                if not logged:
+                    # NOTE: the first step's compilation and warm-up are reported apart (first_step_s): the first
+                    # window's rates (examples/s, TFLOP/s, MFU) start after it, as every later window's do
+                    window_start, examples, flops = time.perf_counter(), 0, 0.0
+            window_examples += examples
+            window_flops += flops
+            if logged:
                 if self.env.world_size > 1:  # every rank's: their slices may differ (a surface filter, balancing)
                     totals = torch.tensor([window_examples, window_flops], dtype=torch.float64, device=self.env.device)
                     dist.all_reduce(totals)

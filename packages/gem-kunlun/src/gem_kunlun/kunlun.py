@@ -595,12 +595,12 @@ class KunlunModel(nn.Module):
         return dot_scores(self.query_vectors(representation), vectors[candidates])
 
     def flops(self, batch: Batch) -> dict[str, float]:
-        """Forward model FLOPs of ``batch`` per component in training (real lengths; active experts only;
-        embedding lookups excluded; with a contrastive weight the trunk runs on two views of every example).
-        Multiply by 3 for a training step."""
+        """Forward model FLOPs of ``batch`` per component (real lengths; active experts only; embedding lookups
+        excluded; with a contrastive weight, in training mode, the trunk runs on two views of every example, as the
+        forward does). Multiply by 3 for a training step."""
         table = self.encoder.flops(batch)
         trunk = self.trunk.flops(self.encoder.merged_lengths(batch))
-        views = 2 if self.config.contrastive_weight > 0 else 1
+        views = 2 if self.training and self.config.contrastive_weight > 0 else 1
         table.update({name: views * value for name, value in trunk.items()})
         if not self.config.two_tower:
             table["heads"] = self.heads.flops_per_example() * batch.batch_size
