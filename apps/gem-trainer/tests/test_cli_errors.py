@@ -257,7 +257,8 @@ def test_bad_rows_are_one_line_errors_or_counted_and_reported(tmp_path):
 def test_too_few_items_for_the_sampled_ranking_is_found_before_training(tmp_path):
     path = sequence_file(tmp_path / "small", [f"{u} " + " ".join(str(i) for i in range(1 + u, 9 + u)) for u in range(12)])
     line = one_line(cli("train", f"--run_dir={tmp_path / 'r'}", "--config",
-                        str(Path(__file__).parents[1] / "configs" / "beauty-sasrec.toml"), f"--data.path={path}", *TINY), 2)
+                        str(Path(__file__).parents[1] / "configs" / "beauty-sasrec.toml"), f"--data.path={path}",
+                        *TINY_NEXT_ITEM), 2)
     assert "data.sequential.eval_negatives (99) exceeds the" in line and "set it to at most" in line
     assert not (tmp_path / "r" / "checkpoints").exists()
 

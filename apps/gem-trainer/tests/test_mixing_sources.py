@@ -21,8 +21,8 @@ ML, BEAUTY = DATA / "ml-100k", DATA / "beauty"
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SMALL = ["--data.batch_size=32", "--metrics.tensorboard=false", "--metrics.progress_bar=false", "--device=cpu",
          "--schedule.steps=6", "--schedule.warmup_steps=1", "--schedule.decay=constant", "--metrics.log_every=1",
-         "--checkpoint.enable=false", "--data.sequential.eval_users=64", "--deterministic=true"]
-TIME_SPLIT = [f"--config={CONFIGS / 'mixing-ml100k-time.toml'}", f"--data.path={ML}",
+         "--checkpoint.enable=false", "--deterministic=true"]
+TIME_SPLIT = [f"--config={CONFIGS / 'mixing-ml100k-time.toml'}", f"--data.path={ML}", "--data.sequential.eval_users=64",
               "--data.mixture.ramp_start=0", "--data.mixture.ramp_steps=6", "--data.mixture.online_share_end=0.8"]
 DOMAINS = [f"--config={CONFIGS / 'mixing-domains.toml'}", f"--data.path={BEAUTY}", "--data.sequential.eval_users=32",
            '--data.mixture.sources=[{name = "beauty", surface = 0}, '
@@ -217,8 +217,8 @@ def test_parquet_sources_of_a_mixture_share_one_clock_with_their_held_out_files(
     log, live, held_out = users_file("log", range(0, 200, 50)), users_file("live", [400, 401]), users_file("held", [410])
     sources = (f'--data.mixture.sources=[{{name = "log", reader = "parquet", path = "{log}"}}, '
                f'{{name = "live", reader = "parquet", path = "{live}", eval_path = "{held_out}", online = true}}]')
-    data = builders.build_data(config_for(tmp_path / "run", sources, "--data.mixture.eval_source=live",
-                                          "--data.synthetic.num_users=8"), init_distributed("cpu", "gloo"))
+    data = builders.build_data(config_for(tmp_path / "run", sources, "--data.mixture.eval_source=live"),
+                               init_distributed("cpu", "gloo"))
     log_table, live_table = (source.table for source in data.mixer.sources)
     assert log_table.time_base == live_table.time_base < 1e6 + 3600  # the log's earliest event: the one clock
 

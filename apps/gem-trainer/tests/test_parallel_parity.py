@@ -41,7 +41,10 @@ def train(run_dir: Path, ranks: int, *overrides: str) -> subprocess.CompletedPro
     command = [sys.executable, "-m", "gem_trainer.cli", "launch", "--nproc-per-node", str(ranks)] if ranks > 1 \
         else [sys.executable, "-m", "gem_trainer.cli", "train"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*command, f"--run_dir={run_dir}", *BASE, batch, *overrides], capture_output=True, text=True,
+    # the synthetic data's settings only where the data is synthetic (a config reading files refuses them)
+    base = [item for item in BASE if not item.startswith("--data.synthetic.")] if any(
+        item.startswith("--data.path=") for item in overrides) else BASE
+    done = subprocess.run([*command, f"--run_dir={run_dir}", *base, batch, *overrides], capture_output=True, text=True,
                           timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done
