@@ -83,6 +83,27 @@ def test_incomplete_missing_and_damaged_stores_are_named(tmp_path):
         SoftLabelStore(folder)
 
 
+def test_a_meta_that_is_json_but_no_store_listing_is_named(tmp_path):
+    folder = write_store(tmp_path / "labels", batches())
+    meta = json.loads((folder / "meta.json").read_text())
+    cases = [
+        ([], r"not a soft-label store's meta \(a JSON object\)"),
+        ({**meta, "parts": []}, r"parts must list each part's file, first_step and rows"),
+        ({**meta, "parts": [{k: v for k, v in p.items() if k != "first_step"} for p in meta["parts"]]}, r"parts must list"),
+        ({**meta, "parts": meta["parts"][1:]}, r"the parts' first steps \[2, 4\] do not count up from 0 within its 5 steps"),
+        ({**meta, "width": 0}, r"width 0 and steps 5 must be positive integers"),
+    ]
+    for written, message in cases:
+        (folder / "meta.json").write_text(json.dumps(written))
+        with pytest.raises(SoftLabelError, match=rf"meta\.json: {message}"):
+            SoftLabelStore(folder)
+    # a width the parts' rows do not hold whole queries of: named at the part, not a reshape deep in a step
+    (folder / "meta.json").write_text(json.dumps({**meta, "width": meta["width"] + 1}))
+    store = SoftLabelStore(folder)
+    with pytest.raises(SoftLabelError, match=r"part-00000\.parquet: rows whose logits are not whole queries"):
+        store.lookup(0, example_fingerprints(batches()[0]))
+
+
 def test_a_pass_cut_short_leaves_no_store(tmp_path):
     data = batches(steps=3)
     writer = SoftLabelWriter(tmp_path / "labels", {})

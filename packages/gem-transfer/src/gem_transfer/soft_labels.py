@@ -302,6 +302,24 @@ class SoftLabelWriter:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
+def _check_listing(meta: dict, meta_path: Path) -> None:
+    """A ``SoftLabelError`` naming ``meta_path`` unless its width, steps and parts are a store's listing: a positive
+    width, parts (file, first step, rows) whose first steps count up from 0 and cover the recorded steps."""
+    def whole(value, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    width, steps, parts = meta["width"], meta["steps"], meta["parts"]
+    if not whole(width, 1) or not whole(steps, 1):
+        raise SoftLabelError(f"{meta_path}: width {width!r} and steps {steps!r} must be positive integers")
+    if not isinstance(parts, list) or not parts or not all(
+            isinstance(p, dict) and isinstance(p.get("file"), str) and whole(p.get("first_step"), 0) and whole(p.get("rows"), 0)
+            for p in parts):
+        raise SoftLabelError(f"{meta_path}: parts must list each part's file, first_step and rows")
+    firsts = [p["first_step"] for p in parts]
+    if firsts[0] != 0 or any(a >= b for a, b in zip(firsts, firsts[1:])) or firsts[-1] >= steps:
+        raise SoftLabelError(f"{meta_path}: the parts' first steps {firsts} do not count up from 0 within its {steps} steps")
+
+
 def _lists(values: np.ndarray, sizes: np.ndarray, kind: pa.DataType) -> pa.ListArray:
     """A Parquet list column: row i holds the next ``sizes[i]`` of ``values``."""
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
@@ -324,12 +342,15 @@ class SoftLabelStore:
             self.meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as error:
             raise SoftLabelError(f"{meta_path}: not valid JSON ({error})") from None
+        if not isinstance(self.meta, dict):
+            raise SoftLabelError(f"{meta_path}: not a soft-label store's meta (a JSON object)")
         if self.meta.get("format") not in READABLE:
             raise SoftLabelError(f"{meta_path}: store format {self.meta.get('format')!r}, this gem-transfer reads {READABLE}")
         missing = [key for key in ("width", "steps", "parts") if key not in self.meta]
         if missing:  # (a LoopFM representation store, which posttrain writes beside soft labels, has none of them)
             raise SoftLabelError(f"{meta_path}: not a soft-label store (no {', '.join(missing)}); a LoopFM representation "
                                  f"store is read through loopfm.store")
+        _check_listing(self.meta, meta_path)
         self.width, self.steps = int(self.meta["width"] or 0), int(self.meta["steps"])
         self.top_k: int | None = self.meta.get("top_k")
         weights = self.meta.get("log_weights")
@@ -354,6 +375,8 @@ class SoftLabelStore:
                 raise SoftLabelError(f"{path}: unreadable soft-label part ({error})") from None
             if len(steps) != part["rows"]:
                 raise SoftLabelError(f"{path}: {len(steps)} rows where {META} records {part['rows']}")
+            if (offsets % self.width).any():
+                raise SoftLabelError(f"{path}: rows whose logits are not whole queries of the {self.width} {META} records")
             if items is not None and len(items) != len(values) // self.width * self.top_k:
                 raise SoftLabelError(f"{path}: {len(items)} top-k items for {len(values) // self.width} queries of {self.top_k}")
             self._held = (index, steps, fingerprints, offsets, values, items)
