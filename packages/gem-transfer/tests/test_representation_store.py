@@ -146,6 +146,9 @@ def test_a_pass_stopped_before_its_first_progress_starts_over_in_its_folder(tmp_
      r"meta.json: no 'dim' entry"),
     (lambda f: (f / "progress.json").write_text(json.dumps({"complete": True, "next_step": 4})), r"progress.json: no 'parts' entry"),
     (lambda f: (f / "progress.json").write_text(json.dumps({"complete": True, "parts": []})), r"progress.json: no 'next_step' entry"),
+    (lambda f: (f / "progress.json").write_text(json.dumps({"complete": True, "parts": [], "next_step": "x"})),
+     r"progress.json: next_step is 'x', not an integer >= 0"),
+    (lambda f: (f / "meta.json").write_text(json.dumps({**META, "format": 1, "dim": None})), r"meta.json: dim is None, not an integer >= 1"),
 ])
 def test_a_missing_or_damaged_store_is_one_line_naming_it(tmp_path, damage, message):
     folder = write(tmp_path / "store", events(steps=4))

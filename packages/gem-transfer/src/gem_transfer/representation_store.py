@@ -101,6 +101,14 @@ def _entry(record: dict[str, Any], key: str, path: Path) -> Any:
         raise RepresentationError(f"{path}: no {key!r} entry (a damaged or foreign file)") from None
 
 
+def _count(record: dict[str, Any], key: str, path: Path, low: int) -> int:
+    """``record[key]``, an integer of at least ``low``; anything else is a one-line ``RepresentationError``."""
+    value = _entry(record, key, path)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise RepresentationError(f"{path}: {key} is {value!r}, not an integer >= {low} (a damaged or foreign file)")
+    return value
+
+
 def _differing(stored: dict[str, Any], meta: dict[str, Any], prefix: str = "") -> list[str]:
     """The dotted keys whose values differ between two metadata records (nested records compared key by key)."""
     found = []
@@ -215,7 +223,7 @@ class RepresentationStore:
         if not progress.get("complete"):
             raise RepresentationError(f"{self.folder}: incomplete representation store (the pass stopped before step "
                                       f"{progress.get('next_step')}): run `gem-trainer posttrain` again with the same config to finish it")
-        self.dim, self.steps = int(_entry(self.meta, "dim", self.folder / META)), int(_entry(progress, "next_step", self.folder / PROGRESS))
+        self.dim, self.steps = _count(self.meta, "dim", self.folder / META, 1), _count(progress, "next_step", self.folder / PROGRESS, 0)
         users, times, order_keys, vectors = [], [], [], []
         for part in _entry(progress, "parts", self.folder / PROGRESS):
             path = self.folder / _entry(part, "file", self.folder / PROGRESS)
