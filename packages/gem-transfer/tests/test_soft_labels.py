@@ -69,8 +69,13 @@ def test_incomplete_missing_and_damaged_stores_are_named(tmp_path):
     folder = write_store(tmp_path / "labels", batches())
     with pytest.raises(SoftLabelError, match="already exists"):
         SoftLabelWriter(folder, {})
+    part = (folder / "part-00001.parquet").read_bytes()
     (folder / "part-00001.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(SoftLabelError, match=r"part-00001\.parquet: unreadable soft-label part"):  # found on opening
+        SoftLabelStore(folder)
+    (folder / "part-00001.parquet").write_bytes(part)
     store = SoftLabelStore(folder)
+    (folder / "part-00001.parquet").write_bytes(b"not parquet at all")  # damaged after it was opened: at its steps
     with pytest.raises(SoftLabelError, match=r"part-00001\.parquet: unreadable soft-label part"):
         store.lookup(2, example_fingerprints(batches()[2]))
     (folder / "meta.json").unlink()

@@ -357,6 +357,16 @@ class SoftLabelStore:
         self.log_weights = None if weights is None else torch.tensor(weights, dtype=torch.float32)
         self._first_steps = [p["first_step"] for p in self.meta["parts"]]
         self._held: tuple | None = None  # part index, steps, fingerprints, value offsets, values, item values
+        # NOTE: every part's footer is read now (a few KiB each): a part missing or cut short is found before training,
+        # not when the run reaches its steps after checkpoints were written
+        for part in self.meta["parts"]:
+            path = self.folder / part["file"]
+            try:
+                rows = pq.read_metadata(path).num_rows
+            except (OSError, pa.ArrowException) as error:
+                raise SoftLabelError(f"{path}: unreadable soft-label part ({error})") from None
+            if rows != part["rows"]:
+                raise SoftLabelError(f"{path}: {rows} rows where {META} records {part['rows']}")
 
     def _part(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         index = int(np.searchsorted(self._first_steps, step, side="right")) - 1
