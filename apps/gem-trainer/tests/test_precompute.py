@@ -230,3 +230,16 @@ def test_a_lookup_keyed_otherwise_than_its_precompute_is_one_line(teacher, tmp_p
     with pytest.raises(ConfigError, match=r"solaris.output: the precompute at .* keyed its pairs otherwise \(solaris\.") as error:
         solaris_lookup(other)
     assert "\n" not in str(error.value)
+
+
+def test_a_precompute_whose_folder_another_one_wrote_meanwhile_is_one_line_and_leaves_no_staging(tmp_path):
+    from gem_trainer.precompute import _publish
+    from gem_transfer.solaris import DefaultEmbedding, MemoryCache, UserIndex
+
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "report.json").write_text("{}")  # the other precompute's, put in place after this one started
+    with pytest.raises(ConfigError, match=rf"^solaris\.output: {re.escape(str(output))} could not be put in place \(.*\): "
+                                          r"another precompute wrote it meanwhile"):
+        _publish(output, {}, MemoryCache(ttl_s=10), UserIndex(dim=8), DefaultEmbedding())
+    assert (output / "report.json").read_text() == "{}" and not list(tmp_path.glob("out.partial*"))

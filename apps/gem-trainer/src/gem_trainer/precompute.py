@@ -239,7 +239,12 @@ def _publish(output: Path, report: dict, cache, index: UserIndex, default: Defau
             save_entries(cache.unflushed(), staging / "unflushed.npz")
         report["unflushed_entries"] = left
     (staging / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    staging.rename(output)
+    try:
+        staging.rename(output)
+    except OSError as error:  # another precompute into the same folder finished first
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ConfigError(f"solaris.output: {output} could not be put in place ({error.strerror}): another precompute "
+                          f"wrote it meanwhile; choose another folder") from None
 
 
 def pair_key_settings(config: TrainerConfig) -> dict:
