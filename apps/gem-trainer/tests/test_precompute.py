@@ -167,6 +167,14 @@ def test_a_student_reads_the_pair_embeddings_fresh_or_served(teacher, tmp_path):
     with pytest.raises(ConfigError, match="solaris.output: .* holds no finished precompute"):
         Trainer(load_config(None, [*student, "--solaris.student_input=served", f"--solaris.output={tmp_path / 'nothing'}"]),
                 init_distributed("cpu", "gloo"))
+    # a precompute over other data (another seed draws another synthetic data set), or by another teacher
+    served = [*student, "--solaris.student_input=served", f"--solaris.output={every}"]
+    with pytest.raises(ConfigError, match=r"solaris\.output: the precompute at .* was written over other data than this "
+                                          r"run's \(seed: 0 -> 1\): run it with this config$"):
+        Trainer(load_config(None, [*served, "--seed=1"]), init_distributed("cpu", "gloo"))
+    with pytest.raises(ConfigError, match=r"solaris\.output: the precompute at .* was written by the teacher at .*, this "
+                                          r"run's is /elsewhere$"):
+        Trainer(load_config(None, [*served, "--solaris.teacher_run_dir=/elsewhere"]), init_distributed("cpu", "gloo"))
 
 
 def test_served_embeddings_do_not_expire_with_the_wall_clock(teacher, tmp_path, monkeypatch):
@@ -211,7 +219,9 @@ def test_a_precompute_that_wrote_nothing_is_one_line_for_a_student(teacher, tmp_
     UserIndex(config.solaris.behaviour_dim).save(out / "users.npz")
     DefaultEmbedding().save(out / "default.npz")
     save_entries([], out / "cache.npz")
-    (out / "report.json").write_text(json.dumps({"finished_at": 0.0, "keys": pair_key_settings(config)}))
+    (out / "report.json").write_text(json.dumps({"finished_at": 0.0, "keys": pair_key_settings(config), "seed": config.seed,
+                                                 "teacher": {"run_dir": str(teacher)},
+                                                 "data": config.data.model_dump(mode="json")}))
     env = init_distributed("cpu", "gloo")
     source = builders.build_data(config, env, representations=False).train
     with pytest.raises(ConfigError, match=r"solaris.output: the precompute at .* wrote no embeddings") as error:

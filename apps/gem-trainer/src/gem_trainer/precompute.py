@@ -188,6 +188,8 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
         lookup = FallbackLookup(cache, index, default, s.ttl_s, s.neighbours)
         report = {"teacher": {"run_dir": str(teacher_run_dir(config)), "step": teacher_step}, "backend": s.backend,
                   "keys": pair_key_settings(config),
+                  # the data the pairs are rows of: a student reading other data would be served fallbacks
+                  "seed": config.seed, "data": config.data.model_dump(mode="json"),
                   "train_share": s.train_share, "eval_share": s.eval_share, "finished_at": finished_at,
                   "worker": {**counts, "users": len(index), "pass_s": round(pass_s, 2),
                              "pairs_per_s": round(counts["written_pairs"] / max(pass_s, 1e-9), 1)},
@@ -280,6 +282,24 @@ def solaris_lookup(config: TrainerConfig, clock=None) -> FallbackLookup:
     return FallbackLookup(cache, index, default, s.ttl_s, s.neighbours, clock)
 
 
+def _check_served_pass(config: TrainerConfig) -> None:
+    """A ``ConfigError`` unless the precompute at ``solaris.output`` was written by this run's teacher (where it names
+    one) over this run's data: its pairs are rows of that data, and another data set's rows would miss every entry
+    and be served fallbacks without a word."""
+    output = _finished_output(config)
+    report = json.loads((output / "report.json").read_text())
+    teacher, written_by = teacher_run_dir(config), (report.get("teacher") or {}).get("run_dir")
+    if teacher is not None and (written_by is None or Path(written_by).resolve() != Path(teacher).resolve()):
+        raise ConfigError(f"solaris.output: the precompute at {output} was written by the teacher at {written_by}, this "
+                          f"run's is {teacher}")
+    if "data" not in report:
+        raise ConfigError(f"solaris.output: {output} records no data (an older precompute): run it again")
+    difference = builders.pass_difference(config, report)
+    if difference is not None:
+        raise ConfigError(f"solaris.output: the precompute at {output} was written over other data than this run's "
+                          f"({difference}): run it with this config")
+
+
 def _finished_output(config: TrainerConfig) -> Path:
     output = Path(config.solaris.output) if config.solaris.output is not None else None
     if output is None or not (output / "report.json").is_file():
@@ -317,6 +337,7 @@ def build_solaris_join(config: TrainerConfig, env: DistributedEnv, source) -> So
     # NOTE: served embeddings are judged fresh against the precompute's finish time, not the wall clock: a run
     # longer than ttl_s, or one resumed later, would otherwise see its input turn into the default mid-run
     finished_at = _finished_at(config)
+    _check_served_pass(config)
     lookup = solaris_lookup(config, clock=lambda: finished_at)
     width = lookup.default.value().shape[0]
     if width == 0:  # no embedding was ever written: nothing fixes the input's width
