@@ -109,6 +109,18 @@ def test_a_meta_that_is_json_but_no_store_listing_is_named(tmp_path):
         store.lookup(0, example_fingerprints(batches()[0]))
 
 
+def test_a_pass_whose_folder_another_pass_wrote_meanwhile_is_named_and_leaves_no_staging(tmp_path):
+    data = batches(steps=1)
+    writer = SoftLabelWriter(tmp_path / "labels", {})
+    writer.append(0, example_fingerprints(data[0]), teacher_logits(data[0]))
+    (tmp_path / "labels").mkdir()  # the other pass (another process), finished first
+    (tmp_path / "labels" / "meta.json").write_text('{"theirs": true}')
+    with pytest.raises(SoftLabelError, match=r"labels: could not be put in place \(.*\): another pass wrote it meanwhile"):
+        writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["labels"]
+    assert (tmp_path / "labels" / "meta.json").read_text() == '{"theirs": true}'
+
+
 def test_a_pass_cut_short_leaves_no_store(tmp_path):
     data = batches(steps=3)
     writer = SoftLabelWriter(tmp_path / "labels", {})

@@ -294,7 +294,12 @@ class SoftLabelWriter:
         write_json(self.staging / META, meta)
         # the parts and meta.json are on disk before the store's name is, and the name before the pass returns
         sync_folder(self.staging)
-        self.staging.rename(self.folder)
+        try:
+            self.staging.rename(self.folder)
+        except OSError as error:  # another pass into the same folder finished first
+            self.abort()
+            raise SoftLabelError(f"{self.folder}: could not be put in place ({error.strerror}): another pass wrote it "
+                                 f"meanwhile; choose another folder") from None
         sync_folder(self.folder.parent)
         return self.folder
 
