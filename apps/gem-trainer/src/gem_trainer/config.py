@@ -365,6 +365,11 @@ class DataConfig(Section):
     sequential: SequentialDataConfig = SequentialDataConfig()
     mixture: MixtureConfig = MixtureConfig()
 
+    def readers(self) -> set[str]:
+        """The readers the data is read with: each mixture source's (``data.source`` where it names none), else
+        ``data.source``."""
+        return {s.reader or self.source for s in self.mixture.sources} or {self.source}
+
     @model_validator(mode="after")
     def _source_needs(self) -> "DataConfig":
         sources = self.mixture.sources
@@ -379,7 +384,7 @@ class DataConfig(Section):
                 raise ValueError("data.eval_path (held-out parquet) is required for data.source = \"parquet\"" if name is None
                                  else f"{where}: the evaluated parquet source needs an eval_path (or data.eval_path)")
         # settings with nothing to apply to are refused, not dropped (a held-out file never read looks evaluated)
-        read = {reader for reader, *_ in readers}
+        read = self.readers()
         if self.eval_path is not None and "parquet" not in read:
             raise ValueError(f"data.eval_path names held-out parquet files, but no source reads parquet ({sorted(read)})")
         for s in sources:

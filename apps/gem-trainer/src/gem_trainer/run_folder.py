@@ -35,7 +35,7 @@ def state_settings(config: TrainerConfig) -> dict[str, Any]:
     name = config.model.name
     fields = STATE_FIELDS + MODEL_SECTIONS.get(name, (f"model.{name}",))
     settings = {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in fields)}
-    if reads_synthetic(config) and config.data.synthetic.seed is None:
+    if "synthetic" in config.data.readers() and config.data.synthetic.seed is None:
         settings["data.synthetic.seed"] = config.seed  # unset, the run's seed draws the synthetic data set
     d, loopfm = config.distillation, config.loopfm
     taught = d.teacher_run_dir is not None or d.soft_labels is not None
@@ -47,12 +47,6 @@ def state_settings(config: TrainerConfig) -> dict[str, Any]:
     # fresh or served, the same input feature: a student trained on one is evaluated on the other
     settings[SOLARIS_INPUT] = config.solaris.student_input != "none"
     return settings
-
-
-def reads_synthetic(config: TrainerConfig) -> bool:
-    """Whether some source of ``config``'s data is the synthetic generator."""
-    d = config.data
-    return any((s.reader or d.source) == "synthetic" for s in d.mixture.sources) if d.mixture.sources else d.source == "synthetic"
 
 
 def check_same_run(config: TrainerConfig) -> None:
