@@ -94,7 +94,7 @@ def test_blockwise_quantisation_rejects_what_it_cannot_take():
             fp8_blockwise_quantize(torch.zeros(4, 128), (1, 32), kernel=kernel)
         with pytest.raises(ValueError, match="2-D float tensor"):
             fp8_blockwise_quantize(torch.zeros(2, 3, 128), (1, 128), kernel=kernel)
-        with pytest.raises(ValueError, match="rows_to must be >= 1"):
+        with pytest.raises(ValueError, match="rows_to must be a positive int, got 0"):
             fp8_blockwise_quantize(torch.zeros(4, 128), (1, 128), rows_to=0, kernel=kernel)
     # scales of other blocks would dequantise to a tensor of the right shape and wrong values
     elements, scales = fp8_blockwise_quantize(torch.randn(256, 256), (1, 128))

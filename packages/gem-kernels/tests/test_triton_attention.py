@@ -464,3 +464,36 @@ def test_packed_key_values_match_the_references_split_ones(mode, dtype):
         assert_close(a.float(), e, TOL[dtype], name)
     with pytest.raises(ValueError, match=r"k packed with v \(v None\) must be \[Tk, 2, H, D\], got \(57, 3, 2, 16\)"):
         gdpa(q, rand(T, 3, H, D, dtype=dtype), None, *args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("path", ["general", "short_kv", "fp8"])
+def test_a_nan_input_makes_the_rows_nan_the_reference_makes_nan(where, path):
+    """A NaN in a query (every score of its row NaN) or a key: the softmax rows the reference makes NaN come out NaN
+    (a NaN query's row once passed for a row that saw no key and came out 0), every other row as the reference's."""
+    from gem_kernels.ops.triton import triton_attention
+
+    lengths = [3, 17] if path != "short_kv" else [3, 9]
+    q_off, kv_off = offsets_of([3, 17]), offsets_of(lengths)
+    q, k, v = rand(20, 1, 16, grad=False), rand(int(kv_off[-1]), 1, 16, grad=False), rand(int(kv_off[-1]), 1, 16, grad=False)
+    (q if where == "q" else k)[5, 0, 0] = float("nan")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def fn(kernel):
+        if path == "short_kv":
+            return gdpa(q, k, v, q_off, kv_off, activation="softmax", max_seq_len_kv=9, kernel=kernel)
+        return jagged_flash_attention(q, k, v, q_off, 17, kernel=kernel, fp8=path == "fp8")
+
+    if path == "short_kv":
+        spec = triton_attention.AttnSpec(max_q=17, max_kv=9, nq=None, activations=("softmax",), sm_scale=0.25, pw_scale=1.0)
+        assert triton_attention._short_kv(spec, 16, q.element_size())
+    out, ref = fn("triton"), fn("pytorch")
+    nan = ref.isnan().any(-1).any(-1)
+    assert nan.any() and not nan.all()
+    assert torch.equal(out.isnan().any(-1).any(-1), nan)
+    tol = 0.1 if path == "fp8" else TOL[torch.float32]  # FP8: the kernel against its twin, P rounded to E4M3 in one
+    assert_close(out[~nan], ref[~nan], tol, f"{path} rows without NaN")
+    # the backward: NaN gradients where the reference's are (a NaN row's LSE is NaN, not the no-key row's 1e30)
+    do = torch.randn_like(ref)
+    for g_t, g_r, name in zip(grads(out, [q, k, v], do), grads(ref, [q, k, v], do), "qkv"):
+        assert torch.equal(g_t.isnan().any(-1).any(-1), g_r.isnan().any(-1).any(-1)), f"d{name}"

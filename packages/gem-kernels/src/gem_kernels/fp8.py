@@ -50,29 +50,48 @@ def scale_exponent_field(amax: torch.Tensor) -> torch.Tensor:
     return exponent.clamp(min=1)
 
 
-def _check_input(x: torch.Tensor, dim: int, rows_to: int, cols_to: int, placed) -> None:
-    if x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"fp8 rowwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_input(x: torch.Tensor, dim: int, rows_to: int, cols_to: int, placed, validate: bool = True) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"fp8 rowwise quantisation takes a 2-D float tensor, got shape {tuple(getattr(x, 'shape', ()))} "
+                         f"of {getattr(x, 'dtype', type(x).__name__)}")
     if dim not in (0, 1, -1, -2):
         raise ValueError(f"fp8 rowwise quantisation: dim must be 0 or 1 (or -1, -2), got {dim}")
-    if rows_to < 1 or cols_to < 1:
-        raise ValueError(f"fp8 rowwise quantisation: rows_to and cols_to must be >= 1, got {rows_to} and {cols_to}")
+    _positive_int("fp8 rowwise quantisation: rows_to", rows_to)
+    _positive_int("fp8 rowwise quantisation: cols_to", cols_to)
     if placed is not None:
         if cols_to != 1:
             raise ValueError("fp8 rowwise quantisation: placed gives the output's columns; cols_to must stay 1")
         if placed.dim() != 1 or placed.dtype != torch.int64:
             raise ValueError(f"fp8 rowwise quantisation: placed must be a 1-D int64 map (each output column's input "
                              f"column, -1 for none), got {placed.dtype} of shape {tuple(placed.shape)}")
-        if placed.shape[0] < x.shape[dim]:
+        if placed.device != x.device:
+            raise ValueError(f"fp8 rowwise quantisation: placed must be on x's device {x.device}, got {placed.device}")
+        columns = x.shape[dim]
+        if placed.shape[0] < columns:
             raise ValueError(f"fp8 rowwise quantisation: placed ({placed.shape[0]} columns) must place each of the "
-                             f"{x.shape[dim]} input columns along dim {dim}")
+                             f"{columns} input columns along dim {dim}")
+        if validate and placed.numel():
+            # NOTE: one sync; a column out of range would be read past x (the kernel) and a missing or repeated one
+            # would drop or duplicate data. Callers holding a map made by sequence_aligned_layout pass validate=False
+            held = placed[placed >= 0]
+            if bool((placed < -1).any()) or (held.numel() and int(held.max()) >= columns) or not bool(
+                    (torch.bincount(held, minlength=columns) == 1).all()):
+                raise ValueError(f"fp8 rowwise quantisation: placed must hold each of the {columns} input columns once "
+                                 f"(values in [0, {columns}), -1 for a zero column)")
 
 
 def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_to: int = 1,
-                                   placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                   placed: torch.Tensor | None = None,
+                                   validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (2-D, floating point) as E4M3 rows along ``dim`` and their scales: ``([kept, reduced], [kept, 1])``,
-    each padded (or the reduced dimension placed) as the module docstring says."""
-    _check_input(x, dim, rows_to, cols_to, placed)
+    each padded (or the reduced dimension placed) as the module docstring says. ``validate``: as
+    ``fp8_rowwise_quantize``'s."""
+    _check_input(x, dim, rows_to, cols_to, placed, validate)
     rows = (x if dim % 2 == 1 else x.t()).float()  # [kept, reduced]
     if placed is not None:
         rows = torch.where(placed >= 0, rows[:, placed.clamp(min=0)], 0.0)
@@ -96,20 +115,22 @@ def fp8_rowwise_quantize_reference(x: torch.Tensor, dim: int = -1, rows_to: int 
 
 
 def fp8_rowwise_quantize(x: torch.Tensor, dim: int = -1, rows_to: int = 1, cols_to: int = 1,
-                         kernel: str = "auto", placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         kernel: str = "auto", placed: torch.Tensor | None = None,
+                         validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8_rowwise_quantize_reference``'s result, from the Triton kernel on CUDA (``kernel="auto"``; ``"triton"``
-    forces it, e.g. under the interpreter) or the reference (``"pytorch"``); both give the same bits."""
+    forces it, e.g. under the interpreter) or the reference (``"pytorch"``); both give the same bits.
+    ``validate=False`` skips checking ``placed``'s values (one sync): undefined behaviour for a map that would fail."""
     from gem_kernels.ops import _validation as V
 
     if kernel not in ("auto", "triton", "pytorch"):
         raise ValueError(f"kernel must be 'auto', 'triton' or 'pytorch', got {kernel!r}")
-    _check_input(x, dim, rows_to, cols_to, placed)
+    _check_input(x, dim, rows_to, cols_to, placed, validate)
     if V.use_triton(kernel, x.device) and x.numel():
         V.check_triton_device("x", x)
         from gem_kernels.ops.triton.triton_fp8 import triton_fp8_rowwise_quantize
 
         return triton_fp8_rowwise_quantize(x, dim, rows_to, cols_to, placed)
-    return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to, placed)
+    return fp8_rowwise_quantize_reference(x, dim, rows_to, cols_to, placed, validate=False)  # (checked above)
 
 
 # the block shapes the scaled GEMM takes: 1 x 128 and 128 x 128, and 128 x 1 (1 x 128 of the transpose)
@@ -119,10 +140,9 @@ BLOCKS = ((1, 128), (128, 128), (128, 1))
 def _check_blockwise(x: torch.Tensor, block: tuple[int, int], rows_to: int) -> None:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"fp8 blockwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
-    if tuple(block) not in BLOCKS:
-        raise ValueError(f"fp8 blockwise quantisation: block must be one of {BLOCKS}, got {tuple(block)}")
-    if rows_to < 1:
-        raise ValueError(f"fp8 blockwise quantisation: rows_to must be >= 1, got {rows_to}")
+    if not isinstance(block, (tuple, list)) or tuple(block) not in BLOCKS:
+        raise ValueError(f"fp8 blockwise quantisation: block must be one of {BLOCKS}, got {block!r}")
+    _positive_int("fp8 blockwise quantisation: rows_to", rows_to)
 
 
 def blockwise_shapes(shape: tuple[int, int], block: tuple[int, int], rows_to: int,
@@ -187,8 +207,11 @@ def fp8_blockwise_quantize(x: torch.Tensor, block: tuple[int, int], rows_to: int
 
 def fp8_blockwise_dequantize(elements: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """The float32 values E4M3 ``elements`` with one scale per ``block`` stand for."""
-    if tuple(block) not in BLOCKS:
-        raise ValueError(f"fp8_blockwise_dequantize: block must be one of {BLOCKS}, got {tuple(block)}")
+    if not isinstance(block, (tuple, list)) or tuple(block) not in BLOCKS:
+        raise ValueError(f"fp8_blockwise_dequantize: block must be one of {BLOCKS}, got {block!r}")
+    if elements.dim() != 2 or elements.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_blockwise_dequantize: elements must be 2-D E4M3, got {elements.dtype} of shape "
+                         f"{tuple(elements.shape)}")
     rows, cols = elements.shape
     grid = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scales.shape) != grid:
@@ -232,7 +255,7 @@ def fp8_attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     t, h, d = q.shape
     return (fp8_rowwise_quantize(q.reshape(t * h, d), -1, kernel=kernel),
             fp8_rowwise_quantize(k.reshape(t * h, d), -1, kernel=kernel),
-            fp8_rowwise_quantize(v.reshape(t, h * d), 0, kernel=kernel, placed=v_placed))
+            fp8_rowwise_quantize(v.reshape(t, h * d), 0, kernel=kernel, placed=v_placed, validate=False))
 
 
 def fp8_attention_dequantize(operands, shape: tuple[int, int, int], dtype: torch.dtype,
@@ -260,6 +283,9 @@ def fp8_attention_dequantize(operands, shape: tuple[int, int, int], dtype: torch
 
 def fp8_dequantize(elements: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 values rows of E4M3 ``elements`` with per-row ``scale`` ``[rows, 1]`` stand for."""
+    if elements.dim() != 2 or elements.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_dequantize: elements must be 2-D E4M3 rows, got {elements.dtype} of shape "
+                         f"{tuple(elements.shape)}")
     if tuple(scale.shape) != (elements.shape[0], 1):
         raise ValueError(f"fp8_dequantize: scale must be [rows, 1] = [{elements.shape[0]}, 1] (one per row), got "
                          f"shape {tuple(scale.shape)}")

@@ -66,8 +66,10 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe.scaling must be 'rowwise' or 'blockwise', got {self.scaling!r}")
         if self.kernel not in ("auto", "triton", "pytorch"):
             raise ValueError(f"Fp8Recipe.kernel must be 'auto', 'triton' or 'pytorch', got {self.kernel!r}")
-        if self.min_features < 0 or self.min_tokens < 0:
-            raise ValueError(f"Fp8Recipe.min_features / min_tokens must be >= 0, got {self.min_features} / {self.min_tokens}")
+        for name in ("min_features", "min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Fp8Recipe.{name} must be an int >= 0, got {value!r}")
 
     def runs_fp8(self, rows: int) -> bool:
         """Whether a call with ``rows`` rows (tokens) runs in FP8 (fewer than ``min_tokens``: high precision)."""
@@ -245,11 +247,19 @@ def check_linear_shapes(name: str, x: torch.Tensor, weight: torch.Tensor, x_fp8,
         if x_fp8 is not None:
             raise ValueError(f"{name}: x_fp8 holds rowwise E4M3 (a producer's); the blockwise recipe quantises x itself")
     if x_fp8 is not None:
+        # NOTE: the values are the producer's to get right (fp8_layer_norm, fp8_linear_gelu write them from x's own
+        # registers); their layout, dtypes and device are checked here, where a mistake would fail deep in the GEMM
+        if not isinstance(x_fp8, tuple) or len(x_fp8) != 2:
+            raise ValueError(f"{name}: x_fp8 must be a pair (elements, scales), got {type(x_fp8).__name__}")
         elements, scales = x_fp8
         rows = padded(x.shape[0], _ALIGN)
-        if elements.dtype != torch.float8_e4m3fn or tuple(elements.shape) != (rows, x.shape[1]) or tuple(scales.shape) != (rows, 1):
+        if (elements.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32
+                or tuple(elements.shape) != (rows, x.shape[1]) or tuple(scales.shape) != (rows, 1)):
             raise ValueError(f"{name}: x_fp8 must be E4M3 elements [{rows}, {x.shape[1]}] (rows padded to {_ALIGN}) and "
-                             f"scales [{rows}, 1], got {elements.dtype} {tuple(elements.shape)} and {tuple(scales.shape)}")
+                             f"float32 scales [{rows}, 1], got {elements.dtype} {tuple(elements.shape)} and "
+                             f"{scales.dtype} {tuple(scales.shape)}")
+        if elements.device != x.device or scales.device != x.device:
+            raise ValueError(f"{name}: x_fp8 must be on x's device {x.device}, got {elements.device} and {scales.device}")
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -265,6 +275,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Rec
     bfloat16 product. The output has autocast's dtype when autocast is on for ``x``'s device, else ``x``'s.
     ``x_fp8``: x's E4M3 rows and scales from its producer (``fp8_layer_norm``, ``fp8_linear_gelu``), which spares
     the quantisation pass (rowwise recipes)."""
+    if not isinstance(recipe, Fp8Recipe):
+        raise ValueError(f"fp8_linear: recipe must be an Fp8Recipe, got {type(recipe).__name__}")
     check_linear_shapes("fp8_linear", x, weight, x_fp8, bias, recipe)
     elements, scales = (None, None) if x_fp8 is None else x_fp8
     return _Fp8Linear.apply(x, weight, bias, elements, scales, recipe, emulate, compute_dtype(x))
@@ -277,7 +289,7 @@ class Fp8Linear(LowPrecisionLinear):
     recipe: Fp8Recipe = Fp8Recipe()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = self.rows(x)
         if not self.recipe.runs_fp8(flat.shape[0]):
             return F.linear(x, self.weight, self.bias)
         y = fp8_linear(flat, self.weight, self.recipe, bias=self.bias)

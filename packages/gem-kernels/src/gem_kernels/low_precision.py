@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
 from torch import nn
 
 
@@ -28,6 +29,13 @@ class LowPrecisionLinear(nn.Linear):
         twin.recipe = recipe
         return twin
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features]`` as rows ``[M, in_features]`` (a reshape would fail with a message about sizes)."""
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: input of shape {tuple(x.shape)} does not end in in_features = "
+                             f"{self.in_features}")
+        return x.reshape(-1, self.in_features)
+
 
 class LowPrecisionRecipe(Protocol):
     def linear(self, linear: nn.Linear) -> nn.Module | None: ...
@@ -39,6 +47,11 @@ def convert_to_low_precision(model: nn.Module, recipe: LowPrecisionRecipe, keep:
     """Swap every ``nn.Linear`` of ``model`` whose qualified name ``keep`` does not claim for the recipe's twin,
     and give every such module with a ``low_precision_matmul`` attribute the recipe's matmul; returns the
     converted names. Call before wrapping for data parallelism (the swap replaces submodules)."""
+    if not (callable(getattr(recipe, "linear", None)) and callable(getattr(recipe, "matmul", None))):
+        raise ValueError(f"convert_to_low_precision: recipe must have linear and matmul (an Fp8Recipe or MXRecipe), got "
+                         f"{type(recipe).__name__}")
+    if not callable(keep):
+        raise ValueError(f"convert_to_low_precision: keep must be a callable of a module's name, got {type(keep).__name__}")
     converted = []
     for name, module in list(model.named_modules()):
         if keep(name):

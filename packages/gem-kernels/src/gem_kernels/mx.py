@@ -64,6 +64,12 @@ def element_format(name: str) -> ElementFormat:
     return FORMATS[name]
 
 
+def check_block(block: int, name: str) -> None:
+    """A block size: a positive int (a float or a string would fail deep in a reshape, or pass where it should not)."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"{name} must be a positive int, got {block!r}")
+
+
 def _blocks(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, int, int]:
     """``x`` with ``dim`` moved last, zero-padded to whole blocks and split: ``[..., n_blocks, block]``."""
     dim = dim % x.dim()
@@ -100,6 +106,10 @@ def mx_quantize(x: torch.Tensor, dim: int = -1, elem: str = "e4m3", rounding: Sc
     """``x`` (float) as an MX tensor with blocks of ``block`` along ``dim``; see the module docstring."""
     if not x.is_floating_point():
         raise ValueError(f"mx_quantize takes a floating-point tensor, got {x.dtype}")
+    if x.dim() < 1 or isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"mx_quantize: dim must be an int in [{-x.dim()}, {x.dim()}) for a tensor of shape "
+                         f"{tuple(x.shape)}, got {dim!r}")
+    check_block(block, "mx_quantize: block")
     fmt = element_format(elem)
     blocks, dim, size = _blocks(x, dim, block)
     exponent, non_finite = shared_exponents(blocks, fmt, rounding)
@@ -114,6 +124,8 @@ def mx_quantize(x: torch.Tensor, dim: int = -1, elem: str = "e4m3", rounding: Sc
 
 def mx_dequantize(t: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values ``t`` represents, in ``dtype``, with the padding removed."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"mx_dequantize: dtype must be a floating-point torch.dtype, got {dtype!r}")
     elements = t.elements.movedim(t.dim, -1).float()
     elements = elements.unflatten(-1, (elements.shape[-1] // t.block, t.block))
     codes = t.scales.movedim(t.dim, -1)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from gem_kernels.low_precision import LowPrecisionLinear
-from gem_kernels.mx import BLOCK, ScaleRounding, element_format, mx_fake_quantize
+from gem_kernels.mx import BLOCK, ScaleRounding, check_block, element_format, mx_fake_quantize
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ class MXRecipe:
             element_format(name)  # an unknown format is a ValueError naming it
         if self.rounding not in ("floor", "rceil"):
             raise ValueError(f"MXRecipe.rounding must be 'floor' or 'rceil', got {self.rounding!r}")
-        if self.block < 1:
-            raise ValueError(f"MXRecipe.block must be >= 1, got {self.block}")
+        check_block(self.block, "MXRecipe.block")
 
     def linear(self, linear: nn.Linear) -> "MXLinear":
         return MXLinear.from_linear(linear, self)
@@ -73,6 +72,10 @@ def mx_matmul(a: torch.Tensor, b: torch.Tensor, recipe: MXRecipe = MXRecipe()) -
     """``a @ b`` (broadcasting like ``torch.matmul``, both at least 2-D) with MXFP8 operands in all three GEMMs."""
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError(f"mx_matmul needs operands of at least 2 dimensions, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise ValueError(f"mx_matmul takes floating-point operands, got {a.dtype} and {b.dtype}")
+    if not isinstance(recipe, MXRecipe):
+        raise ValueError(f"mx_matmul: recipe must be an MXRecipe, got {type(recipe).__name__}")
     return _MXMatmul.apply(a, b, recipe)
 
 
@@ -92,7 +95,7 @@ class MXLinear(LowPrecisionLinear):
     recipe: MXRecipe = MXRecipe()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = self.rows(x)
         y = mx_matmul(flat, self.weight.t(), self.recipe)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

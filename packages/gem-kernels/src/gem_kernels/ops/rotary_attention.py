@@ -43,6 +43,8 @@ def qkv_rotary_attention(
     if block_size is not None and window is not None:
         raise ValueError("block_size and window exclude each other: blocks (block_attention) or a window "
                          "(jagged_flash_attention)")
+    if block_size is None and window_blocks != 1:
+        raise ValueError(f"window_blocks={window_blocks} takes a block_size (blocks of block_attention)")
     fused = (V.use_triton(kernel, qkv.device) and kernel != "builtin" and not fp8 and qkv.shape[0] > 0
              and qkv.stride(-1) == 1 and _triton_head_dim(qkv.shape[-1], kernel))
     if not fused:
@@ -52,6 +54,11 @@ def qkv_rotary_attention(
                                    max_seq_len=max_seq_len, kernel=kernel, validate=validate, fp8=fp8)
         return jagged_flash_attention(q, k, v, offsets, max_seq_len, window=window, kernel=kernel, validate=validate,
                                       fp8=fp8)
+    if qkv.is_leaf and qkv.requires_grad:
+        # NOTE: torch refuses an in-place op on such a tensor (a parameter, an input leaf); rotated here, it would
+        # be changed for every later reader
+        raise ValueError("qkv is a leaf that requires grad: the Triton path rotates qkv in place; pass a projection's "
+                         "output (or kernel='pytorch')")
     if block_size is not None:
         V.check_positive_int("block_size", block_size)
         V.check_positive_int("window_blocks", window_blocks)

@@ -98,7 +98,7 @@ def cases(device: str) -> dict:
     kv = rand(8 * 16, 2, H, D)
     sq, sk, sv = rand(T, H, D), rand(T, H, D), rand(T, H, D)
     pq = rand(8, H, D)
-    qkv = rand(T, 3, H, D)
+    qkv = rand(T, 3, H, D) * 1.0  # a projection's output, as in the model (the fused path refuses to rotate a leaf)
     positions = torch.cat([torch.arange(48, device=device)] * 8).float()
     x, w, b = rand(T, 256), rand(256), rand(256)
     return {

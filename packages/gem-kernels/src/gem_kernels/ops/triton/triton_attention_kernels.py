@@ -203,9 +203,13 @@ def _online_softmax(s, m_i, l_i, acc):
 def _softmax_output(acc, m_i, l_i):
     """A softmax head's output rows and log-sum-exp (base 2) from its running max, sum and accumulator. A row that
     saw no visible key only ever met the -1e6 mask value: it outputs 0 and gets a huge LSE, so that the backward's
-    ``exp2(s - lse)`` is exactly 0 for it."""
-    seen = m_i > -5.0e5
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    ``exp2(s - lse)`` is exactly 0 for it.
+
+    NOTE: a row that met a NaN score (a NaN query or key) has a NaN sum, and outputs NaN with a NaN LSE, as the
+    reference. Its max cannot tell: ``tl.max`` drops NaNs (a NaN query's row keeps the mask value's max, and passed
+    for a row that saw no key, with an output of 0)."""
+    seen = (m_i > -5.0e5) | (l_i != l_i)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     return tl.where(seen[:, None], acc / l_safe[:, None], 0.0), tl.where(seen, m_i + tl.log2(l_safe), 1.0e30)
 
 
