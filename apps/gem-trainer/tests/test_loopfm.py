@@ -151,6 +151,9 @@ def test_a_store_that_does_not_fit_is_one_line(teacher, store, tmp_path):
         ([f"--loopfm.store={store}", "--seed=1"], r"loopfm.store: .* was written over other data than this run's \(seed: 0 -> 1\)"),
         ([f"--loopfm.store={store}", "--data.synthetic.seed=7"],
          r"written over other data than this run's \(data.synthetic.seed: None -> 7\): run posttrain with this config$"),
+        # synthetic data draws each global batch whole: another batch size reads other examples
+        ([f"--loopfm.store={store}", "--data.batch_size=16"],
+         r"written over other data than this run's \(global batch size \(data.batch_size x ranks\): 32 -> 16\)"),
         # a student trained past the teacher's pass: its later examples' histories would stop at the store's end
         ([f"--loopfm.store={store}", f"--schedule.steps={STEPS + 1}"],
          rf"loopfm.store: .* holds the teacher's pass over {STEPS * 32} examples \({STEPS} steps\), this run trains on "

@@ -133,6 +133,17 @@ def test_a_store_that_does_not_fit_the_run_is_refused_in_one_line(teacher, tmp_p
     with pytest.raises(ConfigError, match=r"written for other features"):
         Trainer(student_config(tmp_path / "c", f"--distillation.soft_labels={labels}", "--schedule.steps=4",
                                "--data.synthetic.num_dense=3"), env)
+    # a run naming another teacher or checkpoint than the store's would record one it never learnt from
+    with pytest.raises(ConfigError, match=r"^distillation.soft_labels: .*labels was written by the teacher at .*, "
+                                          r"distillation.teacher_run_dir is /elsewhere$"):
+        Trainer(student_config(tmp_path / "g", f"--distillation.soft_labels={labels}", "--schedule.steps=4",
+                               "--distillation.teacher_run_dir=/elsewhere"), env)
+    with pytest.raises(ConfigError, match=r"^distillation.soft_labels: .*labels holds the logits of the teacher's "
+                                          r"checkpoint 20, distillation.teacher_step is 10$"):
+        Trainer(student_config(tmp_path / "h", f"--distillation.soft_labels={labels}", "--schedule.steps=4",
+                               f"--distillation.teacher_run_dir={teacher}", "--distillation.teacher_step=10"), env)
+    Trainer(student_config(tmp_path / "i", f"--distillation.soft_labels={labels}", "--schedule.steps=4",
+                           f"--distillation.teacher_run_dir={teacher}", "--distillation.teacher_step=20"), env).close()
     with pytest.raises(ConfigError, match=r"incomplete soft-label store"):
         (tmp_path / "broken").mkdir()
         Trainer(student_config(tmp_path / "d", f"--distillation.soft_labels={tmp_path / 'broken'}"), env)

@@ -135,3 +135,34 @@ def test_bad_top_k_is_a_one_line_error_naming_it(corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"distillation.top_k applies to next-item data with data.sequential.objective = \"retrieval\""):
         load_config(None, [f"--run_dir={tmp_path / 'e'}", *data, "--model.kunlun.two_tower=false",
                                  "--data.sequential.objective=pointwise", "--data.sequential.loss=binary", "--distillation.top_k=5"])
+
+
+def test_each_rank_draws_its_own_tail():
+    """The i-th query of every rank once drew from one stream (seeded by the seed and the step alone): with the same
+    logits, nearly the same tail on every rank. Each rank now draws its own, the same again for the same rank."""
+    from gem_trainer.posttrain import tail_generator
+
+    logits = torch.randn(8, 500)
+    positives = torch.randint(0, 500, (8,))
+    drawn = {rank: top_k_logits(logits, positives, 5, 20, tail_generator(0, 3, rank)).items[:, 5:] for rank in (0, 1)}
+    shared = (drawn[0][:, :, None] == drawn[1][:, None, :]).any(-1).sum(-1).float().mean()
+    assert shared < 5  # of 20 per query: ~0.8 by chance among 494 items
+    again = top_k_logits(logits, positives, 5, 20, tail_generator(0, 3, 1)).items[:, 5:]
+    assert torch.equal(again, drawn[1])
+
+
+def test_a_student_trained_against_the_catalogue_distils_on_the_top_k(corpus, tmp_path):
+    """data.sequential.num_negatives = 0: the serving head trains against every item; the teacher's top k of the
+    catalogue (and a tail) reach it through the same item vectors (no sampled candidates to widen)."""
+    folder, data = corpus
+    env = init_distributed("cpu", "gloo")
+    labels, catalogue = tmp_path / "labels", "--data.sequential.num_negatives=0"
+    top_k = [f"--distillation.soft_labels={labels}", f"--distillation.top_k={K}", "--distillation.tail_samples=3"]
+    posttrain(student_config(tmp_path / "pass", data, catalogue, f"--distillation.teacher_run_dir={folder / 'teacher'}",
+                             *top_k), env)
+    distilled = losses(student_config(tmp_path / "distilled", data, catalogue, *top_k))
+    plain = losses(student_config(tmp_path / "plain", data, catalogue))
+    assert all(torch.isfinite(torch.tensor(distilled))) and distilled != pytest.approx(plain, rel=1e-3)
+    with pytest.raises(ConfigError, match=r"distillation of retrieval scores sampled candidates: set "
+                                          r"data.sequential.num_negatives >= 1 \(or distil on the teacher's top k"):
+        student_config(tmp_path / "online", data, catalogue, f"--distillation.teacher_run_dir={folder / 'teacher'}")

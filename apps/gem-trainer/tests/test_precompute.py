@@ -172,6 +172,9 @@ def test_a_student_reads_the_pair_embeddings_fresh_or_served(teacher, tmp_path):
     with pytest.raises(ConfigError, match=r"solaris\.output: the precompute at .* was written over other data than this "
                                           r"run's \(seed: 0 -> 1\): run it with this config$"):
         Trainer(load_config(None, [*served, "--seed=1"]), init_distributed("cpu", "gloo"))
+    with pytest.raises(ConfigError, match=r"solaris\.output: the precompute at .* was written over other data than this "
+                                          r"run's \(global batch size \(data.batch_size x ranks\): 32 -> 16\)"):
+        Trainer(load_config(None, [*served, "--data.batch_size=16"]), init_distributed("cpu", "gloo"))
     with pytest.raises(ConfigError, match=r"solaris\.output: the precompute at .* was written by the teacher at .*, this "
                                           r"run's is /elsewhere$"):
         Trainer(load_config(None, [*served, "--solaris.teacher_run_dir=/elsewhere"]), init_distributed("cpu", "gloo"))

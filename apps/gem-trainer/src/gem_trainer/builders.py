@@ -222,17 +222,25 @@ def user_feature_missing(name: str, spec: FeatureSpec) -> str:
 
 
 # data settings that choose neither the examples a pass over the data reads nor their order: how many a step reads,
-# how they are read, and the held-out data
+# how they are read, and the held-out data (the batch size: where the examples do not follow it, see
+# examples_follow_global_batch)
 PASS_INDEPENDENT_DATA = ("batch_size", "eval_batches", "eval_path", "num_workers", "read_ahead", "read_ahead_switch_ms",
                          "read_ahead_process", "read_rows", "sequential.eval_split", "sequential.eval_protocols",
                          "sequential.eval_negatives", "sequential.eval_seeds", "sequential.eval_users",
                          "sequential.eval_chunk", "mixture.eval_source")
 
 
-def pass_difference(config: TrainerConfig, meta: dict) -> str | None:
-    """How ``config``'s data differs from the data a teacher's pass recorded in ``meta`` (its ``data`` section and the
-    ``seed``, which draws synthetic data and orders every stream): ``"field: recorded -> this run's"`` for the first
-    setting that differs, None where the pass read this run's examples."""
+def examples_follow_global_batch(config: TrainerConfig) -> bool:
+    """Whether the examples a pass over ``config``'s data reads change with the global batch size: synthetic data draws
+    each global batch whole (from a seed per batch), and a mixture draws each global batch's sources."""
+    return "synthetic" in config.data.readers() or bool(config.data.mixture.sources)
+
+
+def pass_difference(config: TrainerConfig, meta: dict, global_batch: int) -> str | None:
+    """How ``config``'s data, read in global batches of ``global_batch``, differs from the data a teacher's pass
+    recorded in ``meta`` (its ``data`` section, the ``seed``, which draws synthetic data and orders every stream, and
+    its ``global_batch_size``): ``"field: recorded -> this run's"`` for the first setting that differs, None where the
+    pass read this run's examples."""
     from gem_trainer.run_folder import flatten
 
     def settings(seed, data: dict) -> dict:
@@ -241,7 +249,11 @@ def pass_difference(config: TrainerConfig, meta: dict) -> str | None:
 
     before, after = settings(meta.get("seed"), meta.get("data") or {}), settings(config.seed, config.data.model_dump(mode="json"))
     changed = sorted(key for key in set(before) | set(after) if before.get(key) != after.get(key))
-    return None if not changed else f"{changed[0]}: {before.get(changed[0])!r} -> {after.get(changed[0])!r}"
+    if changed:
+        return f"{changed[0]}: {before.get(changed[0])!r} -> {after.get(changed[0])!r}"
+    if examples_follow_global_batch(config) and meta.get("global_batch_size") != global_batch:
+        return f"global batch size (data.batch_size x ranks): {meta.get('global_batch_size')!r} -> {global_batch!r}"
+    return None
 
 
 def build_representation_join(config: TrainerConfig, source: BatchSource, global_batch: int) -> RepresentationJoin:
@@ -270,7 +282,7 @@ def build_representation_join(config: TrainerConfig, source: BatchSource, global
                 raise RepresentationError(f"{loop.store} holds vectors of {key} {store.meta.get(key)!r}, loopfm.{key} is "
                                           f"{getattr(loop, key)!r}")
         # NOTE: a user's history is the teacher's pass over this run's data: another data set's users share the ids
-        difference = pass_difference(config, store.meta)
+        difference = pass_difference(config, store.meta, global_batch)
         if difference is not None:
             raise RepresentationError(f"{loop.store} was written over other data than this run's ({difference}): run "
                                       f"posttrain with this config")
@@ -666,6 +678,20 @@ def build_soft_labels(config: TrainerConfig, spec: FeatureSpec, env: Distributed
     if store.steps < config.schedule.steps:
         raise ConfigError(f"distillation.soft_labels: {folder} holds {store.steps} steps, schedule.steps is "
                           f"{config.schedule.steps}: run posttrain with this config")
+    # the run's distillation settings name what it trains on: where given, they must be the store's (the store
+    # decides, and a run naming another teacher or checkpoint would record one it never learnt from)
+    d, written = config.distillation, meta.get("teacher") or {}
+    if d.teacher_run_dir is not None and (written.get("run_dir") is None
+                                          or Path(written["run_dir"]).resolve() != Path(d.teacher_run_dir).resolve()):
+        raise ConfigError(f"distillation.soft_labels: {folder} was written by the teacher at {written.get('run_dir')}, "
+                          f"distillation.teacher_run_dir is {d.teacher_run_dir}")
+    if d.teacher_step is not None and written.get("step") != d.teacher_step:
+        raise ConfigError(f"distillation.soft_labels: {folder} holds the logits of the teacher's checkpoint "
+                          f"{written.get('step')}, distillation.teacher_step is {d.teacher_step}")
+    if d.top_k is not None and meta.get("top_k") != d.top_k + d.tail_samples:
+        held = "every candidate's logit" if meta.get("top_k") is None else f"{meta.get('top_k')} items per query"
+        raise ConfigError(f"distillation.soft_labels: {folder} holds {held}, distillation.top_k + tail_samples is "
+                          f"{d.top_k + d.tail_samples}")
     return store
 
 

@@ -609,7 +609,8 @@ class DistillationConfig(Section):
 
     teacher_run_dir: str | None = None
     # the teacher's checkpoint (None: its newest when the run starts; a run records the step it took and a resumed
-    # run keeps it, whatever the teacher has trained since)
+    # run keeps it, whatever the teacher has trained since). With soft_labels the store's teacher and checkpoint are
+    # what the run trains on: teacher_run_dir / teacher_step (and top_k + tail_samples), where given, must be them
     teacher_step: int | None = Field(None, ge=0)
     soft_labels: str | None = None
     top_k: int | None = Field(None, ge=1)
@@ -795,9 +796,12 @@ class TrainerConfig(Section):
         if s.queries == "every" and (s.max_history is None or s.max_history > m.sasrec.max_seq_len):
             raise ValueError(f"data.sequential.max_history ({s.max_history}) must not exceed model.sasrec.max_seq_len "
                              f"({m.sasrec.max_seq_len}) with queries = \"every\"")
+        # NOTE: a top-k store holds the teacher's best items of the catalogue, which a student trained against the
+        # catalogue distils on as one trained against sampled items does; other distillation scores the candidates
         distilling = self.distillation.teacher_run_dir is not None or self.distillation.soft_labels is not None
-        if s.objective == "retrieval" and distilling and s.num_negatives < 1:
-            raise ValueError("distillation of retrieval scores sampled candidates: set data.sequential.num_negatives >= 1")
+        if s.objective == "retrieval" and distilling and s.num_negatives < 1 and self.distillation.top_k is None:
+            raise ValueError("distillation of retrieval scores sampled candidates: set data.sequential.num_negatives >= 1 "
+                             "(or distil on the teacher's top k of the catalogue: distillation.top_k)")
 
 
 def with_schedule_steps(config: TrainerConfig, steps: int) -> TrainerConfig:

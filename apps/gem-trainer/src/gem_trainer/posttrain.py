@@ -50,6 +50,13 @@ from gem_transfer import (
 )
 
 
+def tail_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """The generator of a top-k store's tail draws at ``step`` on ``rank``: a function of (seed, step, rank), so that a
+    pass resumed or run again on as many ranks stores the same tails, and each rank draws its own (one stream for all
+    drew nearly the same tail for the i-th query of every rank)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + rank)
+
+
 def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
     """Writes the stores; returns what was written (folders, steps, rows)."""
     d, loop = config.distillation, config.loopfm
@@ -117,8 +124,7 @@ def posttrain(config: TrainerConfig, env: DistributedEnv) -> dict:
             logits, items, log_weights = output.logits.float().cpu(), torch.empty(0, dtype=torch.int64), None
             if top_k is not None:
                 try:
-                    # the tail's draws are a function of (seed, step): a pass resumed or run again stores the same
-                    tail = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+                    tail = tail_generator(config.seed, step, env.rank)
                     best = top_k_logits(logits, batch.next_items.positives, top_k, d.tail_samples, tail)
                 except ValueError as error:
                     raise ConfigError(f"distillation.top_k / tail_samples: {error}") from None

@@ -190,6 +190,7 @@ def precompute(config: TrainerConfig, env: DistributedEnv) -> dict:
                   "keys": pair_key_settings(config),
                   # the data the pairs are rows of: a student reading other data would be served fallbacks
                   "seed": config.seed, "data": config.data.model_dump(mode="json"),
+                  "global_batch_size": config.data.batch_size * env.world_size,
                   "train_share": s.train_share, "eval_share": s.eval_share, "finished_at": finished_at,
                   "worker": {**counts, "users": len(index), "pass_s": round(pass_s, 2),
                              "pairs_per_s": round(counts["written_pairs"] / max(pass_s, 1e-9), 1)},
@@ -282,10 +283,10 @@ def solaris_lookup(config: TrainerConfig, clock=None) -> FallbackLookup:
     return FallbackLookup(cache, index, default, s.ttl_s, s.neighbours, clock)
 
 
-def _check_served_pass(config: TrainerConfig) -> None:
+def _check_served_pass(config: TrainerConfig, global_batch: int) -> None:
     """A ``ConfigError`` unless the precompute at ``solaris.output`` was written by this run's teacher (where it names
-    one) over this run's data: its pairs are rows of that data, and another data set's rows would miss every entry
-    and be served fallbacks without a word."""
+    one) over this run's data, read in global batches of ``global_batch``: its pairs are rows of that data, and another
+    data set's rows would miss every entry and be served fallbacks without a word."""
     output = _finished_output(config)
     report = json.loads((output / "report.json").read_text())
     teacher, written_by = teacher_run_dir(config), (report.get("teacher") or {}).get("run_dir")
@@ -294,7 +295,7 @@ def _check_served_pass(config: TrainerConfig) -> None:
                           f"run's is {teacher}")
     if "data" not in report:
         raise ConfigError(f"solaris.output: {output} records no data (an older precompute): run it again")
-    difference = builders.pass_difference(config, report)
+    difference = builders.pass_difference(config, report, global_batch)
     if difference is not None:
         raise ConfigError(f"solaris.output: the precompute at {output} was written over other data than this run's "
                           f"({difference}): run it with this config")
@@ -337,7 +338,7 @@ def build_solaris_join(config: TrainerConfig, env: DistributedEnv, source) -> So
     # NOTE: served embeddings are judged fresh against the precompute's finish time, not the wall clock: a run
     # longer than ttl_s, or one resumed later, would otherwise see its input turn into the default mid-run
     finished_at = _finished_at(config)
-    _check_served_pass(config)
+    _check_served_pass(config, config.data.batch_size * env.world_size)
     lookup = solaris_lookup(config, clock=lambda: finished_at)
     width = lookup.default.value().shape[0]
     if width == 0:  # no embedding was ever written: nothing fixes the input's width
