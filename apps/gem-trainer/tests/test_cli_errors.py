@@ -381,3 +381,19 @@ def test_a_solaris_input_fresh_or_served_is_the_same_model():
     fresh = load_config(None, ["--solaris.student_input=fresh", "--solaris.teacher_run_dir=t"])
     served = load_config(None, ["--solaris.student_input=served", "--solaris.teacher_run_dir=t", "--solaris.output=o"])
     assert state_settings(fresh) == state_settings(served) != state_settings(load_config(None, []))
+
+
+def test_a_resume_with_another_seed_says_the_data_order_changes(tmp_path):
+    """A shuffled table's epoch is a permutation drawn from the seed: resumed with another, the rest of the epoch is
+    another permutation's (the generic settings note did not say what that does to the data)."""
+    from gem_trainer.config import dump_config, load_config
+    from gem_trainer.run_folder import resume_changes
+
+    args = [f"--run_dir={tmp_path}", "--data.source=atomic", "--data.path=x", "--model.name=sasrec"]
+    (tmp_path / "config.toml").write_text(dump_config(load_config(None, args)))
+    assert resume_changes(load_config(None, args)) == []
+    lines = resume_changes(load_config(None, [*args, "--seed=3"]))
+    assert lines[0] == ("note: seed is 3, the run recorded 0: the data is read in another order from the resumed step on "
+                        "(a shuffled table's current epoch is drawn again: examples already trained on in it may come "
+                        "again, others not in it at all; a mixture draws other sources)")
+    assert lines[1].startswith("note: resuming with settings other than the run recorded (seed: 0 -> 3)")

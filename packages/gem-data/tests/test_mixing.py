@@ -139,6 +139,46 @@ def test_the_sources_a_number_of_steps_would_read_past_their_end_are_known_befor
     assert mixture().positions(read + 5)[0] == needed
 
 
+def test_a_resumed_mixture_reads_on_from_the_saved_positions_under_a_changed_share():
+    """A resume may change the online share: the steps from the saved one on are drawn under the new share from the
+    examples the saved run read, and the check of a source's end counts from there. It once replayed every step from 0
+    under the new share (the check passed a schedule that ran the online source dry mid-run), and a query past the
+    saved step dropped its positions (the next batch read online rows again)."""
+    generator = SyntheticGenerator(SyntheticConfig(**SPEC))
+    table = BatchTable(generator.batch(0, 150), generator.spec)
+
+    def mixture(share):
+        config = MixingConfig((MixSource("offline", 1.0), MixSource("online", 1.0, online=True)), batch_size=16,
+                              online_share_start=share, seed=0)
+        return MixedStream({"offline": SyntheticStream(generator, 16),
+                            "online": TableStream(table, 16, shuffle=False, num_epochs=1)}, config)
+
+    first = mixture(0.9)
+    for _ in itertools.islice(first, 8):
+        pass
+    state = first.state_dict()
+    online_read = state["examples"]["online"]
+    assert online_read > 100
+    resumed = mixture(0.5)
+    resumed.load_state_dict(state)
+    [(name, needed, held, step)] = resumed.short_sources(16)
+    assert (name, held) == ("online", 150) and needed > 150 and 8 <= step < 16
+    assert resumed.counts() == state["examples"]  # the query kept the saved positions
+    given = list(itertools.islice(resumed, 8))
+    assert len(given) == step - 8  # the stream ends where the check said it would
+    assert resumed.positions(8) == tuple(state["examples"].values())
+    with pytest.raises(ValueError, match=r"resumed at global batch 8; the positions of batch 3 before it are the saved run's"):
+        resumed.positions(3)
+    # the rows after the saved ones: the first resumed batch's online rows continue the table
+    again = mixture(0.5)
+    again.load_state_dict(state)
+    again.short_sources(16)
+    batch = next(iter(again))
+    online_rows = batch.labels[batch.source == 1]
+    alone = TableStream(table, 16, shuffle=False, num_epochs=1)._rows(torch.arange(online_read, online_read + len(online_rows)))
+    assert len(online_rows) and torch.equal(online_rows, alone.labels)
+
+
 @pytest.mark.parametrize("granularity", ["example", "batch"])
 def test_data_workers_end_a_mixture_with_a_finite_source_where_one_process_ends_it(granularity):
     # each worker checks only its own steps: a later step that draws nothing from the spent source must end it too

@@ -109,6 +109,10 @@ def resume_changes(config: TrainerConfig) -> list[str]:
     if previous.schedule.steps != config.schedule.steps:
         lines.append(f"note: schedule.steps is {config.schedule.steps}, the run recorded {previous.schedule.steps}: the "
                      f"learning-rate schedule follows the new length from the resumed step on")
+    if previous.seed != config.seed:
+        lines.append(f"note: seed is {config.seed}, the run recorded {previous.seed}: the data is read in another order from "
+                     f"the resumed step on (a shuffled table's current epoch is drawn again: examples already trained on "
+                     f"in it may come again, others not in it at all; a mixture draws other sources)")
     before, after = _settings(previous), _settings(config)
     # NOTE: not run_dir: a run folder moved or copied elsewhere is the same run
     changed = [key for key in sorted(set(before) | set(after))

@@ -362,9 +362,11 @@ class Trainer:
         once resumed (or started over), before the first step (the CLI records the run there: a resume that fails
         leaves the record as it was)."""
         cfg = self.config
-        builders.check_mixture_reads(cfg, self.data)  # (training only: evaluating a run reads no training stream)
         if not (cfg.checkpoint.enable and cfg.checkpoint.resume and self.resume()):
             self._drop_log_after(self.step)  # nothing resumed: the run starts over, an earlier attempt's lines go
+        # NOTE: from the resumed position: the examples the saved run read are the checkpoint's, whatever this run's
+        # weights or ramp would have drawn (training only: evaluating a run reads no training stream)
+        builders.check_mixture_reads(cfg, self.data)
         if on_start is not None:
             on_start()
         self.first_step = self.step  # where this process started (a resumed run counts from there)

@@ -30,7 +30,8 @@ id spaces where declared, otherwise disjoint ones); without one they must share 
 holds each example's source index, ``counts()`` the examples read per source by the whole job.
 
 Resumption: the position (global batches delivered) determines everything; the state also stores each
-source's example position so that loading does not replay the draws.
+source's example position so that loading does not replay the draws: a resume may change the weights, the ramp
+or the seed, and the steps from the saved one on are drawn under the new schedule from the saved positions.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ class MixedStream(ShardedStream):
         self._readers = [ExampleReader(source, read_ahead) for source in self.sources]
         self._anchors: dict[int, tuple[int, ...]] = {0: (0,) * len(self.sources)}  # step -> source positions
         self._latest = 0  # the newest anchor that is not a multiple of ANCHOR_EVERY
+        self._resumed = 0  # the step a loaded state put the stream at: its anchor is the state's, kept for good
         self._compositions: tuple[int, list[tuple[int, ...]]] = (0, [])  # the first step of a block of DRAW_BLOCK, theirs
         self._generator = torch.Generator()  # reseeded for every step's draws
         # NOTE: like reading ahead, only one process gathers several of its next batches at once (a rank of several
@@ -228,12 +230,19 @@ class MixedStream(ShardedStream):
         return [tuple(c) for c in counts.view(stop - start, num_sources).tolist()]
 
     def positions(self, step: int) -> tuple[int, ...]:
-        """Examples of each source read by global batches ``0 .. step - 1``."""
+        """Examples of each source read by global batches ``0 .. step - 1`` (from a loaded state's step on: the steps
+        before it were read under the schedule of the run that saved it, which a resume may have changed)."""
+        if step < self._resumed:
+            raise ValueError(f"MixedStream: the stream resumed at global batch {self._resumed}; the positions of batch "
+                             f"{step} before it are the saved run's, not replayed under this schedule")
         start = step - step % ANCHOR_EVERY  # anchors hold every multiple reached so far, and 0
         while start not in self._anchors:
             start -= ANCHOR_EVERY
-        if start < self._latest <= step:
-            start = self._latest
+        # NOTE: the loaded state's anchor is never replaced by a replay from 0: with weights, a ramp or a seed
+        # changed on resume, that replay would contradict the examples the saved run read
+        for anchor in (self._resumed, self._latest):
+            if start < anchor <= step:
+                start = anchor
         position = self._anchors[start]
         for t in range(start, step):
             position = tuple(p + n for p, n in zip(position, self.composition(t)))
@@ -242,7 +251,7 @@ class MixedStream(ShardedStream):
         # NOTE: the newest position makes sequential reading O(1) per step; anchors every ANCHOR_EVERY steps bound
         # the replay of a backward query (the draws are a pure function of the step, so replay is exact)
         if step % ANCHOR_EVERY and step != self._latest:
-            if self._latest % ANCHOR_EVERY:
+            if self._latest % ANCHOR_EVERY and self._latest != self._resumed:
                 del self._anchors[self._latest]
             self._anchors[step], self._latest = position, step
         return position
@@ -360,12 +369,14 @@ class MixedStream(ShardedStream):
         ``(name, examples read, examples held, first step that finds it spent)`` each (the draws are a pure function
         of the step, so this is exact before a batch is read)."""
         finite = [i for i, reader in enumerate(self._readers) if reader.length is not None and not math.isinf(reader.length)]
-        short, read = [], self.positions(steps) if finite else ()  # (replaying every step's draws: only when needed)
+        if not finite or steps <= self._resumed:
+            return []  # (replaying every step's draws: only when needed; a resumed stream reads from its step on)
+        short, read = [], self.positions(steps)
         for i in finite:
             name, held = self.names[i], self._readers[i].length
             if read[i] <= held:
                 continue
-            lo, hi = 0, steps  # the first step whose batch would read past the end: positions(step + 1) > held
+            lo, hi = self._resumed, steps  # the first step whose batch would read past the end: positions(step + 1) > held
             while lo < hi:
                 mid = (lo + hi) // 2
                 lo, hi = (mid + 1, hi) if self.positions(mid + 1)[i] <= held else (lo, mid)
@@ -394,6 +405,7 @@ class MixedStream(ShardedStream):
             raise ValueError(f"mixing state has sources {list(state['examples'])}, this stream has {self.names}")
         super().load_state_dict(state)
         self._anchors, self._latest = {0: (0,) * len(self.sources)}, 0
+        self._resumed = self.position
         if self.position:
             self._anchors[self.position] = tuple(int(state["examples"][n]) for n in self.names)
             self._latest = self.position
