@@ -348,6 +348,27 @@ def test_a_two_towers_score_stays_in_high_precision_on_both_sides():
     assert converted and not any(part in ("query", "item_tower") for n in converted for part in n.split("."))
 
 
+def test_a_high_precision_name_of_no_module_is_a_one_line_config_error():
+    """A misspelt name kept nothing: its layers went low precision without a word. Names of the defaults may match no
+    module of a model (the MoE gate, a two-tower's query map, what distillation adds), a name of the model's is kept."""
+    from gem_kunlun import KunlunConfig, KunlunModel
+
+    from gem_kunlun.testing import SPEC
+
+    from gem_trainer.config import ConfigError
+
+    def convert(*names):
+        model = KunlunModel(SPEC, KunlunConfig(num_layers=1, max_seq_len=8, block_size=4, window=4))
+        config = load_config(None, ["--precision.low_precision=mxfp8_emulated", f"--precision.high_precision={list(names)}"])
+        return builders.apply_low_precision(config, model)
+
+    with pytest.raises(ConfigError, match=r"^precision\.high_precision: 'atention' is no part of a module name of this "
+                                          r"model \(e\.g\. ") as error:
+        convert("embedding", "heads", "atention")
+    assert "\n" not in str(error.value)
+    assert not any("attention" in n.split(".") for n in convert("embedding", "heads", "gate", "query", "attention"))
+
+
 def test_fp8_attention_reaches_the_sequence_attention_and_trains_near_float32(tmp_path):
     from gem_kunlun.local_attention import LocalAttention
 

@@ -56,7 +56,7 @@ from gem_parallel import (
     parallelize_kunlun,
     shard_embeddings,
 )
-from gem_trainer.config import ConfigError, TrainerConfig
+from gem_trainer.config import ConfigError, PrecisionConfig, TrainerConfig
 from gem_transfer import (
     DistilledStudent,
     RepresentationError,
@@ -640,6 +640,15 @@ def apply_low_precision(config: TrainerConfig, model: nn.Module) -> list[str]:
 
     def keep(name: str) -> bool:
         return any(part in kept for part in name.split("."))
+
+    if p.low_precision != "off" or p.fp8_attention:
+        # NOTE: a name of no module keeps nothing: a misspelt one would leave its layer in low precision without a
+        # word (the defaults name parts of several models and what distillation adds, so they may match nothing)
+        parts = {part for name, _ in model.named_modules() for part in name.split(".")}
+        unknown = sorted(kept - parts - set(PrecisionConfig.model_fields["high_precision"].default))
+        if unknown:
+            raise ConfigError(f"precision.high_precision: {unknown[0]!r} is no part of a module name of this model (e.g. "
+                              f"{', '.join(sorted(n for n in parts if n and not n.isdigit())[:8])})")
 
     converted = []
     if p.fp8_attention:
