@@ -484,3 +484,18 @@ def test_a_batch_with_surface_ids_outside_the_spec_is_refused_in_one_line(tmp_pa
                                          r"outside the data spec's \[0, 3\)$"):
         trainer.train_step()
     trainer.close()
+
+
+def test_a_surface_filter_reports_the_global_batches_it_skipped(tmp_path):
+    """A domain's model skips global batches without its examples: the log line counts them (and their examples)."""
+    trainer = Trainer(small_config(tmp_path, "--data.train_surfaces=[2]", "--data.batch_size=2", "--schedule.steps=6",
+                                   "--schedule.warmup_steps=1", "--checkpoint.enable=false"), init_distributed("cpu", "gloo"))
+    try:
+        for _ in range(6):
+            trainer.train_step()
+        metrics = trainer._data_metrics()
+        skipped = trainer.input.state_dict()["surface_filter_skipped"]  # as of the last batch trained on
+        assert metrics["surfaces_skipped_batches"] == skipped["batches"] > 0
+        assert metrics["surfaces_skipped_examples"] == skipped["examples"] == 0  # one rank: a batch skipped kept none
+    finally:
+        trainer.close()

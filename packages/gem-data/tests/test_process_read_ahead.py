@@ -251,3 +251,47 @@ def test_gpu_garbage_of_the_training_process_is_never_freed_in_the_reading_one(g
     for _ in range(4):
         next(batches)
     reader.close()
+
+
+def test_a_data_error_reaches_the_training_process_whole_and_a_stale_iterator_ends(generator):
+    """DataError pickles as its class called with its text, which its __init__ does not take: the reader got a
+    TypeError in its place (the file and row lost). An iterator kept after a new one once read the new one's pipe."""
+    from gem_data import DataError
+
+    class Failing:
+        spec = generator.spec
+
+        def __init__(self):
+            self.position = 0
+
+        def __iter__(self):
+            for index in itertools.count(self.position):
+                if index == 2:
+                    raise DataError("/data/train.parquet", "row group 3", "negative item id")
+                self.position = index + 1
+                yield generator.batch(index, 4)
+
+        def state_dict(self):
+            return {"position": self.position}
+
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
+    batches = iter(ProcessReadAhead(Failing()))
+    next(batches), next(batches)
+    with pytest.raises(DataError, match=r"^/data/train.parquet:row group 3: negative item id$") as error:
+        next(batches)
+    assert (error.value.path, error.value.where) == ("/data/train.parquet", "row group 3")
+
+    def host_batch(index):  # counted on the host, as the reading process counts each batch before packing it
+        return generator.batch(index, 8).count_on_host()
+
+    reader = ProcessReadAhead(SyntheticStream(generator, 8), depth=2)
+    first = iter(reader)
+    next(first)
+    second = iter(reader)  # the first iterator's process stops, the source rewinds to batch 1
+    assert_same(next(second), host_batch(1))
+    with pytest.raises(StopIteration):
+        next(first)  # it ends: the batches are the newer iterator's
+    assert_same(next(second), host_batch(2))
+    reader.close()

@@ -106,3 +106,24 @@ def test_observe_runs_on_the_reading_thread_and_is_delivered_with_its_batch(gene
 def test_depth_must_not_be_negative(generator):
     with pytest.raises(ValueError, match="depth must be >= 0"):
         ReadAhead(SyntheticStream(generator, 8), depth=-1)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_an_observation_that_raises_leaves_the_state_at_the_batch_before(generator, depth):
+    """Without a thread the state once moved to a batch before its observation ran: an observation that raised left
+    the state one batch past the last delivered one (a rewind skipped that batch), unlike the thread's."""
+    calls = []
+
+    def observe(batch):
+        calls.append(batch)
+        if len(calls) == 3:
+            raise ValueError("data: a bad batch")
+        return len(calls)
+
+    reader = ReadAhead(SyntheticStream(generator, 8), depth=depth, observe=observe)
+    batches = iter(reader)
+    next(batches), next(batches)
+    with pytest.raises(ValueError, match="a bad batch"):
+        next(batches)
+    assert reader.state_dict()["position"] == 2 and reader.observed == 2
+    reader.close()

@@ -98,6 +98,7 @@ class DataSetup:
     ranking: NextItemDataset | AlignedRanking | JoinedRanking | None = None
     mixer: MixedStream | None = None
     balancer: LengthBalancedStream | None = None
+    surface_filter: SurfaceFilterStream | None = None
     # rows of one pass over the training data, all ranks together (None: an endless stream, synthetic or mixed)
     rows_per_epoch: int | None = None
     held_out: ParquetTable | None = None  # the held-out Parquet files eval_batches reads (their skipped rows count)
@@ -135,9 +136,10 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
                                            num_epochs=1, read_rows=d.read_rows))
     if d.num_workers:
         train = WorkerLoader(train, num_workers=d.num_workers)
+    surface_filter = None
     if d.train_surfaces is not None:
         try:
-            train = SurfaceFilterStream(train, d.train_surfaces, env.rank, env.world_size)
+            surface_filter = train = SurfaceFilterStream(train, d.train_surfaces, env.rank, env.world_size)
         except ValueError as error:
             raise ConfigError(f"data.train_surfaces: {error}") from None
     balancer = None
@@ -156,7 +158,7 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         train = build_representation_join(config, train, config.data.batch_size * env.world_size)
         eval_fn = _joined(train, eval_fn)
         ranking = None if ranking is None else JoinedRanking(ranking, train.spec, train.attach)
-    return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer, rows_per_epoch, held_out)
+    return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer, surface_filter, rows_per_epoch, held_out)
 
 
 def resolve_schedule(config: TrainerConfig, data: DataSetup, env: DistributedEnv) -> TrainerConfig:

@@ -358,8 +358,9 @@ class DataConfig(Section):
     skip_bad_rows: bool = False
     balance: bool = False  # length-balanced batches across ranks
     balance_window: int = Field(1, ge=1)
-    # train only on examples of these surfaces (domains): one model per domain on exactly the examples of its
-    # domain that a shared model reads (None: every surface)
+    # train only on examples of these surfaces (domains): one model per domain on the examples of its domain that a
+    # shared model reads (None: every surface); a global batch with fewer of them than ranks is skipped, and the log
+    # counts the skipped batches (surfaces_skipped_batches) and the examples they held
     train_surfaces: tuple[int, ...] | None = None
     synthetic: SyntheticDataConfig = SyntheticDataConfig()
     sequential: SequentialDataConfig = SequentialDataConfig()

@@ -506,6 +506,8 @@ class Trainer:
             data.update({f"share_{name}": share for name, share in mixer.shares(mixer.position - 1).items()})
         if self.data.balancer is not None:
             data.update({f"balance_{k}": v for k, v in self.data.balancer.last_report.items()})
+        if self.data.surface_filter is not None:  # global batches without this domain's examples, skipped
+            data.update({f"surfaces_skipped_{k}": float(v) for k, v in self.data.surface_filter.skipped.items()})
         # NOTE: counted on the host batch: on the device, reading its lengths would stall the host until the GPU
         # caught up, every step
         flops = 3.0 * sum(self.flop_model.flops(batch).values())

@@ -14,6 +14,11 @@ class DataError(ValueError):
         location = self.path if where is None else f"{self.path}:{where}"
         super().__init__(f"{location}: {message}")
 
+    def __reduce__(self):
+        # NOTE: an exception pickles as its class called with its args (here the text alone, which __init__ does not
+        # take): a reader in another process (ProcessReadAhead) sends it whole
+        return DataError, (self.path, self.where, self.message)
+
 
 @dataclass
 class BadRows:

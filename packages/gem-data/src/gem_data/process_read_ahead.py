@@ -27,6 +27,7 @@ import copy
 import gc
 import multiprocessing as mp
 import os
+import pickle
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -92,6 +93,8 @@ class ProcessReadAhead(ReaderAhead):
         shared: dict[int, Any] = {}  # token -> shared object, where batches are handed out
         try:
             while True:
+                if self._process is not process:
+                    return  # a newer iterator reads now: this one's process was stopped, the pipe is the newer one's
                 message = self._receive(process)
                 if message[0] == "end":
                     return
@@ -180,10 +183,7 @@ def _read(source, observe, depth: int, ready, reader_end, free, stop, reader_pid
                 return
         _send(ready, ("end",))
     except BaseException as error:  # raised where the batch was wanted
-        try:
-            _send(ready, ("failed", error))
-        except Exception:  # an exception that cannot be pickled goes as its text
-            _send(ready, ("failed", RuntimeError(f"{type(error).__name__}: {error}")))
+        _send(ready, ("failed", _portable(error)))
     finally:
         close = getattr(batches, "close", None)
         if close is not None:
@@ -192,6 +192,17 @@ def _read(source, observe, depth: int, ready, reader_end, free, stop, reader_pid
         # through this process (a file descriptor it hands out on request): it stays until the reader stops it
         while not stop.wait(1.0) and not stopped():
             pass
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` as it can reach the reader: itself where it survives a pickle round trip, else a RuntimeError with its
+    type and text. NOTE: pickling alone is not enough: an exception whose ``__init__`` takes other arguments than its
+    ``args`` pickles, then fails to unpickle in the reader (a TypeError in place of the error)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _send(ready, message: tuple) -> bool:

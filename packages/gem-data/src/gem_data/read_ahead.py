@@ -120,8 +120,11 @@ class ReadAhead(ReaderAhead):
         batches = iter(self.source)
         try:
             for batch in batches:
-                self._delivered = copy.deepcopy(self.source.state_dict())
-                self.observed = self.observe(batch) if self.observe is not None else None
+                # NOTE: the state is the delivered batch's only once observed: an observation that raises leaves the
+                # state at the batch before (as the thread's and the process's), and a rewind reads this one again
+                state = copy.deepcopy(self.source.state_dict())
+                observed = self.observe(batch) if self.observe is not None else None
+                self._delivered, self.observed = state, observed
                 yield self._handed_out(batch.pin_memory() if self.pin else batch)
         finally:
             close = getattr(batches, "close", None)

@@ -1,8 +1,10 @@
 """Only some surfaces (domains) of a stream: what a one-model-per-domain baseline trains on.
 
-A model of domain ``d`` trained on the examples of ``d`` that a shared model reads, in the same order and
-with the same number of steps, does exactly the shared model's per-domain share of the work: the models of
-all domains together cost what the shared one costs. That is the comparison this filter makes possible.
+A model of domain ``d`` trained on the examples of ``d`` that a shared model reads, in the same order, does
+exactly the shared model's per-domain share of the work: the models of all domains together cost what the shared
+one costs. That is the comparison this filter makes possible. A step is a global batch that holds examples of
+``d`` (at least one per rank): the others are skipped, and counted (``skipped``), so a domain's model takes fewer
+steps than the shared one.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class SurfaceFilterStream:
             raise ValueError(f"surfaces {unknown} lie outside the data's [0, {global_source.spec.num_surfaces})")
         self.source, self.rank, self.world_size = global_source, rank, world_size
         self.surfaces = torch.tensor(sorted(set(surfaces)), dtype=torch.int64)
+        # global batches skipped so far and the kept examples they held (trained on by no rank); part of the state
+        self.skipped = {"batches": 0, "examples": 0}
 
     @property
     def spec(self) -> FeatureSpec:
@@ -48,11 +52,14 @@ class SurfaceFilterStream:
         for batch in self.source:
             kept = torch.isin(batch.surface, self.surfaces).nonzero().squeeze(1)
             if kept.numel() < self.world_size:
+                self.skipped = {"batches": self.skipped["batches"] + 1, "examples": self.skipped["examples"] + kept.numel()}
                 continue
             yield select_examples(batch, kept.tensor_split(self.world_size)[self.rank])
 
     def state_dict(self) -> dict[str, Any]:
-        return self.source.state_dict()
+        return {**self.source.state_dict(), "surface_filter_skipped": dict(self.skipped)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.skipped = dict(state.pop("surface_filter_skipped", {"batches": 0, "examples": 0}))
         self.source.load_state_dict(state)
