@@ -1,6 +1,7 @@
 """The sequential text and RecBole atomic readers, on small files written here and on the shared real data."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,43 @@ def test_attribute_file_errors_name_the_file(tmp_path):
     with pytest.raises(DataError, match=r"a.json:2: invalid JSON"):
         read_sequence_text(seqs, write(tmp_path / "a.json", '{"2": [1],\n oops}'))
     with pytest.raises(DataError, match=r"b.json:item 2: attributes must be"):
-        read_sequence_text(seqs, write(tmp_path / "b.json", '{"2": "brand"}'))
+        read_sequence_text(seqs, write(tmp_path / "b.json", '{"2": "brand", "3": [1]}'))
     assert read_sequence_text(seqs, tmp_path / "b.json", skip_bad_rows=True).bad_rows == 1
+
+
+def test_attribute_keys_that_name_no_item_are_not_dropped_silently(tmp_path):
+    """A key that is no item id (" 1", "2.0", "item_3") named no item: its attributes were lost without a word; a file
+    none of whose entries names an item (another data set's) left the attribute feature out without a word."""
+    seqs = write(tmp_path / "s.txt", "1 1 2 3\n")
+    for key in (" 1", "2.0", "+3", "item_3"):
+        with pytest.raises(DataError, match=rf"c.json:item {re.escape(repr(key))}: is not an item id \(a non-negative integer\)$"):
+            read_sequence_text(seqs, write(tmp_path / "c.json", f'{{"{key}": [1], "2": [4]}}'))
+    assert read_sequence_text(seqs, tmp_path / "c.json", skip_bad_rows=True).bad_rows == 1
+    with pytest.raises(DataError, match=r"d.json: no entry names an item of the sequences \(2 entries\)$"):
+        read_sequence_text(seqs, write(tmp_path / "d.json", '{"7": [1], "8": [2]}'))
+    with pytest.raises(DataError, match=r"e.json: no entry names an item of the sequences \(0 entries; 1 bad rows skipped\)$"):
+        read_sequence_text(seqs, write(tmp_path / "e.json", '{"x": [1]}'), skip_bad_rows=True)
+
+
+def test_atomic_files_joined_together_a_companion_file_of_other_ids_and_times_past_float32(tmp_path):
+    """A header line repeated inside .inter (files joined) read as an interaction where no float field caught it; a
+    .user / .item file naming none of the interactions' ids gave every entity zeros; times past float32's range after
+    the first event reached the batches as inf."""
+    folder = tmp_path / "joined"
+    folder.mkdir()
+    write(folder / "joined.inter", "user_id:token\titem_id:token\n1\t10\n2\t11\nuser_id:token\titem_id:token\n3\t12\n")
+    with pytest.raises(DataError, match=r"joined.inter:4: the header line is repeated$"):
+        read_atomic(folder)
+    corpus = read_atomic(folder, skip_bad_rows=True)
+    assert corpus.user_tokens == ["1", "2", "3"] and corpus.bad_rows == 1
+    write(folder / "joined.item", "item_id:token\tprice:float\n010\t1.5\n011\t2.5\n")
+    with pytest.raises(DataError, match=r"joined.item: no row names a item_id of the interactions"):
+        read_atomic(folder, skip_bad_rows=True)
+    far = tmp_path / "far"
+    far.mkdir()
+    write(far / "far.inter", "user_id:token\titem_id:token\ttimestamp:float\n1\t10\t0\n1\t11\t1e38\n1\t12\t4e38\n")
+    with pytest.raises(DataError, match=r"far.inter:4: timestamp 4e38 lies more than float32's largest value after"):
+        read_atomic(far)
 
 
 def write_atomic(folder: Path, inter_rows: str, item_rows: str = "", user_rows: str = "") -> Path:
@@ -76,7 +112,7 @@ def test_atomic_reader_orders_by_time_and_reads_features(tmp_path):
     assert corpus.item_fields["year"].lengths().tolist() == [1, 0, 0]
     assert corpus.item_dense[:, 0].tolist() == [9.5, 0.0, 1.0]
     assert corpus.user_fields["gender"].lengths().tolist() == [0, 1]
-    assert corpus.ignored_fields == ["toy.user:scores"]
+    assert corpus.ignored_fields == ["toy.inter:rating", "toy.user:scores"]
 
 
 def test_an_items_float_fields_are_named_the_candidates_dense_columns(tmp_path):

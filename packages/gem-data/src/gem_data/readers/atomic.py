@@ -5,7 +5,9 @@ Tab-separated, first line a typed header ``field:type`` with ``type`` one of ``t
 fields; a ``timestamp`` float field orders each user's events (file order otherwise, and for ties).
 Text is UTF-8; a cell's surrounding whitespace is not part of its value.
 ``.user`` / ``.item`` token and token_seq fields become id bags, float fields dense features; float_seq fields
-have no place in the batch schema and are listed in ``ignored_fields``.
+have no place in the batch schema and are listed in ``ignored_fields``, as are the ``.inter`` fields other than the
+user, the item and the time (a rating, say). A line repeating the header is a bad row; a row repeated whole is an
+event twice (a repeat consumption).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def read_atomic(
         kind = header[time_field]
         raise DataError(inter_path, 1, f"field {time_field!r} orders the events, so must be float, is {kind}")
     t_col = columns.index(time_field) if time_field is not None else None
-    kept = []
+    kept, kept_lines = [], []
     for number, row in rows:
         if not row[u_col] or not row[i_col]:
             bad.report(inter_path, number, f"empty {user_field} or {item_field}")
@@ -71,8 +73,9 @@ def read_atomic(
             bad.report(inter_path, number, f"empty {time_field}")
             continue
         kept.append(row)
+        kept_lines.append(number)
     if not kept:
-        raise DataError(inter_path, None, "no interactions")
+        raise DataError(inter_path, None, "no interactions" + (f" ({bad.count} bad rows skipped)" if bad.count else ""))
     user_tokens = vocabulary(r[u_col] for r in kept)
     item_tokens = vocabulary(r[i_col] for r in kept)
     user_index = {t: i for i, t in enumerate(user_tokens)}
@@ -88,6 +91,11 @@ def read_atomic(
     lengths = torch.bincount(users, minlength=len(user_tokens))
     if times is not None:
         timestamps = times[order] - times.min()
+        # NOTE: the batches carry times as float32 (relative to the first event): a span past its range would be inf
+        if float(timestamps.max()) > _FLOAT32_MAX:
+            latest = kept_lines[int(times.argmax())]
+            raise DataError(inter_path, latest, f"{time_field} {kept[int(times.argmax())][t_col]} lies more than float32's "
+                                                f"largest value after the first event's")
     else:
         timestamps = segment_positions(lengths, len(kept)).double()
     corpus = SequenceCorpus(
@@ -99,7 +107,8 @@ def read_atomic(
         timestamps=timestamps,
         timed=times is not None,
     )
-    ignored = [f"{inter_path.name}:{f}" for f, t in header.items() if t == "float_seq"]
+    # every .inter field but the user, the item and the time: the batch schema has no place for them
+    ignored = [f"{inter_path.name}:{f}" for f in header if f not in (user_field, item_field, time_field)]
     for suffix, key, index, fields_attr, dense_attr in (
         ("user", user_field, user_index, "user_fields", "user_dense"),
         ("item", item_field, item_index, "item_fields", "item_dense"),
@@ -131,12 +140,16 @@ def _read_table(path: Path, bad: BadRows) -> tuple[dict[str, str], list[tuple[in
             raise DataError(path, 1, f"header names field {field!r} twice")
         header[field] = kind
     floats = [i for i, kind in enumerate(header.values()) if kind == "float"]
+    header_cells = [cell.strip() for cell in lines[0].split("\t")]
     rows = []
     for number, line in enumerate(lines[1:], 2):
         if not line:
             continue
         # " 1" and "1" would be two users
         cells = [cell.strip() for cell in line.split("\t")]
+        if cells == header_cells:  # files joined together: without a float field it would read as an interaction
+            bad.report(path, number, "the header line is repeated")
+            continue
         if len(cells) != len(header):
             bad.report(path, number, f"{len(cells)} columns, the header has {len(header)}")
             continue
@@ -183,6 +196,10 @@ def _read_features(path: Path, key: str, index: dict[str, int], bad: BadRows):
             bad.report(path, number, f"{key} {row[k]} appears on an earlier line too")
             continue
         by_entity[entity] = row
+    if rows and not by_entity:
+        # NOTE: its fields would be empty bags and zero floats for every entity, read as features without a word
+        raise DataError(path, None, f"no row names a {key} of the interactions (e.g. {next(iter(index))!r}; this file's "
+                                    f"first is {rows[0][1][k]!r})")
     n = len(index)
     fields, dense_columns, ignored = {}, [], []
     for c, (field, kind) in enumerate(header.items()):

@@ -52,7 +52,7 @@ def read_sequence_text(
         users.append(tokens[0])
         sequences.append(tokens[1:])
     if not users:
-        raise DataError(path, None, "no users")
+        raise DataError(path, None, "no users" + (f" ({bad.count} bad rows skipped)" if bad.count else ""))
     item_tokens = vocabulary(t for seq in sequences for t in seq)
     item_index = {t: i for i, t in enumerate(item_tokens)}
     items = torch.tensor([item_index[t] for seq in sequences for t in seq], dtype=torch.int64)
@@ -118,13 +118,20 @@ def _read_attributes(path: Path, item_index: dict[str, int], bad: BadRows) -> Ba
                 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)):
             bad.report(path, f"item {key}", f"attributes must be a list of non-negative integers, got {values!r}")
             continue
-        item = _canonical(key) if key.isascii() and key.isdecimal() else key
+        if not (key.isascii() and key.isdecimal()):  # " 1", "2.0", "item_3" would name no item: its attributes lost
+            bad.report(path, f"item {key!r}", "is not an item id (a non-negative integer)")
+            continue
+        item = _canonical(key)
         if item in given:
             bad.report(path, f"item {key}", f"item {item} is given attributes twice")
             continue
         given.add(item)
         if item in item_index:
             per_item[item_index[item]] = [str(v) for v in values]
+    if not given.intersection(item_index):
+        # another data set's file (or none of the items): the attribute feature would quietly be left out
+        skipped = f"; {bad.count} bad rows skipped" if bad.count else ""
+        raise DataError(path, None, f"no entry names an item of the sequences ({len(given)} entries{skipped})")
     attribute_tokens = vocabulary(t for bag in per_item for t in bag)
     attribute_index = {t: i for i, t in enumerate(attribute_tokens)}
     return Bags.from_lists([[attribute_index[t] for t in bag] for bag in per_item], len(attribute_tokens), attribute_tokens)
