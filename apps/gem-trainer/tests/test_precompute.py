@@ -224,7 +224,8 @@ def test_a_precompute_that_wrote_nothing_is_one_line_for_a_student(teacher, tmp_
     save_entries([], out / "cache.npz")
     (out / "report.json").write_text(json.dumps({"finished_at": 0.0, "keys": pair_key_settings(config), "seed": config.seed,
                                                  "teacher": {"run_dir": str(teacher)},
-                                                 "data": config.data.model_dump(mode="json")}))
+                                                 "data": config.data.model_dump(mode="json"),
+                                                 "global_batch_size": config.data.batch_size}))
     env = init_distributed("cpu", "gloo")
     source = builders.build_data(config, env, representations=False).train
     with pytest.raises(ConfigError, match=r"solaris.output: the precompute at .* wrote no embeddings") as error:
