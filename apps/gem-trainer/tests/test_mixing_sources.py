@@ -119,27 +119,29 @@ def test_the_online_stream_is_read_once_and_a_schedule_reading_past_its_end_is_r
 
 
 def test_a_resume_with_a_smaller_online_share_is_checked_from_the_examples_the_run_read(tmp_path):
-    """30 steps of 512 read 15,360 of the online period's 19,810 examples at a share of 1; resumed at a share of 0.5,
-    20 more steps would read 5,120 more (past the end): refused before training. The check once replayed the whole
-    schedule from step 0 at the new share (12,800 examples), passed it, and the run stopped when the stream ran dry."""
+    """With the online period cut to [0.85, 0.9) (4,941 examples), 15 steps of 256 read 3,840 of them at a share of 1;
+    resumed at a share of 0.5, 10 more steps would read 1,280 more (past the end): refused before training. The check
+    once replayed the whole schedule from step 0 at the new share (3,200 examples), passed it, and the run stopped
+    when the stream ran dry."""
     needs(ML)
-    online = [*TIME_SPLIT[:3], "--data.batch_size=512", "--data.mixture.ramp_start=0", "--data.mixture.ramp_steps=1",
-              "--data.mixture.online_share_start=1.0", "--data.mixture.online_share_end=1.0", "--checkpoint.enable=true",
-              "--checkpoint.every_steps=30", "--checkpoint.asynchronous=false"]
-    first = trainer_for(tmp_path, *online, "--schedule.steps=30")
+    online = [*TIME_SPLIT[:3], "--data.sequential.time_split=[0.85, 0.9]", "--data.batch_size=256",
+              "--data.mixture.ramp_start=0", "--data.mixture.ramp_steps=1", "--data.mixture.online_share_start=1.0",
+              "--data.mixture.online_share_end=1.0", "--checkpoint.enable=true", "--checkpoint.every_steps=15",
+              "--checkpoint.asynchronous=false"]
+    first = trainer_for(tmp_path, *online, "--schedule.steps=15")
     first.train()
     first.close()
-    assert first._data_metrics()["source_online"] == 30 * 512
+    assert first._data_metrics()["source_online"] == 15 * 256
     halved = [*online, "--data.mixture.online_share_start=0.5", "--data.mixture.online_share_end=0.5"]
-    resumed = trainer_for(tmp_path, *halved, "--schedule.steps=50")
-    with pytest.raises(ConfigError, match=r"^data\.mixture\.sources\.online: its stream holds 19,810 examples, read once "
-                                          r"in time order, and schedule\.steps = 50 would read 20,\d{3} of it \(it runs "
-                                          r"out at step 4\d\)"):
+    resumed = trainer_for(tmp_path, *halved, "--schedule.steps=25")
+    with pytest.raises(ConfigError, match=r"^data\.mixture\.sources\.online: its stream holds 4,941 examples, read once "
+                                          r"in time order, and schedule\.steps = 25 would read 5,\d{3} of it \(it runs "
+                                          r"out at step 2\d\)"):
         resumed.train()
     resumed.close()
-    fits = trainer_for(tmp_path, *halved, "--schedule.steps=36")
-    fits.train()  # 6 steps of ~256 online examples: within the period
-    assert 15_360 < fits._data_metrics()["source_online"] < 19_810
+    fits = trainer_for(tmp_path, *halved, "--schedule.steps=18")
+    fits.train()  # 3 steps of ~128 online examples: within the period
+    assert 3_840 < fits._data_metrics()["source_online"] < 4_941
     fits.close()
 
 
