@@ -19,7 +19,7 @@ from gem_data import (
     TableStream,
 )
 from gem_data.packing import Shared, describe, pack_into, unpack
-from gem_data.testing import small_corpus
+from gem_data.testing import FailingSource, small_corpus
 
 
 @pytest.fixture(scope="module")
@@ -177,26 +177,7 @@ def test_observe_runs_in_the_reading_process(generator):
 
 
 def test_an_error_of_the_source_and_a_dead_process_reach_the_training_process(generator):
-    class Failing:
-        spec = generator.spec
-
-        def __init__(self):
-            self.position = 0
-
-        def __iter__(self):
-            for index in itertools.count(self.position):
-                if index == 2:
-                    raise ValueError(f"data.path: bad row at batch {index}")
-                self.position = index + 1
-                yield generator.batch(index, 4)
-
-        def state_dict(self):
-            return {"position": self.position}
-
-        def load_state_dict(self, state):
-            self.position = state["position"]
-
-    batches = iter(ProcessReadAhead(Failing()))
+    batches = iter(ProcessReadAhead(FailingSource(generator, ValueError("data.path: bad row at batch 2"))))
     next(batches), next(batches)
     with pytest.raises(ValueError, match="bad row at batch 2"):
         next(batches)
@@ -258,26 +239,7 @@ def test_a_data_error_reaches_the_training_process_whole_and_a_stale_iterator_en
     TypeError in its place (the file and row lost). An iterator kept after a new one once read the new one's pipe."""
     from gem_data import DataError
 
-    class Failing:
-        spec = generator.spec
-
-        def __init__(self):
-            self.position = 0
-
-        def __iter__(self):
-            for index in itertools.count(self.position):
-                if index == 2:
-                    raise DataError("/data/train.parquet", "row group 3", "negative item id")
-                self.position = index + 1
-                yield generator.batch(index, 4)
-
-        def state_dict(self):
-            return {"position": self.position}
-
-        def load_state_dict(self, state):
-            self.position = state["position"]
-
-    batches = iter(ProcessReadAhead(Failing()))
+    batches = iter(ProcessReadAhead(FailingSource(generator, DataError("/data/train.parquet", "row group 3", "negative item id"))))
     next(batches), next(batches)
     with pytest.raises(DataError, match=r"^/data/train.parquet:row group 3: negative item id$") as error:
         next(batches)

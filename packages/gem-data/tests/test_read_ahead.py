@@ -5,7 +5,7 @@ import time
 import pytest
 
 from gem_data import ReadAhead, SyntheticConfig, SyntheticGenerator, SyntheticStream
-from gem_data.testing import equal_batches
+from gem_data.testing import FailingSource, equal_batches
 
 
 @pytest.fixture(scope="module")
@@ -58,29 +58,8 @@ def test_a_new_iteration_continues_after_the_last_delivered_batch(generator):
 
 
 def test_a_finite_source_ends_and_an_error_reaches_the_training_thread(generator):
-    class Failing:
-        spec = generator.spec
-
-        def __init__(self, fail_at):
-            self.fail_at, self.position = fail_at, 0
-
-        def __iter__(self):
-            for index in itertools.count(self.position):
-                if index == self.fail_at:
-                    raise ValueError(f"data.path: bad row at batch {index}")
-                if index == 3:
-                    return
-                self.position = index + 1
-                yield generator.batch(index, 4)
-
-        def state_dict(self):
-            return {"position": self.position}
-
-        def load_state_dict(self, state):
-            self.position = state["position"]
-
-    assert len(list(ReadAhead(Failing(fail_at=None)))) == 3
-    batches = iter(ReadAhead(Failing(fail_at=2)))
+    assert len(list(ReadAhead(FailingSource(generator, None, at=None, length=3)))) == 3
+    batches = iter(ReadAhead(FailingSource(generator, ValueError("data.path: bad row at batch 2"))))
     next(batches), next(batches)
     with pytest.raises(ValueError, match="bad row at batch 2"):
         next(batches)

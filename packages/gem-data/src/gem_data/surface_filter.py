@@ -52,7 +52,8 @@ class SurfaceFilterStream:
         for batch in self.source:
             kept = torch.isin(batch.surface, self.surfaces).nonzero().squeeze(1)
             if kept.numel() < self.world_size:
-                self.skipped = {"batches": self.skipped["batches"] + 1, "examples": self.skipped["examples"] + kept.numel()}
+                self.skipped["batches"] += 1
+                self.skipped["examples"] += kept.numel()
                 continue
             yield select_examples(batch, kept.tensor_split(self.world_size)[self.rank])
 

@@ -1,5 +1,5 @@
 """Helpers for tests of gem-data and its users: where the shared real data lives, batch fingerprints, small
-sequence corpora."""
+sequence corpora, a resumable source that fails."""
 
 from __future__ import annotations
 
@@ -93,3 +93,29 @@ def small_corpus(folder: str | Path, name: str, users: int, items: int, attribut
     if attributes:
         (folder / f"{name}.json").write_text("{" + ", ".join(f'"{i}": [{i % 5}]' for i in range(1, items + 1)) + "}")
     return read_sequence_text(folder / f"{name}.txt", folder / f"{name}.json" if attributes else None)
+
+
+class FailingSource:
+    """A resumable source of ``generator``'s batches of ``batch_size`` that raises ``error`` when it comes to batch
+    ``at`` (None: never) and ends before batch ``length`` (None: endless): a reader's error, or its end, as the
+    readers ahead meet them."""
+
+    def __init__(self, generator, error: Exception | None, at: int | None = 2, length: int | None = None,
+                 batch_size: int = 4) -> None:
+        self.spec, self.generator, self.error, self.at = generator.spec, generator, error, at
+        self.length, self.batch_size, self.position = length, batch_size, 0
+
+    def __iter__(self):
+        index = self.position
+        while self.length is None or index < self.length:
+            if index == self.at:
+                raise self.error
+            self.position = index + 1
+            yield self.generator.batch(index, self.batch_size)
+            index += 1
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]

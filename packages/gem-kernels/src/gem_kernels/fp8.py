@@ -50,19 +50,16 @@ def scale_exponent_field(amax: torch.Tensor) -> torch.Tensor:
     return exponent.clamp(min=1)
 
 
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def _check_input(x: torch.Tensor, dim: int, rows_to: int, cols_to: int, placed, validate: bool = True) -> None:
+    from gem_kernels.ops import _validation as V
+
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"fp8 rowwise quantisation takes a 2-D float tensor, got shape {tuple(getattr(x, 'shape', ()))} "
                          f"of {getattr(x, 'dtype', type(x).__name__)}")
     if dim not in (0, 1, -1, -2):
         raise ValueError(f"fp8 rowwise quantisation: dim must be 0 or 1 (or -1, -2), got {dim}")
-    _positive_int("fp8 rowwise quantisation: rows_to", rows_to)
-    _positive_int("fp8 rowwise quantisation: cols_to", cols_to)
+    V.check_positive_int("fp8 rowwise quantisation: rows_to", rows_to)
+    V.check_positive_int("fp8 rowwise quantisation: cols_to", cols_to)
     if placed is not None:
         if cols_to != 1:
             raise ValueError("fp8 rowwise quantisation: placed gives the output's columns; cols_to must stay 1")
@@ -138,11 +135,13 @@ BLOCKS = ((1, 128), (128, 128), (128, 1))
 
 
 def _check_blockwise(x: torch.Tensor, block: tuple[int, int], rows_to: int) -> None:
+    from gem_kernels.ops import _validation as V
+
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"fp8 blockwise quantisation takes a 2-D float tensor, got shape {tuple(x.shape)} of {x.dtype}")
     if not isinstance(block, (tuple, list)) or tuple(block) not in BLOCKS:
         raise ValueError(f"fp8 blockwise quantisation: block must be one of {BLOCKS}, got {block!r}")
-    _positive_int("fp8 blockwise quantisation: rows_to", rows_to)
+    V.check_positive_int("fp8 blockwise quantisation: rows_to", rows_to)
 
 
 def blockwise_shapes(shape: tuple[int, int], block: tuple[int, int], rows_to: int,

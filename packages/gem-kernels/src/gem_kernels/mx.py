@@ -64,12 +64,6 @@ def element_format(name: str) -> ElementFormat:
     return FORMATS[name]
 
 
-def check_block(block: int, name: str) -> None:
-    """A block size: a positive int (a float or a string would fail deep in a reshape, or pass where it should not)."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"{name} must be a positive int, got {block!r}")
-
-
 def _blocks(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, int, int]:
     """``x`` with ``dim`` moved last, zero-padded to whole blocks and split: ``[..., n_blocks, block]``."""
     dim = dim % x.dim()
@@ -109,7 +103,9 @@ def mx_quantize(x: torch.Tensor, dim: int = -1, elem: str = "e4m3", rounding: Sc
     if x.dim() < 1 or isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"mx_quantize: dim must be an int in [{-x.dim()}, {x.dim()}) for a tensor of shape "
                          f"{tuple(x.shape)}, got {dim!r}")
-    check_block(block, "mx_quantize: block")
+    from gem_kernels.ops import _validation as V
+
+    V.check_positive_int("mx_quantize: block", block)  # a float or a string would fail deep in a reshape
     fmt = element_format(elem)
     blocks, dim, size = _blocks(x, dim, block)
     exponent, non_finite = shared_exponents(blocks, fmt, rounding)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from gem_kernels.low_precision import LowPrecisionLinear
-from gem_kernels.mx import BLOCK, ScaleRounding, check_block, element_format, mx_fake_quantize
+from gem_kernels.mx import BLOCK, ScaleRounding, element_format, mx_fake_quantize
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,9 @@ class MXRecipe:
             element_format(name)  # an unknown format is a ValueError naming it
         if self.rounding not in ("floor", "rceil"):
             raise ValueError(f"MXRecipe.rounding must be 'floor' or 'rceil', got {self.rounding!r}")
-        check_block(self.block, "MXRecipe.block")
+        from gem_kernels.ops import _validation as V
+
+        V.check_positive_int("MXRecipe.block", self.block)
 
     def linear(self, linear: nn.Linear) -> "MXLinear":
         return MXLinear.from_linear(linear, self)

@@ -93,9 +93,9 @@ def read_atomic(
         timestamps = times[order] - times.min()
         # NOTE: the batches carry times as float32 (relative to the first event): a span past its range would be inf
         if float(timestamps.max()) > _FLOAT32_MAX:
-            latest = kept_lines[int(times.argmax())]
-            raise DataError(inter_path, latest, f"{time_field} {kept[int(times.argmax())][t_col]} lies more than float32's "
-                                                f"largest value after the first event's")
+            latest = int(times.argmax())
+            raise DataError(inter_path, kept_lines[latest], f"{time_field} {kept[latest][t_col]} lies more than float32's "
+                                                            f"largest value after the first event's")
     else:
         timestamps = segment_positions(lengths, len(kept)).double()
     corpus = SequenceCorpus(
