@@ -1,6 +1,8 @@
 """Test setup: Triton kernels run through the Triton interpreter on CPU.
 
-TRITON_INTERPRET must be set before triton is first imported, so it is set here, at collection time.
+TRITON_INTERPRET must be set before triton is first imported, so it is set here, at collection time, unless the
+caller set it: ``TRITON_INTERPRET=0`` on a CUDA host runs the compiled kernels' tests (``test_gpu_*``) and skips the
+interpreter's (``triton_on_cpu``).
 """
 
 import os
@@ -50,7 +52,12 @@ def _patch_interpreter_scalar_index() -> None:
 if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_scalar_index()
 
-requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable on this host")
+# NOTE: these tests launch the Triton kernels on CPU tensors, which only the interpreter runs: with
+# TRITON_INTERPRET=0 (a CUDA host running the compiled kernels' tests, test_gpu_*) they skip
+triton_on_cpu = pytest.mark.skipif(
+    not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="Triton kernels on CPU tensors run through the interpreter only: set TRITON_INTERPRET=1"
+    if HAS_TRITON else "triton is not importable on this host")
 
 
 @pytest.fixture(autouse=True)

@@ -4,11 +4,15 @@ import math
 
 import pytest
 import torch
+from conftest import triton_on_cpu
 from gem_kernels_testing import offsets_of, rand
 
 from gem_kernels import block_attention, gdpa, jagged_flash_attention, layer_norm, rms_norm
 from gem_kernels.fp8_mlp import fp8_layer_norm
 from gem_kernels.ops import layer_norm_pair, qkv_rotary_attention, rotary
+
+
+TRITON = pytest.param("triton", marks=triton_on_cpu)  # kernels that run, not only check their arguments
 
 
 def _qkv(T=10, H=2, D=16):
@@ -98,7 +102,7 @@ def test_norm_bad_eps_rejected(kernel, eps):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computes the masked padding rows too
-@pytest.mark.parametrize("kernel", ["pytorch", "triton"])
+@pytest.mark.parametrize("kernel", ["pytorch", TRITON])
 def test_norm_eps_zero_allowed(kernel):
     x, w = torch.randn(3, 16), torch.ones(16)
     y = rms_norm(x, w, eps=0.0, kernel=kernel)
@@ -127,7 +131,7 @@ def test_rotary_base_must_be_finite_and_above_one(base):
     _one_line(err)
 
 
-@pytest.mark.parametrize("kernel", ["pytorch", "triton"])
+@pytest.mark.parametrize("kernel", ["pytorch", TRITON])
 def test_strided_index_tensors_read_as_their_values(kernel):
     """Offsets and kv_index that are views with another stride (they pass every check on their values) give what
     their contiguous copies give: the kernels read index tensors with unit stride."""
@@ -145,7 +149,7 @@ def test_strided_index_tensors_read_as_their_values(kernel):
                                kernel=kernel), cross, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["pytorch", "builtin", "triton"])
+@pytest.mark.parametrize("kernel", ["pytorch", "builtin", TRITON])
 def test_a_non_finite_row_stays_in_its_own_sequence(kernel):
     """The references pad each sequence with other sequences' rows: a NaN there must not reach the shorter
     sequence's outputs (a product with the zero mask keeps NaN)."""
@@ -161,6 +165,7 @@ def test_a_non_finite_row_stays_in_its_own_sequence(kernel):
     assert cross[:3].isfinite().all() and cross[3:].isnan().any()
 
 
+@triton_on_cpu
 def test_norms_read_strided_affine_parameters_as_their_values():
     x = rand(4, 16, grad=False)
     w, b = rand(32, grad=False)[::2], rand(32, grad=False)[::2]
@@ -170,7 +175,7 @@ def test_norms_read_strided_affine_parameters_as_their_values():
     assert torch.allclose(pair[0], layer_norm_pair(x, (w, b), (w.contiguous(), b), kernel="pytorch")[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["pytorch", "builtin", "triton"])
+@pytest.mark.parametrize("kernel", ["pytorch", "builtin", TRITON])
 def test_rms_norm_returns_x_dtype_with_a_wider_weight(kernel):
     x = rand(4, 16, grad=False).half()
     assert rms_norm(x, torch.randn(16), kernel=kernel).dtype == torch.float16

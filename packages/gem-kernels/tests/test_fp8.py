@@ -3,7 +3,7 @@ rules; the FP8 linear (``torch._scaled_mm``, which runs on CPU too) against its 
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 from gem_kernels_testing import awkward_fp8_input as _awkward
 from gem_kernels_testing import same_fp8 as _same
 
@@ -12,7 +12,7 @@ from gem_kernels.fp8 import fp8_rowwise_quantize_reference
 from gem_kernels.mx import FORMATS, _blocks, shared_exponents
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape,dim,rows_to,cols_to", [
     ((37, 48), -1, 16, 1),  # one pass, kept dimension padded
@@ -29,7 +29,7 @@ def test_triton_quantisation_gives_the_reference_bits(shape, dim, rows_to, cols_
     assert _same(fp8_rowwise_quantize(x.t().contiguous().t(), dim, rows_to, cols_to, kernel="triton"), fast)
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape,dim", [((300, 70), 0), ((70, 300), -1)])
 def test_triton_quantisation_placed_gives_the_reference_bits(shape, dim, dtype):
@@ -171,7 +171,7 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("mask", [{}, {"causal": True}])
 def test_fp8_attention_kernel_alone_on_prepared_inputs_gives_the_calls_output(mask):
     """bench_fp8's kernel-only row: the kernel on operands quantised beforehand, the same output as the call."""
@@ -184,7 +184,7 @@ def test_fp8_attention_kernel_alone_on_prepared_inputs_gives_the_calls_output(ma
     assert torch.equal(out, jagged_flash_attention(q, k, v, offsets, 64, kernel="triton", fp8=True, **mask))
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("lengths", [[5, 40, 0, 17, 64, 1], [16], [0, 0, 3], [1] * 70 + [1100]])
 def test_sequence_aligned_layout_kernel_gives_the_reference_layout(lengths):
     """Every sequence starts at a multiple of 16, its tokens in order, -1 elsewhere; one Triton launch gives the
@@ -205,7 +205,7 @@ def test_sequence_aligned_layout_kernel_gives_the_reference_layout(lengths):
     assert torch.equal(fast_starts, starts) and torch.equal(fast_token, token)
 
 
-@requires_triton
+@triton_on_cpu
 def test_fp8_attention_operands_with_sequence_aligned_v_hold_the_same_values():
     """V^T laid out with every sequence at a multiple of 16 (the kernel's wide loads) holds the dense layout's
     values and scales, zeros between sequences, and dequantises to the same V."""
@@ -227,7 +227,7 @@ def test_fp8_attention_operands_with_sequence_aligned_v_hold_the_same_values():
         assert torch.equal(x, y)
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("aligned", [False, True])
 def test_fp8_attention_dequantisation_kernels_give_the_reference_bits(aligned, dtype):
@@ -248,7 +248,7 @@ def test_fp8_attention_dequantisation_kernels_give_the_reference_bits(aligned, d
     assert fast[2][:, 1, 2].isnan().all() and torch.isinf(fast[0]).any() == (dtype == torch.float16)
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window": 7}, "block"])
 def test_fp8_attention_kernel_matches_its_twin_and_stays_near_the_exact_attention(mask, dtype):
@@ -276,7 +276,7 @@ def test_fp8_attention_is_softmax_only():
         block_attention(q, k, v, offsets, block_size=4, activation="silu", max_seq_len=8, kernel="pytorch", fp8=True)
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mask", [{}, {"causal": True}, "block"])
 def test_fp8_attention_backward_is_the_exact_gradient_at_the_quantised_operands(mask, dtype):

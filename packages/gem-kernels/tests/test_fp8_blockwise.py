@@ -4,7 +4,7 @@ float32; what takes only rowwise scales refuses blockwise ones."""
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 from gem_kernels_testing import awkward_fp8_input as _awkward
 from gem_kernels_testing import same_fp8 as _same
 
@@ -20,7 +20,7 @@ def _rel(a, b):
     return float((a.float() - b.float()).detach().norm() / b.float().detach().norm())
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("shape,rows_to,transpose", [
@@ -105,7 +105,7 @@ def test_blockwise_quantisation_rejects_what_it_cannot_take():
         fp8_blockwise_dequantize(elements, scales, (1, 64))
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("weight_gradient", ["high", "fp8"])
 def test_blockwise_fp8_linear_matches_its_twin_and_stays_near_float32(weight_gradient):
     torch.manual_seed(0)

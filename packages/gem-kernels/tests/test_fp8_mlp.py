@@ -3,7 +3,7 @@ E4M3 bits that quantising its own output gives; the block against its PyTorch tw
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 from gem_kernels_testing import same_fp8 as _same
 
 from gem_kernels import Fp8Recipe, fp8_linear
@@ -19,7 +19,7 @@ TRITON = Fp8Recipe(min_features=0, min_tokens=0, kernel="triton")
 TWIN = Fp8Recipe(min_features=0, min_tokens=0, kernel="pytorch")
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,width,bias", [(37, 48, True), (64, 96, False)])
 def test_layer_norm_writes_the_e4m3_of_its_output(rows, width, bias, dtype):
@@ -36,7 +36,7 @@ def test_layer_norm_writes_the_e4m3_of_its_output(rows, width, bias, dtype):
     assert torch.allclose(y.float().nan_to_num(), twin.float().nan_to_num(), rtol=2e-3, atol=2e-3)
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gelu_and_its_gradient_write_the_e4m3_of_their_outputs(dtype):
     from gem_kernels.ops.triton.triton_fp8_gelu import triton_gelu_fp8, triton_gelu_fp8_backward
@@ -75,7 +75,7 @@ def _exact(x, params):
     return torch.nn.functional.gelu(n @ w1.t() + b1) @ w2.t() + b2
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("weight_gradient", ["high", "fp8"])
 def test_fp8_norm_mlp_matches_its_twin_and_stays_near_float32(weight_gradient):
     x, params, g = _block_inputs()
@@ -121,7 +121,7 @@ def test_quantised_inputs_of_the_wrong_shape_are_refused():
         fp8_layer_norm(x, torch.ones(48), None, 1e-5, TWIN)
 
 
-@requires_triton
+@triton_on_cpu
 def test_no_zero_gradients_are_made_for_the_e4m3_outputs():
     """The producers' E4M3 outputs are constants to autograd: their gradients are not materialised (an [M, N]
     zero fill each in the backward, ~2% of the block's FP8 time on the H200), and the gradients are unchanged."""
@@ -155,7 +155,7 @@ def test_no_zero_gradients_are_made_for_the_e4m3_outputs():
         assert _rel(got, ref) < 2e-2
 
 
-@requires_triton
+@triton_on_cpu
 def test_a_norm_with_e4m3_rows_whose_output_reaches_no_loss():
     """With the E4M3 outputs' gradients unmaterialised, a norm whose output reaches no loss (only its residual sum
     does) gets no gradient for it: the sum's gradient passes through alone."""

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import triton_on_cpu
 
+
+@triton_on_cpu
 def test_host_time_times_every_op_forward_and_backward(tmp_path):
     src = Path(__file__).resolve().parents[1] / "src"
     out = tmp_path / "host.json"

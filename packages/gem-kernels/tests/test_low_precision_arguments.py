@@ -3,7 +3,7 @@ ValueError naming the argument, where it once wrapped silently, read out of boun
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 from torch import nn
 
 from gem_kernels import Fp8Linear, Fp8Recipe, convert_to_low_precision, fp8_dequantize, fp8_linear, fp8_rowwise_quantize
@@ -47,7 +47,7 @@ def test_mx_matmul_and_dequantize_take_floats_and_an_mx_recipe():
         mx_dequantize(mx_quantize(torch.randn(2, 32)), torch.int32)
 
 
-@pytest.mark.parametrize("kernel", ["pytorch", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("kernel", ["pytorch", pytest.param("triton", marks=triton_on_cpu)])
 def test_fp8_placed_must_hold_each_input_column_once(kernel):
     """A column past the input was read past x's row (the kernel) or an IndexError deep in the reference; a repeated
     or missing one duplicated or dropped data."""
@@ -127,7 +127,7 @@ def test_convert_to_low_precision_checks_its_recipe_and_keep():
         convert_to_low_precision(model, MXRecipe(), keep=None)
 
 
-@requires_triton
+@triton_on_cpu
 def test_qkv_rotary_attention_refuses_to_rotate_a_leaf_in_place():
     """The fused path rotates qkv in its own buffer: a parameter (or an input leaf) would be changed for every later
     reader, an in-place op torch itself refuses on such a tensor."""

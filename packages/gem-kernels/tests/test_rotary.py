@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 from gem_kernels_testing import assert_close
 
 from gem_kernels import qkv_rotary, rotary
@@ -14,7 +14,7 @@ from gem_kernels.ops.pytorch.pt_rotary import pt_rotary
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,H,D", [(1, 1, 2), (37, 4, 16), (70, 2, 12), (5, 3, 128)])
 def test_triton_matches_reference(T, H, D, dtype):
@@ -36,7 +36,7 @@ def test_triton_matches_reference(T, H, D, dtype):
     assert grads["triton"][:, 2].abs().max() == 0  # v is untouched
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,H,D", [(1, 1, 2), (37, 4, 16), (70, 2, 12)])
 def test_fused_qkv_rotary_matches_rotary_on_the_split_projection(T, H, D, dtype):
@@ -71,7 +71,7 @@ def test_qkv_rotary_bad_shapes_are_one_line_errors():
         qkv_rotary(torch.randn(4, 3, 1, 8), torch.zeros(5), kernel="pytorch")
 
 
-@requires_triton
+@triton_on_cpu
 def test_triton_contiguous_inputs_and_empty():
     q, k = torch.randn(9, 2, 8), torch.randn(9, 2, 8)
     positions = torch.linspace(0, 12, 9)

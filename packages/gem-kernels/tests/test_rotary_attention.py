@@ -4,7 +4,7 @@ attention op, on the reference kernels."""
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 from gem_kernels_testing import assert_close
 
 from gem_kernels import block_attention, jagged_flash_attention, qkv_rotary, qkv_rotary_attention
@@ -20,7 +20,7 @@ def _composed(qkv, positions, mode):
     return jagged_flash_attention(q, k, v, OFFSETS, 40, window=mode, kernel="pytorch")
 
 
-@requires_triton
+@triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["block", None, 7])
 def test_fused_path_matches_rotary_then_attention(mode, dtype):
@@ -46,7 +46,7 @@ def test_fused_path_matches_rotary_then_attention(mode, dtype):
     assert torch.equal(qkv[:, 2].detach(), projection[:, 2])
 
 
-@requires_triton
+@triton_on_cpu
 def test_a_reference_saved_before_the_rotation_fails_in_backward():
     """The buffer is rotated in place: a tensor saved from it earlier would read rotated values, so its backward
     fails (autograd's version check) rather than computing with them."""

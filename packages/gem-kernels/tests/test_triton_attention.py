@@ -6,14 +6,14 @@ sequences, lengths that are no multiple of the 16-wide interpreter tiles and dec
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 from gem_kernels_testing import assert_close, grads, offsets_of, rand
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gem_kernels import ACTIVATIONS, block_attention, gdpa, jagged_flash_attention
 
-pytestmark = requires_triton
+pytestmark = triton_on_cpu
 
 FAST = settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 TOL = {torch.float32: 2e-5, torch.float16: 2e-2}

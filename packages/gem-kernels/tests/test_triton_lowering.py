@@ -7,12 +7,12 @@ is then lowered to TTIR with the argument types of its recorded launch.
 """
 
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 
 from gem_kernels import block_attention, gdpa, jagged_flash_attention, layer_norm, qkv_rotary_attention, rms_norm
 from gem_kernels.ops.triton import _tuning
 
-pytestmark = requires_triton
+pytestmark = triton_on_cpu
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
           torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 from gem_kernels_testing import assert_close, rand
 
 from gem_kernels import layer_norm, layer_norm_pair, rms_norm
 
-pytestmark = requires_triton
+pytestmark = triton_on_cpu
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 

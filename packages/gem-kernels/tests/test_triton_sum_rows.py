@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_on_cpu
 
 from gem_kernels.ops.triton import _tuning, triton_sum_rows
 from gem_kernels.ops.triton.triton_sum_rows import sum_rows
 
-pytestmark = requires_triton
+pytestmark = triton_on_cpu
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 16), (33, 50), (130, 7)])

@@ -5,6 +5,7 @@ import json
 import os
 
 import torch
+from conftest import triton_on_cpu
 
 from gem_kernels import jagged_flash_attention, layer_norm
 from gem_kernels.ops.triton import _tuning
@@ -196,6 +197,7 @@ def test_plans_are_made_once_per_key_and_dropped_with_the_picked_configs(monkeyp
     assert _tuning._PLANS == {}
 
 
+@triton_on_cpu
 def test_attention_plans_are_shared_by_lengths_and_split_by_alignment(monkeypatch):
     # one plan for a jagged batch's every total length; a tensor starting off Triton's 16-byte alignment is
     # another binary (and no tensor descriptor): a plan of its own
@@ -214,6 +216,7 @@ def test_attention_plans_are_shared_by_lengths_and_split_by_alignment(monkeypatc
     torch.testing.assert_close(got, want)
 
 
+@triton_on_cpu
 def test_a_plan_holds_none_of_its_first_calls_tensors(monkeypatch):
     # a plan outlives the call that made it: holding that call's inputs would keep a batch's activations alive
     import gc
@@ -273,6 +276,7 @@ def test_launches_inside_untuned_do_not_tune_and_their_picks_are_dropped_after(m
     assert os.environ["GEM_KERNELS_AUTOTUNE"] == "1" and _tuning._TUNED == {}
 
 
+@triton_on_cpu
 def test_a_compiled_caller_runs_the_triton_ops_between_its_graphs():
     # Dynamo cannot trace the launch path: each op launching Triton kernels breaks the caller's graph and runs as it
     # is; the caller's result and gradients are the eager ones
