@@ -1,5 +1,8 @@
 """Rowwise FP8: the Triton quantisation (interpreter on CPU) against the reference, bit for bit; the reference's
-rules; the FP8 linear (``torch._scaled_mm``, which runs on CPU too) against its emulated twin; the swap."""
+rules; the FP8 linear (``torch._scaled_mm``, which takes rowwise scales on CPU too from torch 2.13 on) against its
+emulated twin; the swap."""
+
+import importlib
 
 import pytest
 import torch
@@ -102,6 +105,35 @@ def test_fp8_linear_takes_a_call_without_tokens(weight_gradient):
     y.sum().backward()
     assert y.shape == (2, 0, 32) and x.grad.shape == x.shape
     assert not linear.weight.grad.any() and not linear.bias.grad.any()
+
+
+def test_fp8_linear_runs_where_the_cpu_scaled_gemm_takes_one_scale_per_tensor_only(monkeypatch):
+    """torch 2.11's CPU ``_scaled_mm`` refuses rowwise scales (an internal assert): the product is then the
+    dequantised operands', the emulated twin's, and the layer trains as that twin."""
+    module = importlib.import_module("gem_kernels.fp8_linear")  # the package's fp8_linear is the function
+
+    scaled_mm = torch._scaled_mm
+
+    def per_tensor_only(a, b, scale_a, scale_b, **kwargs):
+        if a.device.type == "cpu" and (scale_a.numel() > 1 or scale_b.numel() > 1):
+            raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
+        return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+    module._rowwise_scaled_mm_on.cache_clear()
+    try:
+        recipe = Fp8Recipe(weight_gradient="fp8", min_features=0, min_tokens=0, kernel="pytorch")
+        x = torch.randn(40, 64, requires_grad=True)
+        w = (torch.randn(48, 64) * 0.1).requires_grad_()
+        b = torch.randn(48, requires_grad=True)
+        g = torch.randn(40, 48)
+        fast = fp8_linear(x, w, recipe, bias=b)
+        twin = fp8_linear(x, w, recipe, emulate=True, bias=b)
+        assert torch.equal(fast, twin)
+        for got, want in zip(torch.autograd.grad(fast, (x, w, b), g), torch.autograd.grad(twin, (x, w, b), g)):
+            assert torch.equal(got, want)
+    finally:
+        module._rowwise_scaled_mm_on.cache_clear()  # the real torch's answer for the tests after this one
 
 
 @pytest.mark.parametrize("weight_gradient", ["high", "fp8"])

@@ -2,7 +2,7 @@
 
 For ``y = x @ W^T`` (``x [M, K]``, ``W [N, K]``), every operand is quantised with one scale per row along the
 dimension its GEMM contracts (``gem_kernels.fp8``), and ``torch._scaled_mm`` multiplies, accumulating in float32
-and writing bfloat16:
+and writing bfloat16 (on a CPU whose torch takes one scale per tensor only, the dequantised operands' product):
 
 - forward: ``x`` along K, ``W`` along K;
 - input gradient ``g @ W``: ``g`` along N, ``W`` along N (its transpose, quantised);
@@ -33,6 +33,7 @@ float32 (rounded to bfloat16 like the scaled GEMM's output): the reference twin 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -100,10 +101,25 @@ def _gemm(a, a_scale, b, b_scale, emulate: bool, bias: torch.Tensor | None = Non
     bias ``[Q]`` is added in float32 before the one rounding (the scaled GEMM's epilogue: no pass of its own)."""
     if bias is not None:
         bias = bias.to(torch.bfloat16)
-    if emulate:
+    if emulate or (a.device.type != "cuda" and not _rowwise_scaled_mm_on(a.device.type)):
         product = fp8_dequantize(a, a_scale) @ fp8_dequantize(b, b_scale).t()
         return (product if bias is None else product + bias.float()).to(torch.bfloat16)
     return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t(), bias=bias, out_dtype=torch.bfloat16)
+
+
+@functools.cache
+def _rowwise_scaled_mm_on(device_type: str) -> bool:
+    """Whether ``torch._scaled_mm`` takes rowwise scales on this (non-CUDA) device type.
+
+    NOTE: torch 2.13's CPU kernel does; 2.11's takes one scale per tensor only and fails an internal assert on
+    rowwise ones. Where it does not, the product is the dequantised operands' (``emulate``'s numerics)."""
+    a = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device_type),
+                         scale_b=torch.ones(1, 16, device=device_type), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _block_quantize(x: torch.Tensor, block: tuple[int, int], rows_to: int, transpose: bool, kernel: str, emulate: bool):
