@@ -311,6 +311,21 @@ def test_the_experts_run_in_one_call_of_their_module_which_a_parallel_wrapper_se
         moe.experts(torch.randn(3, 2, 5, 6))
 
 
+def test_the_experts_are_a_mapping_of_their_own_not_a_module_dict_which_fsdp2_of_torch_2_11_refuses():
+    """torch 2.11's ``fully_shard`` raises for any ``nn.ModuleDict`` or ``nn.ModuleList``, whatever its forward: the
+    experts' unit is neither, and still reads, prunes and names its experts by global index."""
+    moe = make()
+    experts = moe.experts
+    assert not isinstance(experts, (nn.ModuleDict, nn.ModuleList))
+    assert list(experts) == list(experts.keys()) == ["0", "1", "2", "3"] and len(experts) == 4
+    assert "2" in experts and "4" not in experts and experts["2"] is dict(experts.items())["2"]
+    assert list(experts.values()) == [experts[k] for k in "0123"]
+    del experts["0"], experts["1"]
+    assert list(experts) == ["2", "3"]
+    names = {name for name, _ in moe.named_parameters()}
+    assert "experts.2.fm_norm.weight" in names and not any(n.startswith("experts.0.") for n in names)
+
+
 def test_routed_goes_through_the_module_call_and_returns_what_forward_keeps():
     """``routed`` (what a Kunlun layer and its CUDA graph call) runs the MoE's own call: hooks (profiler ranges) fire
     and a compiled MoE (``nn.Module.compile``) runs compiled; its statistics are those ``forward`` keeps."""

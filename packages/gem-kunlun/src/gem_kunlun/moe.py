@@ -10,7 +10,7 @@ a load-balancing loss keeps the gate from collapsing onto a few experts.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -130,16 +130,49 @@ def _slotted_dispatch(experts: Experts, x: torch.Tensor, routing: Routing, slots
     return torch.zeros_like(padded).index_add_(0, rows.flatten(), weighted.flatten(0, 1))[:b]
 
 
-class Experts(nn.ModuleDict):
+class Experts(nn.Module):
     """The experts of one ``MixtureOfExperts``, keyed by their global index (under expert parallelism a rank
-    keeps only its own, under the same names).
+    keeps only its own, under the same names), read and pruned as a mapping (``experts["3"]``, ``del``, ``items()``).
 
     ``forward(x [E, S, n, D]) -> [E, S, n, D]``: the ``E`` experts held here, in key order, each on its own
     ``S`` rows; all at once where they share the form ``_batched_wukong`` computes, else one by one. Being one
     module, the experts are one unit to a parallel wrapper: FSDP gathers (and reduces) all of a MoE's local
     experts in one collective each way, and the batched form still applies inside the unit (the hooks sit on
     this module, not on the experts).
+
+    NOTE: not an ``nn.ModuleDict``: FSDP2's ``fully_shard`` in torch 2.11 refuses every ``ModuleDict`` (and
+    ``ModuleList``), its own ``forward`` or not (2.13 takes one that has its own), which stopped expert parallelism
+    under FSDP there.
     """
+
+    def __init__(self, experts: Mapping[str, nn.Module]) -> None:
+        super().__init__()
+        for key, expert in experts.items():
+            self.add_module(key, expert)
+
+    def __getitem__(self, key: str) -> nn.Module:
+        return self._modules[key]
+
+    def __delitem__(self, key: str) -> None:
+        del self._modules[key]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._modules
+
+    def keys(self) -> KeysView[str]:
+        return self._modules.keys()
+
+    def values(self) -> ValuesView[nn.Module]:
+        return self._modules.values()
+
+    def items(self) -> ItemsView[str, nn.Module]:
+        return self._modules.items()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks = list(self.values())

@@ -54,7 +54,7 @@ class ExpertParallel:
     def local_experts(self) -> range:
         return range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
 
-    def __call__(self, experts: nn.ModuleDict, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def __call__(self, experts: nn.Module, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         if self.padded and experts.training:
             return self._padded(experts, x, routing)
         keep = routing.keep
