@@ -259,8 +259,9 @@ def test_compiled_blocks_equal_eager_blocks(tmp_path):
         subprocess.run([sys.executable, "-m", "gem_trainer.cli", "train", f"--run_dir={run}", *BASE, *small,
                         "--data.batch_size=16", *extra], check=True, capture_output=True, timeout=900,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        # NOTE: lock files are not entries: torch 2.11's inductor takes (and so touches) them when it reads one
         cached.append({str(f.relative_to(tmp_path)): f.stat().st_mtime_ns for f in (tmp_path / "cache").rglob("*")
-                       if f.is_file()})
+                       if f.is_file() and "locks" not in f.relative_to(tmp_path).parts})
     torch.testing.assert_close(torch.tensor(losses(compiled)), torch.tensor(losses(eager)), rtol=1e-5, atol=1e-6)
     # the compiled graphs went to the shared folder, and the second job loaded them: a graph compiled again would
     # have rewritten its entry
