@@ -12,7 +12,10 @@ from torchrec import KeyedJaggedTensor
 import gem_data.gathering as gathering
 from gem_data import FeatureAlignment, SyntheticConfig, SyntheticGenerator
 from gem_data.gathering import BatchView, BufferPool, Piece
+from gem_data.batch_ops import select_examples
 from gem_data.testing import equal_batches
+from gem_kunlun import EventType, FeatureSpec, SparseFeature
+from gem_kunlun.testing import SPEC, random_batch
 
 
 def _same_kjt(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
@@ -203,3 +206,44 @@ def test_pooled_buffers_of_steps_gathered_together_are_never_written_while_a_bat
             gc.collect()
     for batch, snapshot in held:
         assert equal_batches(batch, snapshot)
+
+
+def test_an_empty_range_at_a_batchs_end_keeps_every_key_of_the_other_pieces():
+    """Rows [2, 2) of a 2-row batch add nothing: the gathered batch is the other piece's rows, every key kept (the
+    last key's ids were lost on the same-spec path, and the re-keying path raised)."""
+    spec = dataclasses.replace(SPEC, events=SPEC.events[:1])
+    first, second = random_batch(2, seed=1, spec=spec), random_batch(3, seed=2, spec=spec)
+    same = FeatureAlignment({"a": spec, "b": spec}, {"a": "", "b": ""})
+    assert equal_batches(same.gather([("a", first, 2, 2), ("b", second, 0, 3)]),
+                         same.gather([("b", second, 0, 2), ("b", second, 2, 3)]))
+    apart = FeatureAlignment({"a": spec, "b": dataclasses.replace(spec, num_dense=1)})  # two id spaces: re-keyed
+    got = apart.gather([("a", first, 2, 2), ("a", first, 0, 1)])
+    assert equal_batches(got, apart.gather([("a", first, 0, 1)]))
+
+
+def test_a_re_keyed_sources_empty_batch_aligns_to_an_empty_union_batch():
+    """A rank's empty share of a short last held-out batch, from a source in an id space of its own."""
+    other = dataclasses.replace(SPEC, num_dense=1)
+    alignment = FeatureAlignment({"a": SPEC, "b": other})
+    empty = select_examples(random_batch(4, seed=1, spec=other), torch.arange(0))
+    aligned = alignment.align("b", empty)
+    assert aligned.batch_size == 0 and aligned.sparse.keys() == [f.name for f in alignment.spec.sparse]
+    aligned.validate(alignment.spec)
+
+
+def test_large_joins_of_ids_of_two_types_keep_the_wider_type(monkeypatch):
+    """A join large enough for the pooled buffers, of int32 ids then int64 ids above 2^31: int64 ids, as a small
+    join gives (a buffer of the first piece's type wrapped them)."""
+    spec = FeatureSpec(num_dense=1, sparse=(SparseFeature("user", 2**33),), events=(EventType("e", (SparseFeature("item", 9),)),),
+                       tasks=("click",))
+    narrow, wide = random_batch(2, seed=1, spec=spec), random_batch(2, seed=2, spec=spec)
+    k = narrow.sparse
+    narrow.sparse = KeyedJaggedTensor(keys=k.keys(), values=(k.values() % 1000).int(), lengths=k.lengths())
+    k = wide.sparse
+    wide.sparse = KeyedJaggedTensor(keys=k.keys(), values=k.values() % 1000 + 2**31, lengths=k.lengths())
+    alignment = FeatureAlignment({"a": spec, "b": spec}, {"a": "", "b": ""})
+    pieces = [("a", narrow, 0, 1), ("b", wide, 0, 2)]
+    small = alignment.gather(pieces).sparse.values()
+    monkeypatch.setattr(gathering, "POOLED_BYTES", 1)
+    pooled = alignment.gather(pieces).sparse.values()
+    assert small.dtype == pooled.dtype == torch.int64 and torch.equal(small, pooled) and int(pooled.max()) >= 2**31

@@ -83,8 +83,12 @@ class JaggedView:
 
     def spans(self, lo: int, hi: int) -> tuple[list[int], list[int]]:
         """Where each key's values of rows ``[lo, hi)`` start and stop."""
+        if not self.rows:  # a rank's empty share of a short last batch: every key empty
+            return [0] * self.num_keys, [0] * self.num_keys
+        # NOTE: both ends sliced over num_keys * rows from their row: an exclusive end at num_keys * rows would drop
+        # the last key of a range starting at the batch's end (lo == rows)
         end = self.num_keys * self.rows
-        return self.bounds[lo:end:self.rows].tolist(), self.bounds[hi : end + 1 : self.rows].tolist()
+        return self.bounds[lo : lo + end : self.rows].tolist(), self.bounds[hi : hi + end : self.rows].tolist()
 
 
 class BatchArrays:
@@ -449,7 +453,9 @@ def _join(arrays: list[np.ndarray], size: int) -> torch.Tensor:
 def _join_array(arrays: list[np.ndarray], size: int) -> np.ndarray:
     """``np.concatenate(arrays)`` of 1-d arrays of ``size`` elements in all, into a reused buffer when large."""
     dtype = arrays[0].dtype
-    out = _POOL.claim(size, dtype) if size * dtype.itemsize >= POOLED_BYTES else None
+    # NOTE: pieces of other types are joined by NumPy's promotion: a buffer of the first one's type would narrow them
+    pooled = size * dtype.itemsize >= POOLED_BYTES and all(a.dtype == dtype for a in arrays)
+    out = _POOL.claim(size, dtype) if pooled else None
     if out is None:
         return np.concatenate(arrays)
     np.concatenate(arrays, out=out)
