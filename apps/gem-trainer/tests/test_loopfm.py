@@ -271,3 +271,45 @@ def test_a_pass_resumed_over_another_data_stream_is_one_line(teacher, tmp_path, 
     with pytest.raises(ConfigError, match=r"loopfm.store: .* another pass \(differs in data.balance\)") as error:
         posttrain(changed, init_distributed("cpu", "gloo"))
     assert "\n" not in str(error.value)
+
+
+def test_the_store_covers_the_steps_schedule_epochs_resolves_to(tmp_path):
+    """Under schedule.epochs the coverage check counts the steps the epochs resolve to (28 here), not the
+    schedule.steps placeholder (600): a store of exactly those steps is taken, one step short is refused."""
+    from gem_trainer.run_folder import spec_record
+    from gem_transfer import RepresentationWriter, example_times, example_users
+
+    lines = [f"{u} " + " ".join(str(1 + (u * 7 + 3 * k + k * k) % 60) for k in range(5 + u % 8)) for u in range(1, 81)]
+    (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
+    env = init_distributed("cpu", "gloo")
+
+    def epochs_config(store):
+        return load_config(None, [
+            f"--run_dir={tmp_path / 'run'}", f"--data.path={tmp_path / 'corpus.txt'}", "--data.batch_size=16", "--device=cpu",
+            "--metrics.tensorboard=false", "--schedule.warmup_steps=2", "--schedule.epochs=1", "--data.source=sequence_text",
+            "--model.name=kunlun", "--model.kunlun.two_tower=true", "--model.kunlun.max_seq_len=16",
+            "--data.sequential.max_history=12", "--data.sequential.objective=retrieval", "--data.sequential.queries=last",
+            "--data.sequential.loss=softmax", "--data.sequential.with_user_id=true", "--loopfm.key_only=true",
+            f"--loopfm.store={store}"])
+
+    data = builders.build_data(epochs_config(tmp_path / "unused"), env, representations=False)
+    steps = builders.resolve_schedule(epochs_config(tmp_path / "unused"), data, env).schedule.steps
+    assert steps == 28 and data.rows_per_epoch == 440
+    for written, taken in ((steps, True), (steps - 1, False)):
+        store = tmp_path / f"store{written}"
+        config = epochs_config(store)
+        # the store as posttrain writes it over this data (no teacher needed to check the coverage)
+        meta = {"teacher": {"run_dir": "teacher", "step": 1}, "spec": spec_record(builders.model_spec(config, data.spec)),
+                "global_batch_size": 16, "seed": config.seed, "data": config.data.model_dump(mode="json"), "dim": 16,
+                "layer": "representation", "projection": "gaussian", "projection_seed": 0, "user_feature": "user_id"}
+        writer, batches = RepresentationWriter(store, meta), iter(builders.build_data(config, env, representations=False).train)
+        for step in range(written):
+            batch = next(batches)
+            writer.append(step, example_users(batch, "user_id"), example_times(batch), torch.zeros(batch.batch_size, 16))
+        writer.close()
+        if taken:
+            assert builders.build_data(config, env).train.spec.representations
+        else:
+            with pytest.raises(ConfigError, match=rf"over {written * 16} examples \({written} steps\), this run trains on "
+                                                  rf"{steps * 16} \({steps} steps x data.batch_size x ranks\)"):
+                builders.build_data(config, env)

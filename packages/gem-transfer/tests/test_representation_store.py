@@ -134,6 +134,24 @@ def test_a_pass_stopped_before_its_first_progress_starts_over_in_its_folder(tmp_
     assert writer.next_step == 0 and not writer.resumed
 
 
+def _edit_progress(folder, **entries):
+    progress = json.loads((folder / "progress.json").read_text())
+    (folder / "progress.json").write_text(json.dumps({**progress, **entries}))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (dict(parts=None), r"progress.json: parts is None, not a list of records"),
+    (dict(parts=[{"rows": 2}]), r"progress.json: no 'file' entry"),
+    (dict(next_step="x"), r"progress.json: next_step is 'x', not an integer >= 0"),
+])
+def test_a_damaged_progress_of_a_pass_to_resume_is_one_line(tmp_path, damage, message):
+    folder = write(tmp_path / "store", events(steps=4))
+    _edit_progress(folder, complete=False, **damage)
+    with pytest.raises(RepresentationError, match=message) as error:
+        RepresentationWriter(folder, META)
+    assert "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda f: None, r"no representation store there"),
     (lambda f: (f / "progress.json").unlink(), r"not a representation store \(no meta.json or progress.json\)"),
@@ -149,6 +167,10 @@ def test_a_pass_stopped_before_its_first_progress_starts_over_in_its_folder(tmp_
     (lambda f: (f / "progress.json").write_text(json.dumps({"complete": True, "parts": [], "next_step": "x"})),
      r"progress.json: next_step is 'x', not an integer >= 0"),
     (lambda f: (f / "meta.json").write_text(json.dumps({**META, "format": 1, "dim": None})), r"meta.json: dim is None, not an integer >= 1"),
+    (lambda f: _edit_progress(f, parts=None), r"progress.json: parts is None, not a list of records"),
+    (lambda f: _edit_progress(f, parts=3), r"progress.json: parts is 3, not a list of records"),
+    (lambda f: _edit_progress(f, parts=[{"rows": 2}]), r"progress.json: no 'file' entry"),
+    (lambda f: _edit_progress(f, parts=[{"file": "part-00000.parquet", "rows": "2"}]), r"progress.json: rows is '2', not an integer"),
 ])
 def test_a_missing_or_damaged_store_is_one_line_naming_it(tmp_path, damage, message):
     folder = write(tmp_path / "store", events(steps=4))

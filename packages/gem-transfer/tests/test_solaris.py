@@ -376,6 +376,13 @@ def test_the_join_gives_every_example_its_pair_embedding_and_level_as_one_vector
     levels = [LEVELS[i] for i in values[:, 3:].argmax(1).tolist()]
     assert levels == ["default", "default", "exact", "default", "default"] and torch.equal(values[:, 3:].sum(1), torch.ones(5))
     assert lookup.stats.counts["default"] == 4 and lookup.stats.counts["exact"] == 1
+    # a rank's empty share of a short last batch (several ranks evaluating): an empty feature of the full width
+    none = random_batch(0, seed=2)
+    no_ids = torch.zeros(0, dtype=torch.int64)
+    none = none.__class__(**{**none.__dict__, "sparse": KeyedJaggedTensor(keys=[*none.sparse.keys(), "shop"], values=no_ids,
+                                                                          lengths=no_ids, stride=0)})
+    empty = served.attach(none).representations["solaris"]
+    assert tuple(empty.values.shape) == (0, 3 + len(LEVELS)) and empty.lengths.numel() == 0
 
 
 def test_worker_precomputes_only_the_rows_it_is_given():

@@ -155,7 +155,8 @@ def build_data(config: TrainerConfig, env: DistributedEnv, representations: bool
         eval_fn = _joined(train, eval_fn)
     if representations and config.loopfm.store is not None:
         # joined last, on this rank's own rows: the join depends on (user, time) only, so nothing before it changes
-        train = build_representation_join(config, train, config.data.batch_size * env.world_size)
+        train = build_representation_join(config, train, config.data.batch_size * env.world_size,
+                                          planned_steps(config, rows_per_epoch, env.world_size))
         eval_fn = _joined(train, eval_fn)
         ranking = None if ranking is None else JoinedRanking(ranking, train.spec, train.attach)
     return DataSetup(train.spec, train, eval_fn, ranking, mixer, balancer, surface_filter, rows_per_epoch, held_out)
@@ -170,15 +171,24 @@ def resolve_schedule(config: TrainerConfig, data: DataSetup, env: DistributedEnv
     s = config.schedule
     if s.epochs is None:
         return config
-    if data.rows_per_epoch is None:
-        raise ConfigError("schedule.epochs needs a finite data set, but this run's training stream is endless: set schedule.steps")
-    # NOTE: the same in every case of build_data: with balancing or a surface filter each rank reads whole global
-    # batches of this size and keeps its share
-    steps = math.ceil(s.epochs * data.rows_per_epoch / (config.data.batch_size * env.world_size))
+    steps = planned_steps(config, data.rows_per_epoch, env.world_size)
     if s.warmup_steps >= steps:
         raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be below the {steps} steps of schedule.epochs "
                           f"({s.epochs:g} passes over {data.rows_per_epoch:,} rows)")
     return with_schedule_steps(config, steps)
+
+
+def planned_steps(config: TrainerConfig, rows_per_epoch: int | None, world_size: int) -> int:
+    """The steps the run trains: ``schedule.steps``, or with ``schedule.epochs`` enough global batches of
+    ``data.batch_size x world_size`` examples to pass that many times over ``rows_per_epoch`` training rows."""
+    s = config.schedule
+    if s.epochs is None:
+        return s.steps
+    if rows_per_epoch is None:
+        raise ConfigError("schedule.epochs needs a finite data set, but this run's training stream is endless: set schedule.steps")
+    # NOTE: the same in every case of build_data: with balancing or a surface filter each rank reads whole global
+    # batches of this size and keeps its share
+    return math.ceil(s.epochs * rows_per_epoch / (config.data.batch_size * world_size))
 
 
 def rank_batch_bound(config: TrainerConfig) -> int:
@@ -258,10 +268,11 @@ def pass_difference(config: TrainerConfig, meta: dict, global_batch: int) -> str
     return None
 
 
-def build_representation_join(config: TrainerConfig, source: BatchSource, global_batch: int) -> RepresentationJoin:
+def build_representation_join(config: TrainerConfig, source: BatchSource, global_batch: int,
+                              steps: int) -> RepresentationJoin:
     """``source`` with LoopFM's histories from ``loopfm.store``, checked against the data: the store must have
     been written over data with the same features (its user ids are this data's), and over at least the examples
-    this run trains on (``schedule.steps`` global batches of ``global_batch``): past what the teacher's pass
+    this run trains on (``steps`` global batches of ``global_batch``; ``planned_steps``): past what the teacher's pass
     covered, the histories would stop at its last example without a word (as soft labels, refused)."""
     from gem_trainer.run_folder import spec_record
 
@@ -288,10 +299,10 @@ def build_representation_join(config: TrainerConfig, source: BatchSource, global
         if difference is not None:
             raise RepresentationError(f"{loop.store} was written over other data than this run's ({difference}): run "
                                       f"posttrain with this config")
-        covered, trained = store.steps * int(store.meta.get("global_batch_size", 0)), config.schedule.steps * global_batch
+        covered, trained = store.steps * int(store.meta.get("global_batch_size", 0)), steps * global_batch
         if covered < trained:
             raise RepresentationError(f"{loop.store} holds the teacher's pass over {covered} examples ({store.steps} steps), "
-                                      f"this run trains on {trained} (schedule.steps x data.batch_size x ranks): run "
+                                      f"this run trains on {trained} ({steps} steps x data.batch_size x ranks): run "
                                       f"posttrain with this config")
         return RepresentationJoin(source, store, loop.user_feature, loop.max_events, key_only=loop.key_only)
     except RepresentationError as error:

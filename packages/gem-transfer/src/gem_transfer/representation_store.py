@@ -109,6 +109,19 @@ def _count(record: dict[str, Any], key: str, path: Path, low: int) -> int:
     return value
 
 
+def _parts(progress: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+    """The parts ``progress.json`` at ``path`` lists, each a record with its ``file`` name and ``rows`` count; any
+    other shape is a one-line ``RepresentationError``."""
+    parts = _entry(progress, "parts", path)
+    if not isinstance(parts, list) or not all(isinstance(part, dict) for part in parts):
+        raise RepresentationError(f"{path}: parts is {parts!r}, not a list of records (a damaged or foreign file)")
+    for part in parts:
+        if not isinstance(_entry(part, "file", path), str):
+            raise RepresentationError(f"{path}: a part's file is {part['file']!r}, not a name (a damaged or foreign file)")
+        _count(part, "rows", path, 0)
+    return parts
+
+
 def _differing(stored: dict[str, Any], meta: dict[str, Any], prefix: str = "") -> list[str]:
     """The dotted keys whose values differ between two metadata records (nested records compared key by key)."""
     found = []
@@ -142,7 +155,7 @@ class RepresentationWriter:
             if progress.get("complete"):
                 raise RepresentationError(f"{self.folder} is a complete representation store already: remove it or choose another folder")
             path = self.folder / PROGRESS
-            self.parts, self.next_step = list(_entry(progress, "parts", path)), int(_entry(progress, "next_step", path))
+            self.parts, self.next_step = list(_parts(progress, path)), _count(progress, "next_step", path, 0)
             listed = {p["file"] for p in self.parts} | {META, PROGRESS}
             for stray in self.folder.iterdir():  # a part renamed into place whose listing never followed, staged files
                 if stray.name not in listed:
@@ -225,8 +238,8 @@ class RepresentationStore:
                                       f"{progress.get('next_step')}): run `gem-trainer posttrain` again with the same config to finish it")
         self.dim, self.steps = _count(self.meta, "dim", self.folder / META, 1), _count(progress, "next_step", self.folder / PROGRESS, 0)
         users, times, order_keys, vectors = [], [], [], []
-        for part in _entry(progress, "parts", self.folder / PROGRESS):
-            path = self.folder / _entry(part, "file", self.folder / PROGRESS)
+        for part in _parts(progress, self.folder / PROGRESS):
+            path = self.folder / part["file"]
             try:
                 table = pq.read_table(path)
                 if table.num_rows != part["rows"]:

@@ -40,7 +40,10 @@ class SolarisJoin(FeatureJoin):
 
     def attach(self, batch: Batch) -> Batch:
         """``batch`` with each example's pair embedding and level as ``representations[name]``."""
-        embeddings, levels = self.represent(batch)
+        if not batch.batch_size:  # a rank's empty share of a short last batch: nothing to look up (or to score)
+            embeddings, levels = torch.zeros(0, self.width), np.zeros(0, np.int64)
+        else:
+            embeddings, levels = self.represent(batch)
         embeddings = embeddings.detach().float().cpu() if isinstance(embeddings, torch.Tensor) else torch.from_numpy(
             np.ascontiguousarray(embeddings, np.float32))
         if tuple(embeddings.shape) != (batch.batch_size, self.width):
