@@ -201,3 +201,35 @@ def test_qkv_rotary_reference_returns_v_as_its_own_tensor():
     out = qkv_rotary(qkv, torch.rand(7), kernel="pytorch")
     assert all(t.is_contiguous() for t in out) and out[2].data_ptr() != qkv[:, 2].data_ptr()
     assert torch.equal(out[2], qkv[:, 2])
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", TRITON, "auto"])
+def test_a_batch_of_no_sequences_gives_empty_outputs_and_gradients(kernel):
+    """offsets [0]: a rank's empty share of a short last batch (several ranks evaluating). Every attention op returns
+    its empty output ([0, Nq, H, D] for PMA's learned queries) and a backward through it runs."""
+    none = torch.zeros(1, dtype=torch.int64)
+
+    def empty(*shape):
+        return rand(0, *shape).requires_grad_()
+
+    seeds = rand(3, 2, 16).requires_grad_()
+    cases = [
+        (gdpa(empty(2, 16), empty(2, 16), empty(2, 16), none, kernel=kernel), (0, 2, 16)),
+        (gdpa(empty(2, 16), empty(2, 16), empty(2, 16), none, none, max_seq_len_q=4, max_seq_len_kv=4, kernel=kernel),
+         (0, 2, 16)),
+        (gdpa(seeds, empty(2, 16), empty(2, 16), None, none, kernel=kernel), (0, 3, 2, 16)),
+        (jagged_flash_attention(empty(2, 16), empty(2, 16), empty(2, 16), none, 4, causal=True, kernel=kernel), (0, 2, 16)),
+        (jagged_flash_attention(empty(2, 16), empty(2, 16), empty(2, 16), none, 4, kernel=kernel, fp8=True), (0, 2, 16)),
+        (block_attention(empty(2, 16), empty(2, 16), empty(2, 16), none, 4, 1, max_seq_len=None, kernel=kernel), (0, 2, 16)),
+        (qkv_rotary_attention(empty(3, 2, 16) * 1.0, torch.zeros(0), none, 4, block_size=4, kernel=kernel), (0, 2, 16)),
+    ]
+    for out, shape in cases:
+        assert tuple(out.shape) == shape
+        out.sum().backward()
+    assert seeds.grad is None or not seeds.grad.any()
+    with pytest.raises(ValueError, match=r"offsets must be 1-D with batch\+1 >= 1 entries"):
+        jagged_flash_attention(empty(2, 16), empty(2, 16), empty(2, 16), torch.zeros(0, dtype=torch.int64), 4, kernel=kernel)
+    with pytest.raises(ValueError, match=r"offsets must start at 0, got 3"):
+        jagged_flash_attention(empty(2, 16), empty(2, 16), empty(2, 16), torch.tensor([3]), 4, kernel=kernel)
+    with pytest.raises(ValueError, match=r"offsets\[-1\] must equal the number of tokens 3, got 0"):
+        jagged_flash_attention(rand(3, 2, 16), rand(3, 2, 16), rand(3, 2, 16), none, 4, kernel=kernel)

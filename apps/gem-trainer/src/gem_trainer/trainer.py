@@ -347,8 +347,10 @@ class Trainer:
         makes the average the mean over the global batch, as one process computes it (a factor 1 where shares are
         equal). One all-reduce of two numbers per step, queued on the device."""
         terms = batch.next_items.num_queries if batch.next_items is not None else batch.batch_size
-        # the loss's sum over this rank's terms and their count; filled on the device: no copy that waits for the GPU
-        sums = torch.stack([loss.detach() * terms, torch.full((), float(terms), device=loss.device)])
+        # the loss's sum over this rank's terms and their count; filled on the device: no copy that waits for the GPU.
+        # A rank without terms (its loss, a mean over none, is NaN) adds 0; its backward still runs (zero gradients)
+        total = loss.detach() * terms if terms else torch.zeros((), device=loss.device)
+        sums = torch.stack([total, torch.full((), float(terms), device=loss.device)])
         dist.all_reduce(sums)
         return loss * (terms * self.env.world_size / sums[1]), sums[0] / sums[1]
 

@@ -68,8 +68,9 @@ class DomainExpertModel(nn.Module):
             # nothing and whose result goes to the spare row b: every rank then runs the same modules through the
             # same autograd graph, so that their collectives (FSDP's, the MoE's) come in the same order on each.
             # Its parameters then get zero gradients (not None), which an optimizer with momentum still steps
+            # (a batch of no example, a rank's empty share of a short last batch: a blank row with no history)
             taken, written = (rows, rows) if present else (domain.new_zeros(1), domain.new_full((1,), b))
-            sub = _select_rows(x, seq, offsets, positions, taken)
+            sub = _select_rows(x, seq, offsets, positions, taken) if b else _blank_row(x, seq, offsets, positions)
             with nullcontext() if present else stand_in_rows(experts):
                 for j, expert in enumerate(experts):
                     rep, expert_aux = expert(*sub)
@@ -101,6 +102,11 @@ class DomainExpertModel(nn.Module):
 
     def embedding_bytes(self, batch: Batch) -> float:
         return self.encoder.embedding_bytes(batch)
+
+
+def _blank_row(x, seq, offsets, positions):
+    """One example of zeros with an empty history, in the encoder's output layout."""
+    return x.new_zeros((1, *x.shape[1:])), seq[:0], offsets.new_zeros(2), positions[:0]
 
 
 def _select_rows(x, seq, offsets, positions, rows):

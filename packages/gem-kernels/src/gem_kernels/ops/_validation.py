@@ -55,8 +55,9 @@ def check_self_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def check_offsets_meta(name: str, offsets: torch.Tensor, device: torch.device) -> None:
     if not isinstance(offsets, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
-    if offsets.dim() != 1 or offsets.numel() < 2:
-        raise ValueError(f"{name} must be 1-D with batch+1 >= 2 entries, got shape {tuple(offsets.shape)}")
+    # NOTE: a batch of no sequences ([0]) is a rank's empty share of a short last batch: its output is empty
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with batch+1 >= 1 entries, got shape {tuple(offsets.shape)}")
     if offsets.dtype != torch.int64:
         raise ValueError(f"{name} must be int64, got {offsets.dtype}")
     if offsets.device != device:
@@ -66,10 +67,13 @@ def check_offsets_meta(name: str, offsets: torch.Tensor, device: torch.device) -
 def check_offsets_values(
     name: str, offsets: torch.Tensor, total: int, max_len: int | None, max_len_name: str
 ) -> int:
-    """Check offset values with one sync; returns the real maximum length."""
+    """Check offset values with one sync; returns the real maximum length (0 for a batch of no sequences)."""
     lengths = offsets[1:] - offsets[:-1]
-    stats = torch.stack([offsets[0], lengths.min(), offsets[-1], lengths.max()]).tolist()
-    first, min_len, last, real_max = stats
+    if lengths.numel():
+        first, min_len, last, real_max = torch.stack([offsets[0], lengths.min(), offsets[-1], lengths.max()]).tolist()
+    else:
+        first = last = int(offsets[0])
+        min_len = real_max = 0
     if first != 0:
         raise ValueError(f"{name} must start at 0, got {first}")
     if min_len < 0:
