@@ -76,6 +76,11 @@ def test_held_out_files_must_hold_the_training_columns_and_their_skipped_rows_co
     trainer = trainer_for(tmp_path / "b", *base, f"--data.eval_path={tmp_path / 'bad.parquet'}", "--data.skip_bad_rows=true")
     assert trainer.data_report() == {"data/bad_rows": 1.0}
     assert trainer.evaluate()["click/all/count"] == 127
+    # the same bad row in a parquet source of a mixture (its training file) is counted as well
+    sources = (f'--data.mixture.sources=[{{name = "log", reader = "parquet", path = "{tmp_path / "bad.parquet"}", '
+               f'eval_path = "{tmp_path / "eval.parquet"}"}}, {{name = "live", reader = "synthetic"}}]')
+    mixed = trainer_for(tmp_path / "c", sources, "--data.skip_bad_rows=true")
+    assert mixed.data_report() == {"data/bad_rows": 1.0}
 
 
 def test_an_id_too_large_for_any_table_is_one_line(tmp_path):

@@ -143,3 +143,40 @@ def test_a_ranks_empty_share_of_a_short_last_batch_validates():
     assert batches[-1].batch_size == 0
     for batch in batches:
         batch.validate(SPEC)
+
+
+class _FailingAt(SyntheticStream):
+    """A synthetic stream whose reader fails at global batch ``at`` (a bad row's error, or one that cannot be
+    pickled)."""
+
+    def __init__(self, generator, at: int, error: Exception) -> None:
+        super().__init__(generator, 4)
+        self.at, self.error = at, error
+
+    def global_batch(self, index):
+        if index == self.at:
+            raise self.error
+        return super().global_batch(index)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_a_workers_error_reaches_the_reader_as_it_was_raised_after_the_batches_before_it():
+    """The DataLoader re-raises a worker's error as its type built from the worker's traceback (many lines), or as
+    a RuntimeError where the type takes other arguments (DataError): the reader's one-line error is kept whole."""
+    from gem_data import DataError
+
+    generator = SyntheticGenerator(SyntheticConfig())
+    bad = DataError("/data/part-3.parquet", 17, "label.click is 0.5, not 0 or 1")
+    delivered = []
+    with pytest.raises(DataError) as error:
+        for batch in WorkerLoader(_FailingAt(generator, 3, bad), num_workers=2):
+            delivered.append(batch)
+    assert str(error.value) == "/data/part-3.parquet:17: label.click is 0.5, not 0 or 1" and len(delivered) == 3
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("not picklable")
+
+    with pytest.raises(RuntimeError, match=r"^Unpicklable: held a lock$"):
+        list(WorkerLoader(_FailingAt(generator, 1, Unpicklable("held a lock")), num_workers=2))

@@ -628,4 +628,7 @@ def _skipped_rows(data) -> tuple[int, list[str]]:
             count += item.bad_rows
             examples += list(getattr(item, "bad_row_examples", []))
         pending += [getattr(item, name, None) for name in ("train", "ranking", "corpus", "stream", "source", "table", "held_out")]
+        sources = getattr(item, "sources", None)  # a mixture's streams
+        if isinstance(sources, (list, tuple)):
+            pending += sources
     return count, examples

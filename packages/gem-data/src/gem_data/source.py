@@ -15,6 +15,7 @@ another number of ranks as long as the global batch size stays the same.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -115,7 +116,7 @@ class WorkerLoader:
         # global one, which then hands a resumed run other dropout masks than the run it continues (the draw
         # falls on the other side of the restored state); the streams draw nothing from it, so a fixed one serves
         loader = DataLoader(
-            self.stream,
+            _ErrorsAsItems(self.stream),
             batch_size=None,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
@@ -123,6 +124,8 @@ class WorkerLoader:
             generator=torch.Generator().manual_seed(0),
         )
         for batch in loader:
+            if isinstance(batch, _WorkerError):
+                raise batch.error
             self.stream.position += 1
             yield batch
 
@@ -135,6 +138,35 @@ class WorkerLoader:
 
 def _identity(batch: Batch) -> Batch:
     return batch
+
+
+class _WorkerError:
+    """An error a worker's stream raised, handed over as an item and raised where the batch was wanted."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _ErrorsAsItems(IterableDataset):
+    """``stream`` in a worker, whose error becomes its last item (``_WorkerError``).
+
+    NOTE: the DataLoader re-raises a worker's error as its type built from one multi-line message (the worker's
+    traceback), or as a RuntimeError where that type takes other arguments (``DataError``): a reader's one-line
+    error would reach the user as a traceback. An error that cannot be pickled crosses as a RuntimeError of its
+    type and message."""
+
+    def __init__(self, stream: ShardedStream) -> None:
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[Batch | _WorkerError]:
+        try:
+            yield from self.stream
+        except Exception as error:  # handed over whole, raised in the main process
+            try:
+                pickle.dumps(error)
+            except Exception:
+                error = RuntimeError(f"{type(error).__name__}: {error}")
+            yield _WorkerError(error)
 
 
 def spec_difference(a: FeatureSpec, b: FeatureSpec) -> str | None:
