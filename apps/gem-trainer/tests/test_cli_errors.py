@@ -397,3 +397,24 @@ def test_a_resume_with_another_seed_says_the_data_order_changes(tmp_path):
                         "(a shuffled table's current epoch is drawn again: examples already trained on in it may come "
                         "again, others not in it at all; a mixture draws other sources)")
     assert lines[1].startswith("note: resuming with settings other than the run recorded (seed: 0 -> 3)")
+
+
+def test_eval_on_ranks_not_dividing_the_runs_global_batch_is_refused_only_where_the_held_out_set_depends_on_it(tmp_path):
+    """A synthetic held-out set is drawn in global batches: another global batch reads other examples. Held-out files
+    and next-item users are read whole in batches of any size: the run's per-rank batch serves."""
+    from gem_trainer.cli import _with_the_runs_global_batch
+
+    class TrainedOnOneRank:
+        def complete_steps(self):
+            return [3]
+
+        def local_state(self, step):
+            return {"world_size": 1}
+
+    next_item = load_config(None, [f"--run_dir={tmp_path}", "--data.source=sequence_text", "--data.path=corpus.txt",
+                                   "--data.batch_size=5"])
+    assert _with_the_runs_global_batch(next_item, TrainedOnOneRank(), None, 2) is next_item
+    synthetic = load_config(None, [f"--run_dir={tmp_path}", "--data.batch_size=5"])
+    with pytest.raises(ConfigError, match=r"global batches of 5 examples \(1 ranks\), which 2 ranks cannot split evenly"):
+        _with_the_runs_global_batch(synthetic, TrainedOnOneRank(), None, 2)
+    assert _with_the_runs_global_batch(synthetic, TrainedOnOneRank(), None, 5).data.batch_size == 1

@@ -200,12 +200,15 @@ def test_a_run_trained_on_two_ranks_is_evaluated_in_one_process_on_its_own_held_
     set is drawn in global batches): its metrics are the run's own evaluation's."""
     assert load_config(two_ranks / "config.toml").parallelism.nproc_per_node == 2
     out = tmp_path / "eval.json"
-    done = subprocess.run([sys.executable, "-m", "gem_trainer.cli", "eval", f"--run_dir={two_ranks}", f"--out={out}"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    evaluated, wanted = json.loads(out.read_text()), json.loads((two_ranks / "eval.json").read_text())
-    for key in ("click/all/auc", "click/all/ne", "conversion/all/auc", "click/all/count"):
-        assert evaluated[key] == pytest.approx(wanted[key], rel=1e-5), key
+    wanted = json.loads((two_ranks / "eval.json").read_text())
+    # the run's own config.toml given as --config keeps the run's global batch as well
+    for extra in ([], [f"--config={two_ranks / 'config.toml'}"]):
+        done = subprocess.run([sys.executable, "-m", "gem_trainer.cli", "eval", f"--run_dir={two_ranks}", f"--out={out}",
+                               *extra], capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        evaluated = json.loads(out.read_text())
+        for key in ("click/all/auc", "click/all/ne", "conversion/all/auc", "click/all/count"):
+            assert evaluated[key] == pytest.approx(wanted[key], rel=1e-5), (extra, key)
 
 
 def test_resume_with_another_global_batch_stops_with_one_line(tmp_path, two_ranks):

@@ -311,7 +311,9 @@ def _eval(config: TrainerConfig, args, overrides) -> int:
     env = init_distributed(config.device, config.parallelism.collectives)
     trainer = None
     try:
-        if args.config is None and not any(item.startswith("--data.batch_size=") for item in overrides):
+        # NOTE: the run's own config.toml given as --config keeps its global batch too; only an explicit
+        # --data.batch_size sets another
+        if not any(item == "--data.batch_size" or item.startswith("--data.batch_size=") for item in overrides):
             config = _with_the_runs_global_batch(config, checkpoints, args.step, env.world_size)
         trainer = Trainer(config, env, training=False)
         if not trainer.resume(args.step, training=False):
@@ -336,10 +338,22 @@ def _with_the_runs_global_batch(config: TrainerConfig, checkpoints, step: int | 
     trained_on = checkpoints.local_state(step).get("world_size", world_size)
     global_batch = config.data.batch_size * trained_on
     if global_batch % world_size:
+        if not _held_out_in_global_batches(config) and config.loopfm.store is None:
+            return config  # held-out files and next-item users read the same examples in batches of any size
         raise ConfigError(f"data.batch_size: the run trained on global batches of {global_batch} examples ({trained_on} "
                           f"ranks), which {world_size} ranks cannot split evenly: evaluate on a number of ranks dividing "
                           f"it, or pass --data.batch_size (a synthetic held-out set is then drawn in other batches)")
     return config.model_copy(update={"data": config.data.model_copy(update={"batch_size": global_batch // world_size})})
+
+
+def _held_out_in_global_batches(config: TrainerConfig) -> bool:
+    """Whether the held-out examples depend on the global batch: a synthetic held-out set (the data's, or the
+    evaluated source's of a mixture) is drawn in global batches."""
+    d = config.data
+    if not d.mixture.sources:
+        return d.source == "synthetic"
+    evaluated = d.mixture.eval_source or d.mixture.sources[0].name
+    return next(s.reader or d.source for s in d.mixture.sources if s.name == evaluated) == "synthetic"
 
 
 def _print_eval(result: dict[str, float], step: int, split: str, out: Path) -> None:
