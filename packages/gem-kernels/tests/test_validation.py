@@ -23,7 +23,7 @@ def _qkv(T=6, H=2, D=16, dtype=torch.float32):
     (torch.tensor([1, 3, 6]), "start at 0"),
     (torch.tensor([0, 6], dtype=torch.int32), "int64"),
     (torch.tensor([[0, 6]]), "1-D"),
-    (torch.tensor([0]), "1-D"),
+    (torch.tensor([0]), "number of tokens 6, got 0"),  # a batch of no sequences, but 6 tokens
 ])
 def test_bad_offsets(kernel, bad_offsets, match):
     q, k, v = _qkv()
