@@ -360,7 +360,7 @@ def _build_mixture(config: TrainerConfig, env: DistributedEnv, rank: int, world:
         ramp_start=m.ramp_start, ramp_steps=m.ramp_steps, seed=config.seed,
     )
     mixer = MixedStream(streams, mixing, rank, world, alignment)
-    name = m.eval_source or m.sources[0].name
+    name = m.evaluated
     ranking = eval_fn = held_out = None
     if name in datasets:
         _check_eval_split(config, datasets[name], f"the evaluated source {name!r}")

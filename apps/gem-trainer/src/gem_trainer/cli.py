@@ -350,10 +350,8 @@ def _held_out_in_global_batches(config: TrainerConfig) -> bool:
     """Whether the held-out examples depend on the global batch: a synthetic held-out set (the data's, or the
     evaluated source's of a mixture) is drawn in global batches."""
     d = config.data
-    if not d.mixture.sources:
-        return d.source == "synthetic"
-    evaluated = d.mixture.eval_source or d.mixture.sources[0].name
-    return next(s.reader or d.source for s in d.mixture.sources if s.name == evaluated) == "synthetic"
+    reader = next((s.reader or d.source for s in d.mixture.sources if s.name == d.mixture.evaluated), d.source)
+    return reader == "synthetic"
 
 
 def _print_eval(result: dict[str, float], step: int, split: str, out: Path) -> None:

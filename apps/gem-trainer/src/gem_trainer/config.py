@@ -330,6 +330,11 @@ class MixtureConfig(Section):
             raise ValueError(f"data.mixture.eval_source names {self.eval_source!r}, not one of the sources {names}")
         return self
 
+    @property
+    def evaluated(self) -> str | None:
+        """The source whose held-out data evaluation reads: ``eval_source``, else the first (None without sources)."""
+        return self.eval_source or (self.sources[0].name if self.sources else None)
+
 
 class DataConfig(Section):
     source: Literal["synthetic", "sequence_text", "atomic", "parquet"] = "synthetic"
@@ -375,7 +380,7 @@ class DataConfig(Section):
     def _source_needs(self) -> "DataConfig":
         sources = self.mixture.sources
         readers = [(s.reader or self.source, s.path, s.eval_path, s.name) for s in sources] or [(self.source, None, None, None)]
-        evaluated = self.mixture.eval_source or (sources[0].name if sources else None)
+        evaluated = self.mixture.evaluated
         for reader, path, eval_path, name in readers:
             where = f"data.mixture.sources.{name}" if name is not None else "data"
             if reader != "synthetic" and path is None and self.path is None:

@@ -564,10 +564,8 @@ class Trainer:
         held-out data, of ``data.mixture.eval_source`` in a mixture."""
         data = self.config.data
         split = f"{data.sequential.eval_split} split" if self.data.ranking is not None else "held-out split"
-        sources = data.mixture.sources
-        if sources:
-            return f"{split} of source {data.mixture.eval_source or sources[0].name!r}"
-        return split
+        evaluated = data.mixture.evaluated
+        return split if evaluated is None else f"{split} of source {evaluated!r}"
 
     def evaluator(self) -> Evaluator:
         """The evaluation loops over this trainer's model (call with the parameters gathered, as ``evaluate``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,17 @@ class DataError(ValueError):
         # NOTE: an exception pickles as its class called with its args (here the text alone, which __init__ does not
         # take): a reader in another process (ProcessReadAhead) sends it whole
         return DataError, (self.path, self.where, self.message)
+
+
+def portable_error(error: BaseException) -> BaseException:
+    """``error`` as it can reach another process: itself where it survives a pickle round trip, else a RuntimeError
+    with its type and text. NOTE: pickling alone is not enough: an exception whose ``__init__`` takes other arguments
+    than its ``args`` pickles, then fails to unpickle on the other side (a TypeError in place of the error)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 @dataclass

@@ -27,7 +27,6 @@ import copy
 import gc
 import multiprocessing as mp
 import os
-import pickle
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,6 +36,7 @@ import torch
 
 from gem_kunlun import Batch, catalogue_on
 
+from gem_data.errors import portable_error
 from gem_data.packing import Shared, describe, pack_into, unpack
 from gem_data.read_ahead import ReaderAhead
 
@@ -183,7 +183,7 @@ def _read(source, observe, depth: int, ready, reader_end, free, stop, reader_pid
                 return
         _send(ready, ("end",))
     except BaseException as error:  # raised where the batch was wanted
-        _send(ready, ("failed", _portable(error)))
+        _send(ready, ("failed", portable_error(error)))
     finally:
         close = getattr(batches, "close", None)
         if close is not None:
@@ -192,17 +192,6 @@ def _read(source, observe, depth: int, ready, reader_end, free, stop, reader_pid
         # through this process (a file descriptor it hands out on request): it stays until the reader stops it
         while not stop.wait(1.0) and not stopped():
             pass
-
-
-def _portable(error: BaseException) -> BaseException:
-    """``error`` as it can reach the reader: itself where it survives a pickle round trip, else a RuntimeError with its
-    type and text. NOTE: pickling alone is not enough: an exception whose ``__init__`` takes other arguments than its
-    ``args`` pickles, then fails to unpickle in the reader (a TypeError in place of the error)."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _send(ready, message: tuple) -> bool:

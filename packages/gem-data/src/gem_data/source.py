@@ -15,7 +15,6 @@ another number of ranks as long as the global batch size stays the same.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -25,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from gem_kunlun import Batch, FeatureSpec
 
 from gem_data.batch_ops import select_examples
+from gem_data.errors import portable_error
 
 
 @runtime_checkable
@@ -152,8 +152,8 @@ class _ErrorsAsItems(IterableDataset):
 
     NOTE: the DataLoader re-raises a worker's error as its type built from one multi-line message (the worker's
     traceback), or as a RuntimeError where that type takes other arguments (``DataError``): a reader's one-line
-    error would reach the user as a traceback. An error that cannot be pickled crosses as a RuntimeError of its
-    type and message."""
+    error would reach the user as a traceback. An error that cannot cross whole crosses as ``portable_error`` makes
+    it."""
 
     def __init__(self, stream: ShardedStream) -> None:
         self.stream = stream
@@ -162,11 +162,7 @@ class _ErrorsAsItems(IterableDataset):
         try:
             yield from self.stream
         except Exception as error:  # handed over whole, raised in the main process
-            try:
-                pickle.dumps(error)
-            except Exception:
-                error = RuntimeError(f"{type(error).__name__}: {error}")
-            yield _WorkerError(error)
+            yield _WorkerError(portable_error(error))
 
 
 def spec_difference(a: FeatureSpec, b: FeatureSpec) -> str | None:
