@@ -376,6 +376,46 @@ def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkey
         assert_close(got, want, TOL[dtype], name)
 
 
+@pytest.mark.parametrize("mask", ["full", "causal", "window"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grid_over_the_real_tiles_equals_the_declared_max_grid(mask, dtype, monkeypatch):
+    """The general kernels' grid over the real tiles (each program finds its sequence and tile among the offsets)
+    gives bit for bit the output and gradients of the grid sized by the declared max length: empty sequences first,
+    in the middle and last, lengths no multiple of the tile, a declared max far above the real one. And it launches
+    cdiv(T, tile) + B programs a head, where the other launches cdiv(max, tile) x B."""
+    from gem_kernels.ops.triton import _tuning, triton_attention
+
+    lengths = [0, 37, 0, 5, 16, 70, 0]
+    off = offsets_of(lengths)
+    T, B, max_len = int(off[-1]), len(lengths), 300
+    q, k, v = (rand(T, 2, 16, dtype=dtype, scale=0.5) for _ in range(3))
+    do = rand(T, 2, 16, dtype=dtype)
+    grids = []
+    launch = _tuning._launch
+    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, *a: grids.append((kernel.fn.__name__, grid))
+                        or launch(kernel, grid, *a))
+
+    def run():
+        monkeypatch.setattr(_tuning, "_PLANS", {})
+        grids.clear()
+        o = jagged_flash_attention(q, k, v, off, max_len, causal=mask == "causal", window=9 if mask == "window" else
+                                   None, kernel="triton")
+        return (o, *grads(o, [q, k, v], do)), dict(grids)
+
+    compact, compact_grids = run()
+    monkeypatch.setattr(triton_attention, "COMPACT_MAX_SEQS", 0)
+    declared, declared_grids = run()
+    for got, want, name in zip(compact, declared, ("out", "dq", "dk", "dv")):
+        assert torch.equal(got, want), name
+    tile = 16  # the interpreter's tiles
+    real = -(-T // tile) + B
+    assert {name: grid[:2] for name, grid in compact_grids.items()} == {
+        "attn_fwd_kernel": (real, 1), "attn_bwd_dq_kernel": (real, 1), "attn_bwd_dkdv_kernel": (real, 1)}
+    assert {name: grid[:2] for name, grid in declared_grids.items()} == {
+        "attn_fwd_kernel": (-(-max_len // tile), B), "attn_bwd_dq_kernel": (-(-max_len // tile), B),
+        "attn_bwd_dkdv_kernel": (-(-max_len // tile), B)}
+
+
 def test_the_short_kv_forward_takes_only_the_tiles_it_holds():
     """Up to SHORT_KV_MAX keys of full attention, where one K and one V tile fit SHORT_KV_BYTES: 256 keys in 16 bits
     at head dim 128, not in float32 nor at head dim 256; no blocks or windows."""

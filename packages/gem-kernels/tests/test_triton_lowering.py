@@ -172,8 +172,8 @@ from gem_kernels.ops.triton.triton_attention_kernels import attn_bwd_dkdv_kernel
 
 spec = ta.AttnSpec(max_q=4096, max_kv=4096, nq=None, activations=("softmax",), sm_scale=1.0, pw_scale=1.0)
 cfg = ta._candidates("dkdv", spec, 128, 4)[0]
-named = dict(ACT=0, MASK_KIND=0, Q_JAGGED=True, HAS_CAND=False, PREC="ieee", TMA=False, BLOCK_M=cfg["BLOCK_M"],
-             BLOCK_N=cfg["BLOCK_N"], BLOCK_D=128)
+named = dict(ACT=0, MASK_KIND=0, Q_JAGGED=True, HAS_CAND=False, PREC="ieee", TMA=False, COMPACT=True, SEQS=1024,
+             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=128)
 types = {}
 for p in kernel.arg_names:
     if p in named:
@@ -186,7 +186,7 @@ for p in kernel.arg_names:
         types[p] = "*i32"
     elif p.endswith("scale"):
         types[p] = "fp32"
-    elif p.startswith("stride") or p in ("NQ", "Wl", "Wr", "BS", "KB"):
+    elif p.startswith("stride") or p in ("NQ", "NR", "Wl", "Wr", "BS", "KB"):
         types[p] = "i32"
     else:
         types[p] = "*fp32"

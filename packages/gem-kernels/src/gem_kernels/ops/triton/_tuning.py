@@ -281,11 +281,12 @@ class PlannedLaunch:
     candidates as for ``launch``; ``template`` holds the positional arguments, the call's tensors as ``Slot`` /
     ``RowTiles`` markers. The first launch goes through ``launch`` (config, compiling); later ones fill the slots
     and call the compiled kernel's launcher, with no per-argument work (the plan's key stands for the arguments'
-    specialisation)."""
+    specialisation). ``rows``: a grid that depends on the call's length, ``grid_fn(cfg, rows)`` with the row count
+    of the call's tensor number ``rows`` (the plan's key leaves lengths out)."""
 
-    def __init__(self, kernel, grid_fn, template: tuple, consts: dict, key: tuple, cands):
-        self.kernel, self.grid_fn, self.template, self.consts, self.key, self.cands = (
-            kernel, grid_fn, template, consts, key, cands)
+    def __init__(self, kernel, grid_fn, template: tuple, consts: dict, key: tuple, cands, rows: int | None = None):
+        self.kernel, self.grid_fn, self.template, self.consts, self.key, self.cands, self.rows = (
+            kernel, grid_fn, template, consts, key, cands, rows)
         self._direct = None  # what the launcher needs, set by the first launch that can be repeated
 
     def _args(self, tensors: tuple, cfg: dict) -> tuple:
@@ -296,6 +297,8 @@ class PlannedLaunch:
         direct = self._direct
         if direct is not None and _direct_launch_ok():
             run, grid, device, function, metadata, constants, slots, tiles, tail = direct
+            if self.rows is not None:
+                grid = grid(tensors[self.rows].shape[0])
             args = constants.copy()
             for pos, i in slots:
                 args[pos] = tensors[i]
@@ -303,8 +306,12 @@ class PlannedLaunch:
                 args[pos] = _unchecked_row_tiles(tensors[i], block)
             run(*grid, _current_stream(device), function, metadata, None, None, None, *args, *tail)
             return
-        cfg, fast = launch(self.kernel, self.grid_fn, lambda c: self._args(tensors, c), self.consts, self.key,
-                           self.cands)
+        if self.rows is None:
+            grid_fn = self.grid_fn
+        else:
+            n_rows = tensors[self.rows].shape[0]
+            grid_fn = lambda c: self.grid_fn(c, n_rows)  # noqa: E731
+        cfg, fast = launch(self.kernel, grid_fn, lambda c: self._args(tensors, c), self.consts, self.key, self.cands)
         if fast is None:
             return
         compiled, tail = fast
@@ -312,8 +319,9 @@ class PlannedLaunch:
         tiles = [(p, a.index, [cfg[a.rows] if type(a.rows) is str else a.rows, tensors[a.index].shape[2]])
                  for p, a in enumerate(self.template) if type(a) is RowTiles]
         constants = [None if type(a) in (Slot, RowTiles) else a for a in self.template]
-        self._direct = (compiled.run, _grid3(self.grid_fn(cfg)), torch.cuda.current_device(), compiled.function,
-                        compiled.packed_metadata, constants, slots, tiles, tail)
+        grid = _grid3(self.grid_fn(cfg)) if self.rows is None else (lambda n: _grid3(self.grid_fn(cfg, n)))
+        self._direct = (compiled.run, grid, torch.cuda.current_device(), compiled.function, compiled.packed_metadata,
+                        constants, slots, tiles, tail)
 
 
 # planned calls: call key -> list of PlannedLaunch. Bounded: a key that changes every call (a max length read

@@ -245,6 +245,32 @@ def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> lis
     return out
 
 
+# the general kernels' grids run over the real tiles (see triton_attention_kernels) for batches of up to this many
+# sequences: each program finds its tile among all the sequences' offsets, loaded as one vector
+COMPACT_MAX_SEQS = 1024
+
+
+def _compact(n_seqs: int) -> bool:
+    return 0 < n_seqs <= COMPACT_MAX_SEQS
+
+
+def _compact_consts(spec: AttnSpec, n_seqs: int, jagged: bool | None = None) -> dict:
+    """COMPACT and SEQS of a general kernel over the tiles of ``n_seqs`` sequences (jagged: the query kernels' are
+    jagged unless the queries are broadcast)."""
+    on = (spec.nq is None if jagged is None else jagged) and _compact(n_seqs)
+    return dict(COMPACT=on, SEQS=_pow2_at_least(n_seqs, 16) if on else 16)
+
+
+def _tile_grid(spec: AttnSpec, n_seqs: int, nh: int, rows: Slot, block: str, jagged: bool | None = None):
+    """(grid function, rows slot index) of a general kernel's programs over the tiles of ``block`` rows of
+    ``n_seqs`` sequences: over the real tiles (``cdiv(T, block) + n_seqs`` bounds their count, T being the rows of
+    the call's tensor ``rows``), or one per declared tile of each sequence (see _compact_consts for ``jagged``)."""
+    if _compact_consts(spec, n_seqs, jagged)["COMPACT"]:
+        return (lambda c, n: (cdiv(n, c[block]) + n_seqs, 1, nh)), rows.index
+    declared = spec.max_q if block == "BLOCK_M" else spec.max_kv
+    return (lambda c: (cdiv(declared, c[block]), n_seqs, nh)), None
+
+
 def _bucket(n: int) -> int:
     return next_power_of_2(max(int(n), 1))
 
@@ -362,9 +388,10 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
                                  DIAGONAL=diagonal, PREC=_prec(q.dtype), TMA=tma, BLOCK_D=D, BLOCK_N=block_n),
                 ("fwd_short",) + key[1:], lambda: _short_kv_candidates(spec, D, itemsize)))
             continue
-        args, consts["TMA"] = _tiles(args, 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])
-        launches.append(PlannedLaunch(attn_fwd_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-                                      consts, key, lambda: _candidates("fwd", spec, D)))
+        args, consts["TMA"] = _tiles(args[:-6] + (B,) + args[-6:], 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])
+        grid, rows = _tile_grid(spec, B, nh, F.Q, "BLOCK_M")
+        launches.append(PlannedLaunch(attn_fwd_kernel, grid, args, dict(consts, **_compact_consts(spec, B)), key,
+                                      lambda: _candidates("fwd", spec, D), rows=rows))
     return launches
 
 
@@ -479,18 +506,22 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
             (G.Q, G.K, G.V, G.O, G.DO, G.LSE, G.DELTA, G.DQ, G.Q_OFF, G.KV_OFF, G.KV_IDX, head_ids, G.K, G.V,
              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
              o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-             spec.nq or 0, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb), 12, [(k, G.K, "BLOCK_N"), (v, G.V, "BLOCK_N")])
+             spec.nq or 0, B, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb), 12,
+            [(k, G.K, "BLOCK_N"), (v, G.V, "BLOCK_N")])
+        grid, rows = _tile_grid(spec, B, nh, G.DO, "BLOCK_M")
         launches.append(PlannedLaunch(
-            attn_bwd_dq_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"]), B, nh), args,
-            dict(common, HAS_KV_IDX=has_kv_index, TMA=tma, DELTA_FROM_O=code == 0), ("dq",) + key_tail,
-            lambda: _candidates("dq", spec, D)))
+            attn_bwd_dq_kernel, grid, args,
+            dict(common, HAS_KV_IDX=has_kv_index, TMA=tma, DELTA_FROM_O=code == 0, **_compact_consts(spec, B)),
+            ("dq",) + key_tail, lambda: _candidates("dq", spec, D), rows=rows))
         args, tma = _tiles(
             (G.Q, G.K, G.V, G.DO, G.LSE, G.DELTA, G.DK, G.DV, G.Q_OFF, G.KV_OFF, G.CAND_OFF, G.CAND_IDS, head_ids,
-             G.Q, G.DO, *strides, *scales, wl, wr, bs, kb), 13, [(q, G.Q, "BLOCK_M"), (do, G.DO, "BLOCK_M")])
+             G.Q, G.DO, *strides, scales[0], R, *scales[1:], wl, wr, bs, kb), 13,
+            [(q, G.Q, "BLOCK_M"), (do, G.DO, "BLOCK_M")])
+        grid, rows = _tile_grid(spec, R, nh, G.K, "BLOCK_N", jagged=True)
         launches.append(PlannedLaunch(
-            attn_bwd_dkdv_kernel, lambda c, nh=nh: (cdiv(spec.max_kv, c["BLOCK_N"]), R, nh), args,
-            dict(common, HAS_CAND=has_kv_index, TMA=tma), ("dkdv",) + key_tail,
-            lambda: _candidates("dkdv", spec, D, itemsize)))
+            attn_bwd_dkdv_kernel, grid, args,
+            dict(common, HAS_CAND=has_kv_index, TMA=tma, **_compact_consts(spec, R, jagged=True)),
+            ("dkdv",) + key_tail, lambda: _candidates("dkdv", spec, D, itemsize), rows=rows))
     return launches
 
 

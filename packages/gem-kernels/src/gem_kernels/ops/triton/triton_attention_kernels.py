@@ -14,6 +14,10 @@ Shapes where every query sees one key tile whole (short kv sequences, independen
 tile (PMA) also have kernels of their own, which stream tiles through what stays loaded and take the whole backward
 in one launch (PMA's per-example dQ partials are then summed by ``triton_sum_rows``).
 
+The general kernels' grids run over the real tiles (``COMPACT``): program ``i`` finds its sequence and tile from the
+offsets (``_real_tile``), so a batch of few long sequences among short ones launches no programs that exit at once
+(a grid sized by the declared max length launched ~6x the real tiles on the benchmark's batches).
+
 Because the interval is monotone, every (query tile, key tile) pair is classified once per program: tiles
 outside the union of intervals are skipped, tiles inside every row's interval run without any mask, and only
 the few boundary tiles apply a per-element mask (``tl.where`` to a large negative constant, never -inf).
@@ -282,21 +286,45 @@ def _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED: tl.constexpr, HAS_KV_IDX
 
 
 @triton.jit
+def _real_tile(OFF, n_seqs, COMPACT: tl.constexpr, SEQS: tl.constexpr, BLOCK: tl.constexpr):
+    """(sequence, tile) of this program. ``COMPACT``: axis 0 numbers the real ``BLOCK``-row tiles of the ``n_seqs``
+    (at most ``SEQS``, a power of two) sequences of offsets ``OFF``, sequence after sequence; a program past the last
+    tile gets the last sequence and a tile past its end. Otherwise axis 0 is the tile and axis 1 the sequence (a grid
+    sized by the declared max length)."""
+    if COMPACT:
+        i = tl.program_id(0)
+        j = tl.arange(0, SEQS)
+        seq = j < n_seqs
+        lo = tl.load(OFF + j, mask=seq, other=0)
+        hi = tl.load(OFF + j + 1, mask=seq, other=0)
+        tiles = ((hi - lo + BLOCK - 1) // BLOCK).to(tl.int32)  # 0 past the last sequence
+        ends = tl.cumsum(tiles, 0)
+        s = tl.minimum(tl.sum((ends <= i).to(tl.int32), 0), n_seqs - 1)
+        t = i - tl.sum(tl.where(j == s, ends - tiles, 0), 0)
+    else:
+        s = tl.program_id(1)
+        t = tl.program_id(0)
+    return s, t
+
+
+@triton.jit
 def attn_fwd_kernel(
     Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
-    NQ, qk_scale, out_scale, Wl, Wr, BS, KB,
+    NQ, NB, qk_scale, out_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
-    PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``TMA``: K and V tiles through tensor descriptors of ``[Tk, H * D]`` views (``K_desc`` / ``V_desc``, blocks of
-    ``[BLOCK_N, BLOCK_D]``): whole-tile copies the pointer loads' address arithmetic does not pay for."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
+    ``[BLOCK_N, BLOCK_D]``): whole-tile copies the pointer loads' address arithmetic does not pay for. ``COMPACT``:
+    a grid over the real query tiles of the ``NB`` examples (``_real_tile``)."""
+    b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, BLOCK_M)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
     m0 = pid_m * BLOCK_M
-    # NOTE: the grid is sized by the declared max length; tiles past this sequence's end exit at once.
+    # NOTE: tiles past this sequence's end (a grid sized by the declared max length, or past the last real tile)
+    # exit at once
     if m0 < q_len:
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -457,13 +485,14 @@ def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, CAND_OFF, CAND_IDS, HEAD_IDS, Q_desc, DO_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
-    NQ, qk_scale, dk_scale, dv_scale, Wl, Wr, BS, KB,
+    NQ, NR, qk_scale, dk_scale, dv_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_CAND: tl.constexpr,
-    PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """``TMA``: the streamed Q and dO tiles through tensor descriptors (as ``attn_fwd_kernel``'s K / V)."""
-    pid_n = tl.program_id(0)
-    r = tl.program_id(1)
+    """``TMA``: the streamed Q and dO tiles through tensor descriptors (as ``attn_fwd_kernel``'s K / V).
+    ``COMPACT``: a grid over the real key tiles of the ``NR`` kv sequences."""
+    r, pid_n = _real_tile(KV_OFF, NR, COMPACT, SEQS, BLOCK_N)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     k_start, k_len = _kv_rows(KV_OFF, r)
     n0 = pid_n * BLOCK_N
@@ -605,16 +634,16 @@ def attn_bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lt,
-    NQ, qk_scale, dq_scale, Wl, Wr, BS, KB,
+    NQ, NB, qk_scale, dq_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
-    PREC: tl.constexpr, TMA: tl.constexpr, DELTA_FROM_O: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, DELTA_FROM_O: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``TMA``: the streamed K and V tiles through tensor descriptors (as ``attn_fwd_kernel``'s). ``DELTA_FROM_O``
     (softmax heads): ``delta = rowsum(dO * O)`` of the program's query rows computed here from its dO tile and O's
-    rows, and stored to DELTA for the dK / dV kernel launched after this one (no pre-pass launch)."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
+    rows, and stored to DELTA for the dK / dV kernel launched after this one (no pre-pass launch). ``COMPACT``: a
+    grid over the real query tiles of the ``NB`` examples."""
+    b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, BLOCK_M)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
     m0 = pid_m * BLOCK_M
