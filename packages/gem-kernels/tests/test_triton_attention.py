@@ -416,6 +416,23 @@ def test_grid_over_the_real_tiles_equals_the_declared_max_grid(mask, dtype, monk
         "attn_bwd_dkdv_kernel": (-(-max_len // tile), B)}
 
 
+def test_the_grid_over_real_tiles_is_no_larger_than_the_declared_one(monkeypatch):
+    """Sequences of the declared length, a multiple of the tile: cdiv(T, tile) + B would launch B programs more than
+    there are tiles; the grid takes the declared count then, and the output is the reference's."""
+    from gem_kernels.ops.triton import _tuning
+
+    off = offsets_of([32, 32, 32])
+    q, k, v = (rand(96, 1, 16) for _ in range(3))
+    grids = []
+    launch = _tuning._launch
+    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, *a: grids.append(grid) or launch(kernel, grid, *a))
+    monkeypatch.setattr(_tuning, "_PLANS", {})
+    out = jagged_flash_attention(q, k, v, off, 32, causal=True, kernel="triton")  # causal: the general forward
+    assert [g[:2] for g in grids] == [(6, 1)]  # 3 sequences of 2 tiles
+    assert_close(out, jagged_flash_attention(q, k, v, off, 32, causal=True, kernel="pytorch"), TOL[torch.float32],
+                 "out")
+
+
 def test_the_short_kv_forward_takes_only_the_tiles_it_holds():
     """Up to SHORT_KV_MAX keys of full attention, where one K and one V tile fit SHORT_KV_BYTES: 256 keys in 16 bits
     at head dim 128, not in float32 nor at head dim 256; no blocks or windows."""

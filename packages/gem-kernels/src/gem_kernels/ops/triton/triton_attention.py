@@ -263,11 +263,12 @@ def _compact_consts(spec: AttnSpec, n_seqs: int, jagged: bool | None = None) -> 
 
 def _tile_grid(spec: AttnSpec, n_seqs: int, nh: int, rows: Slot, block: str, jagged: bool | None = None):
     """(grid function, rows slot index) of a general kernel's programs over the tiles of ``block`` rows of
-    ``n_seqs`` sequences: over the real tiles (``cdiv(T, block) + n_seqs`` bounds their count, T being the rows of
-    the call's tensor ``rows``), or one per declared tile of each sequence (see _compact_consts for ``jagged``)."""
-    if _compact_consts(spec, n_seqs, jagged)["COMPACT"]:
-        return (lambda c, n: (cdiv(n, c[block]) + n_seqs, 1, nh)), rows.index
+    ``n_seqs`` sequences: over the real tiles, or one per declared tile of each sequence (see _compact_consts for
+    ``jagged``). The real tiles are at most ``cdiv(T, block) + n_seqs`` (T: the rows of the call's tensor ``rows``)
+    and at most the declared ones (the fewer for sequences of equal length)."""
     declared = spec.max_q if block == "BLOCK_M" else spec.max_kv
+    if _compact_consts(spec, n_seqs, jagged)["COMPACT"]:
+        return (lambda c, n: (min(cdiv(n, c[block]) + n_seqs, cdiv(declared, c[block]) * n_seqs), 1, nh)), rows.index
     return (lambda c: (cdiv(declared, c[block]), n_seqs, nh)), None
 
 
