@@ -389,7 +389,8 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
                                  DIAGONAL=diagonal, PREC=_prec(q.dtype), TMA=tma, BLOCK_D=D, BLOCK_N=block_n),
                 ("fwd_short",) + key[1:], lambda: _short_kv_candidates(spec, D, itemsize)))
             continue
-        args, consts["TMA"] = _tiles(args[:-6] + (B,) + args[-6:], 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])
+        args = args[:-6] + (B,) + args[-6:]  # the general kernel also takes the number of examples, after NQ
+        args, consts["TMA"] = _tiles(args, 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])
         grid, rows = _tile_grid(spec, B, nh, F.Q, "BLOCK_M")
         launches.append(PlannedLaunch(attn_fwd_kernel, grid, args, dict(consts, **_compact_consts(spec, B)), key,
                                       lambda: _candidates("fwd", spec, D), rows=rows))
