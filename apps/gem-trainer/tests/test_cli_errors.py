@@ -242,7 +242,7 @@ def test_bad_rows_are_one_line_errors_or_counted_and_reported(tmp_path):
     good = [f"{u} " + " ".join(str(i) for i in range(1 + u, 9 + u)) for u in range(12)]
     path = sequence_file(tmp_path / "bad", [*good[:5], "5 3 ²3 4", *good[6:]])
     common = ["--config", str(Path(__file__).parents[1] / "configs" / "beauty-sasrec.toml"), f"--data.path={path}",
-              *TINY_NEXT_ITEM, "--data.sequential.eval_negatives=3", "--data.sequential.eval_protocols=[\"sampled\"]",
+              *TINY_NEXT_ITEM, "--data.sequential.eval_negatives=10", "--data.sequential.eval_protocols=[\"sampled\"]",
               "--data.sequential.eval_seeds=[0]", "--parallelism.compile=off"]
     line = one_line(cli("train", f"--run_dir={tmp_path / 'r1'}", *common), 5)
     assert line == f"gem-trainer: data error: {path}:6: '²3' is not a non-negative integer id"

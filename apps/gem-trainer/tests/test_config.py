@@ -187,6 +187,9 @@ def test_retrieval_objective_needs_a_model_that_can_answer_it(tmp_path, override
     (["--data.sequential.eval_protocols=[]"], r"data\.sequential\.eval_protocols: Tuple should have at least 1 item"),
     (['--data.sequential.eval_protocols=["sampled", "sampled"]'], r"data\.sequential\.eval_protocols lists a value twice"),
     (["--data.sequential.eval_seeds=[0, 1, 0]"], r"data\.sequential\.eval_seeds lists a value twice: \[0, 1, 0\]"),
+    (["--data.source=atomic", "--data.path=x", "--data.sequential.eval_negatives=3"],
+     r"data\.sequential\.eval_negatives \(3\) ranks each target among 4 candidates: the sampled protocol's HR@10 would "
+     r"count every target a hit whatever the model; set it to at least 10"),
 ])
 def test_settings_that_would_crash_mislead_or_be_dropped_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=message) as error:

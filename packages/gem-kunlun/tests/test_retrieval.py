@@ -106,6 +106,32 @@ def test_targets_are_checked():
         FeatureSpec(num_dense=0, sparse=(SparseFeature("a", 3),), events=(), tasks=("t",), candidate=("b",))
 
 
+def test_item_ids_outside_the_catalogue_are_one_line_errors_naming_the_field():
+    """A -1 (a padding of ragged candidate lists) indexed the two-tower's last item vector without a word; ids at the
+    catalogue's size failed inside the lookups with messages naming no field."""
+    ids = torch.tensor([[3, -1]])
+    with pytest.raises(ValueError, match=r"^batch\.next_items\.negatives has item ids outside the catalogue: from -1 to 3$"):
+        NextItemTargets(False, torch.tensor([1]), ids, "binary")
+    with pytest.raises(ValueError, match=r"^batch\.next_items\.positives has item ids outside the catalogue of \[0, 30\)"):
+        NextItemTargets(False, torch.tensor([30]), None, "softmax", catalogue=catalogue())
+    requests = random_batch(1, seed=3, max_events=6, spec=SPEC)
+    with pytest.raises(ValueError, match=r"^candidates has item ids outside the catalogue of \[0, 30\): from -1 to 1$"):
+        two_tower().score_candidates(requests, torch.tensor([[1, -1]]), catalogue=catalogue())
+    model, spec = sasrec()
+    requests = random_batch(1, seed=3, max_events=6, spec=spec)
+    with pytest.raises(ValueError, match=r"^candidates has item ids outside the catalogue of \[0, 30\): from 1 to 30$"):
+        model.score_candidates(requests, torch.tensor([[1, 30]]))
+
+
+@pytest.mark.parametrize("layout", ["grouped", "padded"])
+def test_sasrec_encodes_a_batch_of_no_examples(layout):
+    """A rank's empty share: the length-grouped layout's first group of no rows took the max of no lengths."""
+    model, _ = sasrec(layout)
+    vectors, lengths = torch.zeros(0, 16), torch.zeros(0, dtype=torch.int64)
+    assert model.user_representation(vectors, lengths).shape == (0, 16)
+    assert model.position_representations(vectors, lengths).shape == (0, 16)
+
+
 def sasrec(layout: str = "auto") -> SasrecModel:
     torch.manual_seed(0)
     spec = FeatureSpec(0, SPEC.sparse[:2], (EventType("history", SPEC.events[0].features[:1]),), SPEC.tasks)

@@ -222,6 +222,10 @@ class SyntheticDataConfig(Section):
     seed: int | None = Field(None, ge=0)
 
 
+# the cut-offs K of HR@K / NDCG@K that each ranking protocol reports
+RANKING_CUTOFFS = {"sampled": (1, 5, 10), "full": (5, 10, 20)}
+
+
 class SequentialDataConfig(Section):
     """Next-item examples from a sequence file (``sequence_text``) or RecBole atomic files (``atomic``)."""
 
@@ -257,6 +261,11 @@ class SequentialDataConfig(Section):
             values = getattr(self, name)
             if len(set(values)) != len(values):
                 raise ValueError(f"data.sequential.{name} lists a value twice: {list(values)}")
+        deepest = max(RANKING_CUTOFFS["sampled"])
+        if "sampled" in self.eval_protocols and self.eval_negatives + 1 <= deepest:
+            raise ValueError(f"data.sequential.eval_negatives ({self.eval_negatives}) ranks each target among "
+                             f"{self.eval_negatives + 1} candidates: the sampled protocol's HR@{deepest} would count "
+                             f"every target a hit whatever the model; set it to at least {deepest}")
         if self.objective == "retrieval" and self.loss == "binary" and self.num_negatives < 1:
             raise ValueError("data.sequential.num_negatives must be >= 1 for loss = \"binary\" (0, every item, is softmax only)")
         if self.objective == "pointwise" and (self.queries != "last" or self.loss != "binary"):

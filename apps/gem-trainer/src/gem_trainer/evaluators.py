@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gem_kunlun import CandidateInput, CandidateScorer, FeatureSpec
+from gem_trainer.config import RANKING_CUTOFFS
 from gem_trainer.distributed import DistributedEnv
 from gem_trainer.evaluation import binary_metrics, ranking_metrics, target_ranks
 from gem_trainer.metrics import progress
@@ -76,7 +77,7 @@ class Evaluator:
         fixed_mmap_threshold()
         result: dict[str, float] = {}
         for protocol in settings.eval_protocols:
-            ks = (1, 5, 10) if protocol == "sampled" else (5, 10, 20)
+            ks = RANKING_CUTOFFS[protocol]
             per_seed = []
             for draw in settings.eval_seeds if protocol == "sampled" else settings.eval_seeds[:1]:
                 ranking = dataset.ranking_examples(settings.eval_split, protocol, settings.eval_negatives, draw)

@@ -98,6 +98,17 @@ class JaggedFloats:
         return JaggedFloats(values=self.values.pin_memory(), lengths=self.lengths.pin_memory())
 
 
+def check_item_ids(where: str, ids: torch.Tensor, num_items: int | None = None) -> None:
+    """A one-line error naming ``where`` for item ids below 0, or at or above ``num_items`` where given: a -1 (a
+    common padding of ragged candidate lists) would index the last row of an item table without a word."""
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (num_items is not None and hi >= num_items):
+        bound = "" if num_items is None else f" of [0, {num_items})"
+        raise ValueError(f"{where} has item ids outside the catalogue{bound}: from {lo} to {hi}")
+
+
 @dataclass
 class NextItemTargets:
     """Retrieval training: each query of a batch scored against items, the true next item among them.
@@ -129,6 +140,12 @@ class NextItemTargets:
         if self.negatives is not None and (self.negatives.dim() != 2 or self.negatives.shape[0] != self.positives.shape[0]):
             raise ValueError(f"NextItemTargets.negatives must be [N, K] with N = {self.positives.shape[0]} positives, "
                              f"got {tuple(self.negatives.shape)}")
+        # NOTE: ids on the host only (as the data pipeline builds them): a device tensor would be read back every step
+        if self.positives.device.type == "cpu":
+            num_items = None if self.catalogue is None else self.catalogue.stride()
+            check_item_ids("batch.next_items.positives", self.positives, num_items)
+            if self.negatives is not None:
+                check_item_ids("batch.next_items.negatives", self.negatives, num_items)
 
     @property
     def num_queries(self) -> int:

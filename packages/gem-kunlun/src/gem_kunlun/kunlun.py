@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 from torchrec import KeyedJaggedTensor
 
-from gem_kunlun.batch import Batch
+from gem_kunlun.batch import Batch, check_item_ids
 from gem_kunlun.candidates import CandidateInput
 from gem_kunlun.compskip import check_skip_schedule, skipped_components
 from gem_kunlun.config_checks import check_activation_and_kernel, check_at_least, check_widths
@@ -590,6 +590,7 @@ class KunlunModel(nn.Module):
             return kunlun_score_candidates(self, requests, candidates, candidate_features)
         if catalogue is None:
             raise ValueError("a two-tower Kunlun needs the catalogue to score candidates")
+        check_item_ids("candidates", candidates, catalogue.stride())
         representation, _ = self.trunk(*self.encoder(requests))
         vectors = self.item_vectors(catalogue)
         return dot_scores(self.query_vectors(representation), vectors[candidates])

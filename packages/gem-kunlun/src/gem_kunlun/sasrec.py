@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
-from gem_kunlun.batch import Batch
+from gem_kunlun.batch import Batch, check_item_ids
 from gem_kunlun.candidates import CandidateInput
 from gem_kunlun.config_checks import check_at_least
 from gem_kunlun.cuda_graphs import GraphedForward
@@ -230,7 +230,7 @@ class SasrecModel(nn.Module):
             order, groups = None, [(slice(None), c.max_seq_len)]  # every row, in order: no gather
         else:
             order = torch.argsort(kept, stable=True)
-            groups = [(rows, None) for rows in order.split(c.rows_per_group)]
+            groups = [(rows, None) for rows in order.split(c.rows_per_group) if rows.numel()]  # none for 0 rows
         outputs = []
         # one spare row past the events takes the padding's writes, so no boolean indexing (a host sync) is needed
         every_output = history_vectors.new_zeros(zero_row + 1, c.dim) if every else None
@@ -295,6 +295,7 @@ class SasrecModel(nn.Module):
         """One request row per user (its candidate feature is ignored) and ``candidates [U, C]`` item ids ->
         ``[U, C]`` scores, equal to ``forward`` on every (user, candidate) row; the transformer runs U times
         and the candidates need nothing but their ids (the shared item table)."""
+        check_item_ids("candidates", candidates, self.num_items)
         history = requests.sequences[self.config.history]
         history_vectors, candidate_vectors = self._lookup(history.ids, candidates)
         user = self.user_representation(history_vectors, history.lengths())

@@ -246,8 +246,10 @@ def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> lis
 
 
 # the general kernels' grids run over the real tiles (see triton_attention_kernels) for batches of up to this many
-# sequences: each program finds its tile among all the sequences' offsets, loaded as one vector
-COMPACT_MAX_SEQS = 1024
+# sequences: each program finds its tile among all the sequences' offsets, loaded as one vector. NOTE: the largest
+# batch timed with it (the benchmark's JFA and cross cases, 256 sequences); past it, every program's lookup grows
+# with the batch while its own work may be a short sequence's few tiles
+COMPACT_MAX_SEQS = 256
 
 
 def _compact(n_seqs: int) -> bool:
