@@ -252,26 +252,16 @@ def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> lis
 COMPACT_MAX_SEQS = 256
 
 
-def _compact(n_seqs: int) -> bool:
-    return 0 < n_seqs <= COMPACT_MAX_SEQS
-
-
-def _compact_consts(spec: AttnSpec, n_seqs: int, jagged: bool | None = None) -> dict:
-    """COMPACT and SEQS of a general kernel over the tiles of ``n_seqs`` sequences (jagged: the query kernels' are
-    jagged unless the queries are broadcast)."""
-    on = (spec.nq is None if jagged is None else jagged) and _compact(n_seqs)
-    return dict(COMPACT=on, SEQS=_pow2_at_least(n_seqs, 16) if on else 16)
-
-
-def _tile_grid(spec: AttnSpec, n_seqs: int, nh: int, rows: Slot, block: str, jagged: bool | None = None):
-    """(grid function, rows slot index) of a general kernel's programs over the tiles of ``block`` rows of
-    ``n_seqs`` sequences: over the real tiles, or one per declared tile of each sequence (see _compact_consts for
-    ``jagged``). The real tiles are at most ``cdiv(T, block) + n_seqs`` (T: the rows of the call's tensor ``rows``)
-    and at most the declared ones (the fewer for sequences of equal length)."""
-    declared = spec.max_q if block == "BLOCK_M" else spec.max_kv
-    if _compact_consts(spec, n_seqs, jagged)["COMPACT"]:
-        return (lambda c, n: (min(cdiv(n, c[block]) + n_seqs, cdiv(declared, c[block]) * n_seqs), 1, nh)), rows.index
-    return (lambda c: (cdiv(declared, c[block]), n_seqs, nh)), None
+def _tile_grid(n_seqs: int, nh: int, declared: int, rows: Slot, block: str, jagged: bool):
+    """(grid function, rows slot index or None, COMPACT / SEQS constexprs) of a general kernel's programs over the
+    tiles of ``block`` rows of ``n_seqs`` sequences of at most ``declared`` rows: over the real tiles where the
+    sequences are ``jagged`` and at most COMPACT_MAX_SEQS, else one per declared tile of each sequence. The real
+    tiles are at most ``cdiv(T, block) + n_seqs`` (T: the rows of the call's tensor ``rows``) and at most the
+    declared ones (the fewer for sequences of equal length)."""
+    if jagged and 0 < n_seqs <= COMPACT_MAX_SEQS:
+        return ((lambda c, n: (min(cdiv(n, c[block]) + n_seqs, cdiv(declared, c[block]) * n_seqs), 1, nh)), rows.index,
+                dict(COMPACT=True, SEQS=_pow2_at_least(n_seqs, 16)))
+    return (lambda c: (cdiv(declared, c[block]), n_seqs, nh)), None, dict(COMPACT=False, SEQS=16)
 
 
 def _bucket(n: int) -> int:
@@ -393,8 +383,8 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
             continue
         args = args[:-6] + (B,) + args[-6:]  # the general kernel also takes the number of examples, after NQ
         args, consts["TMA"] = _tiles(args, 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])
-        grid, rows = _tile_grid(spec, B, nh, F.Q, "BLOCK_M")
-        launches.append(PlannedLaunch(attn_fwd_kernel, grid, args, dict(consts, **_compact_consts(spec, B)), key,
+        grid, rows, compact = _tile_grid(B, nh, spec.max_q, F.Q, "BLOCK_M", jagged=spec.nq is None)
+        launches.append(PlannedLaunch(attn_fwd_kernel, grid, args, dict(consts, **compact), key,
                                       lambda: _candidates("fwd", spec, D), rows=rows))
     return launches
 
@@ -512,19 +502,19 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
              o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
              spec.nq or 0, B, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb), 12,
             [(k, G.K, "BLOCK_N"), (v, G.V, "BLOCK_N")])
-        grid, rows = _tile_grid(spec, B, nh, G.DO, "BLOCK_M")
+        grid, rows, compact = _tile_grid(B, nh, spec.max_q, G.DO, "BLOCK_M", jagged=spec.nq is None)
         launches.append(PlannedLaunch(
             attn_bwd_dq_kernel, grid, args,
-            dict(common, HAS_KV_IDX=has_kv_index, TMA=tma, DELTA_FROM_O=code == 0, **_compact_consts(spec, B)),
+            dict(common, HAS_KV_IDX=has_kv_index, TMA=tma, DELTA_FROM_O=code == 0, **compact),
             ("dq",) + key_tail, lambda: _candidates("dq", spec, D), rows=rows))
         args, tma = _tiles(
             (G.Q, G.K, G.V, G.DO, G.LSE, G.DELTA, G.DK, G.DV, G.Q_OFF, G.KV_OFF, G.CAND_OFF, G.CAND_IDS, head_ids,
              G.Q, G.DO, *strides, scales[0], R, *scales[1:], wl, wr, bs, kb), 13,
             [(q, G.Q, "BLOCK_M"), (do, G.DO, "BLOCK_M")])
-        grid, rows = _tile_grid(spec, R, nh, G.K, "BLOCK_N", jagged=True)
+        grid, rows, compact = _tile_grid(R, nh, spec.max_kv, G.K, "BLOCK_N", jagged=True)
         launches.append(PlannedLaunch(
             attn_bwd_dkdv_kernel, grid, args,
-            dict(common, HAS_CAND=has_kv_index, TMA=tma, **_compact_consts(spec, R, jagged=True)),
+            dict(common, HAS_CAND=has_kv_index, TMA=tma, **compact),
             ("dkdv",) + key_tail, lambda: _candidates("dkdv", spec, D, itemsize), rows=rows))
     return launches
 
