@@ -88,7 +88,7 @@ def target_ranks(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.where(target_score.view(-1).isnan(), scores.shape[1] - 1, ranks)
 
 
-def ranking_metrics(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
+def ranking_metrics(ranks: torch.Tensor, ks: tuple[int, ...]) -> dict[str, float]:
     """HR@K, NDCG@K (one relevant item) and MRR from 0-based target ranks."""
     ranks = ranks.double()
     result = {}
