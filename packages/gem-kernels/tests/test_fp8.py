@@ -300,6 +300,20 @@ def test_fp8_attention_kernel_matches_its_twin_and_stays_near_the_exact_attentio
     assert _rel(twin, exact) < 0.1 and _rel(fast, exact) < 0.1
 
 
+@triton_on_cpu
+@pytest.mark.parametrize("scale", [-0.2, 0.0])
+def test_fp8_attention_kernel_takes_a_scale_of_either_sign(scale):
+    """A scale > 0 is folded into the kernel's exponents (with P's scale, the row max taken before scaling), a
+    negative or zero one is not: both match the twin as the default scale does."""
+    from gem_kernels import jagged_flash_attention
+
+    q, k, v, offsets = _jagged_qkv([5, 40, 17, 64, 1])
+    with torch.no_grad():
+        fast, twin = (jagged_flash_attention(q, k, v, offsets, 64, scale=scale, kernel=kernel, fp8=True)
+                      for kernel in ("triton", "pytorch"))
+    assert _rel(fast, twin) < 0.03
+
+
 def test_fp8_attention_is_softmax_only():
     from gem_kernels import block_attention
 

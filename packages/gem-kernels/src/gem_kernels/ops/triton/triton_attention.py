@@ -362,8 +362,11 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
         args = (F.Q, F.K, F.V, F.O, F.LSE, F.Q_OFF, F.KV_OFF, F.KV_IDX, head_ids, F.K, F.V,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), H * D, D, H,
                 spec.nq or 0, spec.sm_scale * _LOG2E, spec.pw_scale, wl, wr, bs, kb)
+        # NOTE: a negative scale reverses the order of the scores (the max of the scaled scores is no longer the
+        # scaled max), and a zero one would scale the masked keys' -inf to NaN: only a scale > 0 is folded into the
+        # exponents (FOLD)
         consts = dict(ACT=code, MASK_KIND=mask_kind, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
-                      PREC=_prec(q.dtype), BLOCK_D=D)
+                      PREC=_prec(q.dtype), FOLD=spec.sm_scale > 0, BLOCK_D=D)
         key = ("fwd", code, mask_kind, spec.nq is None, kv_index is not None, D, q.dtype,
                _bucket(spec.max_q), _bucket(spec.max_kv), spec.block_size, spec.window_left is None,
                spec.window_right is None)
@@ -378,7 +381,8 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
             launches.append(PlannedLaunch(
                 attn_fwd_short_kv_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh),
                 short_args, dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
-                                 DIAGONAL=diagonal, PREC=_prec(q.dtype), TMA=tma, BLOCK_D=D, BLOCK_N=block_n),
+                                 DIAGONAL=diagonal, PREC=_prec(q.dtype), TMA=tma, FOLD=consts["FOLD"], BLOCK_D=D,
+                                 BLOCK_N=block_n),
                 ("fwd_short",) + key[1:], lambda: _short_kv_candidates(spec, D, itemsize)))
             continue
         args = args[:-6] + (B,) + args[-6:]  # the general kernel also takes the number of examples, after NQ

@@ -204,6 +204,17 @@ def _online_softmax(s, m_i, l_i, acc):
 
 
 @triton.jit
+def _online_softmax_scaled(s, scale, m_i, l_i, acc):
+    """``_online_softmax(s * scale, ...)`` for unmasked raw scores ``s`` and ``scale > 0``, one multiply per score
+    fewer: the row max is taken before scaling (rounding is monotonic, so ``max(s) * scale`` is exactly the max of
+    the scaled scores) and each exponent is one fused ``s * scale - max``, rounded once instead of twice."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale - m_new[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
 def _softmax_output(acc, m_i, l_i):
     """A softmax head's output rows and log-sum-exp (base 2) from its running max, sum and accumulator. A row that
     saw no visible key only ever met the -1e6 mask value: it outputs 0 and gets a huge LSE, so that the backward's
@@ -222,7 +233,7 @@ def _fwd_tiles(
     acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt, stride_vt, offs_m, offs_d, start,
     end, k_len, qk_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    FOLD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -239,10 +250,13 @@ def _fwd_tiles(
         if MASKED:
             allowed = _visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND)
         if ACT == 0:
-            s = s * qk_scale
-            if MASKED:
-                s = tl.where(allowed, s, -1.0e6)
-            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
+            if FOLD and not MASKED:
+                p, m_i, l_i, acc = _online_softmax_scaled(s, qk_scale, m_i, l_i, acc)
+            else:
+                s = s * qk_scale
+                if MASKED:
+                    s = tl.where(allowed, s, -1.0e6)
+                p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
         else:
             p = _act(s, ACT)
             if MASKED:
@@ -313,12 +327,13 @@ def attn_fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     NQ, NB, qk_scale, out_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
-    PREC: tl.constexpr, TMA: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr, FOLD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``TMA``: K and V tiles through tensor descriptors of ``[Tk, H * D]`` views (``K_desc`` / ``V_desc``, blocks of
     ``[BLOCK_N, BLOCK_D]``): whole-tile copies the pointer loads' address arithmetic does not pay for. ``COMPACT``:
-    a grid over the real query tiles of the ``NB`` examples (``_real_tile``)."""
+    a grid over the real query tiles of the ``NB`` examples (``_real_tile``). ``FOLD``: the scale is positive, and
+    unmasked tiles fold it into their exponents (``_online_softmax_scaled``)."""
     b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, BLOCK_M)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
@@ -340,13 +355,13 @@ def attn_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt,
                                    stride_vt, offs_m, offs_d, lo_al, fs, k_len, qk_scale, Wl, Wr, BS, KB, ACT,
-                                   MASK_KIND, True, PREC, TMA, BLOCK_N)
+                                   MASK_KIND, True, PREC, TMA, FOLD, BLOCK_N)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt,
                                    stride_vt, offs_m, offs_d, fs, fe, k_len, qk_scale, Wl, Wr, BS, KB, ACT,
-                                   MASK_KIND, False, PREC, TMA, BLOCK_N)
+                                   MASK_KIND, False, PREC, TMA, FOLD, BLOCK_N)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt,
                                    stride_vt, offs_m, offs_d, fe, hi, k_len, qk_scale, Wl, Wr, BS, KB, ACT,
-                                   MASK_KIND, True, PREC, TMA, BLOCK_N)
+                                   MASK_KIND, True, PREC, TMA, FOLD, BLOCK_N)
         if ACT == 0:
             out, lse = _softmax_output(acc, m_i, l_i)
             tl.store(LSE + (o_start + offs_m) * stride_lt + h, lse, mask=qmask)
@@ -361,8 +376,8 @@ def attn_fwd_short_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     NQ, qk_scale, out_scale,
     ACT: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr, DIAGONAL: tl.constexpr,
-    PREC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_TILES: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
 ):
     """The forward of attention where every query sees exactly one key tile, whole:
 
@@ -408,9 +423,16 @@ def attn_fwd_short_kv_kernel(
                     v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
             s = tl.dot(q, kt, input_precision=PREC)
             if ACT == 0:
-                s = tl.where(kmask[None, :], s * qk_scale, -1.0e6)
-                m_i = tl.max(s, 1)
-                p = tl.exp2(s - m_i[:, None])
+                if FOLD:  # the scale folded into the exponents, as in _online_softmax_scaled
+                    # NOTE: keys past the sequence score -inf before scaling (-inf after it, at a scale > 0), and a
+                    # row that sees no key keeps the mask value's max, -1e6, as below
+                    s = tl.where(kmask[None, :], s, float("-inf"))
+                    m_i = tl.maximum(tl.max(s, 1) * qk_scale, -1.0e6)
+                    p = tl.exp2(s * qk_scale - m_i[:, None])
+                else:
+                    s = tl.where(kmask[None, :], s * qk_scale, -1.0e6)
+                    m_i = tl.max(s, 1)
+                    p = tl.exp2(s - m_i[:, None])
                 l_i = tl.sum(p, 1)
                 acc = tl.dot(p.to(v.dtype), v, input_precision=PREC)
                 out, lse = _softmax_output(acc, m_i, l_i)

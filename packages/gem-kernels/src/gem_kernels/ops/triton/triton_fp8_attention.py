@@ -30,12 +30,13 @@ from gem_kernels.ops.triton.triton_attention_kernels import (_key_tiles, _load_c
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
 
 P_SCALE = tl.constexpr(256.0)  # P in [0, 1] -> [0, 256]: E4M3's largest power of two below 448
+P_LOG2 = tl.constexpr(8.0)  # log2(P_SCALE)
 
 
 @triton.jit
 def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, stride_ks, VW, offs_m, offs_d,
                start, end, k_len, Wl, Wr, BS, KB, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
-               EXACT_CAST: tl.constexpr, BLOCK_N: tl.constexpr):
+               EXACT_CAST: tl.constexpr, FOLD: tl.constexpr, BLOCK_N: tl.constexpr):
     # V^T's columns up to the next multiple of 16 belong to this sequence (zeros past its end): masking at that
     # bound keeps the mask constant over 16 columns, so the loads stay wide
     v_len = tl.multiple_of((k_len + 15) // 16 * 16, 16)
@@ -53,11 +54,22 @@ def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, s
         else:
             ks = tl.load(KS_base + offs_n * stride_ks)
             v = tl.load(v_ptrs)
-        s = tl.dot(q, kt) * q_scale[:, None] * ks[None, :]
-        if MASKED:
-            s = tl.where(_visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND), s, -1.0e6)
-        p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
-        p = p * P_SCALE
+        s = tl.dot(q, kt) * ks[None, :]
+        if FOLD and not MASKED:
+            # the query's scale (> 0) and P_SCALE folded into the exponents, as _online_softmax_scaled folds the
+            # scale: one fused multiply-add per score where three multiplies and a subtraction were
+            m_new = tl.maximum(m_i, tl.max(s, 1) * q_scale)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s * q_scale[:, None] - (m_new - P_LOG2)[:, None])  # P * P_SCALE
+            l_i = l_i * alpha + tl.sum(p, 1) * (1.0 / P_SCALE)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        else:
+            s = s * q_scale[:, None]
+            if MASKED:
+                s = tl.where(_visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND), s, -1.0e6)
+            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
+            p = p * P_SCALE
         if EXACT_CAST:  # the interpreter's FP8 cast rounds wrongly; the GPU's is exact
             p = _round_to_e4m3(p)
         acc = tl.dot(p.to(v.dtype), v, acc)
@@ -68,7 +80,7 @@ def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, s
 def attn_fwd_fp8_kernel(
     Q, QS, K, KS, VT, VS, O, LSE, OFF, V_OFF, VW, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
     H, qk_scale, Wl, Wr, BS, KB,
-    MASK_KIND: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, EXACT_CAST: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -92,11 +104,11 @@ def attn_fwd_fp8_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
-                                   offs_m, offs_d, lo_al, fs, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, BLOCK_N)
+                                   offs_m, offs_d, lo_al, fs, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, FOLD, BLOCK_N)
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
-                                   offs_m, offs_d, fs, fe, n, Wl, Wr, BS, KB, MASK_KIND, False, EXACT_CAST, BLOCK_N)
+                                   offs_m, offs_d, fs, fe, n, Wl, Wr, BS, KB, MASK_KIND, False, EXACT_CAST, FOLD, BLOCK_N)
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
-                                   offs_m, offs_d, fe, hi, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, BLOCK_N)
+                                   offs_m, offs_d, fe, hi, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, FOLD, BLOCK_N)
         v_scale = tl.load(VS + h * BLOCK_D + offs_d) / P_SCALE
         out, lse = _softmax_output(acc, m_i, l_i)  # as the bf16 kernel's, before V's channel scales
         _store_rows(O + h * stride_oh, rows, stride_ot, offs_d, (out * v_scale[None, :]).to(O.dtype.element_ty), qmask)
@@ -138,7 +150,7 @@ def fp8_attend(operands, v_starts, v_placed, offsets, max_len: int, spec, shape,
     B = offsets.shape[0] - 1
     args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, v_starts, v_placed.shape[0], H * D, D, H * D, D, H * D, D,
             H, spec.sm_scale * 1.4426950408889634, wl, wr, bs, kb)
-    consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), BLOCK_D=D)
+    consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), FOLD=spec.sm_scale > 0, BLOCK_D=D)
     key = ("fwd_fp8", mask_kind, D, dtype, next_power_of_2(max_len), spec.block_size)
     launch(attn_fwd_fp8_kernel, lambda c: (cdiv(max_len, c["BLOCK_M"]), B, H), args, consts, key,
            lambda: _candidates(spec.block_size))
