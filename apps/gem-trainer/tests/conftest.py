@@ -1,11 +1,18 @@
 """Fixtures shared by the trainer's tests."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from gem_trainer.config import load_config
 from gem_trainer.distributed import init_distributed
 from gem_trainer.run_folder import write_run_record
 from gem_trainer.trainer import Trainer
+
+# NOTE: the suite runs with --import-mode=importlib, which puts nothing on sys.path: the helpers module the parity
+# test files share (uniquely named: the whole workspace's tests run in one process) is found through this folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # a small two-tower Kunlun retriever on next-item data: the teacher of the top-k and LoopFM tests
 RETRIEVAL = ["--data.batch_size=16", "--metrics.tensorboard=false", "--device=cpu", "--schedule.warmup_steps=2",
