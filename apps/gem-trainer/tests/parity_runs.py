@@ -90,4 +90,3 @@ def assert_same_run(run: Path, reference: Path) -> None:
 def logged(run_dir: Path, key: str) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in rows if r["phase"] == "train"]
-

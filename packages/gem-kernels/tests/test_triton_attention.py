@@ -114,14 +114,15 @@ def test_gdpa_pma_matches_reference(act, nq):
 def test_softmax_scale_of_either_sign_matches_reference(scale):
     """The forwards fold a scale > 0 into their exponents (the row max taken before scaling, exact for such a
     scale); a negative scale reverses the scores' order and a zero one scales a masked key's -inf to NaN, so those
-    take the unfolded path. Each, on the general kernel's unmasked and masked tiles, short kv sequences (with an
-    empty one) and diagonal blocks."""
+    take the unfolded path. Each, on the general kernel (a declared max above the short-kv bound; causal: its masked
+    diagonal tiles), short kv sequences (with an empty one) and diagonal blocks."""
     off, ko = offsets_of([70, 0, 1, 37]), offsets_of([9, 0, 16, 3])
     T, H, D = int(off[-1]), 2, 16
     q, k, v = rand(T, H, D, scale=0.5), rand(T, H, D, scale=0.5), rand(T, H, D)
     kc, vc = rand(int(ko[-1]), H, D, scale=0.5), rand(int(ko[-1]), H, D)
     calls = {
-        "jfa": lambda kernel: jagged_flash_attention(q, k, v, off, 80, scale=scale, kernel=kernel),
+        "jfa": lambda kernel: jagged_flash_attention(q, k, v, off, 300, scale=scale, kernel=kernel),
+        "jfa, short kv": lambda kernel: jagged_flash_attention(q, k, v, off, 80, scale=scale, kernel=kernel),
         "jfa causal": lambda kernel: jagged_flash_attention(q, k, v, off, 80, causal=True, scale=scale, kernel=kernel),
         "cross, short kv": lambda kernel: gdpa(q, kc, vc, off, ko, scale=scale, kernel=kernel),
         "blocks of 16": lambda kernel: block_attention(q, k, v, off, 16, 1, scale=scale, kernel=kernel),

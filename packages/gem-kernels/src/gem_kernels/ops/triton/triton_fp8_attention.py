@@ -104,11 +104,14 @@ def attn_fwd_fp8_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
-                                   offs_m, offs_d, lo_al, fs, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, FOLD, BLOCK_N)
+                                   offs_m, offs_d, lo_al, fs, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, FOLD,
+                                   BLOCK_N)
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
-                                   offs_m, offs_d, fs, fe, n, Wl, Wr, BS, KB, MASK_KIND, False, EXACT_CAST, FOLD, BLOCK_N)
+                                   offs_m, offs_d, fs, fe, n, Wl, Wr, BS, KB, MASK_KIND, False, EXACT_CAST, FOLD,
+                                   BLOCK_N)
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
-                                   offs_m, offs_d, fe, hi, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, FOLD, BLOCK_N)
+                                   offs_m, offs_d, fe, hi, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, FOLD,
+                                   BLOCK_N)
         v_scale = tl.load(VS + h * BLOCK_D + offs_d) / P_SCALE
         out, lse = _softmax_output(acc, m_i, l_i)  # as the bf16 kernel's, before V's channel scales
         _store_rows(O + h * stride_oh, rows, stride_ot, offs_d, (out * v_scale[None, :]).to(O.dtype.element_ty), qmask)
