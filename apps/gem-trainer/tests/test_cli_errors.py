@@ -53,6 +53,22 @@ def test_another_model_in_the_same_run_dir_stops_before_touching_it(finished_run
     line = one_line(cli("train", f"--run_dir={finished_run}", *TINY, "--model.kunlun.d_model=64"), 2)
     assert "holds checkpoints of another model (model.kunlun.d_model: None -> 64)" in line and "new run_dir" in line
     assert (finished_run / "config.toml").read_text() == before
+    # launch refuses it before starting any process
+    done = cli("launch", "--nproc-per-node=2", f"--run_dir={finished_run}", *TINY, "--model.kunlun.d_model=64")
+    assert "holds checkpoints of another model (model.kunlun.d_model: None -> 64)" in one_line(done, 2)
+    assert "launching:" not in done.stdout and (finished_run / "config.toml").read_text() == before
+
+
+def test_launch_ends_with_its_process_one_line_error_and_exit_code(tmp_path):
+    """`launch` runs torchrun's agent in its own process: an error a process finds once it reads its data (a bad row)
+    is the launch's one line on stderr, with that error's exit code (torchrun itself exits 1 with a report of the
+    failed process)."""
+    good = [f"{u} " + " ".join(str(i) for i in range(1 + u, 9 + u)) for u in range(12)]
+    path = sequence_file(tmp_path / "bad", [*good[:5], "5 3 ²3 4", *good[6:]])
+    done = cli("launch", "--nproc-per-node=1", "--config", str(Path(__file__).parents[1] / "configs" / "beauty-sasrec.toml"),
+               f"--data.path={path}", f"--run_dir={tmp_path / 'run'}", *TINY_NEXT_ITEM, "--parallelism.compile=off")
+    assert one_line(done, 5) == f"gem-trainer: data error: {path}:6: '²3' is not a non-negative integer id"
+    assert "launching:" in done.stdout
 
 
 @pytest.mark.parametrize("override", ["--optimizer.sparse_lr=0.1", "--optimizer.sparse_eps=1e-6",

@@ -224,12 +224,12 @@ def test_errors_name_the_override_or_the_base_file_that_set_the_value(tmp_path):
     # a check across sections blames the override of a field it names, not the last override given
     with pytest.raises(ConfigError) as error:
         load_config(child, ["--optimizer.lr=1e-3", "--schedule.warmup_steps=20", "--metrics.log_every=5"])
-    assert str(error.value) == ("override --schedule.warmup_steps=20: <root>: schedule.warmup_steps (20) must be below "
+    assert str(error.value) == ("override --schedule.warmup_steps=20: schedule.warmup_steps (20) must be below "
                                 "schedule.steps (10)")
     with pytest.raises(ConfigError) as error:  # no override of a field it names: the config file
         load_config(write(tmp_path / "late.toml", 'base = "base.toml"\n[optimizer]\nlr = 0.1\n[schedule]\nsteps = 5\n'
                                                   'warmup_steps = 9\n'), ["--metrics.log_every=5"])
-    assert str(error.value).startswith(f"{tmp_path / 'late.toml'}: <root>: schedule.warmup_steps (9)")
+    assert str(error.value).startswith(f"{tmp_path / 'late.toml'}: schedule.warmup_steps (9)")
 
 
 def test_optional_fields_can_be_switched_off_with_none():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import signal
 import sys
 import time
@@ -40,6 +40,7 @@ COMMAND_HELP = {
 }
 # exit codes of the one-line errors; a run stopped by a signal exits with 128 + its number, as one killed by it would
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_DATA, EXIT_SIGNAL = 2, 3, 4, 5, 128
+ONE_LINE_EXITS = (EXIT_CONFIG, EXIT_DIVERGED, EXIT_CHECKPOINT, EXIT_DATA)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -415,24 +416,60 @@ def _plot(config: TrainerConfig, args, overrides) -> int:
 
 
 def _launch(config: TrainerConfig, args, overrides) -> int:
+    """Runs ``args.launched`` in ``nproc`` processes per node under torchrun's elastic agent, in this process: a
+    process's one-line error (config, data, checkpoint, divergence) ends the launch with that error's exit code,
+    without the agent's report of a failed child around it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
     nproc = args.nproc_per_node if args.nproc_per_node is not None else config.parallelism.nproc_per_node
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}"]
-    if args.rdzv_endpoint:
-        command += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
-        if args.node_rank is not None:
-            command.append(f"--node-rank={args.node_rank}")
-    else:
-        command.append("--standalone")
-    command += ["-m", "gem_trainer.cli", args.launched]
-    if args.config:
-        command += ["--config", args.config]
-    if args.debug:
-        command.append("--debug")
     # the run's record says how many processes per node trained it (evaluation keeps its global batch from it)
-    command += [*overrides, f"--parallelism.nproc_per_node={nproc}"]
-    print("launching:", " ".join(command), flush=True)
-    os.execv(sys.executable, command)
-    return 0  # not reached
+    overrides = [*overrides, f"--parallelism.nproc_per_node={nproc}"]
+    if args.launched == "train":
+        from gem_trainer.run_folder import check_same_run
+
+        # what every process would refuse before its first step, refused once here (the processes see this config)
+        check_same_run(load_config(args.config, overrides))
+    torchrun = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}"]
+    if args.rdzv_endpoint:
+        torchrun += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+        if args.node_rank is not None:
+            torchrun.append(f"--node-rank={args.node_rank}")
+    else:
+        torchrun.append("--standalone")
+    torchrun += ["-m", "gem_trainer.cli", args.launched]
+    if args.config:
+        torchrun += ["--config", args.config]
+    if args.debug:
+        torchrun.append("--debug")
+    torchrun += overrides
+    print("launching:", sys.executable, "-m torch.distributed.run", " ".join(torchrun), flush=True)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FailedProcessReported())
+    try:
+        run(parse_args(torchrun))
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        if failure.exitcode < 0:  # killed by a signal
+            name = signal.Signals(-failure.exitcode).name
+            print(f"gem-trainer: process {rank} was killed by {name}", file=sys.stderr)
+            return EXIT_SIGNAL - failure.exitcode
+        if failure.exitcode not in ONE_LINE_EXITS and failure.exitcode < EXIT_SIGNAL:
+            # an unexpected error: the process printed its traceback
+            print(f"gem-trainer: process {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        return failure.exitcode
+    except SignalException as stop:  # the launcher was stopped: its processes were sent the same signal
+        print(f"gem-trainer: launch stopped by {signal.Signals(stop.sigval).name}", file=sys.stderr)
+        return EXIT_SIGNAL + stop.sigval
+    return 0
+
+
+class _FailedProcessReported(logging.Filter):
+    """Drops the elastic agent's line on a failed process: the process printed its one-line error, or the launch
+    prints a line of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
 
 
 COMMANDS = {"train": _train, "eval": _eval, "config": _config, "flops": _flops, "plot": _plot, "launch": _launch,

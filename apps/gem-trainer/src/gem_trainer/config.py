@@ -840,7 +840,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except ValidationError as error:
         first = error.errors()[0]
         loc = tuple(str(p) for p in first["loc"])
-        where = ".".join(loc) or "<root>"
+        where = f"{'.'.join(loc)}: " if loc else ""  # a check across sections names its fields in its message
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":
             message = "unknown field"
@@ -848,7 +848,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             message = f"{message} (got {first['input']!r})"
         more = f" (+{error.error_count() - 1} more)" if error.error_count() > 1 else ""
         source = _origin_of(origins, loc, str(path), message)
-        raise ConfigError(f"{source}: {where}: {message}{more}") from None
+        raise ConfigError(f"{source}: {where}{message}{more}") from None
 
 
 def _origin_of(origins: dict[tuple[str, ...], str], loc: tuple[str, ...], default: str, message: str = "") -> str:

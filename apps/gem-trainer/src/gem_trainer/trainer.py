@@ -245,9 +245,10 @@ class Trainer:
         # NOTE: a checkpoint keeps one copy of each table shard: 2-D sparse replicas that drifted apart since their
         # last average (sparse_sync_every > 1) are averaged first, so that a resumed run continues as this one does
         self.sparse_replicas.sync()
-        self.checkpoints.save(self.step, self.distributed_state(), self.state_dict(),
-                              asynchronous=self.config.checkpoint.asynchronous)
+        path = self.checkpoints.save(self.step, self.distributed_state(), self.state_dict(),
+                                     asynchronous=self.config.checkpoint.asynchronous)
         self._saved_step = self.step
+        self._print(f"checkpoint {path}" + (" (written in the background)" if self.config.checkpoint.asynchronous else ""))
 
     def resume(self, step: int | None = None, training: bool = True) -> bool:
         """Load checkpoint ``step`` (None: the newest intact one, skipping damaged newer ones with a line each);
@@ -372,6 +373,8 @@ class Trainer:
         if on_start is not None:
             on_start()
         self.first_step = self.step  # where this process started (a resumed run counts from there)
+        if self.step < cfg.schedule.steps:
+            self._print(self._start_line())
         window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
         metrics: dict[str, float] = {}
         while self.step < cfg.schedule.steps:
@@ -448,6 +451,19 @@ class Trainer:
         elif self.env.world_size == 1:
             self.stop_signal = self._asked
         return self.stop_signal is not None
+
+    def _start_line(self) -> str:
+        """What this run trains, on what, and where it writes: its first line."""
+        cfg = self.config
+        sources = cfg.data.mixture.sources
+        data = (f"a mixture of {', '.join(s.name for s in sources)}" if sources else
+                "synthetic data" if cfg.data.source == "synthetic" else f"{cfg.data.source} {cfg.data.path}")
+        start = f"from step {self.step} " if self.step else ""
+        kept = (f"a checkpoint every {cfg.checkpoint.every_steps} steps" if cfg.checkpoint.enable else
+                "no checkpoints (checkpoint.enable = false)")
+        return (f"training {cfg.model.name} on {data} {start}to step {cfg.schedule.steps} ({self.env.world_size} "
+                f"process{'es' if self.env.world_size > 1 else ''} on {self.env.device.type}); writing to "
+                f"{cfg.run_dir}: metrics.jsonl, {kept}")
 
     def _report_first_step(self, started: float) -> None:
         """Time the first step (once: the host waits for the device here) and log the start-up times."""
