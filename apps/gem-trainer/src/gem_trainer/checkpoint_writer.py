@@ -385,5 +385,7 @@ if __name__ == "__main__":
     # python -m gem_trainer.checkpoint_writer FD PARENT_PID RENDEZVOUS_JSON (started by WriterProcess.start)
     # NOTE: served by the module imported under its own name, whose classes the training process pickles
     from gem_trainer.checkpoint_writer import serve as serve_imported
+    from gem_trainer.console import quiet_library_notices
 
+    quiet_library_notices()
     serve_imported(Connection(int(sys.argv[1])), int(sys.argv[2]), json.loads(sys.argv[3]))

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from gem_trainer.config import ConfigError, TrainerConfig, dump_config, load_config
+from gem_trainer.console import DropRecords
 
 OVERRIDES_HELP = ("Any --section.field=value (or --section.field value) overrides the config, e.g. --optimizer.lr=3e-4 "
                   "--model.kunlun.d_model=64 --optimizer.grad_clip=none; `gem-trainer config` prints the result.")
@@ -445,7 +446,8 @@ def _launch(config: TrainerConfig, args, overrides) -> int:
         torchrun.append("--debug")
     torchrun += overrides
     print("launching:", sys.executable, "-m torch.distributed.run", " ".join(torchrun), flush=True)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FailedProcessReported())
+    # the agent's line on a failed rank: the rank printed its one-line error, or the launch prints a line of its own
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(DropRecords("failed (exitcode"))
     try:
         run(parse_args(torchrun))
     except ChildFailedError as failed:
@@ -462,14 +464,6 @@ def _launch(config: TrainerConfig, args, overrides) -> int:
         print(f"gem-trainer: launch stopped by {signal.Signals(stop.sigval).name}", file=sys.stderr)
         return EXIT_SIGNAL + stop.sigval
     return 0
-
-
-class _FailedProcessReported(logging.Filter):
-    """Drops the elastic agent's line on a failed process: the process printed its one-line error, or the launch
-    prints a line of its own."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("failed (exitcode")
 
 
 COMMANDS = {"train": _train, "eval": _eval, "config": _config, "flops": _flops, "plot": _plot, "launch": _launch,

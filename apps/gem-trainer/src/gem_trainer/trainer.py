@@ -6,7 +6,6 @@ import math
 import random
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +33,11 @@ from gem_parallel import (
     peak_tflops,
     scaling_ratio,
 )
+from gem_trainer.console import quiet_library_notices
 from gem_trainer.metrics import MetricLogger, memory_gib
 
 
-# NOTE: FSDP2 warns whenever a wrapped block returns a view, in case the caller then changes it in place (which
-# would bypass its backward hook); no gem-kunlun model changes a block's output in place.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+quiet_library_notices()
 
 
 class TrainingDiverged(RuntimeError):
