@@ -225,7 +225,7 @@ def test_errors_name_the_override_or_the_base_file_that_set_the_value(tmp_path):
     with pytest.raises(ConfigError) as error:
         load_config(child, ["--optimizer.lr=1e-3", "--schedule.warmup_steps=20", "--metrics.log_every=5"])
     assert str(error.value) == ("override --schedule.warmup_steps=20: schedule.warmup_steps (20) must be below "
-                                "schedule.steps (10)")
+                                "schedule.steps (10): a shorter run sets both, e.g. --schedule.warmup_steps=1")
     with pytest.raises(ConfigError) as error:  # no override of a field it names: the config file
         load_config(write(tmp_path / "late.toml", 'base = "base.toml"\n[optimizer]\nlr = 0.1\n[schedule]\nsteps = 5\n'
                                                   'warmup_steps = 9\n'), ["--metrics.log_every=5"])

@@ -723,7 +723,8 @@ class TrainerConfig(Section):
         # NOTE: with schedule.epochs the steps are known once the data is built; builders.resolve_schedule checks then
         if self.schedule.epochs is None and self.schedule.warmup_steps >= self.schedule.steps:
             raise ValueError(
-                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be below schedule.steps ({self.schedule.steps})"
+                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be below schedule.steps ({self.schedule.steps}): "
+                f"a shorter run sets both, e.g. --schedule.warmup_steps={self.schedule.steps // 10}"
             )
         if Path(self.run_dir).exists() and not Path(self.run_dir).is_dir():
             raise ValueError(f"run_dir: {self.run_dir} is a file, not a folder")

@@ -1,7 +1,8 @@
 """What the trainer keeps off its console: the libraries' notices that say nothing about the run.
 
-Each was checked to be about the library, not the run: a deprecation inside code of TorchRec or PyTorch that the
-trainer does not call itself, or advice for a setting the trainer does not use. Any other warning shows.
+Each was checked to say nothing about the run: a deprecation inside TorchRec's or PyTorch's own code, advice for a
+mode the trainer does not use (a dry run of the planner), or a push to build an input another way (the planner's
+topology, which the trainer builds with what the planner reads). Any other warning or log record shows.
 """
 
 from __future__ import annotations
