@@ -176,6 +176,25 @@ def test_the_first_logged_rate_leaves_out_the_first_steps_warm_up(tmp_path, monk
     assert [r["examples_per_s"] for r in train] == pytest.approx([64 / 0.01] * 2)
 
 
+def test_each_logged_line_has_its_steps_mean_loss_beside_its_own(tmp_path):
+    trainer = Trainer(small_config(tmp_path, "--schedule.steps=6", "--schedule.warmup_steps=1", "--metrics.log_every=3",
+                                   "--checkpoint.enable=false"), init_distributed("cpu", "gloo"))
+    step, losses = trainer.train_step, []
+
+    def recorded():
+        metrics = step()
+        losses.append(float(metrics["loss"]))
+        return metrics
+
+    trainer.train_step = recorded
+    trainer.train()
+    trainer.close()
+    train = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "train"]
+    assert [r["loss"] for r in train] == pytest.approx([losses[2], losses[5]])
+    assert [r["loss_mean"] for r in train] == pytest.approx([sum(losses[:3]) / 3, sum(losses[3:]) / 3])
+    assert len(set(losses)) == 6
+
+
 def test_state_dict_round_trip_restores_step_data_position_and_schedule(tmp_path):
     config = small_config(tmp_path, "--schedule.steps=30", "--schedule.warmup_steps=5")
     trainer = Trainer(config, init_distributed("cpu", "gloo"))

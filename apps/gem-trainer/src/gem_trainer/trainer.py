@@ -374,10 +374,13 @@ class Trainer:
         if self.step < cfg.schedule.steps:
             self._print(self._start_line())
         window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
+        window_loss, window_steps = 0.0, 0  # summed on the device: read at the logged step only
         metrics: dict[str, float] = {}
         while self.step < cfg.schedule.steps:
             metrics = self.train_step()
             examples, flops = metrics.pop("examples"), metrics.pop("flops")
+            loss = metrics["loss"]
+            window_loss, window_steps = window_loss + (loss.detach() if torch.is_tensor(loss) else loss), window_steps + 1
             logged = self.step % cfg.metrics.log_every == 0 or self.step == cfg.schedule.steps
             if self.step == self.first_step + 1:
                 self._report_first_step(window_start)
@@ -394,8 +397,11 @@ class Trainer:
                     window_examples, window_flops = totals.tolist()
                 elapsed = time.perf_counter() - window_start
                 tflops = window_flops / elapsed / 1e12
+                values = {k: float(v) for k, v in metrics.items()}
                 line = {
-                    **{k: float(v) for k, v in metrics.items()},
+                    "loss": values.pop("loss"),  # the logged step's
+                    "loss_mean": float(window_loss) / window_steps,  # the steps' since the last logged one
+                    **values,
                     "examples": window_examples,  # trained on since the last logged step, by every rank
                     "examples_per_s": window_examples / elapsed,
                     "tflops": tflops,
@@ -411,6 +417,7 @@ class Trainer:
                 line.update(self._data_metrics())
                 self.logger.log(self.step, line)
                 window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
+                window_loss, window_steps = 0.0, 0
             paused = time.perf_counter()
             if cfg.checkpoint.enable and self.step % cfg.checkpoint.every_steps == 0:
                 self.save_checkpoint()
