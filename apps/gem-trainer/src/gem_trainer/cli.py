@@ -430,8 +430,9 @@ def _launch(config: TrainerConfig, args, overrides) -> int:
     if args.launched == "train":
         from gem_trainer.run_folder import check_same_run
 
-        # what every process would refuse before its first step, refused once here (the processes see this config)
-        check_same_run(load_config(args.config, overrides))
+        # what every process would refuse before its first step, refused once here (the processes' config differs
+        # from this one in parallelism.nproc_per_node only, which the check does not read)
+        check_same_run(config)
     torchrun = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}"]
     if args.rdzv_endpoint:
         torchrun += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]

@@ -379,8 +379,7 @@ class Trainer:
         while self.step < cfg.schedule.steps:
             metrics = self.train_step()
             examples, flops = metrics.pop("examples"), metrics.pop("flops")
-            loss = metrics["loss"]
-            window_loss, window_steps = window_loss + (loss.detach() if torch.is_tensor(loss) else loss), window_steps + 1
+            window_loss, window_steps = window_loss + metrics["loss"].detach(), window_steps + 1
             logged = self.step % cfg.metrics.log_every == 0 or self.step == cfg.schedule.steps
             if self.step == self.first_step + 1:
                 self._report_first_step(window_start)
@@ -458,7 +457,7 @@ class Trainer:
         return self.stop_signal is not None
 
     def _start_line(self) -> str:
-        """What this run trains, on what, and where it writes: its first line."""
+        """What this run trains, on what, and where it writes: the line it starts training with."""
         cfg = self.config
         sources = cfg.data.mixture.sources
         data = (f"a mixture of {', '.join(s.name for s in sources)}" if sources else
