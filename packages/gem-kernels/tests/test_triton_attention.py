@@ -438,6 +438,53 @@ def test_grid_over_the_real_tiles_equals_the_declared_max_grid(mask, dtype, monk
         "attn_bwd_dkdv_kernel": (-(-max_len // tile), B)}
 
 
+@pytest.mark.parametrize("case", ["cross", "cross_index", "diagonal"])
+def test_short_kv_forward_grid_over_the_real_runs_equals_the_declared_max_grid(case, monkeypatch):
+    """The one-key-tile forward (short kv sequences, diagonal blocks), whose programs stream Q_TILES query tiles each,
+    runs over the real runs of Q_TILES tiles: bit for bit the output and LSE of the grid sized by the declared max
+    length (empty sequences first, in the middle and last, a shared kv sequence, lengths no multiple of the run),
+    with cdiv(T, run) + B programs a head where the other launches cdiv(max, run) x B."""
+    from gem_kernels.ops.triton import _tuning, triton_attention
+    from gem_kernels.ops.triton.triton_attention import AttnSpec, attention_forward
+
+    lengths = [0, 37, 0, 5, 16, 70, 0]
+    qo = offsets_of(lengths)
+    T, B, max_q = int(qo[-1]), len(lengths), 300
+    q = rand(T, 2, 16, scale=0.5)
+    if case == "diagonal":  # blocks of 16 tokens, each seeing itself
+        k, v, ko, kv_index = rand(T, 2, 16, scale=0.5), rand(T, 2, 16), qo, None
+        spec = AttnSpec(max_q=max_q, max_kv=max_q, nq=None, activations=("softmax", "gelu"), sm_scale=0.25,
+                        pw_scale=1 / 16, block_size=16, window_blocks=1)
+    else:
+        kv_lengths = [3, 9, 0, 16, 1, 7, 2] if case == "cross" else [9, 0, 16]
+        ko = offsets_of(kv_lengths)
+        kv_index = None if case == "cross" else torch.tensor([0, 2, 1, 0, 2, 0, 1])
+        k, v = rand(int(ko[-1]), 2, 16, scale=0.5), rand(int(ko[-1]), 2, 16)
+        spec = AttnSpec(max_q=max_q, max_kv=16, nq=None, activations=("softmax", "gelu"), sm_scale=0.25,
+                        pw_scale=1 / 16)
+    grids = []
+    launch = _tuning._launch
+    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, *a: grids.append((kernel.fn.__name__, grid))
+                        or launch(kernel, grid, *a))
+
+    def run():
+        monkeypatch.setattr(_tuning, "_PLANS", {})
+        grids.clear()
+        return attention_forward(q, k, v, qo, ko, kv_index, spec), list(grids)
+
+    compact, compact_grids = run()
+    monkeypatch.setattr(triton_attention, "COMPACT_MAX_SEQS", 0)
+    declared, declared_grids = run()
+    assert torch.equal(compact[0], declared[0]), "out"
+    assert torch.equal(compact[1][:, 0], declared[1][:, 0]), "lse"  # (the softmax head's: a gelu head writes none)
+    run_rows = 16 * 2  # the interpreter's query tile and Q_TILES
+    one_head = ("attn_fwd_short_kv_kernel", 1)  # a launch per activation, of one head each
+    assert [(name, grid[2]) for name, grid in compact_grids] == [one_head, one_head] == [
+        (name, grid[2]) for name, grid in declared_grids]
+    assert [grid[:2] for _, grid in compact_grids] == [(-(-T // run_rows) + B, 1)] * 2
+    assert [grid[:2] for _, grid in declared_grids] == [(-(-max_q // run_rows), B)] * 2
+
+
 def test_the_grid_over_real_tiles_is_no_larger_than_the_declared_one(monkeypatch):
     """Sequences of the declared length, a multiple of the tile: cdiv(T, tile) + B would launch B programs more than
     there are tiles; the grid takes the declared count then, and the output is the reference's."""

@@ -252,16 +252,17 @@ def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> lis
 COMPACT_MAX_SEQS = 256
 
 
-def _tile_grid(n_seqs: int, nh: int, declared: int, rows: Slot, block: str, jagged: bool):
-    """(grid function, rows slot index or None, COMPACT / SEQS constexprs) of a general kernel's programs over the
-    tiles of ``block`` rows of ``n_seqs`` sequences of at most ``declared`` rows: over the real tiles where the
-    sequences are ``jagged`` and at most COMPACT_MAX_SEQS, else one per declared tile of each sequence. The real
-    tiles are at most ``cdiv(T, block) + n_seqs`` (T: the rows of the call's tensor ``rows``) and at most the
-    declared ones (the fewer for sequences of equal length)."""
+def _tile_grid(n_seqs: int, nh: int, declared: int, rows: Slot, block: str, jagged: bool, tiles: str | None = None):
+    """(grid function, rows slot index or None, COMPACT / SEQS constexprs) of a kernel's programs over the tiles of
+    ``block`` rows (times ``tiles``, for a program that streams that many of them) of ``n_seqs`` sequences of at
+    most ``declared`` rows: over the real tiles where the sequences are ``jagged`` and at most COMPACT_MAX_SEQS, else
+    one per declared tile of each sequence. The real tiles are at most ``cdiv(T, tile) + n_seqs`` (T: the rows of
+    the call's tensor ``rows``) and at most the declared ones (the fewer for sequences of equal length)."""
+    size = (lambda c: c[block]) if tiles is None else (lambda c: c[block] * c[tiles])
     if jagged and 0 < n_seqs <= COMPACT_MAX_SEQS:
-        return ((lambda c, n: (min(cdiv(n, c[block]) + n_seqs, cdiv(declared, c[block]) * n_seqs), 1, nh)), rows.index,
+        return ((lambda c, n: (min(cdiv(n, size(c)) + n_seqs, cdiv(declared, size(c)) * n_seqs), 1, nh)), rows.index,
                 dict(COMPACT=True, SEQS=_pow2_at_least(n_seqs, 16)))
-    return (lambda c: (cdiv(declared, c[block]), n_seqs, nh)), None, dict(COMPACT=False, SEQS=16)
+    return (lambda c: (cdiv(declared, size(c)), n_seqs, nh)), None, dict(COMPACT=False, SEQS=16)
 
 
 def _bucket(n: int) -> int:
@@ -376,14 +377,15 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
             # no window / block arguments: each query sees its one key tile whole
             block_n = spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)
             # descriptors for the streamed tiles: query tiles, and the diagonal's key tiles
-            short_args, tma = _tiles(args[:9] + (F.Q, F.K, F.V) + args[11:-4], 9,
+            short_args, tma = _tiles(args[:9] + (F.Q, F.K, F.V) + args[11:-6] + (B,) + args[-6:-4], 9,
                                      [(q, F.Q, "BLOCK_M")] + ([(k, F.K, block_n), (v, F.V, block_n)] if diagonal else []))
+            # a program streams Q_TILES query tiles: its grid runs over the real runs of that many
+            grid, rows, compact = _tile_grid(B, nh, spec.max_q, F.Q, "BLOCK_M", jagged=spec.nq is None, tiles="Q_TILES")
             launches.append(PlannedLaunch(
-                attn_fwd_short_kv_kernel, lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh),
-                short_args, dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None,
-                                 DIAGONAL=diagonal, PREC=_prec(q.dtype), TMA=tma, FOLD=consts["FOLD"], BLOCK_D=D,
-                                 BLOCK_N=block_n),
-                ("fwd_short",) + key[1:], lambda: _short_kv_candidates(spec, D, itemsize)))
+                attn_fwd_short_kv_kernel, grid, short_args,
+                dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, DIAGONAL=diagonal,
+                     PREC=_prec(q.dtype), TMA=tma, FOLD=consts["FOLD"], BLOCK_D=D, BLOCK_N=block_n, **compact),
+                ("fwd_short",) + key[1:], lambda: _short_kv_candidates(spec, D, itemsize), rows=rows))
             continue
         args = args[:-6] + (B,) + args[-6:]  # the general kernel also takes the number of examples, after NQ
         args, consts["TMA"] = _tiles(args, 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])

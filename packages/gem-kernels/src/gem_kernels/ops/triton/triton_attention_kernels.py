@@ -374,10 +374,10 @@ def attn_fwd_kernel(
 def attn_fwd_short_kv_kernel(
     Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, Q_desc, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
-    NQ, qk_scale, out_scale,
+    NQ, NB, qk_scale, out_scale,
     ACT: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr, DIAGONAL: tl.constexpr,
-    PREC: tl.constexpr, TMA: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
+    PREC: tl.constexpr, TMA: tl.constexpr, FOLD: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
 ):
     """The forward of attention where every query sees exactly one key tile, whole:
 
@@ -389,9 +389,9 @@ def attn_fwd_short_kv_kernel(
     Streaming several tiles per program lets their loads pipeline behind the previous tile's work. One key tile
     makes the softmax exact in one step (no running max), with the same results as ``attn_fwd_kernel``. ``TMA``: the
     streamed tiles (query tiles, and the diagonal's key tiles) through tensor descriptors; rows past a sequence
-    give outputs that are never stored, or meet masked scores."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
+    give outputs that are never stored, or meet masked scores. ``COMPACT``: a grid over the real runs of ``Q_TILES``
+    query tiles of the ``NB`` examples (``_real_tile``)."""
+    b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, Q_TILES * BLOCK_M)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
     m_first = pid_m * (Q_TILES * BLOCK_M)
