@@ -398,6 +398,16 @@ def test_one_launch_backward_equals_the_general_kernels(mode, act, dtype, monkey
         assert_close(got, want, TOL[dtype], name)
 
 
+def record_grids(monkeypatch) -> list[tuple[str, tuple]]:
+    """``(kernel name, grid)`` of every kernel launched from now on (the list is filled as they launch)."""
+    from gem_kernels.ops.triton import _tuning
+
+    grids, launch = [], _tuning._launch
+    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, *a: grids.append((kernel.fn.__name__, grid))
+                        or launch(kernel, grid, *a))
+    return grids
+
+
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_grid_over_the_real_tiles_equals_the_declared_max_grid(mask, dtype, monkeypatch):
@@ -412,10 +422,7 @@ def test_grid_over_the_real_tiles_equals_the_declared_max_grid(mask, dtype, monk
     T, B, max_len = int(off[-1]), len(lengths), 300
     q, k, v = (rand(T, 2, 16, dtype=dtype, scale=0.5) for _ in range(3))
     do = rand(T, 2, 16, dtype=dtype)
-    grids = []
-    launch = _tuning._launch
-    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, *a: grids.append((kernel.fn.__name__, grid))
-                        or launch(kernel, grid, *a))
+    grids = record_grids(monkeypatch)
 
     def run():
         monkeypatch.setattr(_tuning, "_PLANS", {})
@@ -462,10 +469,7 @@ def test_short_kv_forward_grid_over_the_real_runs_equals_the_declared_max_grid(c
         k, v = rand(int(ko[-1]), 2, 16, scale=0.5), rand(int(ko[-1]), 2, 16)
         spec = AttnSpec(max_q=max_q, max_kv=16, nq=None, activations=("softmax", "gelu"), sm_scale=0.25,
                         pw_scale=1 / 16)
-    grids = []
-    launch = _tuning._launch
-    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, *a: grids.append((kernel.fn.__name__, grid))
-                        or launch(kernel, grid, *a))
+    grids = record_grids(monkeypatch)
 
     def run():
         monkeypatch.setattr(_tuning, "_PLANS", {})
@@ -492,12 +496,10 @@ def test_the_grid_over_real_tiles_is_no_larger_than_the_declared_one(monkeypatch
 
     off = offsets_of([32, 32, 32])
     q, k, v = (rand(96, 1, 16) for _ in range(3))
-    grids = []
-    launch = _tuning._launch
-    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, *a: grids.append(grid) or launch(kernel, grid, *a))
+    grids = record_grids(monkeypatch)
     monkeypatch.setattr(_tuning, "_PLANS", {})
     out = jagged_flash_attention(q, k, v, off, 32, causal=True, kernel="triton")  # causal: the general forward
-    assert [g[:2] for g in grids] == [(6, 1)]  # 3 sequences of 2 tiles
+    assert [g[:2] for _, g in grids] == [(6, 1)]  # 3 sequences of 2 tiles
     assert_close(out, jagged_flash_attention(q, k, v, off, 32, causal=True, kernel="pytorch"), TOL[torch.float32],
                  "out")
 
