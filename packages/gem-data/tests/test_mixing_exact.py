@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import gem_data.mixing as mixing
 from gem_data import (
     BatchTable,
     FeatureAlignment,
@@ -239,3 +240,39 @@ def test_a_resumed_mixture_continues_with_exactly_the_same_batches(mixtures, nam
     resumed.load_state_dict(first.state_dict())
     for g, e in zip(itertools.islice(resumed, STEPS - 5), whole[5:], strict=True):
         assert_same(g, e)
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["steps gathered", "step by step"])
+@pytest.mark.parametrize("name", ["tables: finite shuffled + endless in order", "two domains, aligned, stamped surfaces",
+                                  "time split: offline shuffled + online in order, one corpus"])
+def test_a_data_worker_gives_one_process_batches_reading_only_its_own_rows(mixtures, name, gathered, monkeypatch):
+    # a DataLoader worker delivers every num_workers-th batch: it gives one process's batches, and of the table rows it
+    # reads, those before its next batch's are rows of its own batches (a read ahead of the next rows would read the
+    # other workers'). Step by step: tables of one assembler are planned (PlanReader), others gathered per step
+    if not gathered:
+        monkeypatch.setattr(mixing, "GATHER_MAX_ROWS", 0)
+    mixture, workers = mixtures[name], 3
+    one = build(mixture)
+    whole = list(itertools.islice(build(mixture), 18))
+    for worker in range(workers):
+        stream = build(mixture)
+        stream._stride = workers  # as iterating it in a DataLoader worker of `workers` sets it
+        read = {name: [] for name in stream.names}
+        for source_name, source in zip(stream.names, stream.sources):
+            for method in ("_rows", "_plans"):
+                def recorded(positions, read_rows=getattr(source, method), into=read[source_name]):
+                    into.append(positions)
+                    return read_rows(positions)
+                setattr(source, method, recorded)
+        steps = range(worker, len(whole), workers)
+        for step in steps:
+            assert_same(stream.rank_batch(step), whole[step])
+        own = {name: set() for name in stream.names}
+        for step in steps:
+            for name, first, n in zip(stream.names, one.positions(step), one.composition(step)):
+                own[name].update(range(first, first + n))
+        after = dict(zip(stream.names, one.positions(steps[-1] + 1)))
+        assert any(read.values())
+        for source_name, positions in read.items():
+            positions = torch.cat(positions).tolist() if positions else []
+            assert {p for p in positions if p < after[source_name]} <= own[source_name], source_name

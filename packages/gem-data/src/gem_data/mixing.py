@@ -19,6 +19,10 @@ one) gathers small global batches ``GATHER_STEPS`` at a time and holds them unti
 batches as gathered one by one (``FeatureAlignment.gather_steps``), a gather's fixed costs paid once. Sources
 that are tables of one assembler (``PlannedTable``) are read straight into a mixed batch that is not gathered with
 others: their rows of the step planned, then assembled at once (``PlanReader``, ``MixedStream._assembled_batch``).
+One process reads a table source's next rows ahead, several steps' worth in one read; a DataLoader worker, which
+delivers every ``num_workers``-th global batch, reads the rows of its own next batches instead (``MixedStream._later``:
+the rows in between are the other workers'). Other sources are read a global batch at a time, by every worker whose
+batches take rows from it.
 
 ``p_i(t)``: the weights, normalised. With an online share schedule, online and offline sources are
 normalised separately and scaled by ``share(t)`` and ``1 - share(t)``; the share stays at
@@ -36,6 +40,8 @@ or the seed, and the steps from the saved one on are drawn under the new schedul
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -54,6 +60,8 @@ from gem_data.stream import SyntheticStream, TableStream
 
 ANCHOR_EVERY = 256  # steps between remembered source positions (backward queries replay at most this many draws)
 DRAW_BLOCK = 64  # steps whose compositions are drawn together (see MixedStream._draw)
+DRAW_BLOCKS_KEPT = 4  # blocks of compositions kept (a DataLoader worker's read ahead walks past the block it reads)
+AHEAD_STEPS = 64  # a DataLoader worker reads a source's rows of at most this many of its next steps at once
 GATHER_STEPS = 32  # one process gathers this many of its next global batches at once (see MixedStream._gathered_batch)
 GATHER_MAX_ROWS = 256  # ... when they are this small (at larger ones a gather's fixed costs are small beside its copying)
 
@@ -167,7 +175,7 @@ class MixedStream(ShardedStream):
         self._anchors: dict[int, tuple[int, ...]] = {0: (0,) * len(self.sources)}  # step -> source positions
         self._latest = 0  # the newest anchor that is not a multiple of ANCHOR_EVERY
         self._resumed = 0  # the step a loaded state put the stream at: its anchor is the state's, kept for good
-        self._compositions: tuple[int, list[tuple[int, ...]]] = (0, [])  # the first step of a block of DRAW_BLOCK, theirs
+        self._compositions: dict[int, list[tuple[int, ...]]] = {}  # block of DRAW_BLOCK steps -> theirs, the newest last
         self._generator = torch.Generator()  # reseeded for every step's draws
         # NOTE: like reading ahead, only one process gathers several of its next batches at once (a rank of several
         # takes its slice of each global batch); and only small batches: at 512 rows and more a gather's fixed
@@ -196,11 +204,13 @@ class MixedStream(ShardedStream):
     # -- the composition of a global batch ------------------------------------------------------------------
     def composition(self, step: int) -> tuple[int, ...]:
         """Examples of each source in global batch ``step`` (the draws of ``(seed, step)``, counted)."""
-        first, counts = self._compositions
-        if not first <= step < first + len(counts):
-            first = step - step % DRAW_BLOCK
-            self._compositions = first, counts = first, self._draw(first, first + DRAW_BLOCK)
-        return counts[step - first]
+        block, row = divmod(step, DRAW_BLOCK)
+        counts = self._compositions.get(block)
+        if counts is None:
+            counts = self._compositions[block] = self._draw(step - row, step - row + DRAW_BLOCK)
+            if len(self._compositions) > DRAW_BLOCKS_KEPT:
+                del self._compositions[next(iter(self._compositions))]
+        return counts[row]
 
     def _draw(self, start: int, stop: int) -> list[tuple[int, ...]]:
         """The compositions of global batches ``[start, stop)``.
@@ -287,10 +297,11 @@ class MixedStream(ShardedStream):
     def _assembled_batch(self, index: int, lo: int, hi: int) -> Batch | None:
         """Rows ``[lo, hi)`` of global batch ``index``, each source's rows planned and all assembled at once (the
         same batch as gathered from the sources' batches)."""
-        ranges = self._source_ranges(index, lo, hi)
+        start = self.positions(index)
+        ranges = self._source_ranges(index, lo, hi, start)
         if not ranges:
             return None
-        plans = [plan for i, a, b in ranges for plan in self._planners[i].read(a, b)]
+        plans = [plan for i, a, b in ranges for plan in self._planners[i].read(a, b, self._later(i, index, start))]
         batch = self._assembler.assemble(plans)
         batch.source = self._source_ids(index, lo, hi)
         return batch
@@ -332,10 +343,31 @@ class MixedStream(ShardedStream):
                   total: tuple[int, ...] | None = None) -> list[tuple[str, BatchView, int, int]] | None:
         """The source row ranges of rows ``[lo, hi)`` of global batch ``index``; None past the end (or for a rank's
         empty share). ``start`` and ``total``: as ``_source_ranges`` takes them."""
+        start = self.positions(index) if start is None else start
         ranges = self._source_ranges(index, lo, hi, start, total)
         if not ranges:
             return None
-        return [(self.names[i], view, x, y) for i, a, b in ranges for view, x, y in self._readers[i].read(a, b)]
+        return [(self.names[i], view, x, y) for i, a, b in ranges
+                for view, x, y in self._readers[i].read(a, b, self._later(i, index, start))]
+
+    def _later(self, source: int, index: int, start: tuple[int, ...]) -> Iterator[tuple[int, int]] | None:
+        """Source ``source``'s examples in each of the next ``AHEAD_STEPS`` global batches this reader delivers after
+        ``index`` (every ``_stride``-th: a DataLoader worker's), ``(first, end)`` each, in order, from its position
+        ``start[source]`` before batch ``index``; None where the reader delivers every batch (its next rows of a source
+        are the next batches') or reads no more than it is asked for (a rank of several).
+
+        NOTE: a worker that read a source's next rows would read every worker's: the rows of its own next batches are
+        one table read, as ``TableStream`` reads a worker's own next batches. A generator: walked only on a read."""
+        if self._stride == 1 or not self._readers[source].read_ahead:
+            return None
+        return self._later_ranges(source, index, start[source])
+
+    def _later_ranges(self, source: int, step: int, position: int) -> Iterator[tuple[int, int]]:
+        for _ in range(AHEAD_STEPS):
+            for t in range(step, step + self._stride):
+                position += self.composition(t)[source]
+            step += self._stride
+            yield position, position + self.composition(step)[source]
 
     def _source_ranges(self, index: int, lo: int, hi: int, start: tuple[int, ...] | None = None,
                        total: tuple[int, ...] | None = None) -> list[tuple[int, int, int]] | None:
@@ -409,18 +441,19 @@ class MixedStream(ShardedStream):
         if self.position:
             self._anchors[self.position] = tuple(int(state["examples"][n]) for n in self.names)
             self._latest = self.position
-        self._compositions = (0, [])
+        self._compositions = {}
         self._gathered = None
 
 
 class ExampleReader:
-    """Reads example ranges of a whole ``ShardedStream``, holding one batch of it at a time (with its NumPy
-    views, made once: one process takes a row range of the held batch at each of several steps).
+    """Reads example ranges of a whole ``ShardedStream``, holding one read of it at a time (with its NumPy views,
+    made once: one process takes a row range of the held batch at each of several steps).
 
     A ``TableStream`` is read by row: exactly the rows asked for, or, when fewer are asked, ``read_ahead`` rows or
     the stream's own ``read_rows`` if more (one process asks for the next rows of a source step after step, and a
-    table read has a fixed cost worth sharing over several steps, as the stream read alone shares it). Any other
-    stream is read a global batch at a time.
+    table read has a fixed cost worth sharing over several steps, as the stream read alone shares it); where the
+    caller names the ranges it will ask for next (``later``: a DataLoader worker's next batches), those ranges'
+    rows instead, up to as many. Any other stream is read a global batch at a time.
     """
 
     def __init__(self, stream: ShardedStream, read_ahead: int = 0) -> None:
@@ -428,21 +461,26 @@ class ExampleReader:
             read_ahead = max(read_ahead, stream.read_rows)
         self.stream, self.chunk, self.read_ahead = stream, stream.global_batch_size, read_ahead
         self.length = known_length(stream)
-        self._start, self._view = 0, None  # the held batch covers examples [_start, _start + its size)
+        self._view = None
+        self._spans: list[tuple[int, int, int]] = []  # (first example, end, its row in the held batch) of the held ranges
 
-    def _set(self, start: int, batch: Batch | None) -> None:
-        self._start, self._view = start, None if batch is None else BatchView(batch)
+    def _set(self, spans: list[tuple[int, int, int]], batch: Batch | None) -> None:
+        self._spans, self._view = spans, None if batch is None else BatchView(batch)
 
     def _hold_chunk(self, index: int) -> Batch | None:
-        if self._view is None or self._start != index * self.chunk:
-            self._set(index * self.chunk, self.stream.global_batch(index))
+        start = index * self.chunk
+        if self._view is None or self._spans[0][0] != start:
+            batch = self.stream.global_batch(index)
+            self._set([(start, start + (0 if batch is None else batch.batch_size), 0)], batch)
         return None if self._view is None else self._view.batch
 
-    def _hold(self, start: int, stop: int) -> None:
+    def _hold(self, start: int, stop: int, later: Iterator[tuple[int, int]] | None) -> None:
         if isinstance(self.stream, TableStream):
-            # NOTE: TableStream._rows reads any row range of the endless shuffled sequence; batches would not fit here
-            stop = min(max(stop, start + self.read_ahead), self.length)
-            self._set(start, self.stream._rows(torch.arange(start, stop)))
+            # NOTE: TableStream._rows reads any rows of the endless shuffled sequence; batches would not fit here
+            ranges = read_ranges(start, stop, later, self.read_ahead, self.length)
+            rows = itertools.accumulate((b - a for a, b in ranges), initial=0)  # the read's row of each range's first
+            self._set([(a, b, row) for (a, b), row in zip(ranges, rows)],
+                      self.stream._rows(torch.cat([torch.arange(a, b) for a, b in ranges])))
         else:
             self._hold_chunk(start // self.chunk)
 
@@ -455,14 +493,18 @@ class ExampleReader:
         batch = self._hold_chunk((stop - 1) // self.chunk)
         return batch is not None and batch.batch_size > (stop - 1) % self.chunk
 
-    def read(self, start: int, stop: int) -> list[tuple[BatchView, int, int]]:
-        """Examples ``[start, stop)`` (which must be ``available``) as ``(batch view, lo, hi)`` row ranges."""
+    def read(self, start: int, stop: int, later: Iterator[tuple[int, int]] | None = None) -> list[tuple[BatchView, int, int]]:
+        """Examples ``[start, stop)`` (which must be ``available``) as ``(batch view, lo, hi)`` row ranges. ``later``:
+        the example ranges the next reads will ask for, in order, where they are not the next examples."""
         segments = []
         while start < stop:
-            if self._view is None or not self._start <= start < self._start + self._view.rows:
-                self._hold(start, stop)
-            end = min(stop, self._start + self._view.rows)
-            segments.append((self._view, start - self._start, end - self._start))
+            span = _holding(self._spans, start)
+            if span is None:
+                self._hold(start, stop, later)
+                span = _holding(self._spans, start)
+            first, end, row = span
+            end = min(stop, end)
+            segments.append((self._view, row + start - first, row + end - first))
             start = end
         return segments
 
@@ -474,26 +516,62 @@ class PlanReader:
 
     def __init__(self, reader: ExampleReader) -> None:
         self.stream, self.read_ahead, self.length = reader.stream, reader.read_ahead, reader.length
-        self._held: list[tuple[int, Any]] = []  # (first example, plan) of the plans held, in order
-        self._stop = 0  # the held plans cover examples [self._held[0][0], self._stop)
+        self._held: list[tuple[int, Any]] = []  # (first example, plan) of the plans held, in order; a plan's examples follow on
 
-    def read(self, start: int, stop: int) -> list:
-        """Plans of examples ``[start, stop)`` (which must exist), in order."""
+    def read(self, start: int, stop: int, later: Iterator[tuple[int, int]] | None = None) -> list:
+        """Plans of examples ``[start, stop)`` (which must exist), in order; ``later`` as ``ExampleReader.read``."""
         plans = []
         while start < stop:
-            if not self._held or not self._held[0][0] <= start < self._stop:
-                end = min(max(stop, start + self.read_ahead), self.length)
-                self._held, first = [], start
-                for plan in self.stream._plans(torch.arange(start, end)):
-                    self._held.append((first, plan))
-                    first += len(plan)
-                self._stop = first
-            for first, plan in self._held:
-                if first <= start < first + len(plan):
-                    end = min(stop, first + len(plan))
-                    plans.append(plan[start - first : end - first])
-                    start = end
+            held = next(((first, plan) for first, plan in self._held if first <= start < first + len(plan)), None)
+            if held is None:
+                self._hold(start, stop, later)
+                continue
+            first, plan = held
+            end = min(stop, first + len(plan))
+            plans.append(plan[start - first : end - first])
+            start = end
         return plans
+
+    def _hold(self, start: int, stop: int, later: Iterator[tuple[int, int]] | None) -> None:
+        ranges = read_ranges(start, stop, later, self.read_ahead, self.length)
+        rows = torch.cat([torch.arange(a, b) for a, b in ranges])
+        # a plan covers consecutive rows of the read, which may end one range and begin the next: cut at the ranges' ends
+        cuts = list(itertools.accumulate((b - a for a, b in ranges), initial=0))  # the read's row of each range's first
+        self._held, row = [], 0
+        for plan in self.stream._plans(rows):
+            done = 0
+            while done < len(plan):
+                r = bisect.bisect_right(cuts, row) - 1
+                take = min(len(plan) - done, cuts[r + 1] - row)
+                self._held.append((ranges[r][0] + row - cuts[r], plan if take == len(plan) else plan[done : done + take]))
+                done, row = done + take, row + take
+
+
+def read_ranges(start: int, stop: int, later: Iterator[tuple[int, int]] | None, read_ahead: int,
+                length: float) -> list[tuple[int, int]]:
+    """The example ranges one table read holds for a read of ``[start, stop)``: with no ``later`` ranges, the next
+    ``read_ahead`` examples from ``start`` (at least ``[start, stop)``); with them, ``[start, stop)`` and the later
+    ones in order while fewer than ``read_ahead`` examples are held, adjacent ones merged; never past ``length``."""
+    if later is None:
+        return [(start, min(max(stop, start + read_ahead), length))]
+    ranges, held = [(start, stop)], stop - start
+    for a, b in later:
+        if held >= read_ahead or b > length:
+            break
+        if a == ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], b)
+        elif a < b:
+            ranges.append((a, b))
+        held += b - a
+    return ranges
+
+
+def _holding(spans: list[tuple[int, int, int]], example: int) -> tuple[int, int, int] | None:
+    """The span of ``spans`` holding ``example`` (None: none)."""
+    for span in spans:
+        if span[0] <= example < span[1]:
+            return span
+    return None
 
 
 def known_length(stream: ShardedStream) -> float | None:
