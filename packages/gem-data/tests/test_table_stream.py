@@ -4,8 +4,9 @@ import pytest
 import torch
 from gem_kunlun.testing import SPEC, random_batch
 
-from gem_data import BatchSource, BatchTable, SyntheticConfig, SyntheticGenerator, SyntheticStream, TableStream, WorkerLoader
-from gem_data.testing import example_fingerprints
+from gem_data import (BatchSource, BatchTable, NextItemConfig, NextItemDataset, SyntheticConfig, SyntheticGenerator, SyntheticStream,
+                      TableStream, WorkerLoader)
+from gem_data.testing import equal_batches, example_fingerprints, small_corpus
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +181,17 @@ def test_a_workers_error_reaches_the_reader_as_it_was_raised_after_the_batches_b
 
     with pytest.raises(RuntimeError, match=r"^Unpicklable: held a lock$"):
         list(WorkerLoader(_FailingAt(generator, 1, Unpicklable("held a lock")), num_workers=2))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_dataloader_workers_hand_over_whole_batches_and_each_its_catalogue_once(tmp_path):
+    # a worker's batch crosses packed in one buffer and is rebuilt as views of it: every field as one process reads
+    # it, the host-side counts taken, and the item catalogue every batch shares crossing once per worker
+    corpus = small_corpus(tmp_path, "shop", 20, 30, True)
+    data = NextItemDataset(corpus, NextItemConfig(num_negatives=2, objective="retrieval", queries="every"))
+    single = list(itertools.islice(TableStream(data.training_table(), 6), 7))
+    delivered = list(itertools.islice(WorkerLoader(TableStream(data.training_table(), 6), num_workers=2), 7))
+    assert all(equal_batches(a, b) for a, b in zip(delivered, single, strict=True))
+    assert all(b.next_items is not None and b.sparse._length_per_key is not None for b in delivered)
+    catalogues = [b.next_items.catalogue for b in delivered]
+    assert catalogues[0] is not None and len({id(c) for c in catalogues}) == 2  # one object per worker

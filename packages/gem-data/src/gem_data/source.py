@@ -16,7 +16,7 @@ another number of ranks as long as the global batch size stays the same.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -25,6 +25,7 @@ from gem_kunlun import Batch, FeatureSpec
 
 from gem_data.batch_ops import select_examples
 from gem_data.errors import portable_error
+from gem_data.packing import Description, Shared, describe, pack_into, unpack
 
 
 @runtime_checkable
@@ -99,6 +100,12 @@ class WorkerLoader:
 
     The output order equals the single-process order (see the module docstring), so ``state_dict`` is the
     stream's own, advanced by one per batch delivered here, and can be resumed with any worker count.
+
+    A worker hands each batch over packed (``gem_data.packing``: every tensor in one buffer, with the host-side counts
+    the step needs taken there) and it is rebuilt here as views of that buffer: one shared-memory file per batch,
+    where a pickled batch crosses as one per tensor (a few dozen), which cost 3-4x the CPU time of reading the batch
+    (``benchmarks/results/mixing.json``, reader_workers). Objects every batch shares (an item catalogue) cross once
+    per worker.
     """
 
     def __init__(self, stream: ShardedStream, num_workers: int = 0, prefetch_factor: int = 2) -> None:
@@ -123,11 +130,14 @@ class WorkerLoader:
             collate_fn=_identity,
             generator=torch.Generator().manual_seed(0),
         )
-        for batch in loader:
-            if isinstance(batch, _WorkerError):
-                raise batch.error
+        shared: dict[int, dict[int, Any]] = {}  # worker -> token -> the objects its batches share
+        for item in loader:
+            if isinstance(item, _WorkerError):
+                raise item.error
+            known = shared.setdefault(item.worker, {})
+            known.update(item.new_shared)
             self.stream.position += 1
-            yield batch
+            yield unpack(item.buffer, item.description, known)
 
     def state_dict(self) -> dict[str, Any]:
         return self.stream.state_dict()
@@ -147,8 +157,18 @@ class _WorkerError:
         self.error = error
 
 
+class _Packed(NamedTuple):
+    """A batch as a worker hands it over: ``gem_data.packing``'s buffer and description, the shared objects first seen
+    in it, and the worker's id (whose shared objects' tokens these are)."""
+
+    worker: int
+    buffer: torch.Tensor
+    description: Description
+    new_shared: dict[int, Any]
+
+
 class _ErrorsAsItems(IterableDataset):
-    """``stream`` in a worker, whose error becomes its last item (``_WorkerError``).
+    """``stream`` in a worker, each batch packed (``_Packed``), whose error becomes its last item (``_WorkerError``).
 
     NOTE: the DataLoader re-raises a worker's error as its type built from one multi-line message (the worker's
     traceback), or as a RuntimeError where that type takes other arguments (``DataError``): a reader's one-line
@@ -158,9 +178,16 @@ class _ErrorsAsItems(IterableDataset):
     def __init__(self, stream: ShardedStream) -> None:
         self.stream = stream
 
-    def __iter__(self) -> Iterator[Batch | _WorkerError]:
+    def __iter__(self) -> Iterator[_Packed | _WorkerError]:
+        worker, shared = get_worker_info().id, Shared()
         try:
-            yield from self.stream
+            for batch in self.stream:
+                if isinstance(batch, Batch):
+                    batch.count_on_host()
+                description, tensors, new_shared = describe(batch, shared)
+                buffer = torch.empty(description.nbytes, dtype=torch.uint8)
+                pack_into(buffer, description, tensors)
+                yield _Packed(worker, buffer, description, new_shared)
         except Exception as error:  # handed over whole, raised in the main process
             yield _WorkerError(portable_error(error))
 
