@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from gem_data import MixingConfig, MixSource, SyntheticConfig, SyntheticGenerator, SyntheticStream
+from gem_data import (BatchTable, MixedStream, MixingConfig, MixSource, SyntheticConfig, SyntheticGenerator, SyntheticStream,
+                      TableStream)
 from gem_data.testing import find_repo_root, shared_data_dir
 from gem_trainer import bench_mixing, builders
 from gem_trainer.bench_mixing import measure_mixed
@@ -52,3 +53,16 @@ def test_the_loss_spike_is_measured_where_the_online_stream_enters():
     # no online share, or one from the start: nothing to measure
     assert bench_mixing.loss_spike(records([0.0] * 40, [1.0] * 40)) is None
     assert bench_mixing.loss_spike(records([0.2] * 40, [1.0] * 40)) is None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_worker_cost_counts_every_process_and_the_rows_the_workers_read(workers):
+    generator = SyntheticGenerator(SyntheticConfig(seed=0, num_ads=2000, max_events=16))
+    table = BatchTable(generator.batch(0, 200), generator.spec)
+    config = MixingConfig((MixSource("log", 2.0), MixSource("live", 1.0)), batch_size=16)
+    mixture = MixedStream({"log": TableStream(table, 16, seed=1), "live": TableStream(table, 16, shuffle=False)}, config)
+    cpu, read, delivered = bench_mixing.worker_cost(mixture, workers, batches=40)
+    assert delivered == 40 * 16 and cpu > 0
+    # every row delivered was read (in a worker, where the reads are counted through shared memory); the reads ahead
+    # (of at least the tables' read_rows) past the last batch, in each worker, bound the rest
+    assert delivered <= read <= delivered + 2 * max(workers, 1) * (TableStream(table, 16).read_rows + 32 * 16)

@@ -1,7 +1,7 @@
 """Cross-domain data mixing, measured on the CPU: ``benchmarks/results/mixing.json``.
 
     python -m gem_trainer.bench_mixing --out benchmarks/results/mixing.json [--sections time_split_validation
-        time_split domains synthetic reader_cost] [--seeds 0 1 2] [--data ../shared/data] [--work /tmp/bench-mixing]
+        time_split domains synthetic reader_cost reader_workers] [--seeds 0 1 2] [--data ../shared/data] [--work /tmp/bench-mixing]
 
 Every run goes through the trainer from a committed config plus overrides (``gem_trainer.bench_runs``), so the
 numbers are what ``gem-trainer train`` / ``eval`` give.
@@ -21,6 +21,8 @@ numbers are what ``gem-trainer train`` / ``eval`` give.
 - ``reader_cost``: examples/s per core of mixed streams and of each of their sources alone (one thread), at
   several batch sizes (the gathering of a mixed batch is a fixed per-batch cost; reading is per example), and
   each mixed batch's milliseconds split into its sources' own reads and the mixer's own work.
+- ``reader_workers``: the table-source mixes read by DataLoader workers (``data.num_workers``): CPU time per batch of
+  every process and table rows read per example delivered, one process against 2 and 4 workers.
 
 A section given in ``--sections`` replaces that section of ``--out`` and keeps the others; each section
 carries its own provenance (machine, torch, commit, date, command).
@@ -42,9 +44,10 @@ from gem_trainer.bench_runs import ROOT, evaluate, mean_std, provenance, train, 
 from gem_trainer.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-SECTIONS = ("time_split_validation", "time_split", "domains", "synthetic", "reader_cost")
+SECTIONS = ("time_split_validation", "time_split", "domains", "synthetic", "reader_cost", "reader_workers")
 SPIKE_WINDOW, SPIKE_SMOOTH = 20, 5
 ROUNDS = 5  # reader_cost: paired measurements per mix and batch size
+WORKER_COUNTS, WORKER_ROUNDS = (0, 2, 4), 3  # reader_workers: DataLoader workers (0: none), measurements of each
 
 
 def train_records(run_dir: Path) -> dict[int, dict]:
@@ -340,44 +343,57 @@ def measure_mixed(name: str, makers: dict, config, surfaces: dict | None, second
     return row["examples_per_s_per_core"], {k: round(1e3 * v, 4) for k, v in ms.items()}, shares
 
 
+class ReaderMixes:
+    """The mixes the reader sections measure, per batch size: ``mixes(batch)`` gives name -> (source -> stream maker,
+    MixingConfig, stamped surfaces or None: one spec); ``tables_only`` leaves out the synthetic ones."""
+
+    def __init__(self, data: Path) -> None:
+        from gem_data import NextItemConfig, NextItemDataset, TimeSplit, TimeSplitDataset, read_atomic, read_sequence_text
+
+        pointwise = NextItemConfig(num_negatives=1, max_history=50)
+        movielens = read_atomic(data / "ml-100k")
+        beauty = read_sequence_text(data / "beauty" / "Beauty.txt", data / "beauty" / "Beauty_item2attributes.json")
+        split = TimeSplit(0.7, 0.9)
+        self.offline = TimeSplitDataset(movielens, pointwise, split, "offline").training_table()
+        self.online = TimeSplitDataset(movielens, pointwise, split, "online").training_table()
+        self.beauty = NextItemDataset(beauty, pointwise).training_table()
+        self.movies = NextItemDataset(movielens, pointwise).training_table()
+
+    def mixes(self, batch: int, tables_only: bool = False) -> dict:
+        from gem_data import MixingConfig, MixSource, SyntheticConfig, SyntheticGenerator, SyntheticStream, TableStream
+
+        def config(weights: dict[str, float], online: set[str] = frozenset(), **schedule) -> MixingConfig:
+            return MixingConfig(tuple(MixSource(s, w, s in online) for s, w in weights.items()), batch_size=batch, **schedule)
+
+        mixes = {
+            "ml100k offline+online (time split, one id space, ramp 0.2->0.8)": (
+                {"offline": lambda: TableStream(self.offline, batch),
+                 "online": lambda: TableStream(self.online, batch, shuffle=False)},
+                config({"offline": 1.0, "online": 1.0}, {"online"}, online_share_start=0.2, online_share_end=0.8,
+                       ramp_steps=200), None),
+            "beauty+ml100k (two domains, disjoint id spaces, 1:1)": (
+                {"beauty": lambda: TableStream(self.beauty, batch), "movielens": lambda: TableStream(self.movies, batch)},
+                config({"beauty": 1.0, "movielens": 1.0}), {"beauty": 0, "movielens": 1}),
+        }
+        if tables_only:
+            return mixes
+        generators = [SyntheticGenerator(SyntheticConfig(seed=s)) for s in range(2)]
+        synthetic = {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)}
+        return {**mixes,
+                "synthetic+synthetic (two generators, one spec, 3:1)": (synthetic, config({"feed": 3.0, "video": 1.0}), None),
+                "synthetic+synthetic (3:1, whole batches: granularity batch)": (
+                    synthetic, config({"feed": 3.0, "video": 1.0}, granularity="batch"), None)}
+
+
 def reader_cost(data: Path, seconds: float, batch_sizes: list[int]) -> dict:
     """Examples/s per core of each mixed stream against each of its sources alone (one thread each), per batch
     size; with the mixed batch's milliseconds split into its sources' reads and the mixer's own work."""
-    from gem_data import (MixingConfig, MixSource, NextItemConfig, NextItemDataset, SyntheticConfig,
-                          SyntheticGenerator, SyntheticStream, TableStream, TimeSplit, TimeSplitDataset, read_atomic,
-                          read_sequence_text)
     from gem_data.bench import measure
 
     torch.set_num_threads(1)
-    pointwise = NextItemConfig(num_negatives=1, max_history=50)
-    movielens = read_atomic(data / "ml-100k")
-    beauty = read_sequence_text(data / "beauty" / "Beauty.txt", data / "beauty" / "Beauty_item2attributes.json")
-    split = TimeSplit(0.7, 0.9)
-    offline = TimeSplitDataset(movielens, pointwise, split, "offline")
-    online = TimeSplitDataset(movielens, pointwise, split, "online")
-    beauty_set, movies_set = NextItemDataset(beauty, pointwise), NextItemDataset(movielens, pointwise)
-    rows = []
+    reader_mixes, rows = ReaderMixes(data), []
     for batch in batch_sizes:
-        generators = [SyntheticGenerator(SyntheticConfig(seed=s)) for s in range(2)]
-        # name -> (source -> stream maker, weights, online sources, schedule, stamped surfaces or None: one spec)
-        mixes = {
-            "ml100k offline+online (time split, one id space, ramp 0.2->0.8)": (
-                {"offline": lambda: TableStream(offline.training_table(), batch),
-                 "online": lambda: TableStream(online.training_table(), batch, shuffle=False)},
-                {}, {"online"}, dict(online_share_start=0.2, online_share_end=0.8, ramp_steps=200), None),
-            "beauty+ml100k (two domains, disjoint id spaces, 1:1)": (
-                {"beauty": lambda: TableStream(beauty_set.training_table(), batch),
-                 "movielens": lambda: TableStream(movies_set.training_table(), batch)},
-                {}, set(), {}, {"beauty": 0, "movielens": 1}),
-            "synthetic+synthetic (two generators, one spec, 3:1)": (
-                {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)},
-                {"feed": 3.0}, set(), {}, None),
-            "synthetic+synthetic (3:1, whole batches: granularity batch)": (
-                {"feed": lambda: SyntheticStream(generators[0], batch), "video": lambda: SyntheticStream(generators[1], batch)},
-                {"feed": 3.0}, set(), {"granularity": "batch"}, None),
-        }
-        for name, (makers, weights, online_names, schedule, surfaces) in mixes.items():
-            config = MixingConfig(tuple(MixSource(s, weights.get(s, 1.0), s in online_names) for s in makers), batch_size=batch, **schedule)
+        for name, (makers, config, surfaces) in reader_mixes.mixes(batch).items():
             # NOTE: rounds of (each source alone, then the mixture) one after the other, the ratio taken per round:
             # a shared machine's speed drifts over seconds, which would otherwise land in the ratio
             rounds, ratios, at_shares = [], [], []
@@ -416,6 +432,87 @@ def reader_cost(data: Path, seconds: float, batch_sizes: list[int]) -> dict:
             "rows": rows}
 
 
+def worker_cost(mixture, workers: int, batches: int) -> tuple[float, int, int]:
+    """CPU seconds of every process to deliver ``batches`` batches of ``mixture`` read by ``workers`` DataLoader
+    processes (0: the calling process), the table rows its sources read, and the examples delivered.
+
+    NOTE: a worker's reads are counted in memory shared with it (made before the workers fork); its CPU time is in
+    the children's usage once the loader's iterator has shut it down."""
+    import ctypes
+    import gc
+    import multiprocessing
+    import resource
+
+    from gem_data import TableStream, WorkerLoader
+
+    read = multiprocessing.Value(ctypes.c_int64, 0)
+    for source in mixture.sources:
+        if isinstance(source, TableStream):
+            for method in ("_rows", "_plans"):
+                def counted(positions, rows=getattr(source, method)):
+                    with read.get_lock():
+                        read.value += positions.numel()
+                    return rows(positions)
+                setattr(source, method, counted)
+
+    def cpu() -> float:
+        return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+
+    start, delivered, iterator = cpu(), 0, iter(WorkerLoader(mixture, num_workers=workers))
+    for _ in range(batches):
+        delivered += next(iterator).batch_size
+    del iterator  # shuts the workers down (and waits for them)
+    gc.collect()
+    return cpu() - start, read.value, delivered
+
+
+def reader_workers(data: Path, batch_sizes: list[int], examples: int) -> dict:
+    """Mixtures of table sources read by DataLoader workers: CPU time per batch (all processes) and table rows read
+    per example delivered, one process against 2 and 4 workers, per batch size; median of WORKER_ROUNDS rounds.
+
+    NOTE: each is the marginal cost of a batch, the difference between reading ``2n`` and ``n`` batches, so that
+    neither the start (forking the workers, the first reads) nor the end (the reads ahead past the last batch
+    delivered, the workers' prefetched batches) lands in it; ``n`` (``examples`` rows, and a multiple of the
+    ``GATHER_STEPS`` batches a worker gathers at once, times the workers) makes that difference whole gathers."""
+    from gem_data import FeatureAlignment, MixedStream
+    from gem_data.mixing import GATHER_STEPS
+
+    torch.set_num_threads(1)
+    reader_mixes, rows, period = ReaderMixes(data), [], GATHER_STEPS * WORKER_COUNTS[-1]
+    for batch in batch_sizes:
+        batches = max(examples // batch // period, 1) * period
+        for name, (makers, config, surfaces) in reader_mixes.mixes(batch, tables_only=True).items():
+            row = {"mix": name, "batch_size": batch, "batches": batches, "workers": {}}
+            for workers in WORKER_COUNTS:
+                rounds = []
+                for _ in range(WORKER_ROUNDS):
+                    costs = []
+                    for n in (batches, 2 * batches):
+                        streams = {s: make() for s, make in makers.items()}
+                        alignment = None if surfaces is None else FeatureAlignment(
+                            {s: x.spec for s, x in streams.items()}, surfaces=surfaces)
+                        costs.append(worker_cost(MixedStream(streams, config, alignment=alignment), workers, n))
+                    (cpu_n, read_n, seen_n), (cpu_2n, read_2n, seen_2n) = costs
+                    rounds.append((1e3 * (cpu_2n - cpu_n) / batches, (read_2n - read_n) / (seen_2n - seen_n)))
+                ms, read = statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
+                row["workers"][str(workers)] = {"cpu_ms_per_batch": round(ms, 4), "rows_read_per_example": round(read, 3),
+                                                "rounds": [{"cpu_ms_per_batch": round(c, 4), "rows_read_per_example": round(r, 3)}
+                                                           for c, r in rounds]}
+                print(f"reader_workers {name}, batch {batch}, {workers} workers: {ms:.3f} CPU ms/batch, "
+                      f"{read:.2f} rows read per example", flush=True)
+            rows.append(row)
+    return {"rounds": WORKER_ROUNDS, "batches": "n: examples_per_measure / batch size, rounded down to whole gathers of the "
+                                                 "most workers (at least one); each figure is the cost of batches n+1 .. 2n: "
+                                                 "reading 2n batches less reading n, over n",
+            "examples_per_measure": examples,
+            "workers": "0: the main process reads; 2, 4: DataLoader worker processes (WorkerLoader), each delivering every "
+                       "2nd / 4th batch",
+            "cpu_ms_per_batch": "CPU time of every process (the main one receiving the batches, the workers reading and "
+                                "handing them over) per batch delivered, median over rounds",
+            "rows_read_per_example": "table rows the sources read (TableStream._rows / _plans) per example delivered",
+            "rows": rows}
+
+
 # -- output ----------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-mixing"), help="folder for the run folders")
     parser.add_argument("--seconds", type=float, default=2.0, help="reader_cost: measuring time per stream and round")
     parser.add_argument("--reader-batch-sizes", nargs="+", type=int, default=[128, 256, 1024],
-                        help="reader_cost: batch sizes (the mixing configs train with 128 per rank)")
+                        help="reader_cost, reader_workers: batch sizes (the mixing configs train with 128 per rank)")
+    parser.add_argument("--worker-examples", type=int, default=32768, help="reader_workers: examples per measure")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -442,8 +540,10 @@ def main(argv: list[str] | None = None) -> int:
             result = domains(args.seeds, args.data, args.work)
         elif section == "synthetic":
             result = synthetic(args.seeds, args.work)
-        else:
+        elif section == "reader_cost":
             result = reader_cost(args.data, args.seconds, args.reader_batch_sizes)
+        else:
+            result = reader_workers(args.data, args.reader_batch_sizes, args.worker_examples)
         write_section(args.out, section, meta, started, result)
     return 0
 
