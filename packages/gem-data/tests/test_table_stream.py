@@ -4,8 +4,8 @@ import pytest
 import torch
 from gem_kunlun.testing import SPEC, random_batch
 
-from gem_data import (BatchSource, BatchTable, NextItemConfig, NextItemDataset, SyntheticConfig, SyntheticGenerator, SyntheticStream,
-                      TableStream, WorkerLoader)
+from gem_data import (BatchSource, BatchTable, NextItemConfig, NextItemDataset, ShardedStream, SyntheticConfig, SyntheticGenerator,
+                      SyntheticStream, TableStream, WorkerLoader)
 from gem_data.testing import equal_batches, example_fingerprints, small_corpus
 
 
@@ -195,3 +195,21 @@ def test_dataloader_workers_hand_over_whole_batches_and_each_its_catalogue_once(
     assert all(b.next_items is not None and b.sparse._length_per_key is not None for b in delivered)
     catalogues = [b.next_items.catalogue for b in delivered]
     assert catalogues[0] is not None and len({id(c) for c in catalogues}) == 2  # one object per worker
+
+
+class _Growing(ShardedStream):
+    """Batch ``i`` holds ``4 + 3 * i`` random rows: each outgrows the buffers a worker packed the earlier ones in."""
+
+    spec = SPEC
+
+    def global_batch(self, index):
+        return random_batch(4 + 3 * index, seed=index) if index < 24 else None
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_dataloader_workers_reuse_their_buffers_and_grow_them_with_the_batches():
+    # 24 batches through 2 workers of 4 buffers each: every buffer reused, and replaced where a batch outgrows it
+    single = list(_Growing(1))
+    delivered = list(WorkerLoader(_Growing(1), num_workers=2, prefetch_factor=2))
+    assert len(delivered) == len(single) == 24
+    assert all(equal_batches(a, b) for a, b in zip(delivered, single, strict=True))

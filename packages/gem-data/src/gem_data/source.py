@@ -15,9 +15,12 @@ another number of ranks as long as the global batch size stays the same.
 
 from __future__ import annotations
 
+import collections
+import multiprocessing
 from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -101,11 +104,12 @@ class WorkerLoader:
     The output order equals the single-process order (see the module docstring), so ``state_dict`` is the
     stream's own, advanced by one per batch delivered here, and can be resumed with any worker count.
 
-    A worker hands each batch over packed (``gem_data.packing``: every tensor in one buffer, with the host-side counts
-    the step needs taken there) and it is rebuilt here as views of that buffer: one shared-memory file per batch,
-    where a pickled batch crosses as one per tensor (a few dozen), which cost 3-4x the CPU time of reading the batch
-    (``benchmarks/results/mixing.json``, reader_workers). Objects every batch shares (an item catalogue) cross once
-    per worker.
+    A worker hands each batch over as ``ProcessReadAhead``'s reading process does: packed (``gem_data.packing``: every
+    tensor in one buffer, with the host-side counts the step needs taken there) into one of a few shared-memory
+    buffers it reuses, the DataLoader carrying only the batch's description (and a buffer the first time it is used);
+    here the buffer is copied out in one piece, handed back (a semaphore per worker) and the batch rebuilt as views of
+    the copy. A pickled batch crosses as a shared-memory file per tensor (a few dozen), made and sent for every batch.
+    Objects every batch shares (an item catalogue) cross once per worker.
     """
 
     def __init__(self, stream: ShardedStream, num_workers: int = 0, prefetch_factor: int = 2) -> None:
@@ -122,8 +126,10 @@ class WorkerLoader:
         # NOTE: a DataLoader iterator draws its workers' base seed from the generator it is given, by default the
         # global one, which then hands a resumed run other dropout masks than the run it continues (the draw
         # falls on the other side of the restored state); the streams draw nothing from it, so a fixed one serves
+        context = multiprocessing.get_context()
+        free = [context.Semaphore(0) for _ in range(self.num_workers)]  # batches of each worker copied out here
         loader = DataLoader(
-            _ErrorsAsItems(self.stream),
+            _ErrorsAsItems(self.stream, free, depth=self.prefetch_factor + 2),
             batch_size=None,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
@@ -131,13 +137,20 @@ class WorkerLoader:
             generator=torch.Generator().manual_seed(0),
         )
         shared: dict[int, dict[int, Any]] = {}  # worker -> token -> the objects its batches share
+        buffers: dict[tuple[int, int], torch.Tensor] = {}  # (worker, slot) -> that worker's shared buffer
         for item in loader:
             if isinstance(item, _WorkerError):
                 raise item.error
+            if item.new_buffer is not None:
+                buffers[item.worker, item.slot] = item.new_buffer
+            flat = torch.empty(item.description.nbytes, dtype=torch.uint8)
+            # NOTE: NumPy's copy is one memcpy (torch's would wake its intra-op threads for it)
+            np.copyto(flat.numpy(), buffers[item.worker, item.slot].numpy()[: item.description.nbytes])
+            free[item.worker].release()
             known = shared.setdefault(item.worker, {})
             known.update(item.new_shared)
             self.stream.position += 1
-            yield unpack(item.buffer, item.description, known)
+            yield unpack(flat, item.description, known)
 
     def state_dict(self) -> dict[str, Any]:
         return self.stream.state_dict()
@@ -158,11 +171,13 @@ class _WorkerError:
 
 
 class _Packed(NamedTuple):
-    """A batch as a worker hands it over: ``gem_data.packing``'s buffer and description, the shared objects first seen
-    in it, and the worker's id (whose shared objects' tokens these are)."""
+    """A batch as a worker hands it over: the worker (whose buffers and shared objects' tokens these are), the slot of
+    its buffer the batch is packed in (``new_buffer``: that buffer, where it is new), ``gem_data.packing``'s
+    description of the batch, and the shared objects first seen in it."""
 
     worker: int
-    buffer: torch.Tensor
+    slot: int
+    new_buffer: torch.Tensor | None
     description: Description
     new_shared: dict[int, Any]
 
@@ -175,19 +190,31 @@ class _ErrorsAsItems(IterableDataset):
     error would reach the user as a traceback. An error that cannot cross whole crosses as ``portable_error`` makes
     it."""
 
-    def __init__(self, stream: ShardedStream) -> None:
-        self.stream = stream
+    def __init__(self, stream: ShardedStream, free: list, depth: int) -> None:
+        self.stream, self.free, self.depth = stream, free, depth
 
     def __iter__(self) -> Iterator[_Packed | _WorkerError]:
         worker, shared = get_worker_info().id, Shared()
+        # NOTE: the main process copies a worker's batches out in the order sent, one release each; with more buffers
+        # than the DataLoader keeps batches of a worker in flight, a worker waits only on batches it is ahead by
+        buffers: list[torch.Tensor | None] = [None] * self.depth
+        idle, in_use = list(range(self.depth)), collections.deque()
         try:
             for batch in self.stream:
                 if isinstance(batch, Batch):
                     batch.count_on_host()
                 description, tensors, new_shared = describe(batch, shared)
-                buffer = torch.empty(description.nbytes, dtype=torch.uint8)
-                pack_into(buffer, description, tensors)
-                yield _Packed(worker, buffer, description, new_shared)
+                if not idle:
+                    self.free[worker].acquire()
+                    idle.append(in_use.popleft())
+                slot, new_buffer = idle.pop(), None
+                if buffers[slot] is None or buffers[slot].numel() < description.nbytes:
+                    # room to grow, so that a slightly larger batch later does not send a new buffer
+                    size = max(description.nbytes + description.nbytes // 4, 1 << 16)
+                    buffers[slot] = new_buffer = torch.empty(size, dtype=torch.uint8).share_memory_()
+                pack_into(buffers[slot], description, tensors)
+                in_use.append(slot)
+                yield _Packed(worker, slot, new_buffer, description, new_shared)
         except Exception as error:  # handed over whole, raised in the main process
             yield _WorkerError(portable_error(error))
 
