@@ -61,7 +61,7 @@ def test_the_worker_cost_counts_every_process_and_the_rows_the_workers_read(work
     table = BatchTable(generator.batch(0, 200), generator.spec)
     config = MixingConfig((MixSource("log", 2.0), MixSource("live", 1.0)), batch_size=16)
     mixture = MixedStream({"log": TableStream(table, 16, seed=1), "live": TableStream(table, 16, shuffle=False)}, config)
-    cpu, read, delivered = bench_mixing.worker_cost(mixture, workers, batches=40)
+    cpu, read, delivered = bench_mixing.worker_cost(mixture, workers, warm_up=0, batches=40)
     assert delivered == 40 * 16 and cpu > 0
     # every row delivered was read (in a worker, where the reads are counted through shared memory); the reads ahead
     # (of at least the tables' read_rows) past the last batch, in each worker, bound the rest

@@ -432,16 +432,15 @@ def reader_cost(data: Path, seconds: float, batch_sizes: list[int]) -> dict:
             "rows": rows}
 
 
-def worker_cost(mixture, workers: int, batches: int) -> tuple[float, int, int]:
-    """CPU seconds of every process to deliver ``batches`` batches of ``mixture`` read by ``workers`` DataLoader
-    processes (0: the calling process), the table rows its sources read, and the examples delivered.
+def worker_cost(mixture, workers: int, warm_up: int, batches: int) -> tuple[float, int, int]:
+    """CPU seconds of every process to deliver batches ``warm_up .. warm_up + batches - 1`` of ``mixture`` read by
+    ``workers`` DataLoader processes (0: the calling process), the table rows its sources read meanwhile, and the
+    examples delivered.
 
-    NOTE: a worker's reads are counted in memory shared with it (made before the workers fork); its CPU time is in
-    the children's usage once the loader's iterator has shut it down."""
+    NOTE: a worker's reads are counted in memory shared with it (made before the workers fork), its CPU time read
+    from ``/proc`` while it runs: a window after the start (forking the workers, the first reads) is measured alone."""
     import ctypes
-    import gc
     import multiprocessing
-    import resource
 
     from gem_data import TableStream, WorkerLoader
 
@@ -456,24 +455,32 @@ def worker_cost(mixture, workers: int, batches: int) -> tuple[float, int, int]:
                 setattr(source, method, counted)
 
     def cpu() -> float:
-        return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+        """This process's CPU seconds and its live children's (``/proc/<pid>/stat``: user and system clock ticks)."""
+        usage, ticks = time.process_time(), 0
+        for child in multiprocessing.active_children():
+            with open(f"/proc/{child.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        return usage + ticks / os.sysconf("SC_CLK_TCK")
 
-    start, delivered, iterator = cpu(), 0, iter(WorkerLoader(mixture, num_workers=workers))
+    iterator = iter(WorkerLoader(mixture, num_workers=workers))
+    for _ in range(warm_up):
+        next(iterator)
+    start, rows_before, delivered = cpu(), read.value, 0
     for _ in range(batches):
         delivered += next(iterator).batch_size
-    del iterator  # shuts the workers down (and waits for them)
-    gc.collect()
-    return cpu() - start, read.value, delivered
+    spent, rows = cpu() - start, read.value - rows_before
+    del iterator  # shuts the workers down
+    return spent, rows, delivered
 
 
 def reader_workers(data: Path, batch_sizes: list[int], examples: int) -> dict:
     """Mixtures of table sources read by DataLoader workers: CPU time per batch (all processes) and table rows read
     per example delivered, one process against 2 and 4 workers, per batch size; median of WORKER_ROUNDS rounds.
 
-    NOTE: each is the marginal cost of a batch, the difference between reading ``2n`` and ``n`` batches, so that
-    neither the start (forking the workers, the first reads) nor the end (the reads ahead past the last batch
-    delivered, the workers' prefetched batches) lands in it; ``n`` (``examples`` rows, and a multiple of the
-    ``GATHER_STEPS`` batches a worker gathers at once, times the workers) makes that difference whole gathers."""
+    NOTE: measured over ``n`` batches (``examples`` rows, a multiple of the ``GATHER_STEPS`` batches a worker gathers
+    at once, times the most workers: whole gathers of every worker) after as many batches as one such period, so
+    that neither the start (forking the workers, the first reads) nor the end lands in it."""
     from gem_data import FeatureAlignment, MixedStream
     from gem_data.mixing import GATHER_STEPS
 
@@ -486,14 +493,12 @@ def reader_workers(data: Path, batch_sizes: list[int], examples: int) -> dict:
             for workers in WORKER_COUNTS:
                 rounds = []
                 for _ in range(WORKER_ROUNDS):
-                    costs = []
-                    for n in (batches, 2 * batches):
-                        streams = {s: make() for s, make in makers.items()}
-                        alignment = None if surfaces is None else FeatureAlignment(
-                            {s: x.spec for s, x in streams.items()}, surfaces=surfaces)
-                        costs.append(worker_cost(MixedStream(streams, config, alignment=alignment), workers, n))
-                    (cpu_n, read_n, seen_n), (cpu_2n, read_2n, seen_2n) = costs
-                    rounds.append((1e3 * (cpu_2n - cpu_n) / batches, (read_2n - read_n) / (seen_2n - seen_n)))
+                    streams = {s: make() for s, make in makers.items()}
+                    alignment = None if surfaces is None else FeatureAlignment(
+                        {s: x.spec for s, x in streams.items()}, surfaces=surfaces)
+                    spent, read, delivered = worker_cost(MixedStream(streams, config, alignment=alignment), workers,
+                                                         period, batches)
+                    rounds.append((1e3 * spent / batches, read / delivered))
                 ms, read = statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
                 row["workers"][str(workers)] = {"cpu_ms_per_batch": round(ms, 4), "rows_read_per_example": round(read, 3),
                                                 "rounds": [{"cpu_ms_per_batch": round(c, 4), "rows_read_per_example": round(r, 3)}
@@ -501,9 +506,8 @@ def reader_workers(data: Path, batch_sizes: list[int], examples: int) -> dict:
                 print(f"reader_workers {name}, batch {batch}, {workers} workers: {ms:.3f} CPU ms/batch, "
                       f"{read:.2f} rows read per example", flush=True)
             rows.append(row)
-    return {"rounds": WORKER_ROUNDS, "batches": "n: examples_per_measure / batch size, rounded down to whole gathers of the "
-                                                 "most workers (at least one); each figure is the cost of batches n+1 .. 2n: "
-                                                 "reading 2n batches less reading n, over n",
+    return {"rounds": WORKER_ROUNDS, "batches": "measured: examples_per_measure / batch size, rounded down to whole gathers of "
+                                                 "the most workers (at least one), after one such period of batches",
             "examples_per_measure": examples,
             "workers": "0: the main process reads; 2, 4: DataLoader worker processes (WorkerLoader), each delivering every "
                        "2nd / 4th batch",
