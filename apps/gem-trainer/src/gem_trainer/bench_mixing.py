@@ -354,10 +354,11 @@ class ReaderMixes:
         movielens = read_atomic(data / "ml-100k")
         beauty = read_sequence_text(data / "beauty" / "Beauty.txt", data / "beauty" / "Beauty_item2attributes.json")
         split = TimeSplit(0.7, 0.9)
-        self.offline = TimeSplitDataset(movielens, pointwise, split, "offline").training_table()
-        self.online = TimeSplitDataset(movielens, pointwise, split, "online").training_table()
-        self.beauty = NextItemDataset(beauty, pointwise).training_table()
-        self.movies = NextItemDataset(movielens, pointwise).training_table()
+        # NOTE: each stream gets a table of its own (``training_table()`` when it is made), as a job reading it would
+        self.offline = TimeSplitDataset(movielens, pointwise, split, "offline")
+        self.online = TimeSplitDataset(movielens, pointwise, split, "online")
+        self.beauty = NextItemDataset(beauty, pointwise)
+        self.movies = NextItemDataset(movielens, pointwise)
 
     def mixes(self, batch: int, tables_only: bool = False) -> dict:
         from gem_data import MixingConfig, MixSource, SyntheticConfig, SyntheticGenerator, SyntheticStream, TableStream
@@ -367,12 +368,13 @@ class ReaderMixes:
 
         mixes = {
             "ml100k offline+online (time split, one id space, ramp 0.2->0.8)": (
-                {"offline": lambda: TableStream(self.offline, batch),
-                 "online": lambda: TableStream(self.online, batch, shuffle=False)},
+                {"offline": lambda: TableStream(self.offline.training_table(), batch),
+                 "online": lambda: TableStream(self.online.training_table(), batch, shuffle=False)},
                 config({"offline": 1.0, "online": 1.0}, {"online"}, online_share_start=0.2, online_share_end=0.8,
                        ramp_steps=200), None),
             "beauty+ml100k (two domains, disjoint id spaces, 1:1)": (
-                {"beauty": lambda: TableStream(self.beauty, batch), "movielens": lambda: TableStream(self.movies, batch)},
+                {"beauty": lambda: TableStream(self.beauty.training_table(), batch),
+                 "movielens": lambda: TableStream(self.movies.training_table(), batch)},
                 config({"beauty": 1.0, "movielens": 1.0}), {"beauty": 0, "movielens": 1}),
         }
         if tables_only:

@@ -123,11 +123,11 @@ class WorkerLoader:
         if self.num_workers == 0:
             yield from self.stream
             return
+        context = multiprocessing.get_context()
+        free = [context.Semaphore(0) for _ in range(self.num_workers)]  # batches of each worker copied out here
         # NOTE: a DataLoader iterator draws its workers' base seed from the generator it is given, by default the
         # global one, which then hands a resumed run other dropout masks than the run it continues (the draw
         # falls on the other side of the restored state); the streams draw nothing from it, so a fixed one serves
-        context = multiprocessing.get_context()
-        free = [context.Semaphore(0) for _ in range(self.num_workers)]  # batches of each worker copied out here
         loader = DataLoader(
             _ErrorsAsItems(self.stream, free, depth=self.prefetch_factor + 2),
             batch_size=None,
@@ -195,8 +195,8 @@ class _ErrorsAsItems(IterableDataset):
 
     def __iter__(self) -> Iterator[_Packed | _WorkerError]:
         worker, shared = get_worker_info().id, Shared()
-        # NOTE: the main process copies a worker's batches out in the order sent, one release each; with more buffers
-        # than the DataLoader keeps batches of a worker in flight, a worker waits only on batches it is ahead by
+        # NOTE: the main process copies a worker's batches out in the order sent, one release each; the DataLoader keeps
+        # at most prefetch_factor batches of a worker in flight, so with more buffers than that a worker never waits
         buffers: list[torch.Tensor | None] = [None] * self.depth
         idle, in_use = list(range(self.depth)), collections.deque()
         try:
