@@ -347,8 +347,9 @@ class MixedStream(ShardedStream):
         ranges = self._source_ranges(index, lo, hi, start, total)
         if not ranges:
             return None
+        workers = self._stride > 1
         return [(self.names[i], view, x, y) for i, a, b in ranges
-                for view, x, y in self._readers[i].read(a, b, self._later(i, index, start))]
+                for view, x, y in self._readers[i].read(a, b, self._later(i, index, start) if workers else None)]
 
     def _later(self, source: int, index: int, start: tuple[int, ...]) -> Iterator[tuple[int, int]] | None:
         """Source ``source``'s examples in each of the next ``AHEAD_STEPS`` global batches this reader delivers after
@@ -498,11 +499,12 @@ class ExampleReader:
         the example ranges the next reads will ask for, in order, where they are not the next examples."""
         segments = []
         while start < stop:
-            span = _holding(self._spans, start)
-            if span is None:
+            for first, end, row in self._spans:  # NOTE: a loop, not a call: one process reads twice a step per source
+                if first <= start < end:
+                    break
+            else:
                 self._hold(start, stop, later)
-                span = _holding(self._spans, start)
-            first, end, row = span
+                first, end, row = next(span for span in self._spans if span[0] <= start < span[1])
             end = min(stop, end)
             segments.append((self._view, row + start - first, row + end - first))
             start = end
@@ -564,14 +566,6 @@ def read_ranges(start: int, stop: int, later: Iterator[tuple[int, int]] | None, 
             ranges.append((a, b))
         held += b - a
     return ranges
-
-
-def _holding(spans: list[tuple[int, int, int]], example: int) -> tuple[int, int, int] | None:
-    """The span of ``spans`` holding ``example`` (None: none)."""
-    for span in spans:
-        if span[0] <= example < span[1]:
-            return span
-    return None
 
 
 def known_length(stream: ShardedStream) -> float | None:
