@@ -257,7 +257,7 @@ def test_a_data_worker_gives_one_process_batches_reading_only_its_own_rows(mixtu
     for worker in range(workers):
         stream = build(mixture)
         stream._stride = workers  # as iterating it in a DataLoader worker of `workers` sets it
-        read = {name: [] for name in stream.names}
+        read = {source_name: [] for source_name in stream.names}
         for source_name, source in zip(stream.names, stream.sources):
             for method in ("_rows", "_plans"):
                 def recorded(positions, read_rows=getattr(source, method), into=read[source_name]):
@@ -267,10 +267,10 @@ def test_a_data_worker_gives_one_process_batches_reading_only_its_own_rows(mixtu
         steps = range(worker, len(whole), workers)
         for step in steps:
             assert_same(stream.rank_batch(step), whole[step])
-        own = {name: set() for name in stream.names}
+        own = {source_name: set() for source_name in stream.names}
         for step in steps:
-            for name, first, n in zip(stream.names, one.positions(step), one.composition(step)):
-                own[name].update(range(first, first + n))
+            for source_name, first, n in zip(stream.names, one.positions(step), one.composition(step)):
+                own[source_name].update(range(first, first + n))
         after = dict(zip(stream.names, one.positions(steps[-1] + 1)))
         assert any(read.values())
         for source_name, positions in read.items():
