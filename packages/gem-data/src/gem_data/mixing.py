@@ -347,9 +347,8 @@ class MixedStream(ShardedStream):
         ranges = self._source_ranges(index, lo, hi, start, total)
         if not ranges:
             return None
-        workers = self._stride > 1
         return [(self.names[i], view, x, y) for i, a, b in ranges
-                for view, x, y in self._readers[i].read(a, b, self._later(i, index, start) if workers else None)]
+                for view, x, y in self._readers[i].read(a, b, self._later(i, index, start))]
 
     def _later(self, source: int, index: int, start: tuple[int, ...]) -> Iterator[tuple[int, int]] | None:
         """Source ``source``'s examples in each of the next ``AHEAD_STEPS`` global batches this reader delivers after
