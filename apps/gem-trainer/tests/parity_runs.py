@@ -17,7 +17,11 @@ BASE = [
     "--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=false", "--metrics.log_every=1",
     f"--schedule.steps={STEPS}", "--schedule.warmup_steps=2", "--checkpoint.every_steps=10", "--data.eval_batches=4",
     "--data.synthetic.max_events=24", "--model.kunlun.capacity_factor=1.0",
+    # NOTE: checkpoints written by the training process itself: an asynchronous save's writer process costs each rank a
+    # torch import (seconds of CPU, more than these runs' saves); ``ASYNCHRONOUS`` puts it back where a test needs it
+    "--checkpoint.asynchronous=false",
 ]
+ASYNCHRONOUS = "--checkpoint.asynchronous=true"
 # with plain SGD on the tables, averaging 2-D sparse replicas equals one process exactly (Adagrad is not linear);
 # two of the three surfaces trained on: the ranks' shares of a global batch differ in size
 SGD = ["--optimizer.sparse=sgd", "--optimizer.sparse_lr=0.5", "--model.kunlun.capacity_factor=0",

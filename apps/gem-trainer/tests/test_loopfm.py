@@ -18,8 +18,10 @@ from gem_trainer.trainer import Trainer
 from gem_transfer import RepresentationStore
 
 USERS = ["--data.synthetic.num_users=40", "--data.synthetic.max_events=24"]
+# (checkpoints written by the training process: a writer process would cost each run a torch import)
 SMALL = ["--data.batch_size=32", "--data.eval_batches=2", "--metrics.tensorboard=false", "--device=cpu",
-         "--schedule.warmup_steps=2", "--metrics.progress_bar=false", *USERS]
+         "--schedule.warmup_steps=2", "--metrics.progress_bar=false",
+         "--checkpoint.asynchronous=false", *USERS]
 STEPS = 8
 
 

@@ -16,8 +16,10 @@ from gem_trainer.run_folder import write_run_record
 from gem_trainer.trainer import Trainer
 from gem_transfer import SoftLabelError
 
+# (checkpoints written by the training process: a writer process would cost each run a torch import)
 SMALL = ["--data.batch_size=32", "--data.eval_batches=2", "--metrics.tensorboard=false", "--device=cpu",
-         "--schedule.warmup_steps=2", "--metrics.progress_bar=false"]
+         "--schedule.warmup_steps=2", "--metrics.progress_bar=false",
+         "--checkpoint.asynchronous=false"]
 STEPS = 8
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from gem_trainer.config import load_config
-from parity_runs import BASE, SGD, STEPS, assert_close_states, assert_same_run, final_state, losses, train
+from parity_runs import (ASYNCHRONOUS, BASE, SGD, STEPS, assert_close_states, assert_same_run, final_state, losses,
+                         train)
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +38,10 @@ def reference_sgd(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """FSDP over 2 ranks, tables table-wise over both."""
+    """FSDP over 2 ranks, tables table-wise over both; checkpoints written by the ranks' writer processes (agreeing
+    on one plan over a group of their own), which the resumption tests read."""
     run = tmp_path_factory.mktemp("two-ranks")
-    train(run, 2)
+    train(run, 2, ASYNCHRONOUS)
     return run
 
 

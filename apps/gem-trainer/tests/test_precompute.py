@@ -17,8 +17,10 @@ from gem_trainer.trainer import Trainer
 from gem_transfer.solaris import LocalRedisServer, find_redis_server, pair_keys
 from gem_transfer.solaris.local_redis import free_port
 
+# (checkpoints written by the training process: a writer process would cost each run a torch import)
 SMALL = ["--data.batch_size=32", "--data.eval_batches=2", "--metrics.tensorboard=false", "--device=cpu",
-         "--schedule.warmup_steps=2", "--metrics.progress_bar=false"]
+         "--schedule.warmup_steps=2", "--metrics.progress_bar=false",
+         "--checkpoint.asynchronous=false"]
 PAIRS, LOOKUPS = 128, 64
 
 
