@@ -1,6 +1,8 @@
 """What a newcomer meets: every failure is one line naming the file, line or field (``--debug`` keeps the
 traceback), nothing is dropped silently, and a run folder is never damaged by a mistaken re-run."""
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -24,6 +26,20 @@ TINY_NEXT_ITEM = [item for item in TINY if not item.startswith("--data.synthetic
 def cli(*args, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gem_trainer.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def cli_here(*args) -> subprocess.CompletedProcess:
+    """``cli`` in this process, for what the command line answers before any work (help, arguments, the config):
+    the same exit code and output without an interpreter's start-up (seconds: it imports torch)."""
+    from gem_trainer.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse's errors and --help
+            code = exit_.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def one_line(done: subprocess.CompletedProcess, code: int) -> str:
@@ -307,7 +323,8 @@ def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path):
      r"data error: .*/nowhere/x.parquet"),
 ])
 def test_runtime_failures_are_one_line(tmp_path, args, code, expected):
-    line = one_line(cli(*args, f"--run_dir={tmp_path / 'r'}"), code)
+    run = cli_here if args[0] == "config" else cli  # (a config is refused before any work)
+    line = one_line(run(*args, f"--run_dir={tmp_path / 'r'}"), code)
     assert re.search(expected, line), line
 
 
@@ -321,12 +338,12 @@ def test_a_cuda_device_without_fbgemm_cuda_kernels_is_one_line():
 
 
 def test_help_tells_how_to_override_and_resume():
-    top = cli("--help")
+    top = cli_here("--help")
     assert "``" not in top.stdout and "--section.field=value" in top.stdout
-    train = " ".join(cli("train", "--help").stdout.split())  # argparse wraps lines
+    train = " ".join(cli_here("train", "--help").stdout.split())  # argparse wraps lines
     assert "--section.field=value" in train and "resumes from the newest intact checkpoint" in train
     assert "--debug" in train
-    plot = cli("plot", "--help").stdout
+    plot = cli_here("plot", "--help").stdout
     assert "FLOP" not in plot and "PNG" in plot
 
 
@@ -375,10 +392,10 @@ def test_output_paths_and_process_counts_are_checked_before_any_work(tmp_path):
         (["launch", "--nproc-per-node=-1"], "argument --nproc-per-node: a number of processes is a positive integer"),
     ]
     for args, expected in cases:
-        done = cli(*args)
+        done = cli_here(*args)
         assert done.returncode == 2 and expected in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
     assert not (tmp_path / "nowhere").exists()
-    done = cli("flops", "--device=cpu", f"--out={tmp_path / 'new' / 'flops.json'}")  # its folder is made
+    done = cli_here("flops", "--device=cpu", f"--out={tmp_path / 'new' / 'flops.json'}")  # its folder is made
     assert done.returncode == 0 and json.loads((tmp_path / "new" / "flops.json").read_text()), done.stderr[-2000:]
 
 
