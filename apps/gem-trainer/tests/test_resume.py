@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-STEPS = 80
+STEPS = 40
 ARGS = [
     f"--schedule.steps={STEPS}",
-    "--schedule.warmup_steps=10",
-    "--checkpoint.every_steps=20",
+    "--schedule.warmup_steps=5",
+    "--checkpoint.every_steps=10",
     "--checkpoint.keep_latest=3",
-    "--metrics.log_every=10",
+    "--metrics.log_every=5",
     "--metrics.tensorboard=false",
     "--data.batch_size=128",
     "--data.eval_batches=2",
@@ -71,7 +71,7 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path):
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     subprocess.run(train_command(straight), check=True, env=env, capture_output=True, timeout=600)
 
-    kill_after_checkpoint(train_command(interrupted), interrupted, 40, env)
+    kill_after_checkpoint(train_command(interrupted), interrupted, 20, env)
     assert not (interrupted / "checkpoints" / f"step-{STEPS}").exists()
 
     resumed = subprocess.run(train_command(interrupted), env=env, capture_output=True, text=True, timeout=600)
