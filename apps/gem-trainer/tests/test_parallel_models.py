@@ -26,16 +26,17 @@ def test_two_ranks_of_a_two_tower_kunlun_sharing_its_item_table_equal_one_proces
     if not beauty.is_dir():
         pytest.skip(f"shared real data not found at {beauty} (expected ../shared/data beside the repository)")
     config = Path(__file__).resolve().parents[1] / "configs" / "beauty-kunlun.toml"
+    steps = 10
     overrides = [f"--config={config}", f"--data.path={beauty}", "--model.kunlun.share_item_table=true",
                  "--data.sequential.eval_users=200", '--data.sequential.eval_protocols=["sampled"]',
                  "--model.kunlun.dropout=0",  # dropout masks are drawn per rank
-                 "--schedule.steps=10"]  # (a final checkpoint at step 10, as BASE's every_steps)
+                 f"--schedule.steps={steps}"]
     train(tmp_path / "one", 1, *overrides)
     train(tmp_path / "two", 2, *overrides)
     ours, theirs = losses(tmp_path / "two"), losses(tmp_path / "one")
-    assert len(ours) == 10
+    assert len(ours) == steps
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=2e-5, atol=2e-6)
-    state, expected = final_state(tmp_path / "two", 10), final_state(tmp_path / "one", 10)
+    state, expected = final_state(tmp_path / "two", steps), final_state(tmp_path / "one", steps)
     assert any("t_history_item_id" in key for key in state) and not any("item_tower_t_item_id" in key for key in state)
     # NOTE: a softmax over the catalogue does not change when every item vector moves by one vector: the item
     # tower's bias has an exact gradient of zero (its Adam state and value only hold summation-order rounding)
