@@ -1,8 +1,6 @@
 """What a newcomer meets: every failure is one line naming the file, line or field (``--debug`` keeps the
 traceback), nothing is dropped silently, and a run folder is never damaged by a mistaken re-run."""
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -14,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_calls import cli, cli_here
+
 from gem_trainer.config import ConfigError, load_config
 from gem_trainer.distributed import check_fbgemm_cuda
 
@@ -21,25 +21,6 @@ TINY = ["--device=cpu", "--metrics.tensorboard=false", "--metrics.progress_bar=f
         "--data.eval_batches=1", "--data.synthetic.max_events=8", "--schedule.steps=4", "--schedule.warmup_steps=1",
         "--checkpoint.every_steps=2", "--checkpoint.keep_latest=3", "--metrics.log_every=1"]
 TINY_NEXT_ITEM = [item for item in TINY if not item.startswith("--data.synthetic.")]  # (refused where no source is synthetic)
-
-
-def cli(*args, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gem_trainer.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def cli_here(*args) -> subprocess.CompletedProcess:
-    """``cli`` in this process, for what the command line answers before any work (help, arguments, the config):
-    the same exit code and output without an interpreter's start-up (seconds: it imports torch)."""
-    from gem_trainer.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exit_:  # argparse's errors and --help
-            code = exit_.code
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def one_line(done: subprocess.CompletedProcess, code: int) -> str:
@@ -85,6 +66,16 @@ def test_launch_ends_with_its_process_one_line_error_and_exit_code(tmp_path):
                f"--data.path={path}", f"--run_dir={tmp_path / 'run'}", *TINY_NEXT_ITEM, "--parallelism.compile=off")
     assert one_line(done, 5) == f"gem-trainer: data error: {path}:6: '²3' is not a non-negative integer id"
     assert "launching:" in done.stdout
+
+
+def test_config_command_and_bad_config_exit_codes(tmp_path):
+    shown = cli_here("config", "--optimizer.lr=0.5", "--data.path", "some/folder")
+    assert shown.returncode == 0 and "lr = 0.5" in shown.stdout and 'path = "some/folder"' in shown.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optimizer]\nlearning_rate = 1\n")
+    failed = cli_here("config", "--config", str(bad))
+    assert failed.returncode == 2
+    assert failed.stderr.strip() == f"gem-trainer: config error: {bad}: optimizer.learning_rate: unknown field"
 
 
 @pytest.mark.parametrize("override", ["--optimizer.sparse_lr=0.1", "--optimizer.sparse_eps=1e-6",

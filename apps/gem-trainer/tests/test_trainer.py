@@ -1,11 +1,12 @@
 import dataclasses
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from cli_calls import cli, cli_here
 
 from gem_data import ReadAhead
 from gem_trainer import builders
@@ -208,14 +209,10 @@ def test_state_dict_round_trip_restores_step_data_position_and_schedule(tmp_path
     assert torch.equal(next(other._batches).dense, next(trainer._batches).dense)
 
 
-def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "gem_trainer.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.slow
 def test_train_learns_then_eval_plot_and_flops_work(tmp_path):
     run = tmp_path / "run"
-    done = run_cli("train", f"--run_dir={run}", "--schedule.steps=150", "--schedule.warmup_steps=10", "--metrics.log_every=50",
+    done = cli("train", f"--run_dir={run}", "--schedule.steps=150", "--schedule.warmup_steps=10", "--metrics.log_every=50",
                    *SMALL, "--data.eval_batches=16")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "train step 150" in done.stdout and "examples_per_s" in done.stdout and "tflops" in done.stdout
@@ -224,34 +221,24 @@ def test_train_learns_then_eval_plot_and_flops_work(tmp_path):
     assert result["conversion/all/auc"] > 0.6, result
     assert (run / "config.toml").is_file() and list((run / "tensorboard").glob("events.*")) == []
 
-    evaluated = run_cli("eval", f"--run_dir={run}", *SMALL, "--data.eval_batches=16")
+    evaluated = cli("eval", f"--run_dir={run}", *SMALL, "--data.eval_batches=16")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads((run / "eval.json").read_text())["click/all/auc"] == result["click/all/auc"]
 
-    plotted = run_cli("plot", f"--run_dir={run}")
+    plotted = cli_here("plot", f"--run_dir={run}")
     assert plotted.returncode == 0, plotted.stderr[-3000:]
     assert (run / "train.png").stat().st_size > 1000 and (run / "eval.png").is_file()
 
-    flops = run_cli("flops", f"--out={tmp_path / 'flops.json'}")
+    flops = cli_here("flops", f"--out={tmp_path / 'flops.json'}")
     assert flops.returncode == 0 and "layer0.attention" in flops.stdout and "layer1.moe" in flops.stdout
     report = json.loads((tmp_path / "flops.json").read_text())
     assert report["total_train_flops_per_example"] == pytest.approx(3 * report["total_forward_flops_per_example"])
 
 
-def test_config_command_and_bad_config_exit_codes(tmp_path):
-    shown = run_cli("config", "--optimizer.lr=0.5", "--data.path", "some/folder")
-    assert shown.returncode == 0 and "lr = 0.5" in shown.stdout and 'path = "some/folder"' in shown.stdout
-    bad = tmp_path / "bad.toml"
-    bad.write_text("[optimizer]\nlearning_rate = 1\n")
-    failed = run_cli("config", "--config", str(bad))
-    assert failed.returncode == 2
-    assert failed.stderr.strip() == f"gem-trainer: config error: {bad}: optimizer.learning_rate: unknown field"
-
-
 @pytest.mark.slow
 def test_launch_runs_two_processes_through_torchrun(tmp_path):
     run = tmp_path / "run"
-    done = run_cli(
+    done = cli(
         "launch", "--nproc-per-node", "2", f"--run_dir={run}", "--schedule.steps=20", "--schedule.warmup_steps=2",
         "--metrics.log_every=10", "--checkpoint.every_steps=10", *SMALL,
     )
@@ -267,9 +254,9 @@ def test_launch_runs_two_processes_through_torchrun(tmp_path):
 def test_distillation_from_a_finished_teacher_run(tmp_path):
     teacher, student = tmp_path / "teacher", tmp_path / "student"
     steps = ["--schedule.steps=100", "--schedule.warmup_steps=5", "--metrics.log_every=50"]
-    done = run_cli("train", f"--run_dir={teacher}", "--model.name=baseline", *steps, *SMALL)
+    done = cli("train", f"--run_dir={teacher}", "--model.name=baseline", *steps, *SMALL)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = run_cli("train", f"--run_dir={student}", f"--distillation.teacher_run_dir={teacher}", *steps, *SMALL)
+    done = cli("train", f"--run_dir={student}", f"--distillation.teacher_run_dir={teacher}", *steps, *SMALL)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "train step 100" in done.stdout
     result = json.loads((student / "eval.json").read_text())
