@@ -170,7 +170,9 @@ def _short_kv_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> list[d
     out = []
     for bm, tiles, w, st in [(128, 4, 8, 3), (128, 1, 8, 2), (128, 2, 8, 3), (128, 8, 8, 3), (64, 4, 4, 3),
                              (64, 8, 4, 3), (64, 2, 4, 2), (128, 4, 4, 3), (64, 1, 4, 2), (128, 16, 8, 4),
-                             (64, 16, 4, 3), (64, 8, 4, 2)]:
+                             (64, 16, 4, 3), (64, 8, 4, 2), (64, 8, 8, 2), (64, 16, 8, 3)]:
+        # NOTE: 8 warps on 64-row tiles split each tile's scores between two warp groups by key (half the registers a
+        # thread holds of a 64 x 256 score tile), where 128-row tiles give each group its own 64 rows
         bm = spec.block_size or min(bm, q_cap)
         q_bytes = bm * head_dim * itemsize
         # diagonal blocks stream K / V with the queries; otherwise they are loaded once
