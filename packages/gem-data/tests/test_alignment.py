@@ -17,6 +17,7 @@ from gem_data import (
     NextItemDataset,
     SyntheticConfig,
     SyntheticGenerator,
+    SyntheticStream,
     TableStream,
 )
 from gem_data.testing import equal_batches, small_corpus
@@ -95,12 +96,26 @@ def test_declarations_naming_no_source_and_an_alignment_of_other_specs_are_rejec
         FeatureAlignment(specs, id_spaces={"film": "x"})
     with pytest.raises(AlignmentError, match="surfaces must be >= 0"):
         FeatureAlignment(specs, surfaces={"shop": -1})
+    # 'shop', left out of id_spaces, is its own space named 'shop': films declaring a space of that name would join it
+    with pytest.raises(AlignmentError, match=r"id_spaces declares space\(s\) \['shop'\], the name of sources left out"):
+        FeatureAlignment({"shop": shop.spec, "films": shop.spec}, id_spaces={"films": "shop"})
     # the same features with a larger catalogue: its ids would run into the next source's shifted range
     bigger = NextItemDataset(small_corpus(tmp_path, "shop", 20, 60, True), NextItemConfig(num_negatives=1))
     streams = {"shop": TableStream(bigger.training_table(), 8), "films": TableStream(films.training_table(), 8)}
     config = MixingConfig((MixSource("shop"), MixSource("films")), batch_size=12)
     with pytest.raises(AlignmentError, match="source 'shop': its stream has another FeatureSpec than the alignment was built for"):
         MixedStream(streams, config, alignment=FeatureAlignment(specs, surfaces={"shop": 0, "films": 1}))
+    # a source keeping its reader's surfaces (none stamped) whose stream has more than the alignment counted
+    generator = SyntheticGenerator(SyntheticConfig(num_ads=500, max_events=8))
+    assert generator.spec.num_surfaces > 1
+    one_surface = dataclasses.replace(generator.spec, num_surfaces=1)
+    synthetic = {"a": SyntheticStream(generator, 8), "b": SyntheticStream(generator, 8)}
+    with pytest.raises(AlignmentError, match=r"source 'a': its stream has \d+ surfaces, the alignment was built for 1"):
+        MixedStream(synthetic, MixingConfig((MixSource("a"), MixSource("b")), batch_size=8),
+                    alignment=FeatureAlignment({"a": one_surface, "b": one_surface}, {"a": "", "b": ""}))
+    # stamped, the reader's surfaces are replaced: the stream may carry any number
+    MixedStream(synthetic, MixingConfig((MixSource("a"), MixSource("b")), batch_size=8),
+                alignment=FeatureAlignment({"a": one_surface, "b": one_surface}, {"a": "", "b": ""}, {"a": 0, "b": 1}))
 
 
 def test_retrieval_batches_need_one_id_space(tmp_path):

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import math
 
@@ -223,6 +224,28 @@ def test_sources_must_share_a_spec_and_configs_are_checked():
         MixedStream({**sources(), "extra": sources()["feed"]}, CONFIG)
     with pytest.raises(ValueError, match="not a mixture's"):
         MixedStream(sources(), CONFIG).load_state_dict({"position": 3, "global_batch_size": 64})
+    two = (MixSource("a"), MixSource("b", online=True))
+    for field, value in (("ramp_start", math.nan), ("ramp_steps", -1), ("batch_size", 2.5), ("batch_size", 0)):
+        with pytest.raises(ValueError, match=rf"MixingConfig.{field} must be an integer >= [01], got {value}"):
+            MixingConfig(two, online_share_start=0.1, online_share_end=0.5, **{field: value})
+    with pytest.raises(ValueError, match=r"ramp_start \(5\) and ramp_steps \(10\) schedule a move to online_share_end, which is not set"):
+        MixingConfig(two, online_share_start=0.1, ramp_start=5, ramp_steps=10)
+
+
+def test_large_seeds_seed_the_draws_and_the_tables_order():
+    """A run seed such as a date makes the derived generator seeds pass 64 bits: they are taken modulo 2**64 (what a
+    generator holds), and every seed that fitted draws what it drew before."""
+    config = dataclasses.replace(CONFIG, seed=20240101 * 10**6)
+    batch = next(iter(MixedStream(sources(), config)))
+    assert batch.batch_size == CONFIG.batch_size
+    small = MixedStream(sources(), dataclasses.replace(CONFIG, seed=3))
+    generator = torch.Generator().manual_seed(3 * 1_000_003 + 5)
+    probabilities = CONFIG.probabilities(5)
+    drawn = torch.multinomial(probabilities, small.global_batch_size, replacement=True, generator=generator)
+    assert small.composition(5) == tuple(torch.bincount(drawn, minlength=len(CONFIG.sources)).tolist())
+    generator = SyntheticGenerator(SyntheticConfig(**SPEC))
+    table = BatchTable(generator.batch(0, 40), generator.spec)
+    assert TableStream(table, 8, seed=20240101).global_batch(0).batch_size == 8
 
 
 class ShortStream(ShardedStream):

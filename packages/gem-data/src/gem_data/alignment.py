@@ -52,7 +52,13 @@ class FeatureAlignment:
         if negative:
             raise AlignmentError(f"surfaces must be >= 0 (a domain id), got {negative}")
         self.source_specs = dict(specs)
-        self.space_of = {name: id_spaces.get(name, f"{name}") for name in self.names}
+        # a source left out of id_spaces is its own space, named after it: a declared space of that name would
+        # silently join it (shared ids), so the ambiguity is refused
+        taken = sorted({space for space in id_spaces.values()} & {name for name in self.names if name not in id_spaces})
+        if taken:
+            raise AlignmentError(f"id_spaces declares space(s) {taken}, the name of sources left out of id_spaces (each "
+                                 f"its own space): give those sources their space in id_spaces, or name the declared one otherwise")
+        self.space_of = {name: id_spaces.get(name, name) for name in self.names}
         spaces: dict[str, list[str]] = {}
         for name in self.names:
             spaces.setdefault(self.space_of[name], []).append(name)
@@ -181,6 +187,12 @@ class FeatureAlignment:
         if difference:
             raise AlignmentError(f"source {name!r}: its stream has another FeatureSpec than the alignment was built for "
                                  f"({difference}); build the alignment from the streams' specs")
+        # a source whose domain id is not stamped keeps its reader's surfaces: the union must count all of them
+        built = self.source_specs[name].num_surfaces
+        if self._plans[name].surface is None and spec.num_surfaces > built:
+            raise AlignmentError(f"source {name!r}: its stream has {spec.num_surfaces} surfaces, the alignment was built for "
+                                 f"{built} (its examples' surface ids would lie outside the union's); build the alignment "
+                                 f"from the streams' specs or stamp the source's surface")
 
     def align(self, name: str, batch: Batch) -> Batch:
         """``batch`` of source ``name`` in the union spec (a new batch; ``batch`` is left as it was)."""

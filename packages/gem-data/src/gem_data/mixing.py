@@ -56,7 +56,7 @@ from gem_kunlun import Batch, FeatureSpec
 from gem_data.alignment import FeatureAlignment
 from gem_data.gathering import BatchView
 from gem_data.source import ShardedStream, spec_difference
-from gem_data.stream import SyntheticStream, TableStream
+from gem_data.stream import SEED_RANGE, SyntheticStream, TableStream
 
 ANCHOR_EVERY = 256  # steps between remembered source positions (backward queries replay at most this many draws)
 DRAW_BLOCK = 64  # steps whose compositions are drawn together (see MixedStream._draw)
@@ -104,8 +104,13 @@ class MixingConfig:
             for online in (True, False):
                 if sum(s.weight for s in self.sources if s.online == online) <= 0:
                     raise ValueError(f"MixingConfig: an online share schedule needs {'online' if online else 'offline'} sources with weight")
-        if self.ramp_steps < 0 or self.ramp_start < 0 or self.batch_size < 1:
-            raise ValueError("MixingConfig: ramp_start and ramp_steps must be >= 0 and batch_size >= 1")
+        for field, least in (("ramp_start", 0), ("ramp_steps", 0), ("batch_size", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"MixingConfig.{field} must be an integer >= {least}, got {value!r}")
+        if self.online_share_end is None and (self.ramp_start or self.ramp_steps):
+            raise ValueError(f"MixingConfig: ramp_start ({self.ramp_start}) and ramp_steps ({self.ramp_steps}) schedule a "
+                             f"move to online_share_end, which is not set (a constant share or no schedule)")
 
     def online_share(self, step: int) -> float | None:
         """The scheduled share of online examples at ``step`` (None without a schedule)."""
@@ -226,7 +231,7 @@ class MixedStream(ShardedStream):
         for step in range(start, stop):
             if config.online_share(step) != share:
                 share, probabilities = config.online_share(step), config.probabilities(step)
-            generator.manual_seed(config.seed * 1_000_003 + step)
+            generator.manual_seed((config.seed * 1_000_003 + step) % SEED_RANGE)  # (as TableStream's orders)
             if config.granularity == "batch":
                 draws.append(torch.multinomial(probabilities, 1, generator=generator))
             else:

@@ -28,6 +28,8 @@ from gem_data.table import ExampleTable
 # fixed cost (a few dozen small tensor operations assembling the batch) that these rows share; more rows per read
 # gain little and, with long histories, cost more per row
 READ_ROWS = 1024
+# a torch.Generator's seeds: derived seeds are taken modulo this (a negative one seeds as its two's complement anyway)
+SEED_RANGE = 1 << 64
 
 
 
@@ -213,4 +215,6 @@ class TableStream(ShardedStream):
             self._orders.popitem(last=False)
 
     def _generator(self, epoch: int, block: int) -> torch.Generator:
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1_000_033 + block + 1)
+        # NOTE: folded into the 64 bits a generator's seed holds (large run seeds overflowed it); every value below
+        # 2**64 seeds as before
+        return torch.Generator().manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + block + 1) % SEED_RANGE)
