@@ -166,6 +166,74 @@ def test_a_non_finite_row_stays_in_its_own_sequence(kernel):
 
 
 @triton_on_cpu
+@pytest.mark.parametrize("op", ["jfa causal", "blocks of 16", "relu window 2"])
+def test_a_non_finite_row_stays_in_its_own_sequence_through_16_bit_tiles(op):
+    """16-bit inputs take the kernels' descriptor (TMA) loads, which read whole tiles: a tile that runs past a
+    sequence reads the next one's rows. An inf in the next sequence's V (forward) or a NaN in its output gradient
+    (backward) must not reach this sequence through the zero probabilities that mask them (0 * inf = NaN)."""
+    off = offsets_of([3, 5])
+    calls = {"jfa causal": lambda q, k, v, kernel: jagged_flash_attention(q, k, v, off, 5, causal=True, kernel=kernel),
+             "blocks of 16": lambda q, k, v, kernel: block_attention(q, k, v, off, block_size=16, kernel=kernel),
+             "relu window 2": lambda q, k, v, kernel: gdpa(q, k, v, off, activation="relu", window=2, kernel=kernel)}
+    call = calls[op]
+    q, k, v = (rand(8, 1, 16, grad=True, dtype=torch.float16) for _ in range(3))
+    with torch.no_grad():
+        poisoned = v.clone()
+        poisoned[3] = float("inf")  # the first row of sequence 1
+        out = call(q, k, poisoned, "triton")
+    assert out[:3].isfinite().all() and torch.allclose(out[:3], call(q, k, poisoned, "pytorch")[:3], atol=2e-2, rtol=2e-2)
+    do = torch.randn(8, 1, 16, dtype=torch.float16)
+    do[4] = float("nan")  # an output gradient of sequence 1
+    grads = torch.autograd.grad(call(q, k, v, "triton"), (q, k, v), do)
+    expected = torch.autograd.grad(call(q, k, v, "pytorch"), (q, k, v), do)
+    for name, got, want in zip("qkv", grads, expected):
+        assert got[:3].isfinite().all() and torch.allclose(got[:3], want[:3], atol=2e-2, rtol=2e-2), name
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", TRITON])
+def test_windows_and_blocks_wider_than_every_sequence_mean_unbounded(kernel):
+    """A window of 2**31 - 1 (a natural "unbounded") or a block span past 32 bits is the unbounded mask: the kernels'
+    32-bit index arithmetic overflowed (reads before the sequence, or another mask), the reference's int64 one at
+    2**63 - 1."""
+    q, k, v = _qkv(9)
+    off = offsets_of([4, 5])
+    full = jagged_flash_attention(q, k, v, off, 5, kernel="pytorch")
+    causal = jagged_flash_attention(q, k, v, off, 5, causal=True, kernel="pytorch")
+    for window in (2**31 - 1, 2**63 - 1):
+        assert torch.allclose(jagged_flash_attention(q, k, v, off, 5, window=window, kernel=kernel), full, atol=1e-5)
+        assert torch.allclose(jagged_flash_attention(q, k, v, off, 5, window=window, causal=True, kernel=kernel), causal,
+                              atol=1e-5)
+    blocks = block_attention(q, k, v, off, block_size=2, window_blocks=3, kernel="pytorch")  # every earlier block
+    assert torch.allclose(block_attention(q, k, v, off, block_size=2, window_blocks=2**27, kernel=kernel, scale=1 / 6),
+                          block_attention(q, k, v, off, block_size=2, window_blocks=3, kernel=kernel, scale=1 / 6), atol=1e-5)
+    assert torch.allclose(block_attention(q, k, v, off, block_size=2, window_blocks=2**29, kernel=kernel), blocks, atol=1e-5)
+    one_block = block_attention(q, k, v, off, block_size=5, kernel="pytorch")  # a block the whole sequence
+    assert torch.allclose(block_attention(q, k, v, off, block_size=2**30, window_blocks=2, kernel=kernel), one_block,
+                          atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", TRITON])
+@pytest.mark.parametrize("causal", [False, True])  # the one-key-tile kernel, the general one
+def test_rows_whose_scores_are_all_very_negative_still_average_their_values(kernel, causal):
+    """Softmax is shift-invariant: a row whose every scaled score is about -1e6 (a large scale, or activations of
+    hundreds) averages its values as any other. The kernels took a running max below -5e5 for a row that saw no key
+    and output 0."""
+    q, k = torch.ones(5, 1, 16), -torch.ones(5, 1, 16)
+    k[:, :, 0] -= torch.arange(5.0)[:, None]  # distinct scores: not a uniform average
+    v = rand(5, 1, 16, grad=False)
+    off = offsets_of([5])
+    out = jagged_flash_attention(q, k, v, off, 5, causal=causal, scale=4e4, kernel=kernel)
+    expected = torch.softmax(4e4 * (q[:, 0] @ k[:, 0].T).masked_fill(torch.ones(5, 5).triu(1).bool() & causal, -math.inf), -1)
+    assert torch.allclose(out[:, 0], expected @ v[:, 0], atol=1e-5)
+
+
+def test_an_activation_that_is_not_a_name_is_a_one_line_error():
+    q, k, v = _qkv(7)
+    with pytest.raises(ValueError, match="^activation must be a name or a list of one per head, got None$"):
+        gdpa(q, k, v, offsets_of([3, 4]), activation=None)
+
+
+@triton_on_cpu
 def test_norms_read_strided_affine_parameters_as_their_values():
     x = rand(4, 16, grad=False)
     w, b = rand(32, grad=False)[::2], rand(32, grad=False)[::2]

@@ -134,8 +134,11 @@ def test_qkv_rotary_attention_refuses_to_rotate_a_leaf_in_place():
     offsets, positions = torch.tensor([0, 40, 80]), torch.rand(80)
     qkv = nn.Parameter(torch.randn(80, 3, 2, 16))
     before = qkv.detach().clone()
-    with pytest.raises(ValueError, match=r"^qkv is a leaf that requires grad: the Triton path rotates qkv in place"):
+    with pytest.raises(ValueError, match=r"^qkv is a leaf that requires grad, or a view of one: the Triton path rotates"):
         qkv_rotary_attention(qkv, positions, offsets, 40, kernel="triton")
+    flat = nn.Parameter(torch.randn(80, 3 * 2 * 16))  # a view of a leaf is not a leaf itself
+    with pytest.raises(ValueError, match=r"^qkv is a leaf that requires grad, or a view of one"):
+        qkv_rotary_attention(flat.view(80, 3, 2, 16), positions, offsets, 40, kernel="triton")
     assert torch.equal(qkv.detach(), before)
     out = qkv_rotary_attention(qkv, positions, offsets, 40, kernel="pytorch")  # the composed path leaves it
     assert out.shape == (80, 2, 16) and torch.equal(qkv.detach(), before)

@@ -12,6 +12,8 @@ from gem_kernels.ops.pytorch.pt_gdpa import pt_attention
 
 
 def resolve_activations(activation: str | list[str] | tuple[str, ...], num_heads: int) -> tuple[str, ...]:
+    if not isinstance(activation, (str, list, tuple)):
+        raise ValueError(f"activation must be a name or a list of one per head, got {activation!r}")
     acts = (activation,) * num_heads if isinstance(activation, str) else tuple(activation)
     if len(acts) != num_heads:
         raise ValueError(f"activation has {len(acts)} entries but q has {num_heads} heads")
@@ -19,6 +21,20 @@ def resolve_activations(activation: str | list[str] | tuple[str, ...], num_heads
         if a not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {a!r}")
     return acts
+
+
+def bounded_mask(max_q: int, max_kv: int, window_left: int | None, window_right: int | None, block_size: int | None,
+                 window_blocks: int | None) -> tuple[int | None, int | None, int | None, int | None]:
+    """The mask arguments with a window or block wider than the longest declared sequence cut to it: the same mask
+    (such a window or block spans every sequence), in numbers the kernels' 32-bit index arithmetic (and the
+    reference's 64-bit one) cannot overflow (a window of 2**31 - 1, meaning "unbounded", read out of bounds)."""
+    longest = max(max_q, max_kv, 1)
+    if block_size is not None:
+        block_size = min(block_size, longest)
+        if window_blocks is not None:
+            window_blocks = min(window_blocks, -(-longest // block_size))
+    return (None if window_left is None else min(window_left, longest),
+            None if window_right is None else min(window_right, longest), block_size, window_blocks)
 
 
 def run_attention(
@@ -45,6 +61,8 @@ def run_attention(
     """kv: the ``[Tk, 2, H, D]`` tensor whose slots k and v are (a fused key-value projection); the Triton backward
     then writes their gradient in one buffer."""
     head_dim = q.shape[2]
+    window_left, window_right, block_size, window_blocks = bounded_mask(max_q, max_kv, window_left, window_right,
+                                                                        block_size, window_blocks)
     if fp8:
         return _run_fp8(q, k, v, kv_offsets, max_kv, sm_scale, kernel, window_left, window_right, block_size, window_blocks)
     if kernel == "builtin":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gem_kernels.ops import _validation as V
-from gem_kernels.ops._dispatch import default_sm_scale
+from gem_kernels.ops._dispatch import bounded_mask, default_sm_scale
 from gem_kernels.ops.block_attention import block_attention
 from gem_kernels.ops.jagged_flash_attention import jagged_flash_attention
 from gem_kernels.ops.rotary import _check_positions, qkv_rotary
@@ -54,11 +54,12 @@ def qkv_rotary_attention(
                                    max_seq_len=max_seq_len, kernel=kernel, validate=validate, fp8=fp8)
         return jagged_flash_attention(q, k, v, offsets, max_seq_len, window=window, kernel=kernel, validate=validate,
                                       fp8=fp8)
-    if qkv.is_leaf and qkv.requires_grad:
-        # NOTE: torch refuses an in-place op on such a tensor (a parameter, an input leaf); rotated here, it would
-        # be changed for every later reader
-        raise ValueError("qkv is a leaf that requires grad: the Triton path rotates qkv in place; pass a projection's "
-                         "output (or kernel='pytorch')")
+    root = qkv if qkv._base is None else qkv._base  # (the tensor a view shares its memory with)
+    if root.is_leaf and root.requires_grad:
+        # NOTE: torch refuses an in-place op on such a tensor (a parameter, an input leaf) or a view of one; rotated
+        # here, it would be changed for every later reader
+        raise ValueError("qkv is a leaf that requires grad, or a view of one: the Triton path rotates qkv in place; pass "
+                         "a projection's output (or kernel='pytorch')")
     if block_size is not None:
         V.check_positive_int("block_size", block_size)
         V.check_positive_int("window_blocks", window_blocks)
@@ -71,9 +72,11 @@ def qkv_rotary_attention(
     from gem_kernels.ops.triton.triton_rotary_attention import triton_qkv_rotary_attention
 
     heads, head_dim = qkv.shape[2], qkv.shape[3]
+    window, _, block_size, window_blocks = bounded_mask(max_seq_len, max_seq_len, window, None, block_size,
+                                                        window_blocks if block_size is not None else None)
     spec = AttnSpec(max_q=max_seq_len, max_kv=max_seq_len, nq=None, activations=("softmax",) * heads,
                     sm_scale=default_sm_scale(head_dim), pw_scale=1.0, window_left=window, window_right=window,
-                    block_size=block_size, window_blocks=window_blocks if block_size is not None else None)
+                    block_size=block_size, window_blocks=window_blocks)
     return triton_qkv_rotary_attention(qkv, positions, offsets.contiguous(), spec, float(base))  # read with unit stride
 
 

@@ -217,13 +217,13 @@ def _online_softmax_scaled(s, scale, m_i, l_i, acc):
 @triton.jit
 def _softmax_output(acc, m_i, l_i):
     """A softmax head's output rows and log-sum-exp (base 2) from its running max, sum and accumulator. A row that
-    saw no visible key only ever met the -1e6 mask value: it outputs 0 and gets a huge LSE, so that the backward's
+    saw no visible key only ever met the -1e30 mask value: it outputs 0 and gets a huge LSE, so that the backward's
     ``exp2(s - lse)`` is exactly 0 for it.
 
     NOTE: a row that met a NaN score (a NaN query or key) has a NaN sum, and outputs NaN with a NaN LSE, as the
     reference. Its max cannot tell: ``tl.max`` drops NaNs (a NaN query's row keeps the mask value's max, and passed
     for a row that saw no key, with an output of 0)."""
-    seen = (m_i > -5.0e5) | (l_i != l_i)
+    seen = (m_i > -5.0e29) | (l_i != l_i)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     return tl.where(seen[:, None], acc / l_safe[:, None], 0.0), tl.where(seen, m_i + tl.log2(l_safe), 1.0e30)
 
@@ -238,9 +238,10 @@ def _fwd_tiles(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kmask = offs_n < k_len
-        if TMA:
-            # NOTE: a descriptor load reads whole tiles; rows past this sequence (another sequence's, or zeros past
-            # the tensor) only ever meet masked scores
+        if TMA and not MASKED:
+            # NOTE: a descriptor load reads whole tiles: only the unmasked tiles, which lie inside the sequence. A
+            # masked tile's rows past it are another sequence's, and a non-finite one would reach this sequence's
+            # output through the zero probabilities that mask it (0 * inf = NaN): pointer loads read zeros there
             k = K_desc.load([desc_row + n0, h_col])
             v = V_desc.load([desc_row + n0, h_col])
         else:
@@ -255,7 +256,7 @@ def _fwd_tiles(
             else:
                 s = s * qk_scale
                 if MASKED:
-                    s = tl.where(allowed, s, -1.0e6)
+                    s = tl.where(allowed, s, -1.0e30)
                 p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
         else:
             p = _act(s, ACT)
@@ -371,6 +372,24 @@ def attn_fwd_kernel(
 
 
 @triton.jit
+def _block_tile(K_base, V_base, K_desc, V_desc, k_start, m0, k_len, h, offs_n, offs_d, kmask, stride_kt, stride_vt,
+                TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The transposed K and the V tile of a diagonal block from key ``m0`` on. A sequence's last block may be partial:
+    through a descriptor only a whole one (see ``_fwd_tiles``), a partial one with pointer loads."""
+    if TMA:
+        if m0 + BLOCK_N <= k_len:
+            kt = tl.trans(K_desc.load([(k_start + m0).to(tl.int32), h * BLOCK_D]))
+            v = V_desc.load([(k_start + m0).to(tl.int32), h * BLOCK_D])
+        else:
+            kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, True)
+            v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
+    else:
+        kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, True)
+        v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
+    return kt, v
+
+
+@triton.jit
 def attn_fwd_short_kv_kernel(
     Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, Q_desc, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
@@ -415,22 +434,18 @@ def attn_fwd_short_kv_kernel(
             if DIAGONAL:
                 offs_n = m0 + tl.arange(0, BLOCK_N)
                 kmask = offs_n < k_len
-                if TMA:
-                    kt = tl.trans(K_desc.load([(k_start + m0).to(tl.int32), h * BLOCK_D]))
-                    v = V_desc.load([(k_start + m0).to(tl.int32), h * BLOCK_D])
-                else:
-                    kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, True)
-                    v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
+                kt, v = _block_tile(K_base, V_base, K_desc, V_desc, k_start, m0, k_len, h, offs_n, offs_d, kmask, stride_kt,
+                                    stride_vt, TMA, BLOCK_N, BLOCK_D)
             s = tl.dot(q, kt, input_precision=PREC)
             if ACT == 0:
                 if FOLD:  # the scale folded into the exponents, as in _online_softmax_scaled
                     # NOTE: keys past the sequence score -inf before scaling (-inf after it, at a scale > 0), and a
-                    # row that sees no key keeps the mask value's max, -1e6, as below
+                    # row that sees no key keeps the mask value's max, -1e30, as below
                     s = tl.where(kmask[None, :], s, float("-inf"))
-                    m_i = tl.maximum(tl.max(s, 1) * qk_scale, -1.0e6)
+                    m_i = tl.maximum(tl.max(s, 1) * qk_scale, -1.0e30)
                     p = tl.exp2(s * qk_scale - m_i[:, None])
                 else:
-                    s = tl.where(kmask[None, :], s * qk_scale, -1.0e6)
+                    s = tl.where(kmask[None, :], s * qk_scale, -1.0e30)
                     m_i = tl.max(s, 1)
                     p = tl.exp2(s - m_i[:, None])
                 l_i = tl.sum(p, 1)
@@ -453,7 +468,7 @@ def _bwd_kv_tiles(
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         qmask = offs_m < q_len
-        if TMA:  # rows past the sequence meet only masked pairs (and an LSE that zeroes their probabilities)
+        if TMA and not MASKED:  # whole tiles inside the sequence only (see _fwd_tiles)
             q = Q_desc.load([q_row + m0, h_col])
             do = DO_desc.load([o_row + m0, h_col])
         else:
@@ -628,7 +643,7 @@ def _bwd_q_tiles(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kmask = offs_n < k_len
-        if TMA:
+        if TMA and not MASKED:  # whole tiles inside the sequence only (see _fwd_tiles)
             k = K_desc.load([desc_row + n0, h_col])
             vt = tl.trans(V_desc.load([desc_row + n0, h_col]))
         else:

@@ -67,7 +67,7 @@ def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, s
         else:
             s = s * q_scale[:, None]
             if MASKED:
-                s = tl.where(_visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND), s, -1.0e6)
+                s = tl.where(_visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND), s, -1.0e30)
             p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
             p = p * P_SCALE
         if EXACT_CAST:  # the interpreter's FP8 cast rounds wrongly; the GPU's is exact
