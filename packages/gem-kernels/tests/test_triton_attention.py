@@ -489,19 +489,29 @@ def test_short_kv_forward_grid_over_the_real_runs_equals_the_declared_max_grid(c
     assert [grid[:2] for _, grid in declared_grids] == [(-(-max_q // run_rows), B)] * 2
 
 
-def test_the_grid_over_real_tiles_is_no_larger_than_the_declared_one(monkeypatch):
-    """Sequences of the declared length, a multiple of the tile: cdiv(T, tile) + B would launch B programs more than
-    there are tiles; the grid takes the declared count then, and the output is the reference's."""
+def test_sequences_that_fill_their_declared_length_take_the_declared_grid(monkeypatch):
+    """Sequences of the declared length (BlockAttention's equal lengths): a grid over the real tiles would save no
+    program and cost each one its lookup, so the declared grid runs, the forward's and the backward's; sequences
+    filling half of it take the real tiles. The outputs are the reference's either way."""
     from gem_kernels.ops.triton import _tuning
+    from gem_kernels.ops.triton.triton_attention import COMPACT_FILL, _sparse_grid
 
-    off = offsets_of([32, 32, 32])
-    q, k, v = (rand(96, 1, 16) for _ in range(3))
+    assert not _sparse_grid(96, 3, 32) and _sparse_grid(48, 3, 32) and COMPACT_FILL > 0.5
     grids = record_grids(monkeypatch)
-    monkeypatch.setattr(_tuning, "_PLANS", {})
-    out = jagged_flash_attention(q, k, v, off, 32, causal=True, kernel="triton")  # causal: the general forward
-    assert [g[:2] for _, g in grids] == [(6, 1)]  # 3 sequences of 2 tiles
-    assert_close(out, jagged_flash_attention(q, k, v, off, 32, causal=True, kernel="pytorch"), TOL[torch.float32],
-                 "out")
+    for lengths, expected in (([32, 32, 32], (2, 3)), ([16, 16, 16], (3 + 3, 1))):  # interpreter tiles of 16 rows
+        off = offsets_of(lengths)
+        q, k, v = (rand(int(off[-1]), 1, 16) for _ in range(3))
+        monkeypatch.setattr(_tuning, "_PLANS", {})
+        grids.clear()
+        out = jagged_flash_attention(q, k, v, off, 32, causal=True, kernel="triton")  # causal: the general kernels
+        do = rand(int(off[-1]), 1, 16)
+        got = grads(out, [q, k, v], do)
+        assert {name: grid[:2] for name, grid in grids} == {"attn_fwd_kernel": expected, "attn_bwd_dq_kernel": expected,
+                                                           "attn_bwd_dkdv_kernel": expected}, lengths
+        ref = jagged_flash_attention(q, k, v, off, 32, causal=True, kernel="pytorch")
+        assert_close(out, ref, TOL[torch.float32], "out")
+        for g, want, name in zip(got, grads(ref, [q, k, v], do), ("dq", "dk", "dv")):
+            assert_close(g, want, TOL[torch.float32], name)
 
 
 def test_the_short_kv_forward_takes_only_the_tiles_it_holds():

@@ -252,16 +252,27 @@ def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> lis
 # batch timed with it (the benchmark's JFA and cross cases, 256 sequences); past it, every program's lookup grows
 # with the batch while its own work may be a short sequence's few tiles
 COMPACT_MAX_SEQS = 256
+# ... and whose rows fill less than this share of their declared lengths: there the declared grid launches many
+# programs that exit at once. Where the sequences fill them (BlockAttention's equal lengths), the grid over the real
+# tiles saves no program and its lookups cost: the block_w512 case's dK / dV kernel ran longer over the real tiles
+# (benchmarks/grid_choice)
+COMPACT_FILL = 0.75
 
 
-def _tile_grid(n_seqs: int, nh: int, declared: int, rows: Slot, block: str, jagged: bool, tiles: str | None = None):
+def _sparse_grid(rows: int, n_seqs: int, declared: int) -> bool:
+    """Whether ``n_seqs`` sequences of ``rows`` rows in all fill less than COMPACT_FILL of their declared lengths
+    (a grid over their real tiles then pays)."""
+    return rows < COMPACT_FILL * n_seqs * declared
+
+
+def _tile_grid(n_seqs: int, nh: int, declared: int, rows: Slot, block: str, sparse: bool, tiles: str | None = None):
     """(grid function, rows slot index or None, COMPACT / SEQS constexprs) of a kernel's programs over the tiles of
     ``block`` rows (times ``tiles``, for a program that streams that many of them) of ``n_seqs`` sequences of at
-    most ``declared`` rows: over the real tiles where the sequences are ``jagged`` and at most COMPACT_MAX_SEQS, else
-    one per declared tile of each sequence. The real tiles are at most ``cdiv(T, tile) + n_seqs`` (T: the rows of
+    most ``declared`` rows: over the real tiles where the sequences are ``sparse`` (jagged, filling little of their
+    declared lengths: ``_sparse_grid``) and at most COMPACT_MAX_SEQS, else one per declared tile of each sequence. The real tiles are at most ``cdiv(T, tile) + n_seqs`` (T: the rows of
     the call's tensor ``rows``) and at most the declared ones (the fewer for sequences of equal length)."""
     size = (lambda c: c[block]) if tiles is None else (lambda c: c[block] * c[tiles])
-    if jagged and 0 < n_seqs <= COMPACT_MAX_SEQS:
+    if sparse and 0 < n_seqs <= COMPACT_MAX_SEQS:
         return ((lambda c, n: (min(cdiv(n, size(c)) + n_seqs, cdiv(declared, size(c)) * n_seqs), 1, nh)), rows.index,
                 dict(COMPACT=True, SEQS=_pow2_at_least(n_seqs, 16)))
     return (lambda c: (cdiv(declared, size(c)), n_seqs, nh)), None, dict(COMPACT=False, SEQS=16)
@@ -342,15 +353,17 @@ def attention_forward(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec):
     lse = torch.empty((T_out, H), dtype=torch.float32, device=q.device)
     tensors = (q, k, v, o, lse, kv_offsets if q_offsets is None else q_offsets, kv_offsets,
                kv_offsets if kv_index is None else kv_index)
+    sparse = q_offsets is not None and _sparse_grid(q.shape[0], q_offsets.shape[0] - 1, spec.max_q)
     key = ("fwd", spec, q.get_device(), TMA_LOADS, _layout(q), _layout(k), _layout(v), _index_layout(q_offsets),
-           _index_layout(kv_offsets), _index_layout(kv_index))
-    for planned in plan(key, lambda: _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec)):
+           _index_layout(kv_offsets), _index_layout(kv_index), sparse)
+    for planned in plan(key, lambda: _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec, sparse)):
         planned(tensors)
     return o, lse
 
 
-def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> list[PlannedLaunch]:
-    """The forward's launches for the layouts of these tensors: one per activation's heads."""
+def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec, sparse: bool) -> list[PlannedLaunch]:
+    """The forward's launches for the layouts of these tensors: one per activation's heads. ``sparse``: the query
+    sequences fill little of their declared lengths (``_sparse_grid``)."""
     B = q_offsets.shape[0] - 1 if spec.nq is None else kv_offsets.shape[0] - 1
     H, D = q.shape[1], q.shape[2]
     # NOTE: the plan outlives the call: what its functions read of the tensors is taken here, so that they do not
@@ -382,7 +395,7 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
             short_args, tma = _tiles(args[:9] + (F.Q, F.K, F.V) + args[11:-6] + (B,) + args[-6:-4], 9,
                                      [(q, F.Q, "BLOCK_M")] + ([(k, F.K, block_n), (v, F.V, block_n)] if diagonal else []))
             # a program streams Q_TILES query tiles: its grid runs over the real runs of that many
-            grid, rows, compact = _tile_grid(B, nh, spec.max_q, F.Q, "BLOCK_M", jagged=spec.nq is None, tiles="Q_TILES")
+            grid, rows, compact = _tile_grid(B, nh, spec.max_q, F.Q, "BLOCK_M", sparse=sparse, tiles="Q_TILES")
             launches.append(PlannedLaunch(
                 attn_fwd_short_kv_kernel, grid, short_args,
                 dict(ACT=code, Q_JAGGED=spec.nq is None, HAS_KV_IDX=kv_index is not None, DIAGONAL=diagonal,
@@ -391,7 +404,7 @@ def _forward_plan(q, k, v, q_offsets, kv_offsets, kv_index, spec: AttnSpec) -> l
             continue
         args = args[:-6] + (B,) + args[-6:]  # the general kernel also takes the number of examples, after NQ
         args, consts["TMA"] = _tiles(args, 9, [(k, F.K, "BLOCK_N"), (v, F.V, "BLOCK_N")])
-        grid, rows, compact = _tile_grid(B, nh, spec.max_q, F.Q, "BLOCK_M", jagged=spec.nq is None)
+        grid, rows, compact = _tile_grid(B, nh, spec.max_q, F.Q, "BLOCK_M", sparse=sparse)
         launches.append(PlannedLaunch(attn_fwd_kernel, grid, args, dict(consts, **compact), key,
                                       lambda: _candidates("fwd", spec, D), rows=rows))
     return launches
@@ -447,11 +460,13 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
         cand_off = cand_ids = kv_offsets
     tensors = (do, q, k, v, o, lse, delta, dq, dk, dv, kv_offsets if q_offsets is None else q_offsets, kv_offsets,
                cand_off, cand_ids, kv_offsets if kv_index is None else kv_index)
+    # (the query sequences' and the kv sequences' fill of their declared lengths: see _sparse_grid)
+    sparse = (q_offsets is not None and _sparse_grid(q.shape[0], B, spec.max_q), _sparse_grid(k.shape[0], R, spec.max_kv))
     key = ("bwd", spec, q.get_device(), TMA_LOADS, _layout(do), _layout(q), _layout(k), _layout(v), _layout(o), lse.stride(),
            _layout(dq), _layout(dk), _layout(dv), delta_from_o, _index_layout(q_offsets), _index_layout(kv_offsets),
-           _index_layout(kv_index))
+           _index_layout(kv_index), sparse)
     for planned in plan(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, kv_index is not None, spec, B, R,
-                                                    fused, broadcast, delta_from_o)):
+                                                    fused, broadcast, delta_from_o, sparse)):
         planned(tensors)
     if spec.nq is not None:  # the broadcast queries' gradient: the per-example partials summed
         dq = sum_rows(dq.view(B, spec.nq * H * D), q.dtype).view(spec.nq, H, D)
@@ -459,9 +474,10 @@ def attention_backward(do, q, k, v, o, lse, q_offsets, kv_offsets, kv_index, spe
 
 
 def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: AttnSpec, B: int, R: int, fused: bool,
-                   broadcast: bool, delta_from_o: bool) -> list[PlannedLaunch]:
+                   broadcast: bool, delta_from_o: bool, sparse: tuple[bool, bool]) -> list[PlannedLaunch]:
     """The backward's launches for the layouts of these tensors: per activation's heads, the one-launch backward
-    (short kv sequences, diagonal blocks), the broadcast queries' one (PMA), or dQ then dK / dV."""
+    (short kv sequences, diagonal blocks), the broadcast queries' one (PMA), or dQ then dK / dV. ``sparse``: whether
+    the query and the kv sequences fill little of their declared lengths (``_sparse_grid``)."""
     D = q.shape[2]
     itemsize = q.element_size()  # (the plan must not hold the tensors: see _forward_plan)
     mask_kind, wl, wr, bs, kb = spec.mask_args
@@ -510,7 +526,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
              o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
              spec.nq or 0, B, spec.sm_scale * _LOG2E, scale, wl, wr, bs, kb), 12,
             [(k, G.K, "BLOCK_N"), (v, G.V, "BLOCK_N")])
-        grid, rows, compact = _tile_grid(B, nh, spec.max_q, G.DO, "BLOCK_M", jagged=spec.nq is None)
+        grid, rows, compact = _tile_grid(B, nh, spec.max_q, G.DO, "BLOCK_M", sparse=sparse[0])
         launches.append(PlannedLaunch(
             attn_bwd_dq_kernel, grid, args,
             dict(common, HAS_KV_IDX=has_kv_index, TMA=tma, DELTA_FROM_O=code == 0, **compact),
@@ -519,7 +535,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
             (G.Q, G.K, G.V, G.DO, G.LSE, G.DELTA, G.DK, G.DV, G.Q_OFF, G.KV_OFF, G.CAND_OFF, G.CAND_IDS, head_ids,
              G.Q, G.DO, *strides, scales[0], R, *scales[1:], wl, wr, bs, kb), 13,
             [(q, G.Q, "BLOCK_M"), (do, G.DO, "BLOCK_M")])
-        grid, rows, compact = _tile_grid(R, nh, spec.max_kv, G.K, "BLOCK_N", jagged=True)
+        grid, rows, compact = _tile_grid(R, nh, spec.max_kv, G.K, "BLOCK_N", sparse=sparse[1])
         launches.append(PlannedLaunch(
             attn_bwd_dkdv_kernel, grid, args,
             dict(common, HAS_CAND=has_kv_index, TMA=tma, **compact),
