@@ -254,8 +254,8 @@ def _broadcast_q_candidates(spec: AttnSpec, head_dim: int, itemsize: int) -> lis
 COMPACT_MAX_SEQS = 256
 # ... and whose rows fill less than this share of their declared lengths: there the declared grid launches many
 # programs that exit at once. Where the sequences fill them (BlockAttention's equal lengths), the grid over the real
-# tiles saves no program and its lookups cost: the block_w512 case's dK / dV kernel ran longer over the real tiles
-# (benchmarks/grid_choice)
+# tiles saves no program and each program still pays its lookup (benchmarks/grid_choice times the real-tile, the
+# declared and this choice's grids)
 COMPACT_FILL = 0.75
 
 

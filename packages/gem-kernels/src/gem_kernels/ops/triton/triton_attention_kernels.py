@@ -229,6 +229,33 @@ def _softmax_output(acc, m_i, l_i):
 
 
 @triton.jit
+def _row_tiles(A_base, B_base, A_desc, B_desc, a_row, b_row, h_col, offs, stride_a, stride_b, offs_d, mask, inside,
+               TMA: tl.constexpr, MASKED: tl.constexpr):
+    """Two ``[rows, D]`` tiles of the same rows (K and V, or Q and dO): through their descriptors (from rows ``a_row``
+    and ``b_row``, head column ``h_col``) where the tile lies ``inside`` its sequence, else pointer loads (zeros past
+    it, where ``MASKED``).
+
+    NOTE: a descriptor load reads whole tiles. An unmasked tile lies inside its sequence; a masked one may cross its
+    end (the others, a causal diagonal or a window's edge, stop short of it), and the rows past the end are another
+    sequence's: a non-finite one would reach this sequence's results through the zero probabilities that mask it
+    (0 * inf = NaN). Pointer loads read zeros there."""
+    if TMA and not MASKED:
+        a = A_desc.load([a_row, h_col])
+        b = B_desc.load([b_row, h_col])
+    elif TMA:
+        if inside:
+            a = A_desc.load([a_row, h_col])
+            b = B_desc.load([b_row, h_col])
+        else:
+            a = _load_rows(A_base, offs, stride_a, offs_d, mask, True)
+            b = _load_rows(B_base, offs, stride_b, offs_d, mask, True)
+    else:
+        a = _load_rows(A_base, offs, stride_a, offs_d, mask, MASKED)
+        b = _load_rows(B_base, offs, stride_b, offs_d, mask, MASKED)
+    return a, b
+
+
+@triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt, stride_vt, offs_m, offs_d, start,
     end, k_len, qk_scale, Wl, Wr, BS, KB,
@@ -238,15 +265,8 @@ def _fwd_tiles(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kmask = offs_n < k_len
-        if TMA and not MASKED:
-            # NOTE: a descriptor load reads whole tiles: only the unmasked tiles, which lie inside the sequence. A
-            # masked tile's rows past it are another sequence's, and a non-finite one would reach this sequence's
-            # output through the zero probabilities that mask it (0 * inf = NaN): pointer loads read zeros there
-            k = K_desc.load([desc_row + n0, h_col])
-            v = V_desc.load([desc_row + n0, h_col])
-        else:
-            k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)
-            v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, MASKED)
+        k, v = _row_tiles(K_base, V_base, K_desc, V_desc, desc_row + n0, desc_row + n0, h_col, offs_n, stride_kt,
+                          stride_vt, offs_d, kmask, n0 + BLOCK_N <= k_len, TMA, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASKED:
             allowed = _visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND)
@@ -375,7 +395,7 @@ def attn_fwd_kernel(
 def _block_tile(K_base, V_base, K_desc, V_desc, k_start, m0, k_len, h, offs_n, offs_d, kmask, stride_kt, stride_vt,
                 TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The transposed K and the V tile of a diagonal block from key ``m0`` on. A sequence's last block may be partial:
-    through a descriptor only a whole one (see ``_fwd_tiles``), a partial one with pointer loads."""
+    through a descriptor only a whole one (see ``_row_tiles``), a partial one with pointer loads."""
     if TMA:
         if m0 + BLOCK_N <= k_len:
             kt = tl.trans(K_desc.load([(k_start + m0).to(tl.int32), h * BLOCK_D]))
@@ -468,12 +488,8 @@ def _bwd_kv_tiles(
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         qmask = offs_m < q_len
-        if TMA and not MASKED:  # whole tiles inside the sequence only (see _fwd_tiles)
-            q = Q_desc.load([q_row + m0, h_col])
-            do = DO_desc.load([o_row + m0, h_col])
-        else:
-            q = _load_rows(Q_base, offs_m, stride_qt, offs_d, qmask, MASKED)
-            do = _load_rows(DO_base, offs_m, stride_dot, offs_d, qmask, MASKED)
+        q, do = _row_tiles(Q_base, DO_base, Q_desc, DO_desc, q_row + m0, o_row + m0, h_col, offs_m, stride_qt, stride_dot,
+                           offs_d, qmask, m0 + BLOCK_M <= q_len, TMA, MASKED)
         # NOTE: both products are issued before the mask and the statistics' loads, which then overlap them: with
         # the loads first, run_all's backward kernel times were 5-7% above the run before (kernels-h200.json at
         # 1049b4a against 39c5bf6); in this order the sm_90 instruction stream is the earlier run's again
@@ -643,12 +659,9 @@ def _bwd_q_tiles(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kmask = offs_n < k_len
-        if TMA and not MASKED:  # whole tiles inside the sequence only (see _fwd_tiles)
-            k = K_desc.load([desc_row + n0, h_col])
-            vt = tl.trans(V_desc.load([desc_row + n0, h_col]))
-        else:
-            k = _load_rows(K_base, offs_n, stride_kt, offs_d, kmask, MASKED)
-            vt = _load_cols(V_base, offs_n, stride_vt, offs_d, kmask, MASKED)
+        k, v = _row_tiles(K_base, V_base, K_desc, V_desc, desc_row + n0, desc_row + n0, h_col, offs_n, stride_kt,
+                          stride_vt, offs_d, kmask, n0 + BLOCK_N <= k_len, TMA, MASKED)
+        vt = tl.trans(v)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, vt, input_precision=PREC)
         if MASKED:
