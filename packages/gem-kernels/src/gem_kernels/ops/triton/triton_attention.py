@@ -269,8 +269,9 @@ def _tile_grid(n_seqs: int, nh: int, declared: int, rows: Slot, block: str, spar
     """(grid function, rows slot index or None, COMPACT / SEQS constexprs) of a kernel's programs over the tiles of
     ``block`` rows (times ``tiles``, for a program that streams that many of them) of ``n_seqs`` sequences of at
     most ``declared`` rows: over the real tiles where the sequences are ``sparse`` (jagged, filling little of their
-    declared lengths: ``_sparse_grid``) and at most COMPACT_MAX_SEQS, else one per declared tile of each sequence. The real tiles are at most ``cdiv(T, tile) + n_seqs`` (T: the rows of
-    the call's tensor ``rows``) and at most the declared ones (the fewer for sequences of equal length)."""
+    declared lengths: ``_sparse_grid``) and at most COMPACT_MAX_SEQS, else one per declared tile of each sequence.
+    The real tiles are at most ``cdiv(T, tile) + n_seqs`` (T: the rows of the call's tensor ``rows``) and at most
+    the declared ones (the fewer for sequences of equal length)."""
     size = (lambda c: c[block]) if tiles is None else (lambda c: c[block] * c[tiles])
     if sparse and 0 < n_seqs <= COMPACT_MAX_SEQS:
         return ((lambda c, n: (min(cdiv(n, size(c)) + n_seqs, cdiv(declared, size(c)) * n_seqs), 1, nh)), rows.index,
