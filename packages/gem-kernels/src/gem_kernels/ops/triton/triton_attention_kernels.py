@@ -236,9 +236,9 @@ def _row_tiles(A_base, B_base, A_desc, B_desc, a_row, b_row, h_col, offs, stride
     it, where ``MASKED``).
 
     NOTE: a descriptor load reads whole tiles. An unmasked tile lies inside its sequence; a masked one may cross its
-    end (the others, a causal diagonal or a window's edge, stop short of it), and the rows past the end are another
-    sequence's: a non-finite one would reach this sequence's results through the zero probabilities that mask it
-    (0 * inf = NaN). Pointer loads read zeros there."""
+    end (the others, a causal diagonal, a window's edge or a whole diagonal block, stop short of it), and the rows past
+    the end are another sequence's: a non-finite one would reach this sequence's results through the zero
+    probabilities that mask it (0 * inf = NaN). Pointer loads read zeros there."""
     if TMA and not MASKED:
         a = A_desc.load([a_row, h_col])
         b = B_desc.load([b_row, h_col])
@@ -392,24 +392,6 @@ def attn_fwd_kernel(
 
 
 @triton.jit
-def _block_tile(K_base, V_base, K_desc, V_desc, k_start, m0, k_len, h, offs_n, offs_d, kmask, stride_kt, stride_vt,
-                TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The transposed K and the V tile of a diagonal block from key ``m0`` on. A sequence's last block may be partial:
-    through a descriptor only a whole one (see ``_row_tiles``), a partial one with pointer loads."""
-    if TMA:
-        if m0 + BLOCK_N <= k_len:
-            kt = tl.trans(K_desc.load([(k_start + m0).to(tl.int32), h * BLOCK_D]))
-            v = V_desc.load([(k_start + m0).to(tl.int32), h * BLOCK_D])
-        else:
-            kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, True)
-            v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
-    else:
-        kt = _load_cols(K_base, offs_n, stride_kt, offs_d, kmask, True)
-        v = _load_rows(V_base, offs_n, stride_vt, offs_d, kmask, True)
-    return kt, v
-
-
-@triton.jit
 def attn_fwd_short_kv_kernel(
     Q, K, V, O, LSE, Q_OFF, KV_OFF, KV_IDX, HEAD_IDS, Q_desc, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
@@ -454,8 +436,11 @@ def attn_fwd_short_kv_kernel(
             if DIAGONAL:
                 offs_n = m0 + tl.arange(0, BLOCK_N)
                 kmask = offs_n < k_len
-                kt, v = _block_tile(K_base, V_base, K_desc, V_desc, k_start, m0, k_len, h, offs_n, offs_d, kmask, stride_kt,
-                                    stride_vt, TMA, BLOCK_N, BLOCK_D)
+                # a sequence's last block may be partial: masked, through a descriptor only when whole
+                row = (k_start + m0).to(tl.int32)
+                k, v = _row_tiles(K_base, V_base, K_desc, V_desc, row, row, h * BLOCK_D, offs_n, stride_kt, stride_vt,
+                                  offs_d, kmask, m0 + BLOCK_N <= k_len, TMA, True)
+                kt = tl.trans(k)
             s = tl.dot(q, kt, input_precision=PREC)
             if ACT == 0:
                 if FOLD:  # the scale folded into the exponents, as in _online_softmax_scaled
