@@ -514,6 +514,73 @@ def test_sequences_that_fill_their_declared_length_take_the_declared_grid(monkey
             assert_close(g, want, TOL[torch.float32], name)
 
 
+@pytest.mark.parametrize("case", ["general", "cross_short", "cross_index", "diagonal", "pma", "fp8"])
+def test_sequence_major_grid_equals_the_tile_major_grid(case, monkeypatch):
+    """Past CUDA's 65,535 programs along a grid's axis 1, a grid over the declared tiles numbers the sequences along
+    axis 0 (SEQ_MAJOR): bit for bit the output and gradients of the tile-major grid, for every kernel whose grid runs
+    over the sequences (the general forward, dQ and dK / dV; the one-key-tile forward; the one-launch and the
+    broadcast queries' backward; the FP8 forward). The switch is forced here on a few sequences."""
+    from gem_kernels.ops.triton import _tuning, triton_attention
+
+    lengths = [0, 37, 5, 16, 70, 0, 23]
+    off = offsets_of(lengths)
+    T, B, H, D = int(off[-1]), len(lengths), 2, 16
+    q, k, v = (rand(T, H, D, scale=0.5) for _ in range(3))
+    own_kv = offsets_of([3, 9, 0, 16, 1, 7, 2])
+    kv_short = [rand(int(own_kv[-1]), H, D, scale=0.5) for _ in range(2)]
+    kv_index = torch.tensor([0, 2, 1, 0, 2, 0, 1])
+    shared_kv = offsets_of([9, 0, 16])
+    kv_shared = [rand(int(shared_kv[-1]), H, D, scale=0.5) for _ in range(2)]
+    pq = rand(3, H, D, scale=0.5)
+    calls = {
+        "general": (lambda: jagged_flash_attention(q, k, v, off, 96, causal=True, kernel="triton"), [q, k, v]),
+        "cross_short": (lambda: gdpa(q, *kv_short, off, own_kv, activation=["softmax", "gelu"], kernel="triton"),
+                        [q, *kv_short]),
+        "cross_index": (lambda: gdpa(q, *kv_shared, off, shared_kv, kv_index=kv_index, kernel="triton"),
+                        [q, *kv_shared]),
+        "diagonal": (lambda: block_attention(q, k, v, off, block_size=16, window_blocks=1, max_seq_len=96,
+                                             kernel="triton"), [q, k, v]),
+        "pma": (lambda: gdpa(pq, k, v, None, off, activation=["softmax", "gelu"], kernel="triton"), [pq, k, v]),
+        "fp8": (lambda: jagged_flash_attention(q, k, v, off, 96, kernel="triton", fp8=True), [q, k, v]),
+    }
+    call, inputs = calls[case]
+    do = None
+    grids = record_grids(monkeypatch)
+    monkeypatch.setattr(triton_attention, "COMPACT_MAX_SEQS", 0)  # the declared grids
+
+    def run(seq_major: bool):
+        nonlocal do
+        monkeypatch.setattr(triton_attention, "_seq_major", lambda n: seq_major)
+        monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the grids picked before
+        grids.clear()
+        out = call()
+        do = torch.randn_like(out) if do is None else do
+        return (out, *grads(out, inputs, do)), list(grids)
+
+    tile_major, tile_grids = run(False)
+    seq_major, seq_grids = run(True)
+    for got, want, name in zip(seq_major, tile_major, ("out", "d0", "d1", "d2")):
+        assert torch.equal(got, want), name
+    swapped = [name for (name, grid), (_, other) in zip(seq_grids, tile_grids) if grid != other]
+    assert swapped and all(grid[0] == other[1] and grid[1] == other[0] and grid[2] == other[2]
+                           for (name, grid), (_, other) in zip(seq_grids, tile_grids) if name in swapped)
+    kv_sequences = 3 if case == "cross_index" else B  # what dK / dV's grid runs over
+    assert all(grid[0] == (kv_sequences if name == "attn_bwd_dkdv_kernel" else B)
+               for name, grid in seq_grids if name in swapped), seq_grids
+
+
+def test_a_grid_of_more_sequences_than_axis_1_holds_numbers_them_on_axis_0():
+    """CUDA's limit of 65,535 programs on a grid's axes 1 and 2: more sequences go on axis 0; a grid that would
+    exceed the limit either way is refused with the shape named."""
+    from gem_kernels.ops.triton.triton_attention import MAX_GRID_YZ, _declared_grid, _seq_major
+
+    assert MAX_GRID_YZ == 65535 and not _seq_major(65535) and _seq_major(65536)
+    assert _declared_grid(4, 70000, 2, _seq_major(70000)) == (70000, 4, 2)
+    assert _declared_grid(4, 300, 2, _seq_major(300)) == (4, 300, 2)
+    with pytest.raises(ValueError, match="70000 sequences of 70000 tiles"):
+        _declared_grid(70000, 70000, 2, True)
+
+
 def test_the_short_kv_forward_takes_only_the_tiles_it_holds():
     """Up to SHORT_KV_MAX keys of full attention, where one K and one V tile fit SHORT_KV_BYTES: 256 keys in 16 bits
     at head dim 128, not in float32 nor at head dim 256; no blocks or windows."""

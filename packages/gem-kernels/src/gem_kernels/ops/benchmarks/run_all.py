@@ -389,11 +389,24 @@ def run_checks(rec: Recorder):
         ]
     # fp16 only where it adds coverage (bf16 is what the interpreter cannot test); each variant costs compiles
     cases = [c for c in cases if c[1] == torch.bfloat16 or c[0] in ("jfa_causal_w", "gdpa_cross_index")]
+    # more sequences than a CUDA grid's axis 1 holds (65,535): the grids over declared tiles number them along axis 0
+    many = torch.randint(1, 9, (70000,), generator=torch.Generator().manual_seed(2)).tolist()
+    many_off, many_ko = offsets(many), offsets([n % 5 + 1 for n in many])
+    cases += [
+        ("many_seqs_jfa_causal", torch.bfloat16, 2e-2, lambda q, k, v, kern: jagged_flash_attention(
+            q, k, v, many_off, 8, causal=True, kernel=kern), "many_self"),
+        ("many_seqs_cross_short", torch.bfloat16, 2e-2, lambda q, k, v, kern: gdpa(
+            q, k, v, many_off, many_ko, activation=["softmax", "silu"] * 2, kernel=kern), "many_cross"),
+        ("many_seqs_pma", torch.bfloat16, 2e-2, lambda q, k, v, kern: gdpa(q, k, v, None, many_off, kernel=kern),
+         "many_pma"),
+    ]
     for name, dt, tol, fn, mode in cases:
         def one(name=name, dt=dt, tol=tol, fn=fn, mode=mode):
-            Tq = {"self": T, "cross": T, "cross_own": T, "cross_long": T, "pma": 32}[mode]
+            Tq = {"self": T, "cross": T, "cross_own": T, "cross_long": T, "pma": 32, "many_self": int(many_off[-1]),
+                  "many_cross": int(many_off[-1]), "many_pma": 32}[mode]
             Tk = {"self": T, "cross": int(ko[-1]), "cross_own": int(own_ko[-1]), "cross_long": int(long_ko[-1]),
-                  "pma": T}[mode]
+                  "pma": T, "many_self": int(many_off[-1]), "many_cross": int(many_ko[-1]),
+                  "many_pma": int(many_off[-1])}[mode]
             q = randn(Tq, H, D, dtype=dt, grad=True, scale=0.3)
             k = randn(Tk, H, D, dtype=dt, grad=True, scale=0.3)
             v = randn(Tk, H, D, dtype=dt, grad=True)

@@ -259,6 +259,26 @@ COMPACT_MAX_SEQS = 256
 COMPACT_FILL = 0.75
 
 
+# CUDA runs at most this many programs along a grid's axes 1 and 2: a grid over the declared tiles of more sequences
+# numbers the sequences along axis 0 instead (SEQ_MAJOR: see triton_attention_kernels._declared_tile)
+MAX_GRID_YZ = 65535
+
+
+def _seq_major(n_seqs: int) -> bool:
+    """Whether a grid over the declared tiles of ``n_seqs`` sequences numbers them along axis 0."""
+    return n_seqs > MAX_GRID_YZ
+
+
+def _declared_grid(tiles: int, n_seqs: int, nh: int, seq_major: bool) -> tuple[int, int, int]:
+    """The grid of ``tiles`` programs for each of ``n_seqs`` sequences and ``nh`` heads: tiles along axis 0 and
+    sequences along axis 1, or (``seq_major``, ``_seq_major``) the other way round."""
+    grid = (n_seqs, tiles, nh) if seq_major else (tiles, n_seqs, nh)
+    if grid[1] > MAX_GRID_YZ or nh > MAX_GRID_YZ:
+        raise ValueError(f"attention over {n_seqs} sequences of {tiles} tiles and {nh} heads needs more programs than "
+                         f"a CUDA grid holds (at most {MAX_GRID_YZ} along axes 1 and 2): split the batch")
+    return grid
+
+
 def _sparse_grid(rows: int, n_seqs: int, declared: int) -> bool:
     """Whether ``n_seqs`` sequences of ``rows`` rows in all fill less than COMPACT_FILL of their declared lengths
     (a grid over their real tiles then pays)."""
@@ -275,8 +295,10 @@ def _tile_grid(n_seqs: int, nh: int, declared: int, rows: Slot, block: str, spar
     size = (lambda c: c[block]) if tiles is None else (lambda c: c[block] * c[tiles])
     if sparse and 0 < n_seqs <= COMPACT_MAX_SEQS:
         return ((lambda c, n: (min(cdiv(n, size(c)) + n_seqs, cdiv(declared, size(c)) * n_seqs), 1, nh)), rows.index,
-                dict(COMPACT=True, SEQS=_pow2_at_least(n_seqs, 16)))
-    return (lambda c: (cdiv(declared, size(c)), n_seqs, nh)), None, dict(COMPACT=False, SEQS=16)
+                dict(COMPACT=True, SEQS=_pow2_at_least(n_seqs, 16), SEQ_MAJOR=False))
+    seq_major = _seq_major(n_seqs)
+    return ((lambda c: _declared_grid(cdiv(declared, size(c)), n_seqs, nh, seq_major)), None,
+            dict(COMPACT=False, SEQS=16, SEQ_MAJOR=seq_major))
 
 
 def _bucket(n: int) -> int:
@@ -501,11 +523,12 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
                      o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
                      dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
                      spec.sm_scale * _LOG2E, scale, scale, 1.0 if code == 0 else scale)
+            seq_major = _seq_major(B)
             launches.append(PlannedLaunch(
                 attn_bwd_short_kv_kernel,
-                (lambda c, nh=nh: (cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh)) if diagonal else
-                (lambda c, nh=nh: (1, B, nh)), fargs,
-                dict(ACT=code, DIAGONAL=diagonal, PREC=_prec(q.dtype), BLOCK_D=D,
+                (lambda c, nh=nh: _declared_grid(cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh, seq_major))
+                if diagonal else (lambda c, nh=nh: _declared_grid(1, B, nh, seq_major)), fargs,
+                dict(ACT=code, DIAGONAL=diagonal, PREC=_prec(q.dtype), BLOCK_D=D, SEQ_MAJOR=seq_major,
                      BLOCK_N=spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)),
                 ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, itemsize)))
             continue
@@ -513,10 +536,11 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
             # one program per kv sequence: dK / dV of its key tiles and the example's dQ partial, in one pass
             bargs = (G.Q, G.K, G.V, G.DO, G.LSE, G.DELTA, G.DK, G.DV, G.DQ, G.KV_OFF, head_ids, *strides,
                      dq.stride(0), dq.stride(1), *scales, scale)
+            seq_major = _seq_major(R)
             launches.append(PlannedLaunch(
-                attn_bwd_broadcast_q_kernel, lambda c, nh=nh: (1, R, nh), bargs,
+                attn_bwd_broadcast_q_kernel, lambda c, nh=nh: _declared_grid(1, R, nh, seq_major), bargs,
                 dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16),
-                     DELTA_FROM_O=delta_from_o),
+                     DELTA_FROM_O=delta_from_o, SEQ_MAJOR=seq_major),
                 ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, itemsize)))
             continue
         # dQ first: it writes delta (softmax heads) for dK / dV. The streamed tiles through tensor descriptors where

@@ -17,6 +17,8 @@ in one launch (PMA's per-example dQ partials are then summed by ``triton_sum_row
 The general kernels' grids run over the real tiles (``COMPACT``): program ``i`` finds its sequence and tile from the
 offsets (``_real_tile``), so a batch of few long sequences among short ones launches no programs that exit at once
 (a grid sized by the declared max length launched ~6x the real tiles on the benchmark's batches).
+Otherwise a grid numbers each sequence's declared tiles on axis 0 and the sequences on axis 1, or, for batches of
+more sequences than CUDA runs along axis 1 (65,535), the other way round (``SEQ_MAJOR``, ``_declared_tile``).
 
 Because the interval is monotone, every (query tile, key tile) pair is classified once per program: tiles
 outside the union of intervals are skipped, tiles inside every row's interval run without any mask, and only
@@ -321,11 +323,24 @@ def _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED: tl.constexpr, HAS_KV_IDX
 
 
 @triton.jit
-def _real_tile(OFF, n_seqs, COMPACT: tl.constexpr, SEQS: tl.constexpr, BLOCK: tl.constexpr):
+def _declared_tile(SEQ_MAJOR: tl.constexpr):
+    """(sequence, tile) of a program of a grid over each sequence's declared tiles: the tile on axis 0 and the
+    sequence on axis 1, or, ``SEQ_MAJOR`` (more sequences than axis 1 holds), the other way round."""
+    if SEQ_MAJOR:
+        s = tl.program_id(0)
+        t = tl.program_id(1)
+    else:
+        s = tl.program_id(1)
+        t = tl.program_id(0)
+    return s, t
+
+
+@triton.jit
+def _real_tile(OFF, n_seqs, COMPACT: tl.constexpr, SEQS: tl.constexpr, BLOCK: tl.constexpr, SEQ_MAJOR: tl.constexpr):
     """(sequence, tile) of this program. ``COMPACT``: axis 0 numbers the real ``BLOCK``-row tiles of the ``n_seqs``
     (at most ``SEQS``, a power of two) sequences of offsets ``OFF``, sequence after sequence; a program past the last
-    tile gets the last sequence and a tile past its end. Otherwise axis 0 is the tile and axis 1 the sequence (a grid
-    sized by the declared max length)."""
+    tile gets the last sequence and a tile past its end. Otherwise a grid sized by the declared max length
+    (``_declared_tile``)."""
     if COMPACT:
         i = tl.program_id(0)
         j = tl.arange(0, SEQS)
@@ -337,8 +352,7 @@ def _real_tile(OFF, n_seqs, COMPACT: tl.constexpr, SEQS: tl.constexpr, BLOCK: tl
         s = tl.minimum(tl.sum((ends <= i).to(tl.int32), 0), n_seqs - 1)
         t = i - tl.sum(tl.where(j == s, ends - tiles, 0), 0)
     else:
-        s = tl.program_id(1)
-        t = tl.program_id(0)
+        s, t = _declared_tile(SEQ_MAJOR)
     return s, t
 
 
@@ -349,13 +363,13 @@ def attn_fwd_kernel(
     NQ, NB, qk_scale, out_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
     PREC: tl.constexpr, TMA: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr, FOLD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SEQ_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``TMA``: K and V tiles through tensor descriptors of ``[Tk, H * D]`` views (``K_desc`` / ``V_desc``, blocks of
     ``[BLOCK_N, BLOCK_D]``): whole-tile copies the pointer loads' address arithmetic does not pay for. ``COMPACT``:
     a grid over the real query tiles of the ``NB`` examples (``_real_tile``). ``FOLD``: the scale is positive, and
     unmasked tiles fold it into their exponents (``_online_softmax_scaled``)."""
-    b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, BLOCK_M)
+    b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, BLOCK_M, SEQ_MAJOR)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
     m0 = pid_m * BLOCK_M
@@ -398,7 +412,7 @@ def attn_fwd_short_kv_kernel(
     NQ, NB, qk_scale, out_scale,
     ACT: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr, DIAGONAL: tl.constexpr,
     PREC: tl.constexpr, TMA: tl.constexpr, FOLD: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
+    SEQ_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
 ):
     """The forward of attention where every query sees exactly one key tile, whole:
 
@@ -412,7 +426,7 @@ def attn_fwd_short_kv_kernel(
     streamed tiles (query tiles, and the diagonal's key tiles) through tensor descriptors; rows past a sequence
     give outputs that are never stored, or meet masked scores. ``COMPACT``: a grid over the real runs of ``Q_TILES``
     query tiles of the ``NB`` examples (``_real_tile``)."""
-    b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, Q_TILES * BLOCK_M)
+    b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, Q_TILES * BLOCK_M, SEQ_MAJOR)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
     m_first = pid_m * (Q_TILES * BLOCK_M)
@@ -526,11 +540,11 @@ def attn_bwd_dkdv_kernel(
     NQ, NR, qk_scale, dk_scale, dv_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_CAND: tl.constexpr,
     PREC: tl.constexpr, TMA: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SEQ_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``TMA``: the streamed Q and dO tiles through tensor descriptors (as ``attn_fwd_kernel``'s K / V).
     ``COMPACT``: a grid over the real key tiles of the ``NR`` kv sequences."""
-    r, pid_n = _real_tile(KV_OFF, NR, COMPACT, SEQS, BLOCK_N)
+    r, pid_n = _real_tile(KV_OFF, NR, COMPACT, SEQS, BLOCK_N, SEQ_MAJOR)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     k_start, k_len = _kv_rows(KV_OFF, r)
     n0 = pid_n * BLOCK_N
@@ -587,14 +601,14 @@ def attn_bwd_broadcast_q_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt, stride_dqt, stride_dqh,
     NQ, qk_scale, dk_scale, dv_scale, dq_scale,
     ACT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DELTA_FROM_O: tl.constexpr,
+    DELTA_FROM_O: tl.constexpr, SEQ_MAJOR: tl.constexpr,
 ):
     """The backward of full attention from ``NQ <= BLOCK_M`` broadcast queries (PMA), one program per (kv sequence,
     head): the queries, their dO and softmax statistics fit one tile, loaded once, and every key tile of the kv
     sequence streams through them, writing its dK / dV; the example's dQ of the queries (rows ``r * NQ ..`` of DQ,
     summed over examples afterwards) is summed over the tiles in registers, so K and V are read once.
     DELTA_FROM_O: DELTA is the output O (in dO's layout) and delta is computed from it."""
-    r = tl.program_id(1)
+    r, _ = _declared_tile(SEQ_MAJOR)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     k_start, k_len = _kv_rows(KV_OFF, r)
     # NOTE: an empty kv sequence still writes its (zero) dQ
@@ -672,13 +686,13 @@ def attn_bwd_dq_kernel(
     NQ, NB, qk_scale, dq_scale, Wl, Wr, BS, KB,
     ACT: tl.constexpr, MASK_KIND: tl.constexpr, Q_JAGGED: tl.constexpr, HAS_KV_IDX: tl.constexpr,
     PREC: tl.constexpr, TMA: tl.constexpr, DELTA_FROM_O: tl.constexpr, COMPACT: tl.constexpr, SEQS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SEQ_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``TMA``: the streamed K and V tiles through tensor descriptors (as ``attn_fwd_kernel``'s). ``DELTA_FROM_O``
     (softmax heads): ``delta = rowsum(dO * O)`` of the program's query rows computed here from its dO tile and O's
     rows, and stored to DELTA for the dK / dV kernel launched after this one (no pre-pass launch). ``COMPACT``: a
     grid over the real query tiles of the ``NB`` examples."""
-    b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, BLOCK_M)
+    b, pid_m = _real_tile(Q_OFF, NB, COMPACT, SEQS, BLOCK_M, SEQ_MAJOR)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     q_start, q_len, o_start, k_start, k_len = _seq_bounds(Q_OFF, KV_OFF, KV_IDX, b, NQ, Q_JAGGED, HAS_KV_IDX)
     m0 = pid_m * BLOCK_M
@@ -723,7 +737,7 @@ def attn_bwd_short_kv_kernel(
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
     qk_scale, dq_scale, dk_scale, dv_scale,
     ACT: tl.constexpr, DIAGONAL: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr,
+    BLOCK_D: tl.constexpr, Q_TILES: tl.constexpr, SEQ_MAJOR: tl.constexpr,
 ):
     """The whole backward (dQ, dK and dV in one launch) of attention where every query sees exactly one key tile,
     whole, as in ``attn_fwd_short_kv_kernel`` (example b reads kv sequence b):
@@ -737,8 +751,7 @@ def attn_bwd_short_kv_kernel(
     Each query row is visited once, so a softmax head's ``delta = rowsum(dO * O)`` is computed here from O instead
     of by a pre-pass. Equal to ``attn_bwd_dkdv_kernel`` + ``attn_bwd_dq_kernel`` on these shapes, in one launch
     that reads Q, dO and O once."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
+    b, pid_m = _declared_tile(SEQ_MAJOR)
     h = tl.load(HEAD_IDS + tl.program_id(2))
     q_start, q_len, o_start = _q_rows(Q_OFF, b, 0, True)
     k_start, k_len = _kv_rows(KV_OFF, b)

@@ -25,8 +25,9 @@ import triton.language as tl
 
 from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_layout
 from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, interpreting, launch, next_power_of_2
-from gem_kernels.ops.triton.triton_attention_kernels import (_key_tiles, _load_cols, _online_softmax, _softmax_output,
-                                                              _store_rows, _visible)
+from gem_kernels.ops.triton.triton_attention import _declared_grid, _seq_major
+from gem_kernels.ops.triton.triton_attention_kernels import (_declared_tile, _key_tiles, _load_cols, _online_softmax,
+                                                              _softmax_output, _store_rows, _visible)
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
 
 P_SCALE = tl.constexpr(256.0)  # P in [0, 1] -> [0, 256]: E4M3's largest power of two below 448
@@ -81,10 +82,9 @@ def attn_fwd_fp8_kernel(
     Q, QS, K, KS, VT, VS, O, LSE, OFF, V_OFF, VW, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
     H, qk_scale, Wl, Wr, BS, KB,
     MASK_KIND: tl.constexpr, EXACT_CAST: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, SEQ_MAJOR: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
+    b, pid_m = _declared_tile(SEQ_MAJOR)
     h = tl.program_id(2)
     start = tl.load(OFF + b)
     n = (tl.load(OFF + b + 1) - start).to(tl.int32)
@@ -153,10 +153,12 @@ def fp8_attend(operands, v_starts, v_placed, offsets, max_len: int, spec, shape,
     B = offsets.shape[0] - 1
     args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, v_starts, v_placed.shape[0], H * D, D, H * D, D, H * D, D,
             H, spec.sm_scale * 1.4426950408889634, wl, wr, bs, kb)
-    consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), FOLD=spec.sm_scale > 0, BLOCK_D=D)
+    seq_major = _seq_major(B)
+    consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), FOLD=spec.sm_scale > 0, BLOCK_D=D,
+                  SEQ_MAJOR=seq_major)
     key = ("fwd_fp8", mask_kind, D, dtype, next_power_of_2(max_len), spec.block_size)
-    launch(attn_fwd_fp8_kernel, lambda c: (cdiv(max_len, c["BLOCK_M"]), B, H), args, consts, key,
-           lambda: _candidates(spec.block_size))
+    launch(attn_fwd_fp8_kernel, lambda c: _declared_grid(cdiv(max_len, c["BLOCK_M"]), B, H, seq_major), args, consts,
+           key, lambda: _candidates(spec.block_size))
     return o, lse
 
 
