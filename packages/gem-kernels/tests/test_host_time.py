@@ -22,4 +22,5 @@ def test_host_time_times_every_op_forward_and_backward(tmp_path):
     ops = {row["op"] for row in result["rows"]}
     assert {"gdpa cross, 16 keys", "gdpa pma, 8 queries", "block_attention 16 x 1", "layer_norm",
             "reference: torch add"} <= ops
-    assert all(row["fwd_us"] > 0 and row["fwd_bwd_us"] > 0 for row in result["rows"])
+    assert all(row["fwd_us"] > 0 and row["fwd_bwd_us"] > 0 and row["fwd_bwd_calling_thread_us"] > 0
+               for row in result["rows"])

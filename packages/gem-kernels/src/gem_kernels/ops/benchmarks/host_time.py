@@ -14,7 +14,10 @@ norms of narrow streams. This times each op's call alone, forward and forward+ba
     PYTHONPATH=packages/gem-kernels/src python -m gem_kernels.ops.benchmarks.host_time --out host-time.json
 
 Prints a table and writes ``{"meta", "rows"}``; ``reference`` rows time one torch op and an empty autograd
-Function on the same machine, for scale.
+Function on the same machine, for scale. ``fwd_bwd_calling_thread_us``: forward+backward with the backward run on the
+calling thread (``torch.autograd.set_multithreading_enabled(False)``): on CUDA the autograd engine otherwise hands a
+backward over to its device thread and back, a cost of the host (two thread wake-ups) that this column leaves out;
+without a GPU the backward of CPU tensors runs on the calling thread either way.
 """
 
 from __future__ import annotations
@@ -169,12 +172,15 @@ def main(argv=None) -> int:
             "command": "python -m gem_kernels.ops.benchmarks.host_time " + " ".join(argv or sys.argv[1:]),
             "calls_per_row": a.calls, "H": H, "D": D}
     rows = []
-    print(f"{'op':46s} {'fwd us':>9s} {'fwd+bwd us':>11s}")
+    print(f"{'op':46s} {'fwd us':>9s} {'fwd+bwd us':>11s} {'(calling thread)':>17s}")
     for name, (fn, inputs) in {**cases(device), **reference_cases(device)}.items():
         fwd = median_us(fn, a.calls, sync)
         both = median_us(fwd_bwd(fn, inputs), a.calls // 2, sync)
-        rows.append({"op": name, "fwd_us": round(fwd, 1), "fwd_bwd_us": round(both, 1)})
-        print(f"{name:46s} {fwd:9.1f} {both:11.1f}", flush=True)
+        with torch.autograd.set_multithreading_enabled(False):
+            here = median_us(fwd_bwd(fn, inputs), a.calls // 2, sync)
+        rows.append({"op": name, "fwd_us": round(fwd, 1), "fwd_bwd_us": round(both, 1),
+                     "fwd_bwd_calling_thread_us": round(here, 1)})
+        print(f"{name:46s} {fwd:9.1f} {both:11.1f} {here:17.1f}", flush=True)
     with open(a.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
