@@ -138,8 +138,16 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
     # and the attention kernels' tensor-descriptor variants
     monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
     _run_every_op()
+    # and the grids that number the sequences along axis 0 (more sequences than a grid's axis 1 holds)
+    monkeypatch.setattr(triton_attention, "_seq_major", lambda n_seqs: True)
+    monkeypatch.setattr(triton_attention, "COMPACT_MAX_SEQS", 0)
+    monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the grids picked before
+    _run_every_op()
     names = {name for name, _ in launches}
     assert any(named.get("TMA") for _, _, named in launches.values())
+    assert {name for (name, _), (_, _, named) in launches.items() if named.get("SEQ_MAJOR")} >= {
+        "attn_fwd_kernel", "attn_fwd_short_kv_kernel", "attn_bwd_short_kv_kernel", "attn_bwd_dkdv_kernel",
+        "attn_bwd_dq_kernel", "attn_bwd_broadcast_q_kernel", "attn_fwd_fp8_kernel"}
     assert {"attn_fwd_kernel", "attn_fwd_short_kv_kernel", "attn_bwd_short_kv_kernel", "attn_bwd_dkdv_kernel",
             "attn_bwd_dq_kernel",
             "attn_bwd_broadcast_q_kernel", "attn_bwd_delta_kernel", "attn_fwd_fp8_kernel", "norm_fwd_kernel",
