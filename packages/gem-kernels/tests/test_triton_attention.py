@@ -519,7 +519,8 @@ def test_sequence_major_grid_equals_the_tile_major_grid(case, monkeypatch):
     """Past CUDA's 65,535 programs along a grid's axis 1, a grid over the declared tiles numbers the sequences along
     axis 0 (SEQ_MAJOR): bit for bit the output and gradients of the tile-major grid, for every kernel whose grid runs
     over the sequences (the general forward, dQ and dK / dV; the one-key-tile forward; the one-launch and the
-    broadcast queries' backward; the FP8 forward). The switch is forced here on a few sequences."""
+    broadcast queries' backward; the FP8 forward). The limit is lowered here to 6: the 7 sequences go on axis 0, and
+    dK / dV over 3 shared kv sequences (kv_index) stays tile-major."""
     from gem_kernels.ops.triton import _tuning, triton_attention
 
     lengths = [0, 37, 5, 16, 70, 0, 23]
@@ -548,30 +549,28 @@ def test_sequence_major_grid_equals_the_tile_major_grid(case, monkeypatch):
     grids = record_grids(monkeypatch)
     monkeypatch.setattr(triton_attention, "COMPACT_MAX_SEQS", 0)  # the declared grids
 
-    def run(seq_major: bool):
+    def run(axis_limit: int):
         nonlocal do
-        monkeypatch.setattr(triton_attention, "_seq_major", lambda n: seq_major)
+        monkeypatch.setattr(triton_attention, "MAX_GRID_YZ", axis_limit)
         monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the grids picked before
         grids.clear()
         out = call()
         do = torch.randn_like(out) if do is None else do
         return (out, *grads(out, inputs, do)), list(grids)
 
-    tile_major, tile_grids = run(False)
-    seq_major, seq_grids = run(True)
+    tile_major, tile_grids = run(triton_attention.MAX_GRID_YZ)
+    seq_major, seq_grids = run(6)
     for got, want, name in zip(seq_major, tile_major, ("out", "d0", "d1", "d2")):
         assert torch.equal(got, want), name
     swapped = [name for (name, grid), (_, other) in zip(seq_grids, tile_grids) if grid != other]
     general, short = {"attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"}, {"attn_fwd_short_kv_kernel"}
     one_launch = short | {"attn_bwd_short_kv_kernel"}
     assert set(swapped) == {"general": general | {"attn_fwd_kernel"}, "cross_short": one_launch,
-                            "cross_index": general | short, "diagonal": one_launch,
+                            "cross_index": {"attn_bwd_dq_kernel"} | short, "diagonal": one_launch,
                             "pma": short | {"attn_bwd_broadcast_q_kernel"}, "fp8": general | {"attn_fwd_fp8_kernel"}}[case]
     assert all(grid[0] == other[1] and grid[1] == other[0] and grid[2] == other[2]
-                           for (name, grid), (_, other) in zip(seq_grids, tile_grids) if name in swapped)
-    kv_sequences = 3 if case == "cross_index" else B  # what dK / dV's grid runs over
-    assert all(grid[0] == (kv_sequences if name == "attn_bwd_dkdv_kernel" else B)
-               for name, grid in seq_grids if name in swapped), seq_grids
+               for (name, grid), (_, other) in zip(seq_grids, tile_grids) if name in swapped)
+    assert all(grid[0] == B for name, grid in seq_grids if name in swapped), seq_grids
 
 
 def test_a_grid_of_more_sequences_than_axis_1_holds_numbers_them_on_axis_0():

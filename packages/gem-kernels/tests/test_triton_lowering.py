@@ -139,7 +139,10 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
     monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
     _run_every_op()
     # and the grids that number the sequences along axis 0 (more sequences than a grid's axis 1 holds)
-    monkeypatch.setattr(triton_attention, "_seq_major", lambda n_seqs: True)
+    from gem_kernels.ops.triton import triton_fp8_attention
+
+    for module in (triton_attention, triton_fp8_attention):
+        monkeypatch.setattr(module, "_seq_major", lambda n_seqs: True)
     monkeypatch.setattr(triton_attention, "COMPACT_MAX_SEQS", 0)
     monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the grids picked before
     _run_every_op()

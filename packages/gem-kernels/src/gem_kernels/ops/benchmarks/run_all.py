@@ -392,21 +392,30 @@ def run_checks(rec: Recorder):
     # more sequences than a CUDA grid's axis 1 holds (65,535): the grids over declared tiles number them along axis 0
     many = torch.randint(1, 9, (70000,), generator=torch.Generator().manual_seed(2)).tolist()
     many_off, many_ko = offsets(many), offsets([n % 5 + 1 for n in many])
+    shared_ko = offsets([n % 7 + 1 for n in range(100)])  # 100 kv sequences, 700 examples each
+    many_index = torch.arange(70000, device="cuda") % 100
+    many_blocks = offsets(torch.randint(1, 33, (70000,), generator=torch.Generator().manual_seed(3)).tolist())
     cases += [
         ("many_seqs_jfa_causal", torch.bfloat16, 2e-2, lambda q, k, v, kern: jagged_flash_attention(
             q, k, v, many_off, 8, causal=True, kernel=kern), "many_self"),
         ("many_seqs_cross_short", torch.bfloat16, 2e-2, lambda q, k, v, kern: gdpa(
             q, k, v, many_off, many_ko, activation=["softmax", "silu"] * 2, kernel=kern), "many_cross"),
+        ("many_seqs_cross_index", torch.bfloat16, 2e-2, lambda q, k, v, kern: gdpa(
+            q, k, v, many_off, shared_ko, kv_index=many_index, kernel=kern), "many_shared"),
         ("many_seqs_pma", torch.bfloat16, 2e-2, lambda q, k, v, kern: gdpa(q, k, v, None, many_off, kernel=kern),
          "many_pma"),
+        ("many_seqs_blocks", torch.bfloat16, 2e-2, lambda q, k, v, kern: block_attention(
+            q, k, v, many_blocks, 16, 1, max_seq_len=32, kernel=kern), "many_blocks"),
     ]
     for name, dt, tol, fn, mode in cases:
         def one(name=name, dt=dt, tol=tol, fn=fn, mode=mode):
-            Tq = {"self": T, "cross": T, "cross_own": T, "cross_long": T, "pma": 32, "many_self": int(many_off[-1]),
-                  "many_cross": int(many_off[-1]), "many_pma": 32}[mode]
+            many_rows = int(many_off[-1])
+            Tq = {"self": T, "cross": T, "cross_own": T, "cross_long": T, "pma": 32, "many_self": many_rows,
+                  "many_cross": many_rows, "many_shared": many_rows, "many_pma": 32,
+                  "many_blocks": int(many_blocks[-1])}[mode]
             Tk = {"self": T, "cross": int(ko[-1]), "cross_own": int(own_ko[-1]), "cross_long": int(long_ko[-1]),
-                  "pma": T, "many_self": int(many_off[-1]), "many_cross": int(many_ko[-1]),
-                  "many_pma": int(many_off[-1])}[mode]
+                  "pma": T, "many_self": many_rows, "many_cross": int(many_ko[-1]), "many_shared": int(shared_ko[-1]),
+                  "many_pma": many_rows, "many_blocks": int(many_blocks[-1])}[mode]
             q = randn(Tq, H, D, dtype=dt, grad=True, scale=0.3)
             k = randn(Tk, H, D, dtype=dt, grad=True, scale=0.3)
             v = randn(Tk, H, D, dtype=dt, grad=True)
@@ -425,7 +434,7 @@ def run_checks(rec: Recorder):
                   and pointers)
             rec.checks.append({"name": name, "dtype": str(dt).split(".")[-1], "rel_err": errs, "tol": tol,
                                "direct_launch_bitwise": direct, "pointer_loads_bitwise": pointers, "ok": bool(ok)})
-            print(f"  check {name:18s} {str(dt):15s} {'OK ' if ok else 'BAD'} "
+            print(f"  check {name:22s} {str(dt):15s} {'OK ' if ok else 'BAD'} "
                   + " ".join(f"{k}={e:.1e}" for k, e in errs.items())
                   + f" direct-launch-same={direct} pointer-loads-same={pointers}", flush=True)
         guarded(rec, f"check {name}", one)

@@ -271,7 +271,7 @@ def _seq_major(n_seqs: int) -> bool:
 
 def _declared_grid(tiles: int, n_seqs: int, nh: int, seq_major: bool) -> tuple[int, int, int]:
     """The grid of ``tiles`` programs for each of ``n_seqs`` sequences and ``nh`` heads: tiles along axis 0 and
-    sequences along axis 1, or (``seq_major``, ``_seq_major``) the other way round."""
+    sequences along axis 1, or, where ``seq_major`` (``_seq_major``), sequences along axis 0 and tiles along axis 1."""
     grid = (n_seqs, tiles, nh) if seq_major else (tiles, n_seqs, nh)
     if grid[1] > MAX_GRID_YZ or nh > MAX_GRID_YZ:
         raise ValueError(f"attention over {n_seqs} sequences of {tiles} tiles and {nh} heads needs more programs than "
@@ -526,8 +526,9 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
             seq_major = _seq_major(B)
             launches.append(PlannedLaunch(
                 attn_bwd_short_kv_kernel,
-                (lambda c, nh=nh: _declared_grid(cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh, seq_major))
-                if diagonal else (lambda c, nh=nh: _declared_grid(1, B, nh, seq_major)), fargs,
+                (lambda c, nh=nh, sm=seq_major: _declared_grid(cdiv(spec.max_q, c["BLOCK_M"] * c["Q_TILES"]), B, nh,
+                                                               sm))
+                if diagonal else (lambda c, nh=nh, sm=seq_major: _declared_grid(1, B, nh, sm)), fargs,
                 dict(ACT=code, DIAGONAL=diagonal, PREC=_prec(q.dtype), BLOCK_D=D, SEQ_MAJOR=seq_major,
                      BLOCK_N=spec.block_size if diagonal else _pow2_at_least(spec.max_kv, 16)),
                 ("bwd_short",) + key_tail, lambda: _short_kv_bwd_candidates(spec, D, itemsize)))
@@ -538,7 +539,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, has_kv_index: bool, spec: At
                      dq.stride(0), dq.stride(1), *scales, scale)
             seq_major = _seq_major(R)
             launches.append(PlannedLaunch(
-                attn_bwd_broadcast_q_kernel, lambda c, nh=nh: _declared_grid(1, R, nh, seq_major), bargs,
+                attn_bwd_broadcast_q_kernel, lambda c, nh=nh, sm=seq_major: _declared_grid(1, R, nh, sm), bargs,
                 dict(ACT=code, PREC=_prec(q.dtype), BLOCK_D=D, BLOCK_M=_pow2_at_least(spec.nq, 16),
                      DELTA_FROM_O=delta_from_o, SEQ_MAJOR=seq_major),
                 ("bwd_broadcast_q",) + key_tail, lambda: _broadcast_q_candidates(spec, D, itemsize)))

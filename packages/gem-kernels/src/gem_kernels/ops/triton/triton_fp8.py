@@ -111,24 +111,36 @@ def fp8_rows_kernel(X, Q, S, R, C, R_out, C_out, stride_r, MAX: tl.constexpr, EX
 
 
 @triton.jit
-def fp8_chunk_amax_kernel(X, AMAX, R, C, stride_r, stride_c, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Each row's amax over the chunk of columns, infinite where the chunk holds a non-finite value (``_amax``)."""
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
-    tl.store(AMAX + tl.program_id(1) * R + rows, _amax(x, 1), mask=rows < R)
+def _chunk_of(row_blocks):
+    """(row block, column chunk) of this program of a grid over ``row_blocks`` row blocks times the column chunks,
+    row blocks first. One axis: the chunks along a grid's axis 1 would be capped at CUDA's 65,535 there (8.4M
+    columns of 128, a token count where the columns are tokens: a weight gradient's, FP8 attention's V^T)."""
+    pid = tl.program_id(0)
+    return pid % row_blocks, pid // row_blocks
 
 
 @triton.jit
-def fp8_chunk_cast_kernel(X, AMAX, Q, S, SOURCE, R, C, R_out, C_out, stride_r, stride_c, MAX: tl.constexpr,
-                          EXACT_CAST: tl.constexpr, PLACED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
+def fp8_chunk_amax_kernel(X, AMAX, R, C, stride_r, stride_c, row_blocks, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Each row's amax over the chunk of columns, infinite where the chunk holds a non-finite value (``_amax``)."""
+    block, chunk = _chunk_of(row_blocks)
+    rows = (block * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = (chunk.to(tl.int64) * COLS + tl.arange(0, COLS)).to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(AMAX + chunk.to(tl.int64) * R + rows, _amax(x, 1), mask=rows < R)
+
+
+@triton.jit
+def fp8_chunk_cast_kernel(X, AMAX, Q, S, SOURCE, R, C, R_out, C_out, stride_r, stride_c, row_blocks,
+                          MAX: tl.constexpr, EXACT_CAST: tl.constexpr, PLACED: tl.constexpr, ROWS: tl.constexpr,
+                          COLS: tl.constexpr):
+    block, chunk = _chunk_of(row_blocks)
+    rows = (block * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = (chunk.to(tl.int64) * COLS + tl.arange(0, COLS)).to(tl.int64)
     amax = tl.load(AMAX + rows, mask=rows < R, other=0.0)
     bad = (amax == float("inf")).to(tl.int32)
     fields = _scale_fields(amax, bad)
-    if tl.program_id(1) == 0:
+    if chunk == 0:
         _store_scales(S, rows, fields, bad, R, R_out)
     if PLACED:  # output column -> the input's column placed there (-1: none, a zero)
         source = tl.load(SOURCE + cols, mask=cols < C_out, other=-1)
@@ -213,12 +225,13 @@ def fp8_dequantize_rows_kernel(Q, S, OUT, R, C, stride_r, stride_c, ROWS: tl.con
 
 
 @triton.jit
-def fp8_dequantize_transposed_kernel(Q, S, TOKEN, OUT, R, W, stride_r, stride_c, ROWS: tl.constexpr,
+def fp8_dequantize_transposed_kernel(Q, S, TOKEN, OUT, R, W, stride_r, stride_c, row_blocks, ROWS: tl.constexpr,
                                      COLS: tl.constexpr):
     """Q is ``[R, W]`` (rows: the kept dimension; columns: positions); OUT[TOKEN[p], r] = Q[r, p] * S[r] for every
     position holding a token (TOKEN[p] >= 0). Reads run along positions, writes along r: both contiguous."""
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
+    block, chunk = _chunk_of(row_blocks)
+    rows = (block * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = (chunk.to(tl.int64) * COLS + tl.arange(0, COLS)).to(tl.int64)
     token = tl.load(TOKEN + cols, mask=cols < W, other=-1)
     e = tl.load(Q + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=(rows < R)[:, None] & (cols < W)[None, :],
                 other=0.0).to(tl.float32)
@@ -278,9 +291,10 @@ def triton_fp8_dequantize_transposed(elements: torch.Tensor, scale: torch.Tensor
     """``[tokens, R]`` from ``[R, W]`` E4M3 ``elements`` whose column ``p`` holds token ``token[p]`` (-1: none)."""
     R, W = elements.shape
     out = torch.empty(tokens, R, dtype=dtype, device=elements.device)
-    launch(fp8_dequantize_transposed_kernel, lambda c: (cdiv(R, c["ROWS"]), cdiv(W, c["COLS"])),
-           (elements, scale, token, out, R, W, *elements.stride()), {}, ("fp8_dequantize_transposed", dtype),
-           [dict(ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS, num_warps=4)])
+    row_blocks = cdiv(R, _CHUNK_ROWS)
+    launch(fp8_dequantize_transposed_kernel, lambda c: (row_blocks * cdiv(W, c["COLS"]),),
+           (elements, scale, token, out, R, W, *elements.stride(), row_blocks), {},
+           ("fp8_dequantize_transposed", dtype), [dict(ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS, num_warps=4)])
     return out
 
 
@@ -308,13 +322,14 @@ def triton_fp8_rowwise_quantize(x: torch.Tensor, dim: int, rows_to: int, cols_to
                _one_pass_configs(block_c))
         return q, s[:, None]
     chunks = cdiv(C_out, _CHUNK_COLS)
-    grid = (cdiv(R_out, _CHUNK_ROWS), chunks)
+    row_blocks = cdiv(R_out, _CHUNK_ROWS)
     amax = torch.empty(chunks, R, dtype=torch.float32, device=x.device)
-    fp8_chunk_amax_kernel[(grid[0], cdiv(C, _CHUNK_COLS))](x, amax, R, C, stride_r, stride_c,
-                                                           ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     used = cdiv(C, _CHUNK_COLS)  # chunks wholly in the padding hold nothing
+    fp8_chunk_amax_kernel[(row_blocks * used,)](x, amax, R, C, stride_r, stride_c, row_blocks,
+                                                ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     amax = amax[:used].amax(0)  # infinite: the row holds a non-finite value
-    fp8_chunk_cast_kernel[grid](x, amax, q, s, q if placed is None else placed, R, C, R_out, C_out, stride_r,
-                                stride_c, MAX=E4M3_MAX, EXACT_CAST=interpreting(), PLACED=placed is not None,
-                                ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
+    fp8_chunk_cast_kernel[(row_blocks * chunks,)](x, amax, q, s, q if placed is None else placed, R, C, R_out, C_out,
+                                                  stride_r, stride_c, row_blocks, MAX=E4M3_MAX,
+                                                  EXACT_CAST=interpreting(), PLACED=placed is not None,
+                                                  ROWS=_CHUNK_ROWS, COLS=_CHUNK_COLS)
     return q, s[:, None]

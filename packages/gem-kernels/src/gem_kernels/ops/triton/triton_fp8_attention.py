@@ -25,7 +25,7 @@ import triton.language as tl
 
 from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_layout
 from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, interpreting, launch, next_power_of_2
-from gem_kernels.ops.triton import triton_attention
+from gem_kernels.ops.triton.triton_attention import _declared_grid, _seq_major, attention_backward
 from gem_kernels.ops.triton.triton_attention_kernels import (_declared_tile, _key_tiles, _load_cols, _online_softmax,
                                                               _softmax_output, _store_rows, _visible)
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
@@ -153,12 +153,12 @@ def fp8_attend(operands, v_starts, v_placed, offsets, max_len: int, spec, shape,
     B = offsets.shape[0] - 1
     args = (q8, qs, k8, ks, vt8, vs, o, lse, offsets, v_starts, v_placed.shape[0], H * D, D, H * D, D, H * D, D,
             H, spec.sm_scale * 1.4426950408889634, wl, wr, bs, kb)
-    seq_major = triton_attention._seq_major(B)
+    seq_major = _seq_major(B)
     consts = dict(MASK_KIND=mask_kind, EXACT_CAST=interpreting(), FOLD=spec.sm_scale > 0, BLOCK_D=D,
                   SEQ_MAJOR=seq_major)
     key = ("fwd_fp8", mask_kind, D, dtype, next_power_of_2(max_len), spec.block_size)
-    grid = lambda c: triton_attention._declared_grid(cdiv(max_len, c["BLOCK_M"]), B, H, seq_major)  # noqa: E731
-    launch(attn_fwd_fp8_kernel, grid, args, consts, key, lambda: _candidates(spec.block_size))
+    launch(attn_fwd_fp8_kernel, lambda c: _declared_grid(cdiv(max_len, c["BLOCK_M"]), B, H, seq_major), args,
+           consts, key, lambda: _candidates(spec.block_size))
     return o, lse
 
 
@@ -180,8 +180,6 @@ class _Fp8Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        from gem_kernels.ops.triton.triton_attention import attention_backward
-
         q8, qs, k8, ks, vt8, vs, v_placed, o, lse, offsets = ctx.saved_tensors
         q, k, v = fp8_attention_dequantize(((q8, qs), (k8, ks), (vt8, vs)), ctx.shape, ctx.dtype, v_placed,
                                            kernel="triton")
