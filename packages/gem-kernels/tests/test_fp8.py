@@ -217,11 +217,17 @@ def test_fp8_attention_kernel_alone_on_prepared_inputs_gives_the_calls_output(ma
 
 
 @triton_on_cpu
+@pytest.mark.parametrize("starts_given", [False, True])
 @pytest.mark.parametrize("lengths", [[5, 40, 0, 17, 64, 1], [16], [0, 0, 3], [1] * 70 + [1100]])
-def test_sequence_aligned_layout_kernel_gives_the_reference_layout(lengths):
+def test_sequence_aligned_layout_kernel_gives_the_reference_layout(lengths, starts_given, monkeypatch):
     """Every sequence starts at a multiple of 16, its tokens in order, -1 elsewhere; one Triton launch gives the
-    reference's layout (sequences before a program summed in blocks: the last case needs two)."""
+    reference's layout (sequences before a program summed in blocks: the last case needs two), and so does the
+    launch after a cumulative sum of the starts (batches of more than IN_KERNEL_STARTS_MAX sequences)."""
     from gem_kernels.fp8 import sequence_aligned_layout
+    from gem_kernels.ops.triton import triton_fp8
+
+    if starts_given:
+        monkeypatch.setattr(triton_fp8, "IN_KERNEL_STARTS_MAX", 0)
 
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     total = int(offsets[-1])

@@ -138,11 +138,13 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
     # and the attention kernels' tensor-descriptor variants
     monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
     _run_every_op()
-    # and the grids that number the sequences along axis 0 (more sequences than a grid's axis 1 holds)
-    from gem_kernels.ops.triton import triton_fp8_attention
+    # and the grids that number the sequences along axis 0 (more sequences than a grid's axis 1 holds), with the
+    # FP8 layout's starts from a cumulative sum (large batches)
+    from gem_kernels.ops.triton import triton_fp8, triton_fp8_attention
 
     for module in (triton_attention, triton_fp8_attention):
         monkeypatch.setattr(module, "_seq_major", lambda n_seqs: True)
+    monkeypatch.setattr(triton_fp8, "IN_KERNEL_STARTS_MAX", 0)
     monkeypatch.setattr(triton_attention, "COMPACT_MAX_SEQS", 0)
     monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the grids picked before
     _run_every_op()
@@ -151,6 +153,8 @@ def test_every_launched_kernel_lowers_for_sm90(monkeypatch):
     assert {name for (name, _), (_, _, named) in launches.items() if named.get("SEQ_MAJOR")} >= {
         "attn_fwd_kernel", "attn_fwd_short_kv_kernel", "attn_bwd_short_kv_kernel", "attn_bwd_dkdv_kernel",
         "attn_bwd_dq_kernel", "attn_bwd_broadcast_q_kernel", "attn_fwd_fp8_kernel"}
+    assert any(name == "sequence_aligned_layout_kernel" and named["STARTS_GIVEN"]
+               for (name, _), (_, _, named) in launches.items())
     assert {"attn_fwd_kernel", "attn_fwd_short_kv_kernel", "attn_bwd_short_kv_kernel", "attn_bwd_dkdv_kernel",
             "attn_bwd_dq_kernel",
             "attn_bwd_broadcast_q_kernel", "attn_bwd_delta_kernel", "attn_fwd_fp8_kernel", "norm_fwd_kernel",

@@ -241,18 +241,22 @@ def fp8_dequantize_transposed_kernel(Q, S, TOKEN, OUT, R, W, stride_r, stride_c,
 
 
 @triton.jit
-def sequence_aligned_layout_kernel(OFF, STARTS, TOKEN, B, W, MULTIPLE: tl.constexpr, BLOCK_B: tl.constexpr,
-                                   BLOCK: tl.constexpr):
-    """Program b: STARTS[b], the spans (lengths rounded up to MULTIPLE) of sequences 0 .. b-1 summed; TOKEN over
-    its span: the token at each column, -1 past its length (the last program also fills the columns to W)."""
+def sequence_aligned_layout_kernel(OFF, STARTS, TOKEN, B, W, MULTIPLE: tl.constexpr, STARTS_GIVEN: tl.constexpr,
+                                   BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b: STARTS[b], the spans (lengths rounded up to MULTIPLE) of sequences 0 .. b-1 summed (or, where
+    ``STARTS_GIVEN``, read); TOKEN over its span: the token at each column, -1 past its length (the last program also
+    fills the columns to W)."""
     b = tl.program_id(0)
-    start = tl.zeros([], dtype=tl.int64)
-    for c in range(0, b, BLOCK_B):
-        idx = c + tl.arange(0, BLOCK_B)
-        before = idx < b
-        lengths = tl.load(OFF + idx + 1, mask=before, other=0) - tl.load(OFF + idx, mask=before, other=0)
-        start += tl.sum((lengths + MULTIPLE - 1) // MULTIPLE * MULTIPLE)
-    tl.store(STARTS + b, start)
+    if STARTS_GIVEN:
+        start = tl.load(STARTS + b).to(tl.int64)
+    else:
+        start = tl.zeros([], dtype=tl.int64)
+        for c in range(0, b, BLOCK_B):
+            idx = c + tl.arange(0, BLOCK_B)
+            before = idx < b
+            lengths = tl.load(OFF + idx + 1, mask=before, other=0) - tl.load(OFF + idx, mask=before, other=0)
+            start += tl.sum((lengths + MULTIPLE - 1) // MULTIPLE * MULTIPLE)
+        tl.store(STARTS + b, start)
     first = tl.load(OFF + b).to(tl.int64)
     n = tl.load(OFF + b + 1).to(tl.int64) - first
     stop = start + (n + MULTIPLE - 1) // MULTIPLE * MULTIPLE
@@ -264,13 +268,26 @@ def sequence_aligned_layout_kernel(OFF, STARTS, TOKEN, B, W, MULTIPLE: tl.conste
         tl.store(TOKEN + p, tl.where(j < n, first + j, -1), mask=p < stop)
 
 
+# each program of the layout kernel sums the spans of the sequences before it, work that grows with the square of the
+# batch: past this many sequences, the starts come from one cumulative sum (a few torch launches) instead
+IN_KERNEL_STARTS_MAX = 2048
+
+
 def triton_sequence_aligned_layout(offsets: torch.Tensor, width: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gem_kernels.fp8.sequence_aligned_layout``'s ``(starts, token)`` in one launch."""
+    """``gem_kernels.fp8.sequence_aligned_layout``'s ``(starts, token)`` in one launch (after a cumulative sum of
+    the starts, for batches of more than IN_KERNEL_STARTS_MAX sequences)."""
     B = offsets.shape[0] - 1
-    starts = torch.empty(B, dtype=torch.int64, device=offsets.device)
+    given = B > IN_KERNEL_STARTS_MAX
+    if given:
+        lengths = (offsets[1:] - offsets[:-1]).long()
+        spans = (lengths + multiple - 1) // multiple * multiple
+        starts = torch.cumsum(spans, 0) - spans
+    else:
+        starts = torch.empty(B, dtype=torch.int64, device=offsets.device)
     token = torch.empty(width, dtype=torch.int64, device=offsets.device)
     launch(sequence_aligned_layout_kernel, lambda c: (B,), (offsets, starts, token, B, width),
-           dict(MULTIPLE=multiple), ("sequence_aligned_layout", multiple), [dict(BLOCK_B=1024, BLOCK=1024, num_warps=4)])
+           dict(MULTIPLE=multiple, STARTS_GIVEN=given), ("sequence_aligned_layout", multiple, given),
+           [dict(BLOCK_B=1024, BLOCK=1024, num_warps=4)])
     return starts, token
 
 
