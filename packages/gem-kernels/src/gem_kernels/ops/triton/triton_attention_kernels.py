@@ -30,6 +30,10 @@ Softmax heads keep a running max / sum and store the log-sum-exp (base 2) for th
 import triton
 import triton.language as tl
 
+# the score a masked pair gets (never -inf: a row that sees no key must not compute inf - inf), far below any real
+# scaled score; a row whose running max stays under half of it saw no key
+MASKED_SCORE = tl.constexpr(-1.0e30)
+
 ACT_CODES = {
     "softmax": 0, "gelu": 1, "gelu_tanh": 2, "gelu_taylor6": 3, "silu": 4, "relu": 5, "relu2": 6, "identity": 7,
 }
@@ -219,13 +223,13 @@ def _online_softmax_scaled(s, scale, m_i, l_i, acc):
 @triton.jit
 def _softmax_output(acc, m_i, l_i):
     """A softmax head's output rows and log-sum-exp (base 2) from its running max, sum and accumulator. A row that
-    saw no visible key only ever met the -1e30 mask value: it outputs 0 and gets a huge LSE, so that the backward's
+    saw no visible key only ever met MASKED_SCORE: it outputs 0 and gets a huge LSE, so that the backward's
     ``exp2(s - lse)`` is exactly 0 for it.
 
     NOTE: a row that met a NaN score (a NaN query or key) has a NaN sum, and outputs NaN with a NaN LSE, as the
     reference. Its max cannot tell: ``tl.max`` drops NaNs (a NaN query's row keeps the mask value's max, and passed
     for a row that saw no key, with an output of 0)."""
-    seen = (m_i > -5.0e29) | (l_i != l_i)
+    seen = (m_i > MASKED_SCORE * 0.5) | (l_i != l_i)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     return tl.where(seen[:, None], acc / l_safe[:, None], 0.0), tl.where(seen, m_i + tl.log2(l_safe), 1.0e30)
 
@@ -278,7 +282,7 @@ def _fwd_tiles(
             else:
                 s = s * qk_scale
                 if MASKED:
-                    s = tl.where(allowed, s, -1.0e30)
+                    s = tl.where(allowed, s, MASKED_SCORE)
                 p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
         else:
             p = _act(s, ACT)
@@ -386,7 +390,7 @@ def attn_fwd_kernel(
         h_col = h * BLOCK_D
         lo_al, fs, fe, hi = _key_tiles(m0, q_len, k_len, Wl, Wr, BS, KB, MASK_KIND, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], MASKED_SCORE, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K_base, V_base, K_desc, V_desc, desc_row, h_col, stride_kt,
                                    stride_vt, offs_m, offs_d, lo_al, fs, k_len, qk_scale, Wl, Wr, BS, KB, ACT,
@@ -459,12 +463,12 @@ def attn_fwd_short_kv_kernel(
             if ACT == 0:
                 if FOLD:  # the scale folded into the exponents, as in _online_softmax_scaled
                     # NOTE: keys past the sequence score -inf before scaling (-inf after it, at a scale > 0), and a
-                    # row that sees no key keeps the mask value's max, -1e30, as below
+                    # row that sees no key keeps MASKED_SCORE as its max, as below
                     s = tl.where(kmask[None, :], s, float("-inf"))
-                    m_i = tl.maximum(tl.max(s, 1) * qk_scale, -1.0e30)
+                    m_i = tl.maximum(tl.max(s, 1) * qk_scale, MASKED_SCORE)
                     p = tl.exp2(s * qk_scale - m_i[:, None])
                 else:
-                    s = tl.where(kmask[None, :], s * qk_scale, -1.0e30)
+                    s = tl.where(kmask[None, :], s * qk_scale, MASKED_SCORE)
                     m_i = tl.max(s, 1)
                     p = tl.exp2(s - m_i[:, None])
                 l_i = tl.sum(p, 1)
@@ -487,8 +491,8 @@ def _bwd_kv_tiles(
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         qmask = offs_m < q_len
-        q, do = _row_tiles(Q_base, DO_base, Q_desc, DO_desc, q_row + m0, o_row + m0, h_col, offs_m, stride_qt, stride_dot,
-                           offs_d, qmask, m0 + BLOCK_M <= q_len, TMA, MASKED)
+        q, do = _row_tiles(Q_base, DO_base, Q_desc, DO_desc, q_row + m0, o_row + m0, h_col, offs_m, stride_qt,
+                           stride_dot, offs_d, qmask, m0 + BLOCK_M <= q_len, TMA, MASKED)
         # NOTE: both products are issued before the mask and the statistics' loads, which then overlap them: with
         # the loads first, run_all's backward kernel times were 5-7% above the run before (kernels-h200.json at
         # 1049b4a against 39c5bf6); in this order the sm_90 instruction stream is the earlier run's again

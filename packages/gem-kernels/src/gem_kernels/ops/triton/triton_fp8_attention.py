@@ -26,8 +26,8 @@ import triton.language as tl
 from gem_kernels.fp8 import fp8_attention_dequantize, fp8_attention_operands, sequence_aligned_layout
 from gem_kernels.ops.triton._tuning import cdiv, eager_under_compile, interpreting, launch, next_power_of_2
 from gem_kernels.ops.triton.triton_attention import _declared_grid, _seq_major, attention_backward
-from gem_kernels.ops.triton.triton_attention_kernels import (_declared_tile, _key_tiles, _load_cols, _online_softmax,
-                                                              _softmax_output, _store_rows, _visible)
+from gem_kernels.ops.triton.triton_attention_kernels import (MASKED_SCORE, _declared_tile, _key_tiles, _load_cols,
+                                                              _online_softmax, _softmax_output, _store_rows, _visible)
 from gem_kernels.ops.triton.triton_fp8 import _round_to_e4m3
 
 P_SCALE = tl.constexpr(256.0)  # P in [0, 1] -> [0, 256]: E4M3's largest power of two below 448
@@ -68,7 +68,7 @@ def _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, s
         else:
             s = s * q_scale[:, None]
             if MASKED:
-                s = tl.where(_visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND), s, -1.0e30)
+                s = tl.where(_visible(offs_m, offs_n, kmask, Wl, Wr, BS, KB, MASK_KIND), s, MASKED_SCORE)
             p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
             p = p * P_SCALE
         if EXACT_CAST:  # the interpreter's FP8 cast rounds wrongly; the GPU's is exact
@@ -101,7 +101,7 @@ def attn_fwd_fp8_kernel(
         VT_base = VT + (h * BLOCK_D).to(tl.int64) * VW + tl.multiple_of(tl.load(V_OFF + b), 16)
         lo_al, fs, fe, hi = _key_tiles(m0, n, n, Wl, Wr, BS, KB, MASK_KIND, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], MASKED_SCORE, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _fp8_tiles(acc, m_i, l_i, q, q_scale, K_base, KS_base, VT_base, stride_kt, H, VW,
                                    offs_m, offs_d, lo_al, fs, n, Wl, Wr, BS, KB, MASK_KIND, True, EXACT_CAST, FOLD,
