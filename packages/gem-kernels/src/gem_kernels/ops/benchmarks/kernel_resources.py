@@ -232,7 +232,10 @@ def main(argv=None) -> int:
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         p.error(f"--families: unknown {unknown}; choose from {', '.join(FAMILIES)}")
-    meta = {"target": "sm_90", "configs_of": a.device, "triton": triton.__version__, "commit": git_commit(),
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptxas_version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    meta = {"target": "sm_90", "configs_of": a.device, "triton": triton.__version__, "ptxas": ptxas_version,
+            "built_on": "no GPU needed: a compile for the target, read from the binary", "commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python -m gem_kernels.ops.benchmarks.kernel_resources " + " ".join(argv or sys.argv[1:]),
             "sm90_per_sm": {"registers": REGISTERS, "shared_bytes": SHARED_BYTES, "warps": WARPS}}
