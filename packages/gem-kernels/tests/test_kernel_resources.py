@@ -33,17 +33,22 @@ def test_programs_per_sm_take_the_tightest_limit():
                     reason="Triton's bundled CUDA tools (cuobjdump, nvdisasm) are not in this install")
 def test_jfa_kernels_build_for_sm90_with_the_shipped_h100_configs(tmp_path):
     """The JFA case's three kernels, recorded as the benchmark shape plans them (a grid over the real tiles of 256
-    sequences, tensor descriptors) and built with the H100 file's tile configs."""
+    sequences, tensor descriptors) and built with the H100 file's tile configs; FP8 JFA's forward as planned on a GPU
+    (its first GPU candidate, the GPU's casts: not the interpreter's)."""
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", "gem_kernels.ops.benchmarks.kernel_resources", "--families", "jfa_self",
-               "--device", "NVIDIA H100 80GB HBM3", "--out", str(out)]
+    command = [sys.executable, "-m", "gem_kernels.ops.benchmarks.kernel_resources", "--device", "NVIDIA H100 80GB HBM3",
+               "--families", "jfa_self,jfa_self_fp8", "--out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["meta"]["target"] == "sm_90" and result["meta"]["configs_of"] == "NVIDIA H100 80GB HBM3"
-    rows = {r["kernel"]: r for r in result["rows"]}
+    rows = {r["kernel"]: r for r in result["rows"] if r["family"] == "jfa_self"}
     assert set(rows) == {"attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"}
+    (fp8,) = [r for r in result["rows"] if r["kernel"] == "attn_fwd_fp8_kernel"]
+    assert fp8["family"] == "jfa_self_fp8" and fp8["config_from"] == "first candidate"
+    assert fp8["constexprs"]["EXACT_CAST"] is False and fp8["constexprs"]["BLOCK_M"] >= 64
+    assert fp8["sass"]["QGMMA"] > 0 and fp8["sass"]["HGMMA"] == 0  # FP8 warpgroup MMAs
     shipped = json.loads((Path(__file__).parents[1] / "src" / "gem_kernels" / "ops" / "triton" / "tuned" /
                           "nvidia-h100-80gb-hbm3.json").read_text())
     for r in rows.values():

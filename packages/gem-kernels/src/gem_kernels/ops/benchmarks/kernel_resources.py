@@ -12,8 +12,8 @@ where the file has none) and the argument specialisation Triton would give the b
   fits its registers), ``shared_bytes`` (per program, the pipeline's buffers included);
 - ``ctas_per_sm``: the programs an SM holds at once, the least of what its registers (65,536, allocated per warp in
   steps of 256), its shared memory (228 KiB, 1 KiB reserved per program) and its warps (64) allow, and which limits;
-- ``sass``: the instruction count of the binary and of its main kinds (Hopper's warpgroup MMAs and the warp-level
-  ones a tile under 64 rows takes, TMA loads, stack stores and loads, selects).
+- ``sass``: the instruction count of the binary and of its main kinds (Hopper's warpgroup MMAs, 16-bit and FP8, and
+  the warp-level ones a tile under 64 rows takes, TMA loads, stack stores and loads, selects).
 
     PYTHONPATH=packages/gem-kernels/src python -m gem_kernels.ops.benchmarks.kernel_resources \\
         --device "NVIDIA H100 80GB HBM3" --out kernel-resources.json
@@ -43,9 +43,9 @@ SHARED_BYTES = 233472  # 228 KiB
 SHARED_RESERVED = 1024  # per program
 WARPS = 64
 PROGRAMS = 32
-SASS_KINDS = ("HGMMA", "HMMA", "UTMALDG", "STL", "LDL", "SEL", "FSEL", "BAR")
-FAMILIES = ("jfa_self", "jfa_causal", "jfa_long", "cross_kv16", "cross_kv64", "cross_kv128", "cross_kv256", "pma_q32",
-            "block_w512", "block_w64")
+SASS_KINDS = ("HGMMA", "QGMMA", "HMMA", "UTMALDG", "STL", "LDL", "SEL", "FSEL", "BAR")
+FAMILIES = ("jfa_self", "jfa_causal", "jfa_long", "jfa_self_fp8", "cross_kv16", "cross_kv64", "cross_kv128",
+            "cross_kv256", "pma_q32", "block_w512", "block_w64")
 H, D = 4, 128
 
 
@@ -65,8 +65,8 @@ def ctas_per_sm(regs: int, shared_bytes: int, num_warps: int) -> tuple[int, str]
 
 def _call_family(family: str) -> None:
     """Forward and backward of ``family``'s op on bf16 CPU tensors: few rows, the case's sequence count and declared
-    lengths (``run_all``'s cases: 256 sequences declared 4,096 long, 64 declared 16,384, kv sequences of exactly 16-256
-    keys, 32 broadcast queries, 8 sequences of 8,192 rows in blocks of 64)."""
+    lengths (``run_all``'s cases and ``bench_fp8``'s FP8 JFA: 256 sequences declared 4,096 long, 64 declared 16,384,
+    kv sequences of exactly 16-256 keys, 32 broadcast queries, 8 sequences of 8,192 rows in blocks of 64)."""
     import torch
 
     from gem_kernels import block_attention, gdpa, jagged_flash_attention
@@ -83,6 +83,9 @@ def _call_family(family: str) -> None:
     if family in ("jfa_self", "jfa_causal"):
         out = jagged_flash_attention(q, rows(q.shape[0]), rows(q.shape[0]), off, 4096, causal=family == "jfa_causal",
                                      kernel="triton")
+        inputs = [q]
+    elif family == "jfa_self_fp8":  # E4M3 Q, K and V (bench_fp8's attention case)
+        out = jagged_flash_attention(q, rows(q.shape[0]), rows(q.shape[0]), off, 4096, kernel="triton", fp8=True)
         inputs = [q]
     elif family == "jfa_long":
         off = offsets([1 + i % 4 for i in range(64)])
@@ -159,14 +162,24 @@ def record_here(families: list[str], device: str) -> list[dict]:
                          "options": {k: v for k, v in cfg.items() if k not in names}, "config_from": config_from})
         return cfg, None
 
-    # every module that took ``launch`` by name launches through the replacement too
+    # every module that took ``launch`` by name launches through the replacement too; and the ops plan as on a GPU,
+    # not as under the interpreter (its small tile candidates, its exact FP8 casts)
     import gem_kernels.ops.triton as kernels
 
-    original = _tuning.launch
+    replaced = {_tuning.launch: noted, _tuning.interpreting: lambda: False}
     for module in [_tuning, *(m for name, m in sys.modules.items() if name.startswith(kernels.__name__ + "."))]:
-        if getattr(module, "launch", None) is original:
-            module.launch = noted
+        for name in ("launch", "interpreting"):
+            if getattr(module, name, None) in replaced:
+                setattr(module, name, replaced[getattr(module, name)])
     triton_attention.TMA_LOADS = True  # the GPU's default: the interpreter's is off
+    # NOTE: FP8 attention's quantisers launch Triton themselves, not through ``launch``, so they would run here (under
+    # the interpreter, which has no bfloat16): their PyTorch twins make the same operands for the attention kernel
+    from gem_kernels.ops.triton import triton_fp8_attention
+
+    for name in ("fp8_attention_operands", "fp8_attention_dequantize", "sequence_aligned_layout"):
+        def reference(*args, _original=getattr(triton_fp8_attention, name), **kwargs):
+            return _original(*args, **{**kwargs, "kernel": "pytorch"})
+        setattr(triton_fp8_attention, name, reference)
     for family in families:
         _tuning._PLANS.clear()
         _tuning._TUNED.clear()
@@ -241,7 +254,8 @@ def main(argv=None) -> int:
             "sm90_per_sm": {"registers": REGISTERS, "shared_bytes": SHARED_BYTES, "warps": WARPS}}
     rows, built = [], {}
     print(f"{'family':12s} {'kernel':26s} {'tiles':30s} {'warps':>5s} {'regs':>5s} {'stack B':>7s} {'shared B':>8s} "
-          f"{'CTAs/SM':>7s} {'limit':26s} {'SASS':>6s} {'HGMMA':>5s} {'HMMA':>4s} {'STL':>4s} {'SEL':>4s}", flush=True)
+          f"{'CTAs/SM':>7s} {'limit':26s} {'SASS':>6s} {'HGMMA':>5s} {'QGMMA':>5s} {'HMMA':>4s} {'STL':>4s} "
+          f"{'SEL':>4s}", flush=True)
     for launch in record(families, a.device):
         key = json.dumps([launch["kernel"], launch["signature"], launch["constexprs"], launch["options"]],
                          sort_keys=True, default=str)
@@ -254,8 +268,8 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"{r['family']:12s} {r['kernel']:26s} {r['tiles']:30s} {r['num_warps']:5d} {r['regs']:5d} "
               f"{r['stack_bytes']:7d} {r['shared_bytes']:8d} {r['ctas_per_sm']:7d} {r['limited_by']:26s} "
-              f"{r['sass']['total']:6d} {r['sass']['HGMMA']:5d} {r['sass']['HMMA']:4d} {r['sass']['STL']:4d} "
-              f"{r['sass']['SEL']:4d}", flush=True)
+              f"{r['sass']['total']:6d} {r['sass']['HGMMA']:5d} {r['sass']['QGMMA']:5d} {r['sass']['HMMA']:4d} "
+              f"{r['sass']['STL']:4d} {r['sass']['SEL']:4d}", flush=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     return 0
 
