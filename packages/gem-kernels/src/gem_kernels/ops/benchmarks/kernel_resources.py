@@ -13,7 +13,8 @@ where the file has none) and the argument specialisation Triton would give the b
 - ``ctas_per_sm``: the programs an SM holds at once, the least of what its registers (65,536, allocated per warp in
   steps of 256), its shared memory (228 KiB, 1 KiB reserved per program) and its warps (64) allow, and which limits;
 - ``sass``: the instruction count of the binary and of its main kinds (Hopper's warpgroup MMAs, 16-bit and FP8, and
-  the warp-level ones a tile under 64 rows takes, TMA loads, stack stores and loads, selects).
+  the warp-level ones a tile under 64 rows takes, TMA loads and asynchronous pointer loads, stack stores and loads,
+  selects).
 
     PYTHONPATH=packages/gem-kernels/src python -m gem_kernels.ops.benchmarks.kernel_resources \\
         --device "NVIDIA H100 80GB HBM3" --out kernel-resources.json
@@ -43,7 +44,7 @@ SHARED_BYTES = 233472  # 228 KiB
 SHARED_RESERVED = 1024  # per program
 WARPS = 64
 PROGRAMS = 32
-SASS_KINDS = ("HGMMA", "QGMMA", "HMMA", "UTMALDG", "STL", "LDL", "SEL", "FSEL", "BAR")
+SASS_KINDS = ("HGMMA", "QGMMA", "HMMA", "UTMALDG", "LDGSTS", "STL", "LDL", "SEL", "FSEL", "BAR")
 FAMILIES = ("jfa_self", "jfa_causal", "jfa_long", "jfa_self_fp8", "cross_kv16", "cross_kv64", "cross_kv128",
             "cross_kv256", "pma_q32", "block_w512", "block_w64")
 H, D = 4, 128
