@@ -3,8 +3,9 @@
 A kernel's speed on the GPU starts with what ptxas made of it: registers per thread (255 at most; past that, values
 spill to local memory, which is slow), shared memory per program, and so how many programs an SM holds at once.
 None of this needs a GPU: Triton compiles for sm_90 anywhere and its bundled CUDA tools read the binary. This
-benchmark records the launches ``run_all``'s attention cases make (each case family called once, with a few rows but
-the case's sequence count and declared lengths, so that the ops plan the same kernels, grids and constexprs), builds
+benchmark records the launches ``run_all``'s attention cases and ``bench_fp8``'s FP8 JFA make (each case family called
+once, with a few rows but the case's sequence count and declared lengths, so that the ops plan the same kernels,
+grids and constexprs), builds
 each kernel with the tile config a device's shipped file gives its key (``tuned/<device>.json``; the first candidate
 where the file has none) and the argument specialisation Triton would give the benchmark's tensors, and reports:
 
@@ -20,8 +21,8 @@ where the file has none) and the argument specialisation Triton would give the b
         --device "NVIDIA H100 80GB HBM3" --out kernel-resources.json
 
 The launches are recorded in a process of their own under the Triton interpreter (the ops take their Triton path
-on CPU tensors there), none of them run; the builds happen in this one. A compile, not a measurement: the numbers
-are a property of the code and the config, the same on every machine with the same Triton.
+on CPU tensors there, planning as on a GPU), none of them run; the builds happen in this one. A compile, not a
+measurement: the numbers are a property of the code and the config, the same on every machine with the same Triton.
 """
 
 from __future__ import annotations
