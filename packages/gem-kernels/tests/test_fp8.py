@@ -217,6 +217,32 @@ def test_fp8_attention_kernel_alone_on_prepared_inputs_gives_the_calls_output(ma
 
 
 @triton_on_cpu
+@pytest.mark.parametrize("mask", [{}, {"causal": True}])
+def test_fp8_attention_descriptor_loads_equal_pointer_loads(mask, monkeypatch):
+    """K's and V^T's tiles through tensor descriptors give the pointer loads' output and log-sum-exp bit for bit,
+    tiles crossing a sequence's end (into the next sequence's keys and V^T columns) included: a NaN key there stays
+    out of the sequence before it."""
+    from gem_kernels.ops.benchmarks.bench_fp8 import fp8_kernel_alone
+    from gem_kernels.ops.triton import _tuning, triton_attention
+
+    q, k, v, offsets = _jagged_qkv([5, 40, 17, 64, 1, 33], dtype=torch.float16)
+    k[45] = float("nan")  # sequence 2's first key, read by sequence 1's last tile (rows 5..44, tiles of 32)
+    launched, real = [], _tuning._launch
+    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, args, consts, cfg, key: (
+        launched.append(consts.get("TMA")), real(kernel, grid, args, consts, cfg, key))[1])
+    results = {}
+    for tma in (True, False):
+        monkeypatch.setattr(triton_attention, "TMA_LOADS", tma)
+        monkeypatch.setattr(_tuning, "_TUNED", {})
+        launched.clear()
+        results[tma] = fp8_kernel_alone(q, k, v, offsets, 64, mask)()
+        assert launched[-1] is tma  # the attention kernel's launch, after the quantisers'
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(got.isnan(), want.isnan())
+    assert results[True][0][:45].isfinite().all() and results[True][0][45:].isnan().any()
+
+
+@triton_on_cpu
 @pytest.mark.parametrize("starts_given", [False, True])
 @pytest.mark.parametrize("lengths", [[5, 40, 0, 17, 64, 1], [16], [0, 0, 3], [1] * 70 + [1100]])
 def test_sequence_aligned_layout_kernel_gives_the_reference_layout(lengths, starts_given, monkeypatch):
