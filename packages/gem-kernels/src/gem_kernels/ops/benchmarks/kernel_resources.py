@@ -117,7 +117,8 @@ def record(families: list[str], device: str) -> list[dict]:
     """The launches of ``families``, each ``{"family", "module", "kernel", "signature", "constexprs", "attrs",
     "options", "config_from"}`` with the config ``device``'s shipped file gives (run in a process under the Triton
     interpreter: see ``record_here``)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # (no autotuning there: it would take the first candidates, not the device's configs)
+    env = {**{k: v for k, v in os.environ.items() if k != "GEM_KERNELS_AUTOTUNE"}, "TRITON_INTERPRET": "1"}
     script = "import json, sys; from gem_kernels.ops.benchmarks.kernel_resources import record_here; " \
              "print(json.dumps(record_here(sys.argv[1].split(','), sys.argv[2])))"
     done = subprocess.run([sys.executable, "-c", script, ",".join(families), device], env=env, capture_output=True,
@@ -133,18 +134,17 @@ def record_here(families: list[str], device: str) -> list[dict]:
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
-    from gem_kernels.ops.triton import _tuning, triton_attention
+    from gem_kernels.ops.triton import _tuning
 
     shipped_path = _tuning.device_file(device)
-    shipped = json.loads(shipped_path.read_text()) if shipped_path.is_file() else {}
+    if shipped_path.is_file():
+        _tuning.load_tuned(str(shipped_path))  # each key's config as ``_tuning._preset`` gives it on that device
     launches, family = [], None
 
     def noted(kernel, grid_fn, args, consts, key, cands):
         cands = cands() if callable(cands) else cands
-        cfg = shipped.get(repr(key))
-        config_from = shipped_path.name
-        if cfg is None or set(cfg) != set(cands[0]):
-            cfg, config_from = cands[0], "first candidate"
+        cfg = _tuning._preset(key, cands)
+        cfg, config_from = (cands[0], "first candidate") if cfg is None else (cfg, shipped_path.name)
         values = (args(cfg) if callable(args) else args)
         names = kernel.arg_names
         given = {**consts, **{k: v for k, v in cfg.items() if k in names}}
@@ -173,7 +173,6 @@ def record_here(families: list[str], device: str) -> list[dict]:
         for name in ("launch", "interpreting"):
             if getattr(module, name, None) in replaced:
                 setattr(module, name, replaced[getattr(module, name)])
-    triton_attention.TMA_LOADS = True  # the GPU's default: the interpreter's is off
     # NOTE: FP8 attention's quantisers launch Triton themselves, not through ``launch``, so they would run here (under
     # the interpreter, which has no bfloat16): their PyTorch twins make the same operands for the attention kernel
     from gem_kernels.ops.triton import triton_fp8_attention
