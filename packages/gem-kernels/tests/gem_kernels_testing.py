@@ -7,6 +7,17 @@ import torch
 from gem_kernels.ops.pytorch.pt_activations import pt_pointwise
 
 
+def record_launches(monkeypatch, what) -> list:
+    """``what(kernel, consts)`` of every kernel launched through ``_tuning`` from now on (the list fills as they
+    launch); the launches run as before."""
+    from gem_kernels.ops.triton import _tuning
+
+    seen, launch = [], _tuning._launch
+    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, args, consts, cfg, key: (
+        seen.append(what(kernel, consts)), launch(kernel, grid, args, consts, cfg, key))[1])
+    return seen
+
+
 def offsets_of(lengths: list[int]) -> torch.Tensor:
     off = [0]
     for n in lengths:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import triton_on_cpu
 from gem_kernels_testing import awkward_fp8_input as _awkward
+from gem_kernels_testing import record_launches
 from gem_kernels_testing import same_fp8 as _same
 
 from gem_kernels import Fp8Linear, Fp8Recipe, convert_to_low_precision, fp8_dequantize, fp8_linear, fp8_rowwise_quantize
@@ -227,9 +228,7 @@ def test_fp8_attention_descriptor_loads_equal_pointer_loads(mask, monkeypatch):
 
     q, k, v, offsets = _jagged_qkv([5, 40, 17, 64, 1, 33], dtype=torch.float16)
     k[45] = float("nan")  # sequence 2's first key, read by sequence 1's last tile (rows 5..44, tiles of 32)
-    launched, real = [], _tuning._launch
-    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, args, consts, cfg, key: (
-        launched.append(consts.get("TMA")), real(kernel, grid, args, consts, cfg, key))[1])
+    launched = record_launches(monkeypatch, lambda kernel, consts: consts.get("TMA"))
     results = {}
     for tma in (True, False):
         monkeypatch.setattr(triton_attention, "TMA_LOADS", tma)

@@ -7,7 +7,7 @@ sequences, lengths that are no multiple of the 16-wide interpreter tiles and dec
 import pytest
 import torch
 from conftest import triton_on_cpu
-from gem_kernels_testing import assert_close, grads, offsets_of, rand
+from gem_kernels_testing import assert_close, grads, offsets_of, rand, record_launches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -300,9 +300,7 @@ def test_descriptor_loads_equal_pointer_loads(act, monkeypatch):
              (AttnSpec(max_q=48, max_kv=48, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16,
                        block_size=16, window_blocks=2), qo, None)]
     monkeypatch.setattr(triton_attention, "TMA_LOADS", True)
-    launched, real = [], _tuning._launch
-    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, args, consts, cfg, key: (
-        launched.append(consts.get("TMA")), real(kernel, grid, args, consts, cfg, key))[1])
+    launched = record_launches(monkeypatch, lambda kernel, consts: consts.get("TMA"))
 
     def run(keys, kv_offsets, index, spec):
         monkeypatch.setattr(_tuning, "_TUNED", {})
@@ -341,9 +339,7 @@ def test_short_kv_forward_descriptor_loads_equal_pointer_loads(act, monkeypatch)
              (*(rand(108, 2, 16, dtype=dtype, scale=0.5) for _ in range(3)), off, off, None,
               AttnSpec(max_q=70, max_kv=70, nq=None, activations=(act, act), sm_scale=0.25, pw_scale=1 / 16,
                        block_size=16, window_blocks=1))]
-    launched, real = [], _tuning._launch
-    monkeypatch.setattr(_tuning, "_launch", lambda kernel, grid, args, consts, cfg, key: (
-        launched.append((kernel.fn.__name__, consts.get("TMA"))), real(kernel, grid, args, consts, cfg, key))[1])
+    launched = record_launches(monkeypatch, lambda kernel, consts: (kernel.fn.__name__, consts.get("TMA")))
     for q, k, v, q_offsets, kv_offsets, index, spec in cases:
         monkeypatch.setattr(_tuning, "_TUNED", {})
         monkeypatch.setattr(_tuning, "_PLANS", {})  # a plan holds the kernels picked before
